@@ -1,0 +1,23 @@
+"""Allocation of the paged KV pool: one (k, v) pair of tensors per layer, allocated once."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.config import ModelConfig
+
+
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed `[num_blocks, block_size, num_kv_heads, head_dim]` K and V tensors for each layer."""
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    element = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element

@@ -1,0 +1,127 @@
+"""Dequantization of GGML block formats to float32, in PyTorch.
+
+Each function takes raw blocks as a uint8 tensor `[num_blocks, type_size]` and returns
+`[num_blocks, block_elements]` float32, following the block layouts of ggml (ggml-common.h).
+The arithmetic is done in the same order as ggml's reference dequantizers, so results are
+bit-for-bit equal to the `gguf` package's numpy reference (tests/test_dequant.py checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvserve.errors import UnsupportedTensorTypeError
+
+QK_K = 256
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """[N, 2] uint8 little-endian halves -> [N, 1] float32."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[N, G, 32] packed bytes -> [N, G, 64]: 32 low nibbles, then 32 high nibbles."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks[:, :2])
+    q = blocks[:, 2:].contiguous().view(torch.int8).float()
+    return q * d
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks[:, :2])
+    q = _nibbles(blocks[:, None, 2:])[:, 0].to(torch.int8) - 8  # [N, 32]
+    return d * q.float()
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks[:, :2])
+    m = _f16(blocks[:, 2:4])
+    q = _nibbles(blocks[:, None, 4:])[:, 0].float()  # [N, 32]
+    return d * q + m
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack the 12-byte, 6-bit scales and mins of Q4_K / Q5_K into two [N, 8] tensors."""
+    s = scales.to(torch.int32)
+    lo_sc, lo_m, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat((lo_sc & 0x3F, (hi & 0x0F) | ((lo_sc >> 6) << 4)), dim=1)
+    mn = torch.cat((lo_m & 0x3F, (hi >> 4) | ((lo_m >> 6) << 4)), dim=1)
+    return sc, mn
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = _k_scales(blocks[:, 4:16])
+    scale = (d * sc.float()).view(n, 8, 1)
+    offset = (dmin * mn.float()).view(n, 8, 1)
+    q = _nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32).float()
+    return (scale * q - offset).reshape(n, QK_K)
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = _k_scales(blocks[:, 4:16])
+    scale = (d * sc.float()).view(n, 8, 1)
+    offset = (dmin * mn.float()).view(n, 8, 1)
+    low = _nibbles(blocks[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
+    shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).view(1, 8, 1)
+    high = (blocks[:, None, 16:48] >> shifts) & 1  # sub-block s takes bit s of qh
+    q = (low | (high << 4)).float()
+    return (scale * q - offset).reshape(n, QK_K)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    ql = blocks[:, 0:128].reshape(n, 2, 64)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [N, 16]
+    d = _f16(blocks[:, 208:210])
+    low = torch.cat((ql & 0x0F, ql >> 4), dim=-1)  # [N, 2, 128]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
+    high = ((qh >> shifts) & 3).reshape(n, 2, 128)
+    q = (low | (high << 4)).to(torch.int8) - 32
+    scale = (d * scales).view(n, 16, 1)
+    return (scale * q.view(n, 16, 16).float()).reshape(n, QK_K)
+
+
+BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    GGMLQuantizationType.Q8_0: _q8_0,
+    GGMLQuantizationType.Q4_0: _q4_0,
+    GGMLQuantizationType.Q4_1: _q4_1,
+    GGMLQuantizationType.Q4_K: _q4_k,
+    GGMLQuantizationType.Q5_K: _q5_k,
+    GGMLQuantizationType.Q6_K: _q6_k,
+}
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+SUPPORTED_TYPES = FLOAT_TYPES + tuple(BLOCK_DEQUANTIZERS)
+
+
+def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, num_elements_per_row: int) -> torch.Tensor:
+    """Raw bytes `[rows, row_bytes]` (uint8) of a tensor stored as `qtype` -> float32 `[rows, elements]`."""
+    rows = raw.shape[0]
+    raw = raw.reshape(rows, -1)
+    if qtype == GGMLQuantizationType.F32:
+        return raw.contiguous().view(torch.float32).clone()
+    if qtype == GGMLQuantizationType.F16:
+        return raw.contiguous().view(torch.float16).float()
+    if qtype == GGMLQuantizationType.BF16:
+        return raw.contiguous().view(torch.bfloat16).float()
+    fn = BLOCK_DEQUANTIZERS.get(qtype)
+    if fn is None:
+        name = getattr(qtype, "name", str(qtype))
+        raise UnsupportedTensorTypeError(
+            f"GGUF tensor type {name} is not supported; kvserve dequantizes "
+            f"{', '.join(t.name for t in SUPPORTED_TYPES)}. Re-quantize the model to one of those."
+        )
+    block_elements, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(-1, type_size)
+    return fn(blocks).reshape(rows, num_elements_per_row)

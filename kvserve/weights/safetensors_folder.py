@@ -1,0 +1,81 @@
+"""Reading a Hugging Face model folder: config.json plus one or more *.safetensors files."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvserve.config import ModelConfig
+from kvserve.errors import UnsupportedModelError
+from kvserve.weights.names import WeightTarget
+
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+class SafetensorsFolder:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise UnsupportedModelError(f"{self.path} has no config.json; it is not a Hugging Face model folder.")
+        self.hf_config = json.loads(config_path.read_text())
+        self.files = sorted(self.path.glob("*.safetensors"))
+        if not self.files:
+            raise UnsupportedModelError(
+                f"{self.path} has no *.safetensors files; save the model with safe_serialization=True."
+            )
+
+    @property
+    def num_tensors(self) -> int:
+        count = 0
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                count += len(list(f.keys()))
+        return count
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_hf_dict(self.hf_config)
+
+    def rope_freq_factors(self) -> torch.Tensor | None:
+        return None
+
+    def tensors(self, config: ModelConfig) -> Iterator[tuple[WeightTarget, torch.Tensor]]:
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    target = _target(name)
+                    if target is not None:
+                        yield target, f.get_tensor(name)
+
+
+def _target(hf_name: str) -> WeightTarget | None:
+    if hf_name == "model.embed_tokens.weight":
+        return WeightTarget("embed_tokens.weight")
+    if hf_name == "model.norm.weight":
+        return WeightTarget("norm.weight")
+    if hf_name == "lm_head.weight":
+        return WeightTarget("lm_head.weight")
+    match = _LAYER_RE.match(hf_name)
+    if match:
+        layer, module, kind = match.groups()
+        if module.endswith("rotary_emb"):
+            return None
+        if module in _FUSED:
+            fused, shard = _FUSED[module]
+            return WeightTarget(f"layers.{layer}.{fused}.{kind}", shard)
+        return WeightTarget(f"layers.{layer}.{module}.{kind}")
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    raise UnsupportedModelError(f"Checkpoint tensor {hf_name!r} has no place in the llama model code.")
