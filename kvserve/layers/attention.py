@@ -64,9 +64,7 @@ def build_batch(
     starts = torch.cumsum(new, 0) - new  # [B]
     query_pos_in_seq = torch.arange(int(new.sum())) - starts[query_seq_idx]  # [T]
     positions = computed[query_seq_idx] + query_pos_in_seq  # [T]
-    slot_mapping = (
-        tables[query_seq_idx, positions // block_size] * block_size + positions % block_size
-    )  # [T]
+    slot_mapping = tables[query_seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
 
     max_query_len = int(new.max())
     max_seq_len = int(seq_lens.max())

@@ -47,7 +47,11 @@ def load_model(
     tensors = checkpoint.tensors(config)
     if progress:
         tensors = tqdm(
-            tensors, total=checkpoint.num_tensors, desc=f"Loading {Path(path).name}", unit="tensor", leave=False
+            tensors,
+            total=checkpoint.num_tensors,
+            desc=f"Loading {Path(path).name}",
+            unit="tensor",
+            leave=False,
         )
     for target, tensor in tensors:
         if target.name == "lm_head.weight" and config.tie_word_embeddings:
@@ -74,7 +78,9 @@ def load_model(
     return model
 
 
-def _expected_shards(params: dict[str, torch.nn.Parameter], config: ModelConfig) -> set[tuple[str, int | None]]:
+def _expected_shards(
+    params: dict[str, torch.nn.Parameter], config: ModelConfig
+) -> set[tuple[str, int | None]]:
     expected: set[tuple[str, int | None]] = set()
     for name in params:
         if name == "lm_head.weight" and config.tie_word_embeddings:

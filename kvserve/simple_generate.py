@@ -1,0 +1,93 @@
+"""A minimal single-request generation path over the paged model interface.
+
+It exists so that the model, weights and tokenizer can be proved against references (and tried
+from the command line) before the engine exists; the engine replaces it for serving. One
+sequence, KV blocks 0..n-1 of a pool sized for exactly that sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.kv_cache import allocate_kv_cache
+from kvserve.layers.attention import build_batch
+from kvserve.model_files import resolve_model
+from kvserve.tokenizer import Tokenizer
+from kvserve.weights.loader import load_model
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+
+    @classmethod
+    def load(
+        cls,
+        model: str | Path | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        progress=True,
+    ) -> LoadedModel:
+        path = resolve_model(model)
+        return cls(path, load_model(path, dtype, device, progress), Tokenizer.from_model_path(path))
+
+
+@torch.inference_mode()
+def stream_token_ids(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> Iterator[int]:
+    """Yield up to `max_tokens` sampled ids (greedy when temperature == 0), stopping after a stop id."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty; a prompt needs at least one token.")
+    param = next(model.parameters())
+    total = len(prompt_ids) + max_tokens
+    num_blocks = -(-total // BLOCK_SIZE)
+    model.bind_kv_cache(allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, param.dtype, param.device))
+    block_table = list(range(num_blocks))
+    generator = torch.Generator(device=param.device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    num_computed, new_ids = 0, list(prompt_ids)
+    for _ in range(max_tokens):
+        positions, metadata = build_batch(
+            [block_table], [num_computed], [len(new_ids)], BLOCK_SIZE, param.device
+        )
+        hidden = model(torch.tensor(new_ids, device=param.device), positions, metadata)
+        logits = model.compute_logits(hidden[-1:])[0]
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        else:
+            token = int(logits.argmax())
+        yield token
+        if token in stop_token_ids:
+            return
+        num_computed += len(new_ids)
+        new_ids = [token]
+
+
+@torch.inference_mode()
+def prompt_logits(model: torch.nn.Module, prompt_ids: Sequence[int]) -> torch.Tensor:
+    """float32 logits of every prompt position, [len(prompt_ids), vocab_size]."""
+    param = next(model.parameters())
+    num_blocks = -(-len(prompt_ids) // BLOCK_SIZE)
+    model.bind_kv_cache(allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, param.dtype, param.device))
+    positions, metadata = build_batch(
+        [list(range(num_blocks))], [0], [len(prompt_ids)], BLOCK_SIZE, param.device
+    )
+    return model.compute_logits(
+        model(torch.tensor(list(prompt_ids), device=param.device), positions, metadata)
+    )
