@@ -26,9 +26,7 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"The model's chat template rejected the conversation: {message}")
 
 
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
-) -> str:
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -46,9 +44,7 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
 
-    def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         try:
             return self.template.render(
                 messages=messages,

@@ -62,9 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="fetch a registered model into $KVSERVE_HOME")
-    p.add_argument(
-        "name", nargs="?", default=DEFAULT_MODEL, choices=sorted(REGISTRY), help="registered model name"
-    )
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(REGISTRY), help="registered model name")
     p.add_argument("--force", action="store_true", help="fetch again even if the file is already there")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_cmd_pull)
@@ -98,9 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("DTYPE", "float32"),
         help="compute dtype (env KVSERVE_DTYPE; default %(default)s)",
     )
-    p.add_argument(
-        "--raw", action="store_true", help="send the prompt as plain text, without the chat template"
-    )
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     p.set_defaults(func=_cmd_generate)
     return parser
 

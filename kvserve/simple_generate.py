@@ -62,9 +62,7 @@ def stream_token_ids(
         generator.manual_seed(seed)
     num_computed, new_ids = 0, list(prompt_ids)
     for _ in range(max_tokens):
-        positions, metadata = build_batch(
-            [block_table], [num_computed], [len(new_ids)], BLOCK_SIZE, param.device
-        )
+        positions, metadata = build_batch([block_table], [num_computed], [len(new_ids)], BLOCK_SIZE, param.device)
         hidden = model(torch.tensor(new_ids, device=param.device), positions, metadata)
         logits = model.compute_logits(hidden[-1:])[0]
         if temperature > 0:
@@ -85,9 +83,5 @@ def prompt_logits(model: torch.nn.Module, prompt_ids: Sequence[int]) -> torch.Te
     param = next(model.parameters())
     num_blocks = -(-len(prompt_ids) // BLOCK_SIZE)
     model.bind_kv_cache(allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, param.dtype, param.device))
-    positions, metadata = build_batch(
-        [list(range(num_blocks))], [0], [len(prompt_ids)], BLOCK_SIZE, param.device
-    )
-    return model.compute_logits(
-        model(torch.tensor(list(prompt_ids), device=param.device), positions, metadata)
-    )
+    positions, metadata = build_batch([list(range(num_blocks))], [0], [len(prompt_ids)], BLOCK_SIZE, param.device)
+    return model.compute_logits(model(torch.tensor(list(prompt_ids), device=param.device), positions, metadata))

@@ -118,14 +118,14 @@ class Tokenizer:
         backend.add_special_tokens(
             [
                 AddedToken(tok, normalized=False, special=True)
-                for tok, kind in zip(tokens, token_types)
+                for tok, kind in zip(tokens, token_types, strict=True)
                 if kind == _TOKEN_TYPE_CONTROL and set(tok) <= spelled
             ]
         )
         backend.add_tokens(
             [
                 AddedToken(tok, normalized=False, special=False)
-                for tok, kind in zip(tokens, token_types)
+                for tok, kind in zip(tokens, token_types, strict=True)
                 if kind == _TOKEN_TYPE_USER_DEFINED and tok in vocab
             ]
         )
@@ -159,15 +159,10 @@ class Tokenizer:
         path = Path(path)
         tokenizer_json = path / "tokenizer.json"
         if not tokenizer_json.is_file():
-            raise UnsupportedModelError(
-                f"{path} has no tokenizer.json; kvserve needs the fast-tokenizer file."
-            )
+            raise UnsupportedModelError(f"{path} has no tokenizer.json; kvserve needs the fast-tokenizer file.")
         backend = Backend.from_file(str(tokenizer_json))
         config = _read_json(path / "tokenizer_config.json")
-        special = {
-            name: _token_text(config.get(name))
-            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
-        }
+        special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         if "add_bos_token" in config or "add_eos_token" in config:
             _set_post_processor(
                 backend,
@@ -214,9 +209,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes BOS itself where the model wants one; encoding adds no second one.
-        return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
-        )
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     @property
     def vocab_size(self) -> int:
@@ -234,9 +227,7 @@ class Tokenizer:
         return self.token_to_id(self.special_tokens.get("bos_token"))
 
 
-def _set_post_processor(
-    backend: Backend, special: dict[str, str | None], add_bos: bool, add_eos: bool
-) -> None:
+def _set_post_processor(backend: Backend, special: dict[str, str | None], add_bos: bool, add_eos: bool) -> None:
     bos, eos = special.get("bos_token"), special.get("eos_token")
     add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
     single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])

@@ -53,7 +53,7 @@ def build_batch(
     computed = torch.tensor(num_computed_tokens, dtype=torch.int64)
     new = torch.tensor(num_new_tokens, dtype=torch.int64)
     seq_lens = computed + new
-    for table, seq_len in zip(block_tables, seq_lens.tolist()):
+    for table, seq_len in zip(block_tables, seq_lens.tolist(), strict=True):
         assert len(table) * block_size >= seq_len, "block table too short for the sequence"
     max_blocks = max(len(t) for t in block_tables)
     tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)

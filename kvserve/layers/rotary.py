@@ -55,9 +55,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos_sin = torch.stack((emb.cos(), emb.sin()))  # [2, P, D]
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
         cos, sin = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)  # each [T, 1, D]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

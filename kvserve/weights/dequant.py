@@ -122,6 +122,6 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, num_elements_per_
             f"GGUF tensor type {name} is not supported; kvserve dequantizes "
             f"{', '.join(t.name for t in SUPPORTED_TYPES)}. Re-quantize the model to one of those."
         )
-    block_elements, type_size = GGML_QUANT_SIZES[qtype]
+    type_size = GGML_QUANT_SIZES[qtype][1]
     blocks = raw.reshape(-1, type_size)
     return fn(blocks).reshape(rows, num_elements_per_row)

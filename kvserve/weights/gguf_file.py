@@ -97,9 +97,7 @@ class GGUFFile:
         if scaling_type == "linear":
             rope_scaling = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
         elif scaling_type not in (None, "none"):
-            raise UnsupportedModelError(
-                f"RoPE scaling {scaling_type!r} in {self.path.name} is not supported."
-            )
+            raise UnsupportedModelError(f"RoPE scaling {scaling_type!r} in {self.path.name} is not supported.")
         num_kv_heads = key("attention.head_count_kv", num_heads)
         return ModelConfig(
             architecture=arch,
@@ -160,8 +158,4 @@ def _target(gguf_name: str) -> WeightTarget:
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Invert llama.cpp's convert-time permutation of Q/K rows (interleaved -> rotate-half)."""
     rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .transpose(1, 2)
-        .reshape(weight.shape)
-    )
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)

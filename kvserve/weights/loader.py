@@ -78,9 +78,7 @@ def load_model(
     return model
 
 
-def _expected_shards(
-    params: dict[str, torch.nn.Parameter], config: ModelConfig
-) -> set[tuple[str, int | None]]:
+def _expected_shards(params: dict[str, torch.nn.Parameter], config: ModelConfig) -> set[tuple[str, int | None]]:
     expected: set[tuple[str, int | None]] = set()
     for name in params:
         if name == "lm_head.weight" and config.tie_word_embeddings:

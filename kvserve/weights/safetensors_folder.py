@@ -29,9 +29,7 @@ class SafetensorsFolder:
         self.path = Path(path)
         config_path = self.path / "config.json"
         if not config_path.is_file():
-            raise UnsupportedModelError(
-                f"{self.path} has no config.json; it is not a Hugging Face model folder."
-            )
+            raise UnsupportedModelError(f"{self.path} has no config.json; it is not a Hugging Face model folder.")
         self.hf_config = json.loads(config_path.read_text())
         self.files = sorted(self.path.glob("*.safetensors"))
         if not self.files:
