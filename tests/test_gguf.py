@@ -1,0 +1,182 @@
+"""GGUF weights: dequantization bit-for-bit against the gguf package, and whole-model loading."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+
+from kvserve.errors import UnsupportedModelError, UnsupportedTensorTypeError
+from kvserve.kv_cache import allocate_kv_cache
+from kvserve.layers.attention import build_batch
+from kvserve.weights.dequant import SUPPORTED_TYPES, dequantize
+from kvserve.weights.loader import load_model
+from tests.conftest import make_tiny_llama
+
+T = GGMLQuantizationType
+# Byte offsets of the float16 scale fields in each block layout (ggml-common.h).
+HALF_OFFSETS = {
+    T.Q8_0: [0],
+    T.Q4_0: [0],
+    T.Q4_1: [0, 2],
+    T.Q4_K: [0, 2],
+    T.Q5_K: [0, 2],
+    T.Q6_K: [208],
+}
+
+
+def random_blocks(qtype: GGMLQuantizationType, num_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes in `qtype`'s block layout, with finite float16 scales (random bits elsewhere)."""
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, size=(num_blocks, type_size), dtype=np.uint8)
+    for offset in HALF_OFFSETS[qtype]:
+        halves = (rng.standard_normal(num_blocks) * rng.choice([1e-3, 1e-1, 10.0], num_blocks)).astype(np.float16)
+        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(num_blocks, 2)
+    return blocks
+
+
+@pytest.mark.parametrize("qtype", list(HALF_OFFSETS), ids=lambda t: t.name)
+def test_block_types_dequantize_bit_for_bit(qtype):
+    rng = np.random.default_rng(int(qtype))
+    block_elements = GGML_QUANT_SIZES[qtype][0]
+    rows, blocks_per_row = 24, 3
+    raw = random_blocks(qtype, rows * blocks_per_row, rng).reshape(rows, -1)
+    expected = quants.dequantize(raw, qtype)
+    got = dequantize(torch.from_numpy(raw.copy()), qtype, block_elements * blocks_per_row).numpy()
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    assert np.isfinite(expected).all()
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
+def test_float_types_dequantize_bit_for_bit(qtype):
+    values = np.random.default_rng(7).standard_normal((16, 48)).astype(np.float32)
+    if qtype == T.F32:
+        raw, expected = values, values
+    elif qtype == T.F16:
+        raw = values.astype(np.float16)
+        expected = raw.astype(np.float32)
+    else:
+        raw = quants.quantize(values, T.BF16)
+        expected = quants.dequantize(raw, T.BF16)
+    got = dequantize(torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).copy()), qtype, 48).numpy()
+    assert np.array_equal(got.view(np.uint32), np.asarray(expected, dtype=np.float32).view(np.uint32))
+
+
+def test_every_supported_type_is_tested():
+    tested = set(HALF_OFFSETS) | {T.F32, T.F16, T.BF16}
+    assert set(SUPPORTED_TYPES) == tested
+
+
+def test_unsupported_tensor_type_is_named():
+    raw = torch.zeros(1, GGML_QUANT_SIZES[T.IQ2_XXS][1], dtype=torch.uint8)
+    with pytest.raises(UnsupportedTensorTypeError, match="IQ2_XXS"):
+        dequantize(raw, T.IQ2_XXS, 256)
+
+
+def _llamacpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert-time reordering of Q/K rows (rotate-half -> interleaved pairs)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_llama_gguf(path, hf_model, arch: str = "llama", qtype: GGMLQuantizationType = T.F32) -> None:
+    """Write a transformers Llama as llama.cpp's converter would (names, metadata, permuted Q/K)."""
+    cfg = hf_model.config
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer_names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for name, tensor in hf_model.state_dict().items():
+        data = tensor.float().numpy()
+        if name in names:
+            gguf_name = names[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module = rest.rsplit(".", 1)[0]
+            gguf_name = f"blk.{layer}.{layer_names[module]}.weight"
+            if module == "self_attn.q_proj":
+                data = _llamacpp_permute(data, cfg.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                data = _llamacpp_permute(data, cfg.num_key_value_heads)
+        if data.ndim == 2 and qtype != T.F32 and data.shape[1] % GGML_QUANT_SIZES[qtype][0] == 0:
+            writer.add_tensor(gguf_name, quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _logits(model, tokens: list[int]) -> torch.Tensor:
+    model.bind_kv_cache(allocate_kv_cache(model.config, 8, 16, torch.float32, "cpu"))
+    positions, metadata = build_batch([list(range(8))], [0], [len(tokens)], 16)
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(tokens), positions, metadata))
+
+
+def test_gguf_written_like_llamacpp_matches_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=11)
+    write_llama_gguf(tmp_path / "tiny.gguf", hf_model)
+    model = load_model(tmp_path / "tiny.gguf", progress=False)
+    assert not model.config.tie_word_embeddings
+    tokens = list(range(3, 60, 2))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([tokens])).logits[0]
+    assert (_logits(model, tokens) - expected).abs().max().item() <= 1e-4
+
+
+def test_gguf_q8_0_weights_load_dequantized(tmp_path):
+    pytest.importorskip("transformers")
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=12, intermediate_size=128)
+    write_llama_gguf(tmp_path / "tiny-q8.gguf", hf_model, qtype=T.Q8_0)
+    model = load_model(tmp_path / "tiny-q8.gguf", progress=False)
+    embed = hf_model.model.embed_tokens.weight.detach().numpy()
+    expected = quants.dequantize(quants.quantize(embed, T.Q8_0), T.Q8_0)
+    assert np.array_equal(model.embed_tokens.weight.numpy(), expected)
+    down = hf_model.model.layers[1].mlp.down_proj.weight.detach().numpy()
+    expected = quants.dequantize(quants.quantize(down, T.Q8_0), T.Q8_0)
+    assert np.array_equal(model.layers[1].mlp.down_proj.weight.numpy(), expected)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    pytest.importorskip("transformers")
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=13)
+    write_llama_gguf(tmp_path / "other.gguf", hf_model, arch="mamba")
+    with pytest.raises(UnsupportedModelError, match="'mamba'"):
+        load_model(tmp_path / "other.gguf", progress=False)
+
+
+def test_not_a_gguf_file_gives_a_typed_error(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"this is not gguf")
+    with pytest.raises(UnsupportedModelError, match="not a readable GGUF"):
+        load_model(bad, progress=False)
