@@ -1,0 +1,78 @@
+"""The bundled SmolLM2 GGUF loaded by kvserve and by transformers: greedy tokens agree.
+
+First-divergence rule (DESIGN.md): up to the first differing token both runs agree; at that
+position each run's token must be in the other's top-5 (the logits there are conditioned on the
+same prefix, so this is a near-tie, not a bug). After a divergence the runs are not compared.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.simple_generate import prompt_logits, stream_token_ids
+from kvserve.tokenizer import Tokenizer
+from kvserve.weights.loader import load_model
+
+pytestmark = pytest.mark.bundled
+transformers = pytest.importorskip("transformers")
+
+NUM_TOKENS = 48
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Describe the sea."}],
+    [{"role": "user", "content": "Translate to French: The cat sleeps on the warm windowsill."}],
+    [{"role": "user", "content": "List three uses of a KV cache in LLM inference, briefly."}],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help you today?"},
+        {"role": "user", "content": "Tell me a fun fact about octopuses."},
+    ],
+    "Once upon a time, in a village at the edge of the forest,",  # plain completion, no template
+    "def fibonacci(n):\n    ",
+]
+
+
+@pytest.fixture(scope="module")
+def models(bundled_gguf):
+    ours = load_model(bundled_gguf, torch.float32, progress=False)
+    tokenizer = Tokenizer.from_gguf(bundled_gguf)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        bundled_gguf.parent, gguf_file=bundled_gguf.name, dtype=torch.float32
+    ).eval()
+    return ours, tokenizer, reference
+
+
+def _reference_greedy(reference, prompt_ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = reference.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=NUM_TOKENS,
+            min_new_tokens=NUM_TOKENS,  # compare all 48 positions even past an end-of-turn token
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_greedy_tokens_agree_with_transformers(models, index):
+    ours, tokenizer, reference = models
+    prompt = PROMPTS[index]
+    prompt_ids = tokenizer.encode_chat(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
+    expected = _reference_greedy(reference, prompt_ids)
+    got = list(stream_token_ids(ours, prompt_ids, NUM_TOKENS))
+    assert len(got) == len(expected) == NUM_TOKENS
+    divergence = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
+    if divergence is None:
+        return
+    context = prompt_ids + got[:divergence]
+    our_top5 = prompt_logits(ours, context)[-1].topk(5).indices.tolist()
+    with torch.no_grad():
+        ref_top5 = reference(torch.tensor([context])).logits[0, -1].topk(5).indices.tolist()
+    assert expected[divergence] in our_top5 and got[divergence] in ref_top5, (
+        f"diverged at token {divergence}: ours {got[divergence]} (top5 {our_top5}), "
+        f"transformers {expected[divergence]} (top5 {ref_top5})"
+    )

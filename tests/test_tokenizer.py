@@ -1,0 +1,131 @@
+"""kvserve's tokenizer, chat template and incremental detokenizer vs transformers, on the bundled GGUF."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.chat_template import ChatTemplateError
+from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.errors import UnsupportedModelError
+from kvserve.tokenizer import Tokenizer
+from tests.tokenizer_corpus import corpus
+
+pytestmark = pytest.mark.bundled
+
+CORPUS = corpus()
+CONVERSATIONS = {
+    "single-user": [{"role": "user", "content": "What is the capital of France?"}],
+    "system-and-turns": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Tell me a joke about KV caches 🙂"},
+    ],
+    "no-system-multi-turn": [
+        {"role": "user", "content": "Write code."},
+        {"role": "assistant", "content": "def f():\n    return 1\n"},
+        {"role": "user", "content": "Now in 日本語?"},
+        {"role": "assistant", "content": "はい。"},
+        {"role": "user", "content": "Thanks <|im_end|> bye"},
+    ],
+    "ends-with-assistant": [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "  spaced  \n\n"},
+        {"role": "assistant", "content": "ok"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bundled_gguf):
+    return Tokenizer.from_gguf(bundled_gguf)
+
+
+def test_corpus_is_large_enough():
+    assert len(CORPUS) >= 200
+
+
+def test_token_ids_identical_to_transformers(tokenizer, hf_gguf_tokenizer):
+    mismatches = [
+        (text, tokenizer.encode(text), hf_gguf_tokenizer.encode(text))
+        for text in CORPUS
+        if tokenizer.encode(text) != hf_gguf_tokenizer.encode(text)
+    ]
+    assert not mismatches, f"{len(mismatches)} strings differ, first: {mismatches[0]!r}"
+
+
+def test_decode_identical_to_transformers(tokenizer, hf_gguf_tokenizer):
+    for text in CORPUS:
+        ids = hf_gguf_tokenizer.encode(text)
+        assert tokenizer.decode(ids) == hf_gguf_tokenizer.decode(ids), text
+        assert tokenizer.decode(ids, skip_special_tokens=True) == hf_gguf_tokenizer.decode(
+            ids, skip_special_tokens=True
+        ), text
+
+
+def test_special_tokens_and_stop_ids(tokenizer, hf_gguf_tokenizer):
+    assert tokenizer.eos_token_id == hf_gguf_tokenizer.eos_token_id == 2
+    assert tokenizer.bos_token_id == hf_gguf_tokenizer.bos_token_id
+    assert 2 in tokenizer.stop_token_ids
+    assert tokenizer.encode("<|im_end|>") == [2]  # spelled special tokens parse as one token
+    assert tokenizer.vocab_size == len(hf_gguf_tokenizer)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [False, True])
+def test_incremental_detokenizer_reproduces_decode(tokenizer, skip_special_tokens):
+    for text in CORPUS:
+        ids = tokenizer.encode(text)
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        pieces = [detok.add([token]) for token in ids]
+        pieces.append(detok.flush())
+        full = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert "".join(pieces) == full, text
+        if "\ufffd" not in full:
+            assert not any("\ufffd" in p for p in pieces), f"a piece split a character in {text!r}"
+
+
+def test_detokenizer_holds_back_partial_characters(tokenizer):
+    ids = tokenizer.encode("👩‍👩‍👧‍👦")
+    assert len(ids) > 1  # byte-level pieces of one grapheme
+    detok = IncrementalDetokenizer(tokenizer)
+    emitted = [detok.add([t]) for t in ids]
+    assert all(piece == "" or "\ufffd" not in piece for piece in emitted)
+    assert "".join(emitted) + detok.flush() == "👩‍👩‍👧‍👦"
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_identical_to_transformers(tokenizer, hf_gguf_tokenizer, name, add_generation_prompt):
+    messages = CONVERSATIONS[name]
+    expected = hf_gguf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    expected_ids = hf_gguf_tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+    )["input_ids"]
+    assert tokenizer.encode_chat(messages, add_generation_prompt) == list(expected_ids)
+
+
+def test_folder_tokenizer_matches_gguf_tokenizer(tokenizer, hf_gguf_tokenizer, tmp_path):
+    hf_gguf_tokenizer.save_pretrained(tmp_path)
+    from_folder = Tokenizer.from_folder(tmp_path)
+    for text in CORPUS:
+        assert from_folder.encode(text) == tokenizer.encode(text), text
+    messages = CONVERSATIONS["system-and-turns"]
+    assert from_folder.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
+    assert from_folder.eos_token_id == tokenizer.eos_token_id
+
+
+def test_template_errors_are_typed(tokenizer):
+    template = tokenizer.chat_template
+    broken = type(template)("{{ raise_exception('roles must alternate') }}", {})
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        broken.render([{"role": "user", "content": "x"}])
+
+
+def test_model_without_template_says_so(bundled_gguf):
+    plain = Tokenizer.from_gguf(bundled_gguf)
+    plain.chat_template = None
+    with pytest.raises(UnsupportedModelError, match="no chat template"):
+        plain.apply_chat_template([{"role": "user", "content": "x"}])
