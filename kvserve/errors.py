@@ -19,3 +19,19 @@ class UnsupportedModelError(KVServeError):
 
 class UnsupportedTensorTypeError(UnsupportedModelError):
     """A tensor is stored in a quantization type kvserve cannot dequantize."""
+
+
+class InvalidRequestError(KVServeError, ValueError):
+    """A request or one of its parameters is invalid. `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineError(KVServeError):
+    """The engine failed while running a request (the request is lost; the engine keeps serving)."""
+
+
+class EngineClosedError(KVServeError):
+    """The engine was closed; create a new LLM to submit more requests."""

@@ -1,0 +1,222 @@
+"""EngineCore: the single thread that owns the scheduler, the block pool and the model runner.
+
+Nobody else touches KV state. Callers send messages into the inbox (add, abort, call, shutdown)
+and read their own request's sink. The loop: apply every message that arrived, run one step
+(schedule -> execute -> update), deliver outputs; sleep on the inbox when there is no work.
+Aborts therefore take effect at the next step boundary, at most one step after they are sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvserve.block_pool import BlockPool
+from kvserve.errors import EngineClosedError, EngineError
+from kvserve.model_runner import ModelRunner
+from kvserve.output_processor import RequestTextState
+from kvserve.request import Request, RequestStatus
+from kvserve.scheduler import Scheduler
+from kvserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvserve.engine")
+
+
+class Sink(Protocol):
+    """Where a request's chunks go: a thread queue or an asyncio queue. Must not block."""
+
+    def put(self, item: Any) -> None: ...
+
+
+@dataclass
+class _Add:
+    request: Request
+    sink: Sink
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: Future
+
+
+class _Shutdown:
+    pass
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer) -> None:
+        self.scheduler = scheduler
+        self.pool: BlockPool = scheduler.pool
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.states: dict[str, tuple[RequestTextState, Sink]] = {}
+        self.num_aborted_total = 0
+        self.num_failed_total = 0
+        self.steps_total = 0
+        self.is_closed = False
+        self._stats: dict[str, Any] = {}
+        self._publish_stats()
+        self.thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self.thread.start()
+
+    # ----- called from any thread ---------------------------------------------------------
+    def add(self, request: Request, sink: Sink) -> None:
+        if self.is_closed:
+            raise EngineClosedError("The engine is closed; create a new LLM to submit requests.")
+        self.inbox.put(_Add(request, sink))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if not self.is_closed:
+            self.inbox.put(_Abort(list(request_ids)))
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run `fn` on the engine thread at the next step boundary and return its result."""
+        if self.is_closed:
+            raise EngineClosedError("The engine is closed.")
+        future: Future = Future()
+        self.inbox.put(_Call(fn, future))
+        return future.result(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)  # a snapshot the engine thread replaces after every step
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        if self.thread.is_alive():
+            self.inbox.put(_Shutdown())
+            self.thread.join(timeout)
+        self.is_closed = True
+
+    # ----- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.scheduler.has_work
+                try:
+                    message = self.inbox.get(block=block)
+                except queue.Empty:
+                    message = None
+                while message is not None:
+                    if isinstance(message, _Shutdown):
+                        self._abort(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+                        return
+                    self._apply(message)
+                    try:
+                        message = self.inbox.get_nowait()
+                    except queue.Empty:
+                        message = None
+                if self.scheduler.has_work:
+                    self._step()
+                self._publish_stats()
+        except BaseException:  # a bug in the engine itself: fail everyone loudly, never hang them
+            logger.exception("engine thread died")
+            self._fail(list(self.states), EngineError("The engine thread died:\n" + traceback.format_exc()))
+            raise
+        finally:
+            self.is_closed = True
+            self._publish_stats()
+            self._drain_inbox_after_close()
+
+    def _apply(self, message: Any) -> None:
+        if isinstance(message, _Add):
+            request = message.request
+            self.states[request.request_id] = (RequestTextState(request, self.tokenizer), message.sink)
+            self.scheduler.add_request(request)
+        elif isinstance(message, _Abort):
+            self._abort(message.request_ids, RequestStatus.FINISHED_ABORTED)
+        elif isinstance(message, _Call):
+            try:
+                message.future.set_result(message.fn())
+            except BaseException as exc:
+                message.future.set_exception(exc)
+
+    def _step(self) -> None:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return
+        try:
+            result = self.runner.execute(out)
+        except Exception as exc:  # fail only this step's requests; the engine keeps serving
+            logger.exception("step failed")
+            ids = [s.request_id for s in out.scheduled]
+            self._fail(ids, EngineError(f"The model failed on this request's step: {exc!r}"))
+            return
+        finally:
+            self.steps_total += 1
+        updated = self.scheduler.update_from_output(out, result.sampled)
+        finished = []
+        for request in updated:
+            state, sink = self.states[request.request_id]
+            state.add_token(request.output_token_ids[-1], is_last=request.is_finished)
+            if state.stopped_by_string is not None and not request.is_finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            logprobs = result.logprobs.get(request.request_id)
+            sink.put(state.chunk([logprobs] if logprobs is not None else None))
+            if request.is_finished:
+                finished.append(request.request_id)
+        self._forget(finished)
+
+    def _abort(self, request_ids: list[str], status: RequestStatus) -> None:
+        finished = self.scheduler.finish_requests(request_ids, status)
+        for request in finished:
+            state, sink = self.states[request.request_id]
+            sink.put(state.chunk())
+        self.num_aborted_total += len(finished)
+        self._forget([r.request_id for r in finished])
+
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        for request_id in request_ids:
+            entry = self.states.get(request_id)
+            if entry is not None:
+                entry[1].put(error)
+        self.num_failed_total += len(request_ids)
+        self._forget(request_ids)
+
+    def _forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.states.pop(request_id, None)
+        self.runner.release(request_ids)
+
+    def _drain_inbox_after_close(self) -> None:
+        """Requests that raced with shutdown are told so instead of waiting forever."""
+        while True:
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, _Add):
+                message.sink.put(EngineClosedError("The engine closed before this request started."))
+            elif isinstance(message, _Call):
+                message.future.set_exception(EngineClosedError("The engine is closed."))
+
+    def _publish_stats(self) -> None:
+        s, pool = self.scheduler, self.pool
+        self._stats = {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used_blocks,
+            "kv_blocks_cached": pool.num_cached_blocks,
+            "kv_block_size": pool.block_size,
+            "num_preemptions_total": s.stats.num_preemptions_total,
+            "num_aborted_total": self.num_aborted_total,
+            "num_failed_total": self.num_failed_total,
+            "prompt_tokens_total": s.stats.prompt_tokens_total,
+            "prefix_cache_hit_tokens_total": s.stats.prefix_cache_hit_tokens_total,
+            "generation_tokens_total": s.stats.generation_tokens_total,
+            "steps_total": self.steps_total,
+            "is_closed": self.is_closed,
+        }

@@ -1,0 +1,282 @@
+"""LLM: the Python API over EngineCore. Every method may be called from any number of threads.
+
+Each call builds a Request, hands it to the engine thread through its inbox, and reads the
+request's own sink. Leaving a stream early (break, exception, garbage collection, task
+cancellation) aborts its request through the engine's one abort path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import queue
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.block_pool import BlockPool
+from kvserve.config import EngineConfig
+from kvserve.engine_core import EngineCore
+from kvserve.errors import InvalidRequestError
+from kvserve.kv_cache import kv_cache_bytes_per_token
+from kvserve.model_files import resolve_model
+from kvserve.model_runner import ModelRunner
+from kvserve.outputs import RequestOutput, StreamChunk
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler import Scheduler
+from kvserve.tokenizer import Tokenizer
+from kvserve.weights.loader import load_model
+
+Prompt = str | Sequence[int]
+Messages = list[dict[str, Any]]
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": None}
+
+
+class _AsyncSink:
+    """Delivers engine-thread items into an asyncio queue on its own loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class _ThreadSink(queue.SimpleQueue):
+    pass
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # float32 is the measured default on CPU (see bench/); bfloat16 on CUDA.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        progress: bool = True,
+    ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.", "dtype")
+            dtype = DTYPES[dtype]
+        self.dtype = dtype or default_dtype(self.device)
+        self.model_path: Path = resolve_model(model)
+        self.model = load_model(self.model_path, self.dtype, self.device, progress=progress)
+        self.tokenizer = Tokenizer.from_model_path(self.model_path)
+        model_config = self.model.config
+        if kv_cache_tokens is None:
+            kv_cache_tokens = DEFAULT_KV_CACHE_BYTES // kv_cache_bytes_per_token(model_config, self.dtype)
+        num_blocks = max(1, kv_cache_tokens // block_size)
+        if max_model_len is None:
+            max_model_len = min(model_config.max_position_embeddings, num_blocks * block_size)
+        self.config = EngineConfig(
+            num_kv_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
+            max_model_len=min(max_model_len, model_config.max_position_embeddings),
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        scheduler = Scheduler(
+            pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
+        )
+        runner = ModelRunner(self.model, num_blocks, block_size, self.tokenizer.stop_token_ids)
+        self.engine = EngineCore(scheduler, runner, self.tokenizer)
+        self._ids = itertools.count()
+        self._id_prefix = uuid.uuid4().hex[:8]
+
+    # ----- requests -------------------------------------------------------------------------
+    def _make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Request:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            vocab = self.model.config.vocab_size
+            bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"Token id {bad} is outside the vocabulary (0..{vocab - 1}).", "prompt")
+        if not prompt_ids:
+            raise InvalidRequestError("The prompt is empty; send at least one token of text.", "prompt")
+        limit = self.config.max_model_len
+        if len(prompt_ids) >= limit:
+            raise InvalidRequestError(
+                f"The prompt has {len(prompt_ids)} tokens; this model's context is {limit}. Shorten the prompt.",
+                "prompt",
+            )
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                f"{limit} tokens; lower max_tokens to at most {limit - len(prompt_ids)}.",
+                "max_tokens",
+            )
+        return Request(
+            request_id=request_id or f"req-{self._id_prefix}-{next(self._ids)}",
+            prompt_token_ids=prompt_ids,
+            params=params,
+            eos_token_ids=self.tokenizer.stop_token_ids,
+        )
+
+    def _chat_ids(self, messages: Messages) -> list[int]:
+        return self.tokenizer.encode_chat(messages)
+
+    def generate(
+        self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None
+    ) -> RequestOutput | list[RequestOutput]:
+        """Run to completion. A list of prompts (strings or token-id lists) gives a list of results."""
+        is_batch = isinstance(prompts, list) and (not prompts or not isinstance(prompts[0], int))
+        batch = prompts if is_batch else [prompts]
+        requests = [self._make_request(p, params, None) for p in batch]
+        sinks = []
+        try:
+            for request in requests:
+                sink = _ThreadSink()
+                self.engine.add(request, sink)
+                sinks.append(sink)
+            results = [_collect(r, _iter_sink(s)) for r, s in zip(requests, sinks, strict=False)]
+        except BaseException:
+            self.engine.abort([r.request_id for r in requests])
+            raise
+        return results if is_batch else results[0]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """Yield chunks as tokens are generated. Leaving the loop early aborts the request."""
+        request = self._make_request(prompt, params, None)
+        return self._stream(request)
+
+    def _stream(self, request: Request) -> Iterator[StreamChunk]:
+        sink = _ThreadSink()
+        self.engine.add(request, sink)
+        finished = False
+        try:
+            for chunk in _iter_sink(sink):
+                finished = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            if not finished:
+                self.engine.abort([request.request_id])
+
+    def chat(self, messages: Messages, params: SamplingParams | None = None) -> RequestOutput:
+        return self.generate(self._chat_ids(messages), params)
+
+    def stream_chat(self, messages: Messages, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        return self.stream(self._chat_ids(messages), params)
+
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[StreamChunk]:
+        """asyncio stream; cancelling the task or leaving the loop aborts the request."""
+        request = self._make_request(prompt, params, None)
+        sink = _AsyncSink(asyncio.get_running_loop())
+        self.engine.add(request, sink)
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.engine.abort([request.request_id])
+
+    async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
+        request_id, chunks = None, []
+        async for chunk in self.astream(prompt, params):
+            request_id = chunk.request_id
+            chunks.append(chunk)
+        return _merge(request_id, chunks)
+
+    def astream_chat(self, messages: Messages, params: SamplingParams | None = None) -> AsyncIterator[StreamChunk]:
+        return self.astream(self._chat_ids(messages), params)
+
+    async def achat(self, messages: Messages, params: SamplingParams | None = None) -> RequestOutput:
+        return await self.agenerate(self._chat_ids(messages), params)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests by id (idempotent; unknown or finished ids are ignored)."""
+        self.engine.abort([request_id] if isinstance(request_id, str) else list(request_id))
+
+    # ----- introspection --------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def check_integrity(self) -> dict[str, Any]:
+        """On the engine thread: assert the block pool's invariants; return the pool's counts."""
+
+        def check() -> dict[str, Any]:
+            pool = self.engine.pool
+            pool.check_integrity()
+            return {"used": pool.num_used_blocks, "cached": pool.num_cached_blocks, "free": pool.num_free_blocks}
+
+        return self.engine.call(check, timeout=60)
+
+    def runner_timings(self) -> dict[str, float]:
+        return self.engine.call(lambda: self.engine.runner.timings.as_dict(), timeout=60)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None and not engine.is_closed:
+            engine.shutdown(timeout=5)
+
+
+def _iter_sink(sink: _ThreadSink) -> Iterator[StreamChunk]:
+    while True:
+        item = sink.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finish_reason is not None:
+            return
+
+
+def _collect(request: Request, chunks: Iterator[StreamChunk]) -> RequestOutput:
+    return _merge(request.request_id, list(chunks), request.prompt_token_ids)
+
+
+def _merge(request_id: str | None, chunks: list[StreamChunk], prompt_ids: list[int] | None = None) -> RequestOutput:
+    last = chunks[-1]
+    logprobs = [lp for c in chunks for lp in (c.logprobs or [])] if any(c.logprobs for c in chunks) else None
+    return RequestOutput(
+        request_id=request_id or last.request_id,
+        prompt_token_ids=prompt_ids or [],
+        text="".join(c.text for c in chunks),
+        token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        logprobs=logprobs,
+        usage=last.usage,
+    )

@@ -1,0 +1,113 @@
+"""ModelRunner: owns the model and the KV pool tensors; turns a SchedulerOutput into token ids.
+
+One forward over the flattened batch per step; logits only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.kv_cache import allocate_kv_cache
+from kvserve.layers.attention import build_batch
+from kvserve.sampler import Sampler, SamplingRow, TokenLogprobs
+from kvserve.scheduler import SchedulerOutput
+
+
+@dataclass
+class RunnerTimings:
+    """Seconds spent per phase, summed over steps (Python overhead = prepare + postprocess)."""
+
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    steps: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"prepare_s": self.prepare, "forward_s": self.forward, "sample_s": self.sample, "steps": self.steps}
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        stop_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
+        model.bind_kv_cache(self.kv_caches)
+        self.sampler = Sampler()
+        self.stop_token_ids = stop_token_ids
+        self.generators: dict[str, torch.Generator] = {}
+        self.timings = RunnerTimings()
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
+        items = out.scheduled
+        input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.long).to(self.device)
+        positions, metadata = build_batch(
+            [s.block_ids for s in items],
+            [s.num_computed_tokens for s in items],
+            [len(s.token_ids) for s in items],
+            self.block_size,
+            self.device,
+        )
+        ends, rows, ids = [], [], []
+        offset = 0
+        for s in items:
+            offset += len(s.token_ids)
+            if s.sample:
+                ends.append(offset - 1)
+                ids.append(s.request_id)
+                rows.append(
+                    SamplingRow(
+                        s.params, s.prompt_token_ids, s.output_token_ids, self._generator(s), self.stop_token_ids
+                    )
+                )
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, metadata)
+        result = RunnerOutput()
+        if ends:
+            logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
+            t2 = time.perf_counter()
+            tokens, logprobs = self.sampler(logits, rows)
+            result.sampled = dict(zip(ids, tokens, strict=True))
+            result.logprobs = {i: lp for i, lp in zip(ids, logprobs, strict=True) if lp is not None}
+        else:
+            t2 = time.perf_counter()
+        t3 = time.perf_counter()
+        self.timings.prepare += t1 - t0
+        self.timings.forward += t2 - t1
+        self.timings.sample += t3 - t2
+        self.timings.steps += 1
+        return result
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget per-request state (generators) of finished requests."""
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
+    def _generator(self, s) -> torch.Generator | None:
+        seed = s.params.seed
+        if seed is None or s.params.is_greedy:
+            return None
+        generator = self.generators.get(s.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self.generators[s.request_id] = generator
+        return generator

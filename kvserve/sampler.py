@@ -1,0 +1,120 @@
+"""Batched sampling with per-row parameters and per-request random generators.
+
+Order per row: logprobs of the raw model distribution (if asked), min_tokens masking of stop
+tokens, repetition / frequency / presence penalties, then greedy argmax, or temperature, top-k,
+top-p and min-p followed by a draw. A draw is `argmax(probs / E)` with E ~ Exp(1) (equivalent to
+sampling from `probs`); a seeded request draws E from its own generator, so it gets the same
+tokens alone or in any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    stop_token_ids: tuple[int, ...]  # masked while fewer than min_tokens were generated
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        # logits: [B, V] float32, one row per sampled request
+        num_rows, vocab = logits.shape
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+
+        for i, row in enumerate(rows):
+            params = row.params
+            if params.min_tokens and len(row.output_token_ids) < params.min_tokens:
+                stops = [t for t in (*row.stop_token_ids, *params.stop_token_ids) if t < vocab]
+                if stops:
+                    logits[i, stops] = float("-inf")
+            if params.has_penalties:
+                _apply_penalties(logits[i], row)
+
+        temperatures = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=logits.device)
+        is_greedy = temperatures == 0
+        tokens = logits.argmax(dim=-1)
+        if not bool(is_greedy.all()):
+            random_rows = (~is_greedy).nonzero().flatten().tolist()
+            sub = logits[random_rows] / temperatures[random_rows, None]
+            sub = _filter(sub, [rows[i].params for i in random_rows])
+            probs = torch.softmax(sub, dim=-1)
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(random_rows):
+                noise[j].exponential_(generator=rows[i].generator)
+            tokens[random_rows] = (probs / noise).argmax(dim=-1)
+
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            for i, row in enumerate(rows):
+                n = row.params.logprobs
+                if n is None:
+                    continue
+                chosen = token_list[i]
+                top_values, top_ids = raw_logprobs[i].topk(n) if n else (torch.empty(0), torch.empty(0))
+                logprobs[i] = TokenLogprobs(
+                    chosen,
+                    float(raw_logprobs[i, chosen]),
+                    list(zip(top_ids.tolist(), top_values.tolist(), strict=True)),
+                )
+        return token_list, logprobs
+
+
+def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    """In place on one row [V]: repetition penalty (prompt and output, as HF/vLLM), then OpenAI's
+    frequency and presence penalties (output tokens only)."""
+    params, vocab = row.params, logits.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+        seen = seen[seen < vocab].to(logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and row.output_token_ids:
+        out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device).scatter_add_(
+            0, out, torch.ones_like(out, dtype=logits.dtype)
+        )
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """top-k, top-p and min-p masking (to -inf) on temperature-scaled logits [b, V]."""
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        remove = ranks >= top_k[:, None]
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        remove |= mass_before >= top_p[:, None]
+        remove[:, 0] = False
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits

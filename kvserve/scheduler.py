@@ -1,0 +1,242 @@
+"""Scheduler: continuous batching over the block pool.
+
+A request is `num_computed_tokens` catching up with `num_tokens`. Each step, running requests
+first and then waiting ones get up to `num_tokens - num_computed_tokens` new tokens, within a
+per-step token budget: a whole prompt, a chunk of it (chunked prefill), or one decode token are
+the same rule. Prefix-cache hits start a request with blocks (and computed tokens) already in
+place. When blocks run out, the most recently admitted running request is preempted: its blocks
+are freed and it is recomputed later from its tokens, which gives the same output.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvserve.block_pool import BlockPool, hash_full_blocks
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step. Plain data: what the runner needs, nothing it may mutate."""
+
+    request_id: str
+    token_ids: list[int]  # the new tokens computed this step
+    num_computed_tokens: int  # tokens already in the KV blocks
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # True when this step reaches the end of the known tokens: sample the next one
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions_total: int = 0
+    prompt_tokens_total: int = 0
+    prefix_cache_hit_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        self.stats.prompt_tokens_total += request.num_prompt_tokens
+
+    # ----- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._allocate_slots(request, num_new):
+                victim = self.running.pop()  # most recently admitted; never one scheduled already
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted_ids:
+            request = self.waiting[0]
+            hit_blocks = []
+            if request.num_computed_tokens == 0:
+                hit_blocks = self._lookup_prefix(request)
+                self.pool.touch(hit_blocks)
+            num_hit_blocks = len(hit_blocks)
+            num_computed = num_hit_blocks * self.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            request.block_ids = list(hit_blocks)
+            request.num_computed_tokens = num_computed
+            if not self._allocate_slots(request, num_new):
+                self.pool.free(hit_blocks)
+                request.block_ids, request.num_computed_tokens = [], 0
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_computed
+                self.stats.prefix_cache_hit_tokens_total += num_computed
+            request.num_cached_blocks = num_hit_blocks
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests that hit a stop rule.
+
+        Returns the requests that got a new token this step (finished ones included).
+        """
+        updated = []
+        for item in out.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.is_finished:
+                continue
+            request.num_computed_tokens += len(item.token_ids)
+            self._cache_computed_blocks(request)
+            if not item.sample:
+                continue
+            token = sampled[item.request_id]
+            request.output_token_ids.append(token)
+            self.stats.generation_tokens_total += 1
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.finish(request, status)
+            updated.append(request)
+        return updated
+
+    # ----- finishing ------------------------------------------------------------------------
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests wherever they are (waiting or running). Unknown ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self.finish(request, status)
+                finished.append(request)
+        return finished
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """The one place a request leaves: its blocks are freed and it is forgotten."""
+        assert status.is_finished
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self._free_blocks(request)
+        del self.requests[request.request_id]
+
+    # ----- internals ------------------------------------------------------------------------
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_ids=list(request.block_ids),
+            sample=start + num_new == request.num_tokens,
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+
+    def _allocate_slots(self, request: Request, num_new: int) -> bool:
+        needed = -(-(request.num_computed_tokens + num_new) // self.block_size) - len(request.block_ids)
+        if needed <= 0:
+            return True
+        if needed > self.pool.num_free_blocks:
+            return False
+        request.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def _lookup_prefix(self, request: Request) -> list[int]:
+        # Never the whole sequence: the last token must be computed to produce logits.
+        usable = (request.num_tokens - 1) // self.block_size
+        self._extend_hashes(request)
+        return self.pool.find_cached_prefix(request.block_hashes[:usable])
+
+    def _extend_hashes(self, request: Request) -> None:
+        tokens = request.all_token_ids
+        if len(request.block_hashes) < len(tokens) // self.block_size:
+            parent = request.block_hashes[-1] if request.block_hashes else b""
+            request.block_hashes.extend(
+                hash_full_blocks(tokens, self.block_size, start=len(request.block_hashes), parent=parent)
+            )
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_cached_blocks:
+            return
+        self._extend_hashes(request)
+        for index in range(request.num_cached_blocks, num_full):
+            self.pool.cache_block(request.block_ids[index], request.block_hashes[index])
+        request.num_cached_blocks = num_full
+
+    def _preempt(self, request: Request) -> None:
+        self._free_blocks(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.stats.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_cached_blocks = 0
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
