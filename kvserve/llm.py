@@ -8,6 +8,7 @@ cancellation) aborts its request through the engine's one abort path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import queue
@@ -46,10 +47,8 @@ class _AsyncSink:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item: Any) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
 
 class _ThreadSink(queue.SimpleQueue):

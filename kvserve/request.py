@@ -25,7 +25,7 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.RUNNING
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
