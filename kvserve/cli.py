@@ -29,27 +29,19 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    import torch
+    from kvserve.llm import LLM
+    from kvserve.sampling_params import SamplingParams
 
-    from kvserve.detokenizer import IncrementalDetokenizer
-    from kvserve.simple_generate import LoadedModel, stream_token_ids
-
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    loaded = LoadedModel.load(args.model, dtype=dtype)
-    tokenizer = loaded.tokenizer
-    if args.raw or tokenizer.chat_template is None:
-        prompt_ids = tokenizer.encode(args.prompt)
-    else:
-        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
-    for token in stream_token_ids(
-        loaded.model, prompt_ids, args.max_tokens, tokenizer.stop_token_ids, args.temperature, args.seed
-    ):
-        if token in tokenizer.stop_token_ids:
-            break
-        sys.stdout.write(detok.add([token]))
-        sys.stdout.flush()
-    sys.stdout.write(detok.flush() + "\n")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    with LLM(args.model, dtype=args.dtype, max_num_seqs=1) as llm:
+        if args.raw or llm.tokenizer.chat_template is None:
+            chunks = llm.stream(args.prompt, params)
+        else:
+            chunks = llm.stream_chat([{"role": "user", "content": args.prompt}], params)
+        for chunk in chunks:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
     return 0
 
 
@@ -92,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
     p.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16"),
-        default=_env("DTYPE", "float32"),
-        help="compute dtype (env KVSERVE_DTYPE; default %(default)s)",
+        choices=("auto", "float32", "bfloat16"),
+        default=_env("DTYPE", "auto"),
+        help="compute dtype; auto picks the measured fastest for the device (env KVSERVE_DTYPE; default %(default)s)",
     )
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     p.set_defaults(func=_cmd_generate)

@@ -44,3 +44,51 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides):
     model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides})).eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A real byte-level BPE tokenizer (256 byte tokens, no merges) plus three special tokens."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from kvserve.tokenizer import _byte_alphabet
+
+    vocab = {char: byte for byte, char in _byte_alphabet().items()}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    backend.save(str(path / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with a byte-level tokenizer: a complete model folder kvserve can serve."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_llama(path, seed=42, max_position_embeddings=1024, initializer_range=0.2)
+    write_byte_tokenizer(path)
+    return path
+
+
+def wait_idle_and_check(llm, timeout: float = 30.0) -> dict:
+    """Wait until the engine has nothing running or waiting; assert no KV block is in use."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = llm.stats()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            break
+        time.sleep(0.01)
+    counts = llm.check_integrity()
+    assert counts["used"] == 0, f"KV blocks leaked: {counts}"
+    return counts

@@ -1,0 +1,297 @@
+"""The engine on a tiny random Llama: the failure reports R1-R5 of DESIGN.md as tests.
+
+Every test ends with the engine idle, the block pool's integrity check passing and no KV block
+in use (the autouse fixture `no_leaks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+
+import pytest
+import torch
+
+from kvserve import LLM, EngineClosedError, EngineError, InvalidRequestError, SamplingParams
+from tests.conftest import wait_idle_and_check
+
+pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    with LLM(str(tiny_model_dir), kv_cache_tokens=4096, max_num_seqs=32, progress=False) as llm:
+        yield llm
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    if "llm" in request.fixturenames:
+        wait_idle_and_check(request.getfixturevalue("llm"))
+
+
+def prompt(i: int, length: int = 12) -> str:
+    return (f"request {i}: " + "lorem ipsum dolor sit amet " * 20)[:length]
+
+
+def reference_greedy(model_dir, llm: LLM, text: str, max_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = llm.tokenizer.encode(text)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None)
+    return out[0, len(ids) :].tolist()
+
+
+# ----- R2/R3: requests never inherit state --------------------------------------------------
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded-sampling"])
+def test_back_to_back_requests_equal_their_solo_runs(llm, tiny_model_dir, seeded):
+    params = {
+        "short": SamplingParams(max_tokens=16, temperature=0.8 if seeded else 0, seed=1, ignore_eos=True),
+        "long": SamplingParams(max_tokens=40, temperature=0.8 if seeded else 0, seed=2, ignore_eos=True),
+    }
+    texts = [("short", prompt(1, 5)), ("long", prompt(2, 300)), ("short", prompt(3, 7))]
+    back_to_back = [llm.generate(t, params[kind]).token_ids for kind, t in texts]
+    # Each alone on a fresh engine, and (greedy) against transformers.
+    with LLM(str(tiny_model_dir), kv_cache_tokens=4096, progress=False) as fresh:
+        for (kind, text), got in zip(texts, back_to_back, strict=True):
+            assert fresh.generate(text, params[kind]).token_ids == got
+    if not seeded:
+        for (kind, text), got in zip(texts, back_to_back, strict=True):
+            assert reference_greedy(tiny_model_dir, llm, text, params[kind].max_tokens) == got
+
+
+# ----- R1/R4: many threads, one engine ------------------------------------------------------
+def test_sixteen_threads_generate_and_stream_at_once(llm):
+    params = [
+        SamplingParams(max_tokens=8 + 3 * i, temperature=0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+        for i in range(16)
+    ]
+    texts = [prompt(i, 4 + 9 * i) for i in range(16)]
+    solo = [llm.generate(t, p).token_ids for t, p in zip(texts, params, strict=True)]
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(16)
+
+    def worker(i: int) -> None:
+        try:
+            barrier.wait()
+            if i % 2:
+                results[i] = llm.generate(texts[i], params[i]).token_ids
+            else:
+                results[i] = [t for chunk in llm.stream(texts[i], params[i]) for t in chunk.token_ids]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert [results[i] for i in range(16)] == solo
+
+
+def test_batched_list_generate_equals_solo(llm):
+    texts = [prompt(i, 3 + 11 * i) for i in range(8)]
+    solo = [llm.generate(t, GREEDY).token_ids for t in texts]
+    assert [r.token_ids for r in llm.generate(texts, GREEDY)] == solo
+
+
+# ----- R5: abort stops the work at once ----------------------------------------------------
+def test_break_out_of_stream_aborts_within_one_step(llm):
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    before = llm.stats()
+    stream = llm.stream(prompt(5, 20), params)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            at_break = llm.stats()
+            break
+    del stream  # drop the generator: GeneratorExit -> abort
+    counts = wait_idle_and_check(llm)
+    after = llm.stats()
+    assert after["num_aborted_total"] == before["num_aborted_total"] + 1
+    assert after["generation_tokens_total"] - at_break["generation_tokens_total"] <= 1
+    assert counts["used"] == 0
+
+
+def test_two_hundred_early_breaks_leave_the_engine_healthy(llm):
+    before = llm.stats()
+    for i in range(200):
+        for chunk_index, _ in enumerate(llm.stream(prompt(i, 8), SamplingParams(max_tokens=50, temperature=0))):
+            if chunk_index == i % 3:
+                break
+    wait_idle_and_check(llm)
+    after = llm.stats()
+    assert after["num_aborted_total"] - before["num_aborted_total"] >= 190  # a few may finish by EOS first
+    assert llm.generate(prompt(1, 5), GREEDY).finish_reason == "length"
+
+
+def test_explicit_abort_by_request_id(llm):
+    stream = llm.stream(prompt(9, 10), SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+    first = next(stream)
+    llm.abort(first.request_id)
+    llm.abort(first.request_id)  # idempotent
+    rest = list(stream)
+    assert rest[-1].finish_reason == "abort"
+    assert len(rest) < 490
+
+
+def test_garbage_collected_stream_aborts(llm):
+    before = llm.stats()["num_aborted_total"]
+    stream = llm.stream(prompt(3, 10), SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+    next(stream)
+    del stream
+    gc.collect()
+    wait_idle_and_check(llm)
+    assert llm.stats()["num_aborted_total"] == before + 1
+
+
+def test_async_stream_and_task_cancellation(llm):
+    async def main():
+        texts = [prompt(i, 10) for i in range(4)]
+        outs = await asyncio.gather(*(llm.agenerate(t, GREEDY) for t in texts))
+        chat = await llm.achat([{"role": "user", "content": "hi"}], GREEDY)
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in llm.astream(prompt(7, 10), SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return outs, chat
+
+    before = llm.stats()["num_aborted_total"]
+    outs, chat = asyncio.run(main())
+    assert [o.token_ids for o in outs] == [llm.generate(prompt(i, 10), GREEDY).token_ids for i in range(4)]
+    assert chat.token_ids == llm.chat([{"role": "user", "content": "hi"}], GREEDY).token_ids
+    wait_idle_and_check(llm)
+    assert llm.stats()["num_aborted_total"] == before + 1
+
+
+# ----- memory pressure -----------------------------------------------------------------------
+@pytest.fixture
+def small_llm(tiny_model_dir):
+    with LLM(str(tiny_model_dir), kv_cache_tokens=256, block_size=16, max_num_seqs=16, progress=False) as llm:
+        yield llm
+        wait_idle_and_check(llm)
+
+
+def test_preemption_under_a_tight_pool_keeps_outputs(small_llm, llm):
+    params = [SamplingParams(max_tokens=60, temperature=0 if i % 2 else 0.7, seed=i, ignore_eos=True) for i in range(8)]
+    texts = [prompt(i, 30 + 5 * i) for i in range(8)]
+    solo = [llm.generate(t, p).token_ids for t, p in zip(texts, params, strict=True)]
+    results: list[list[int] | None] = [None] * 8
+
+    def worker(i: int) -> None:
+        results[i] = small_llm.generate(texts[i], params[i]).token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert small_llm.stats()["num_preemptions_total"] > 0
+    assert results == solo
+
+
+def test_request_larger_than_the_pool_is_refused(small_llm):
+    with pytest.raises(InvalidRequestError, match="context"):
+        small_llm.generate(prompt(1, 200), SamplingParams(max_tokens=100))
+
+
+# ----- prefix caching --------------------------------------------------------------------------
+def test_shared_256_token_prefix_is_computed_once(llm):
+    shared = list(range(40, 40 + 256))
+    first = llm.generate([*shared, 7, 8, 9], GREEDY)
+    before = llm.stats()
+    second = llm.generate([*shared, 10, 11, 12, 13], GREEDY)
+    after = llm.stats()
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens == 256
+    assert after["prefix_cache_hit_tokens_total"] - before["prefix_cache_hit_tokens_total"] == 256
+    with LLM(llm.model_path, kv_cache_tokens=4096, enable_prefix_caching=False, progress=False) as plain:
+        assert plain.generate([*shared, 10, 11, 12, 13], GREEDY).token_ids == second.token_ids
+
+
+# ----- errors ----------------------------------------------------------------------------------
+def test_invalid_input_is_a_typed_error_naming_the_field(llm):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(top_p=0)
+    assert err.value.param == "top_p"
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary") as err:
+        llm.generate([1, 2, 10_000])
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate("")
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        llm.generate("hi", SamplingParams(max_tokens=5000))
+
+
+def test_a_failing_step_fails_only_its_requests(llm):
+    runner = llm.engine.runner
+    original = runner.execute
+    calls = {"n": 0}
+
+    def flaky(out):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return original(out)
+
+    runner.execute = flaky
+    try:
+        with pytest.raises(EngineError, match="injected fault"):
+            llm.generate(prompt(1, 10), GREEDY)
+    finally:
+        runner.execute = original
+    assert llm.generate(prompt(1, 10), GREEDY).finish_reason == "length"
+    assert llm.stats()["num_failed_total"] >= 1
+
+
+def test_close_aborts_in_flight_and_refuses_new_requests(tiny_model_dir):
+    engine_llm = LLM(str(tiny_model_dir), kv_cache_tokens=1024, progress=False)
+    stream = engine_llm.stream(prompt(1, 10), SamplingParams(max_tokens=900, temperature=0, ignore_eos=True))
+    next(stream)
+    engine_llm.close()
+    assert list(stream)[-1].finish_reason == "abort"
+    assert not engine_llm.engine.thread.is_alive()
+    with pytest.raises(EngineClosedError):
+        engine_llm.generate("hi")
+    engine_llm.engine.pool.check_integrity()
+    assert engine_llm.engine.pool.num_used_blocks == 0
+
+
+def test_no_engine_thread_left_after_close(tiny_model_dir):
+    with LLM(str(tiny_model_dir), kv_cache_tokens=512, progress=False) as tmp:
+        tmp.generate("x", GREEDY)
+        thread = tmp.engine.thread
+        assert thread.is_alive()
+    assert not thread.is_alive()
+
+
+def test_stats_fields(llm):
+    stats = llm.stats()
+    for key in (
+        "num_running",
+        "num_waiting",
+        "kv_blocks_total",
+        "kv_blocks_used",
+        "kv_blocks_cached",
+        "num_preemptions_total",
+        "num_aborted_total",
+        "prompt_tokens_total",
+        "prefix_cache_hit_tokens_total",
+        "generation_tokens_total",
+        "steps_total",
+    ):
+        assert isinstance(stats[key], int), key

@@ -1,0 +1,90 @@
+"""The engine on the bundled SmolLM2: text, stop rules and logprobs on a real model and tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.simple_generate import prompt_logits, stream_token_ids
+from kvserve.weights.loader import load_model
+from tests.conftest import wait_idle_and_check
+
+pytestmark = pytest.mark.bundled
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm(bundled_gguf):
+    with LLM(str(bundled_gguf), kv_cache_tokens=8192, progress=False) as llm:
+        yield llm
+        wait_idle_and_check(llm)
+
+
+@pytest.fixture(scope="module")
+def reference_model(bundled_gguf):
+    """A second copy of the weights for the single-sequence reference path (never the engine's)."""
+    return load_model(bundled_gguf, torch.float32, progress=False)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(llm):
+    yield
+    wait_idle_and_check(llm)
+
+
+def test_chat_answers_and_stops_at_end_of_turn(llm):
+    out = llm.chat(FRANCE, SamplingParams(max_tokens=48, temperature=0))
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop" and out.stop_reason == llm.tokenizer.eos_token_id
+    assert out.token_ids[-1] == llm.tokenizer.eos_token_id and "<|im_end|>" not in out.text
+    assert out.usage.completion_tokens == len(out.token_ids)
+
+
+def test_engine_tokens_equal_the_single_sequence_path(llm, reference_model):
+    ids = llm.tokenizer.encode_chat(FRANCE)
+    reference = list(stream_token_ids(reference_model, ids, 24))
+    with_engine = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)).token_ids
+    assert with_engine == reference
+
+
+def test_stop_string_is_excluded_and_streams_never_show_part_of_it(llm):
+    params = SamplingParams(max_tokens=48, temperature=0, stop=["Paris"])
+    full = llm.chat(FRANCE, SamplingParams(max_tokens=48, temperature=0)).text
+    out = llm.chat(FRANCE, params)
+    assert out.finish_reason == "stop" and out.stop_reason == "Paris"
+    assert out.text == full[: full.index("Paris")]
+    pieces = [c.text for c in llm.stream_chat(FRANCE, params)]
+    assert "".join(pieces) == out.text
+    assert not any("Par" in p for p in pieces)
+
+
+def test_stop_token_ids_min_tokens_and_ignore_eos(llm):
+    free = llm.chat(FRANCE, SamplingParams(max_tokens=40, temperature=0))
+    second = free.token_ids[1]
+    stopped = llm.chat(FRANCE, SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[second]))
+    assert stopped.token_ids == free.token_ids[:2] and stopped.stop_reason == second
+    longer = llm.chat(FRANCE, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert longer.finish_reason == "length" and len(longer.token_ids) == 40
+    at_least = llm.chat(FRANCE, SamplingParams(max_tokens=40, temperature=0, min_tokens=len(free.token_ids) + 3))
+    assert len(at_least.token_ids) >= len(free.token_ids) + 3
+
+
+def test_logprobs_match_the_model_distribution(llm, reference_model):
+    ids = llm.tokenizer.encode_chat(FRANCE)
+    out = llm.generate(ids, SamplingParams(max_tokens=3, temperature=0, logprobs=5))
+    assert len(out.logprobs) == 3
+    context = ids + out.token_ids[:1]
+    reference = torch.log_softmax(prompt_logits(reference_model, context)[-1], -1)
+    second = out.logprobs[1]
+    assert second.token_id == out.token_ids[1]
+    assert second.logprob == pytest.approx(float(reference[second.token_id]), abs=1e-4)
+    assert [t for t, _ in second.top] == reference.topk(5).indices.tolist()
+
+
+def test_second_turn_reuses_the_first_turns_prefix(llm):
+    first = llm.chat(FRANCE, SamplingParams(max_tokens=16, temperature=0))
+    history = [*FRANCE, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Italy?"}]
+    second = llm.chat(history, SamplingParams(max_tokens=16, temperature=0))
+    assert second.usage.cached_tokens >= 32
+    assert second.usage.cached_tokens % llm.config.block_size == 0

@@ -1,0 +1,154 @@
+"""Sampler against transformers' logits processors, plus seeding and logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.errors import InvalidRequestError
+from kvserve.sampler import Sampler, SamplingRow, _apply_penalties, _filter
+from kvserve.sampling_params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 50
+
+
+def row(params: SamplingParams, prompt=(1, 2, 3), output=(), seed_generator=True) -> SamplingRow:
+    generator = None
+    if params.seed is not None and seed_generator:
+        generator = torch.Generator().manual_seed(params.seed)
+    return SamplingRow(params, list(prompt), list(output), generator, (0,))
+
+
+def logits_batch(n: int = 4, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize(
+    "params, warper",
+    [
+        (SamplingParams(top_k=5), lambda: transformers.TopKLogitsWarper(5)),
+        (SamplingParams(top_p=0.7), lambda: transformers.TopPLogitsWarper(0.7)),
+        (SamplingParams(min_p=0.2), lambda: transformers.MinPLogitsWarper(0.2)),
+    ],
+    ids=["top_k", "top_p", "min_p"],
+)
+def test_filters_keep_the_same_tokens_as_transformers(params, warper):
+    logits = logits_batch(8)
+    ours = _filter(logits, [params] * 8)
+    theirs = warper()(None, logits.clone())
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+
+
+def test_repetition_penalty_matches_transformers():
+    logits = logits_batch(1)[0]
+    params = SamplingParams(repetition_penalty=1.3)
+    prompt, output = [1, 5, 7], [7, 9, 9]
+    ours = logits.clone()
+    _apply_penalties(ours, row(params, prompt, output))
+    theirs = transformers.RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits[None].clone())
+    assert torch.allclose(ours, theirs[0])
+
+
+def test_frequency_and_presence_penalties_follow_openai():
+    logits = logits_batch(1)[0]
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    ours = logits.clone()
+    _apply_penalties(ours, row(params, output=[4, 4, 4, 9]))
+    expected = logits.clone()
+    expected[4] -= 3 * 0.5 + 0.25
+    expected[9] -= 1 * 0.5 + 0.25
+    assert torch.allclose(ours, expected)
+
+
+def test_greedy_and_degenerate_filters_pick_the_argmax():
+    logits = logits_batch(4)
+    argmax = logits.argmax(-1).tolist()
+    sampler = Sampler()
+    for params in (
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1, top_k=1),
+        SamplingParams(temperature=1, min_p=1.0),
+        SamplingParams(temperature=1, top_p=1e-6),
+    ):
+        tokens, _ = sampler(logits, [row(params) for _ in range(4)])
+        assert tokens == argmax, params
+
+
+def test_seeded_rows_are_independent_of_batch_position():
+    logits = logits_batch(1, seed=3).repeat(4, 1)
+    sampler = Sampler()
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = [sampler(logits[:1], [row(seeded)])[0][0]]
+    gen = torch.Generator().manual_seed(1234)
+    alone_seq = []
+    for _ in range(5):
+        r = SamplingRow(seeded, [1], [], gen, (0,))
+        alone_seq.append(sampler(logits[:1], [r])[0][0])
+    gen_b = torch.Generator().manual_seed(1234)
+    batch_seq = []
+    for _ in range(5):
+        rows = [row(SamplingParams(temperature=1.0)), SamplingRow(seeded, [1], [], gen_b, (0,)), row(seeded)]
+        batch_seq.append(sampler(logits[:3], rows)[0][1])
+    assert alone[0] == alone_seq[0]
+    assert alone_seq == batch_seq
+    assert len(set(alone_seq)) > 1  # really sampling
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (VOCAB - 3))
+    logits = probs.clamp_min(1e-30).log()[None]
+    sampler = Sampler()
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(VOCAB)
+    for _ in range(3000):
+        token = sampler(logits, [SamplingRow(SamplingParams(temperature=1.0), [], [], generator, ())])[0][0]
+        counts[token] += 1
+    assert torch.allclose(counts[:3] / 3000, probs[:3], atol=0.04)
+    assert counts[3:].sum() == 0
+
+
+def test_min_tokens_masks_stop_tokens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 0] = 10.0  # token 0 is the stop token of `row`
+    params = SamplingParams(temperature=0, min_tokens=2, max_tokens=4)
+    tokens, _ = Sampler()(logits, [row(params, output=[5])])
+    assert tokens[0] != 0
+    tokens, _ = Sampler()(logits, [row(params, output=[5, 6])])
+    assert tokens[0] == 0
+
+
+def test_logprobs_are_the_raw_distribution():
+    logits = logits_batch(2)
+    params = SamplingParams(temperature=0, logprobs=3)
+    tokens, logprobs = Sampler()(logits, [row(params), row(SamplingParams(temperature=0))])
+    reference = torch.log_softmax(logits[0], -1)
+    assert logprobs[1] is None
+    lp = logprobs[0]
+    assert lp.token_id == tokens[0] and lp.logprob == pytest.approx(float(reference[tokens[0]]))
+    assert [t for t, _ in lp.top] == reference.topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("temperature", -1.0),
+        ("top_k", -2),
+        ("top_p", 1.5),
+        ("min_p", 2.0),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -3.0),
+        ("seed", -1),
+        ("stop", ("",)),
+        ("stop_token_ids", (-1,)),
+        ("min_tokens", -1),
+        ("logprobs", 21),
+    ],
+)
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field and field in str(err.value)
