@@ -56,8 +56,16 @@ class _ThreadSink(queue.SimpleQueue):
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    # float32 is the measured default on CPU (see bench/); bfloat16 on CUDA.
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """bfloat16 where the hardware computes it natively, else float32.
+
+    Measured on the bundled model on a 2-core AVX-512-BF16 CPU (bench/throughput.py): bfloat16
+    prefills about 2.3x and decodes about 1.4x faster than float32. Without native bf16 kernels,
+    bfloat16 is emulated and slower, so float32 is the default there.
+    """
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    mkldnn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return torch.bfloat16 if mkldnn_bf16 is not None and mkldnn_bf16() else torch.float32
 
 
 class LLM:

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    with LLM(str(tiny_model_dir), kv_cache_tokens=4096, max_num_seqs=32, progress=False) as llm:
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=4096, max_num_seqs=32, progress=False) as llm:
         yield llm
 
 
@@ -58,7 +58,7 @@ def test_back_to_back_requests_equal_their_solo_runs(llm, tiny_model_dir, seeded
     texts = [("short", prompt(1, 5)), ("long", prompt(2, 300)), ("short", prompt(3, 7))]
     back_to_back = [llm.generate(t, params[kind]).token_ids for kind, t in texts]
     # Each alone on a fresh engine, and (greedy) against transformers.
-    with LLM(str(tiny_model_dir), kv_cache_tokens=4096, progress=False) as fresh:
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=4096, progress=False) as fresh:
         for (kind, text), got in zip(texts, back_to_back, strict=True):
             assert fresh.generate(text, params[kind]).token_ids == got
     if not seeded:
@@ -181,7 +181,9 @@ def test_async_stream_and_task_cancellation(llm):
 # ----- memory pressure -----------------------------------------------------------------------
 @pytest.fixture
 def small_llm(tiny_model_dir):
-    with LLM(str(tiny_model_dir), kv_cache_tokens=256, block_size=16, max_num_seqs=16, progress=False) as llm:
+    with LLM(
+        str(tiny_model_dir), dtype="float32", kv_cache_tokens=256, block_size=16, max_num_seqs=16, progress=False
+    ) as llm:
         yield llm
         wait_idle_and_check(llm)
 
@@ -219,7 +221,9 @@ def test_shared_256_token_prefix_is_computed_once(llm):
     assert first.usage.cached_tokens == 0
     assert second.usage.cached_tokens == 256
     assert after["prefix_cache_hit_tokens_total"] - before["prefix_cache_hit_tokens_total"] == 256
-    with LLM(llm.model_path, kv_cache_tokens=4096, enable_prefix_caching=False, progress=False) as plain:
+    with LLM(
+        llm.model_path, dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False, progress=False
+    ) as plain:
         assert plain.generate([*shared, 10, 11, 12, 13], GREEDY).token_ids == second.token_ids
 
 
@@ -259,7 +263,7 @@ def test_a_failing_step_fails_only_its_requests(llm):
 
 
 def test_close_aborts_in_flight_and_refuses_new_requests(tiny_model_dir):
-    engine_llm = LLM(str(tiny_model_dir), kv_cache_tokens=1024, progress=False)
+    engine_llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, progress=False)
     stream = engine_llm.stream(prompt(1, 10), SamplingParams(max_tokens=900, temperature=0, ignore_eos=True))
     next(stream)
     engine_llm.close()
@@ -272,7 +276,7 @@ def test_close_aborts_in_flight_and_refuses_new_requests(tiny_model_dir):
 
 
 def test_no_engine_thread_left_after_close(tiny_model_dir):
-    with LLM(str(tiny_model_dir), kv_cache_tokens=512, progress=False) as tmp:
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=512, progress=False) as tmp:
         tmp.generate("x", GREEDY)
         thread = tmp.engine.thread
         assert thread.is_alive()

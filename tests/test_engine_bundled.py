@@ -16,7 +16,7 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm(bundled_gguf):
-    with LLM(str(bundled_gguf), kv_cache_tokens=8192, progress=False) as llm:
+    with LLM(str(bundled_gguf), dtype="float32", kv_cache_tokens=8192, progress=False) as llm:
         yield llm
         wait_idle_and_check(llm)
 
@@ -88,3 +88,12 @@ def test_second_turn_reuses_the_first_turns_prefix(llm):
     second = llm.chat(history, SamplingParams(max_tokens=16, temperature=0))
     assert second.usage.cached_tokens >= 32
     assert second.usage.cached_tokens % llm.config.block_size == 0
+
+
+def test_bfloat16_engine_answers_like_float32(bundled_gguf, llm):
+    expected = llm.chat(FRANCE, SamplingParams(max_tokens=12, temperature=0)).text
+    with LLM(str(bundled_gguf), dtype="bfloat16", kv_cache_tokens=2048, progress=False) as bf16:
+        assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+        got = bf16.chat(FRANCE, SamplingParams(max_tokens=12, temperature=0)).text
+        wait_idle_and_check(bf16)
+    assert "Paris" in got and "Paris" in expected
