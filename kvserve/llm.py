@@ -96,14 +96,18 @@ class LLM:
         if kv_cache_tokens is None:
             kv_cache_tokens = DEFAULT_KV_CACHE_BYTES // kv_cache_bytes_per_token(model_config, self.dtype)
         num_blocks = max(1, kv_cache_tokens // block_size)
-        if max_model_len is None:
-            max_model_len = min(model_config.max_position_embeddings, num_blocks * block_size)
+        # A request must fit in the pool on its own, or preemption could never make room for it.
+        max_model_len = min(
+            max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+            num_blocks * block_size,
+        )
         self.config = EngineConfig(
             num_kv_blocks=num_blocks,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
-            max_model_len=min(max_model_len, model_config.max_position_embeddings),
+            max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
         )
         pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
