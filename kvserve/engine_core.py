@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvserve.block_pool import BlockPool
-from kvserve.errors import EngineClosedError, EngineError
+from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError
 from kvserve.model_runner import ModelRunner
 from kvserve.output_processor import RequestTextState
 from kvserve.request import Request, RequestStatus
@@ -132,6 +132,11 @@ class EngineCore:
     def _apply(self, message: Any) -> None:
         if isinstance(message, _Add):
             request = message.request
+            if request.request_id in self.states:
+                message.sink.put(
+                    InvalidRequestError(f"Request id {request.request_id!r} is already in use.", "request_id")
+                )
+                return
             self.states[request.request_id] = (RequestTextState(request, self.tokenizer), message.sink)
             self.scheduler.add_request(request)
         elif isinstance(message, _Abort):

@@ -22,7 +22,7 @@ import torch
 from kvserve.block_pool import BlockPool
 from kvserve.config import EngineConfig
 from kvserve.engine_core import EngineCore
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.kv_cache import kv_cache_bytes_per_token
 from kvserve.model_files import resolve_model
 from kvserve.model_runner import ModelRunner
@@ -173,9 +173,11 @@ class LLM:
             raise
         return results if is_batch else results[0]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> Iterator[StreamChunk]:
         """Yield chunks as tokens are generated. Leaving the loop early aborts the request."""
-        request = self._make_request(prompt, params, None)
+        request = self._make_request(prompt, params, request_id)
         return self._stream(request)
 
     def _stream(self, request: Request) -> Iterator[StreamChunk]:
@@ -186,6 +188,9 @@ class LLM:
             for chunk in _iter_sink(sink):
                 finished = chunk.finish_reason is not None
                 yield chunk
+        except KVServeError:  # the engine already finished (or refused) this request
+            finished = True
+            raise
         finally:
             if not finished:
                 self.engine.abort([request.request_id])
@@ -196,16 +201,24 @@ class LLM:
     def stream_chat(self, messages: Messages, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         return self.stream(self._chat_ids(messages), params)
 
-    async def astream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[StreamChunk]:
-        """asyncio stream; cancelling the task or leaving the loop aborts the request."""
-        request = self._make_request(prompt, params, None)
+    def astream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[StreamChunk]:
+        """asyncio stream; cancelling the task or leaving the loop aborts the request.
+
+        The prompt is validated now (raising InvalidRequestError); the request starts on first iteration.
+        """
+        return self._astream(self._make_request(prompt, params, request_id))
+
+    async def _astream(self, request: Request) -> AsyncIterator[StreamChunk]:
         sink = _AsyncSink(asyncio.get_running_loop())
         self.engine.add(request, sink)
         finished = False
         try:
             while True:
                 item = await sink.queue.get()
-                if isinstance(item, BaseException):
+                if isinstance(item, BaseException):  # the engine already finished (or refused) it
+                    finished = True
                     raise item
                 finished = item.finish_reason is not None
                 yield item
@@ -215,12 +228,12 @@ class LLM:
             if not finished:
                 self.engine.abort([request.request_id])
 
-    async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
-        request_id, chunks = None, []
-        async for chunk in self.astream(prompt, params):
-            request_id = chunk.request_id
-            chunks.append(chunk)
-        return _merge(request_id, chunks)
+    async def agenerate(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> RequestOutput:
+        request = self._make_request(prompt, params, request_id)
+        chunks = [chunk async for chunk in self._astream(request)]
+        return _merge(request.request_id, chunks, request.prompt_token_ids)
 
     def astream_chat(self, messages: Messages, params: SamplingParams | None = None) -> AsyncIterator[StreamChunk]:
         return self.astream(self._chat_ids(messages), params)
