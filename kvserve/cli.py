@@ -45,6 +45,106 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.server.app import ServerSettings, create_app
+
+    settings = ServerSettings(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        api_keys=tuple(args.api_key or ()),
+        max_num_seqs=args.max_num_seqs,
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout,
+        kv_cache_tokens=args.kv_cache_tokens,
+        dtype=args.dtype,
+        max_body_bytes=args.max_body_bytes,
+    )
+    config = uvicorn.Config(
+        create_app(settings),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    uvicorn.Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish in-flight, close the engine
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    with LLM(args.model, dtype=args.dtype, max_num_seqs=1) as llm:
+        if llm.tokenizer.chat_template is None:
+            print("kvserve: error: this model has no chat template; use `kvserve generate --raw`.", file=sys.stderr)
+            return 2
+        history = list(system)
+        print("Chat with the model. /reset clears the conversation, /exit quits; Ctrl-C stops a reply.")
+        while True:
+            try:
+                line = input(">>> ")
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            if line.strip() == "/exit":
+                return 0
+            if line.strip() == "/reset":
+                history = list(system)
+                print("(conversation cleared)")
+                continue
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            reply = []
+            try:
+                for chunk in llm.stream_chat(history, params):
+                    reply.append(chunk.text)
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:  # leaving the stream aborts the request; the chat goes on
+                sys.stdout.write(" [stopped]")
+            sys.stdout.write("\n")
+            history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=_env("MODEL", DEFAULT_MODEL),
+        help="registered model name, .gguf file or Hugging Face folder (env KVSERVE_MODEL; default %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default=_env("DTYPE", "auto"),
+        help="compute dtype; auto picks the measured fastest for the device (env KVSERVE_DTYPE; default %(default)s)",
+    )
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=int(_env("MAX_TOKENS", str(max_tokens))),
+        help="most tokens to generate per reply (env KVSERVE_MAX_TOKENS; default %(default)s)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=float(_env("TEMPERATURE", "0")),
+        help="sampling temperature, 0 for greedy (env KVSERVE_TEMPERATURE; default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvserve",
@@ -64,32 +164,83 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate a reply to one prompt, streamed to the terminal")
     p.add_argument("prompt", help="the prompt (sent as one user message when the model has a chat template)")
-    p.add_argument(
-        "--model",
-        default=_env("MODEL", DEFAULT_MODEL),
-        help="registered model name, .gguf file or Hugging Face folder (env KVSERVE_MODEL; default %(default)s)",
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=int(_env("MAX_TOKENS", "256")),
-        help="most tokens to generate (env KVSERVE_MAX_TOKENS; default %(default)s)",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=float(_env("TEMPERATURE", "0")),
-        help="sampling temperature, 0 for greedy (env KVSERVE_TEMPERATURE; default %(default)s)",
-    )
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
-    p.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "bfloat16"),
-        default=_env("DTYPE", "auto"),
-        help="compute dtype; auto picks the measured fastest for the device (env KVSERVE_DTYPE; default %(default)s)",
-    )
+    _add_model_flags(p)
+    _add_sampling_flags(p, 256)
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat with streaming replies")
+    _add_model_flags(p)
+    _add_sampling_flags(p, 512)
+    p.add_argument("--system", default=_env("SYSTEM"), help="system message (env KVSERVE_SYSTEM)")
+    p.set_defaults(func=_cmd_chat)
+
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_model_flags(p)
+    p.add_argument(
+        "--host", default=_env("HOST", "127.0.0.1"), help="address to bind (env KVSERVE_HOST; default %(default)s)"
+    )
+    p.add_argument(
+        "--port", type=int, default=int(_env("PORT", "8000")), help="port (env KVSERVE_PORT; default %(default)s)"
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[k for k in (_env("API_KEY") or "").split(",") if k],
+        help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several keys "
+        "(env KVSERVE_API_KEY, comma-separated; default: no auth). /health and /metrics stay open.",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=_env("SERVED_MODEL_NAME"),
+        help="the model name clients use (env KVSERVE_SERVED_MODEL_NAME; default: the model file's name)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=int(_env("MAX_NUM_SEQS", "64")),
+        help="most requests decoded together in one batch (env KVSERVE_MAX_NUM_SEQS; default %(default)s)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=int(_env("MAX_QUEUE", "256")),
+        help="requests allowed to wait beyond the batch; more get 429 with Retry-After "
+        "(env KVSERVE_MAX_QUEUE; default %(default)s)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=float(_env("REQUEST_TIMEOUT", "600")),
+        help="seconds a request may run before it is aborted with 504 (env KVSERVE_REQUEST_TIMEOUT; "
+        "default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=_int_or_none(_env("KV_CACHE_TOKENS")),
+        help="size of the KV pool in tokens (env KVSERVE_KV_CACHE_TOKENS; default: 1 GiB worth)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=int(_env("MAX_BODY_BYTES", str(4 << 20))),
+        help="largest request body accepted; larger gets 413 (env KVSERVE_MAX_BODY_BYTES; default %(default)s)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=float(_env("SHUTDOWN_TIMEOUT", "30")),
+        help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them "
+        "(env KVSERVE_SHUTDOWN_TIMEOUT; default %(default)s)",
+    )
+    p.add_argument(
+        "--log-level",
+        default=_env("LOG_LEVEL", "info"),
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="server log level (env KVSERVE_LOG_LEVEL; default %(default)s)",
+    )
+    p.set_defaults(func=_cmd_serve)
     return parser
 
 

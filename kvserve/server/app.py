@@ -1,0 +1,621 @@
+"""The HTTP server: OpenAI-compatible routes over one LLM. Routes translate; the engine decides.
+
+Errors always carry the OpenAI body {"error": {"message", "type", "param", "code"}}: a client's
+mistake is a 4xx, never a 500, and never harms another request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, KVServeError
+from kvserve.llm import LLM
+from kvserve.outputs import StreamChunk
+from kvserve.sampler import TokenLogprobs
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, usage_dict
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model: str | None = None
+    served_model_name: str | None = None
+    api_keys: tuple[str, ...] = ()
+    max_num_seqs: int = 64
+    max_queue: int = 256
+    request_timeout: float = 600.0
+    kv_cache_tokens: int | None = None
+    dtype: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: Any = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers: dict[str, str] = {}
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    llm: LLM | None = None
+    load_error: str | None = None
+    model_name: str = "kvserve"
+    num_inflight: int = 0
+    # response id or client X-Request-Id -> engine request ids
+    requests: dict[str, list[str]] = field(default_factory=dict)
+    metrics: ServerMetrics | None = None
+
+    def ready_llm(self) -> LLM:
+        if self.llm is None:
+            detail = f": {self.load_error}" if self.load_error else "; retry shortly"
+            raise APIError(503, f"The model is still loading{detail}.", "service_unavailable", code=503)
+        return self.llm
+
+
+def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
+    """Build the app. With `llm` given it serves that engine (and does not close it); otherwise it
+    loads `settings.model` in the background after start-up, answering 503 until ready."""
+    state = ServerState(settings)
+    state.metrics = ServerMetrics(lambda: state.llm.stats() if state.llm is not None else None)
+
+    def set_llm(loaded: LLM) -> None:
+        state.model_name = settings.served_model_name or loaded.model_path.stem
+        state.llm = loaded
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = None
+        if llm is not None:
+            set_llm(llm)
+        else:
+
+            async def load() -> None:
+                try:
+                    set_llm(
+                        await asyncio.to_thread(
+                            LLM,
+                            settings.model,
+                            dtype=settings.dtype,
+                            kv_cache_tokens=settings.kv_cache_tokens,
+                            max_num_seqs=settings.max_num_seqs,
+                        )
+                    )
+                except Exception as exc:  # reported by /health and every route
+                    state.load_error = f"{type(exc).__name__}: {exc}"
+
+            loader = asyncio.create_task(load())
+        yield
+        if loader is not None:
+            loader.cancel()
+            if state.llm is not None:
+                await asyncio.to_thread(state.llm.close)
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.state.kvserve = state
+    _install_error_handlers(app)
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+
+    def authorize(request: Request) -> None:
+        if not settings.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else None
+        if token not in settings.api_keys:
+            raise APIError(
+                401,
+                "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.llm is None:
+            status = "error" if state.load_error else "loading"
+            return JSONResponse({"status": status, "detail": state.load_error}, status_code=503)
+        return JSONResponse({"status": "ok", "model": state.model_name})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict:
+        state.ready_llm()
+        return {
+            "object": "list",
+            "data": [{"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvserve"}],
+        }
+
+    @app.delete("/v1/requests/{request_id}", dependencies=[Depends(authorize)])
+    async def abort(request_id: str) -> dict:
+        engine_ids = state.requests.get(request_id)
+        if engine_ids is None:
+            raise APIError(404, f"No running request with id {request_id!r}.", "not_found_error", "request_id")
+        state.ready_llm().abort(engine_ids)
+        return {"id": request_id, "object": "request.abort", "aborted": True}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Response:
+        llm, release = _admit(state)
+        try:
+            body = CompletionRequest.model_validate(await _json(request))
+            body.check_supported()
+            _check_model(state, body.model)
+            if body.echo and body.logprobs is not None:
+                raise InvalidRequestError("echo with logprobs is not supported (no prompt logprobs).", "echo")
+            response_id = f"cmpl-{uuid.uuid4().hex}"
+            jobs = []
+            for p_index, prompt in enumerate(body.prompts()):
+                for i in range(body.n):
+                    params = _with_seed(body.sampling_params(body.max_tokens, body.logprobs, 16), body.seed, i)
+                    jobs.append((p_index, prompt, params))
+            return await _run(state, llm, request, response_id, "text_completion", body, jobs, False, release)
+        except BaseException:
+            release()
+            raise
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(request: Request) -> Response:
+        llm, release = _admit(state)
+        try:
+            body = ChatCompletionRequest.model_validate(await _json(request))
+            body.check_supported()
+            _check_model(state, body.model)
+            prompt_ids = llm.tokenizer.encode_chat(body.conversation())
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            default_max = max(1, llm.config.max_model_len - len(prompt_ids))
+            logprobs = body.chat_logprobs()
+            jobs = [
+                (0, prompt_ids, _with_seed(body.sampling_params(max_tokens, logprobs, default_max), body.seed, i))
+                for i in range(body.n)
+            ]
+            response_id = f"chatcmpl-{uuid.uuid4().hex}"
+            return await _run(state, llm, request, response_id, "chat.completion", body, jobs, True, release)
+        except BaseException:
+            release()
+            raise
+
+    return app
+
+
+# ----- request execution ----------------------------------------------------------------------
+def _admit(state: ServerState) -> tuple[LLM, Callable[[], None]]:
+    """Admission control: beyond max_num_seqs + max_queue in flight, answer 429 before any work.
+
+    Returns the engine and an idempotent `release` to call when the request is over.
+    """
+    llm = state.ready_llm()
+    limit = state.settings.max_num_seqs + state.settings.max_queue
+    if state.num_inflight >= limit:
+        state.metrics.rejected.inc()
+        error = APIError(
+            429,
+            f"The server is at capacity ({limit} requests in flight); retry shortly.",
+            "rate_limit_error",
+            code="server_overloaded",
+        )
+        error.headers["Retry-After"] = "1"
+        raise error
+    state.num_inflight += 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            state.num_inflight -= 1
+
+    return llm, release
+
+
+def _with_seed(params, seed: int | None, index: int):
+    if seed is None or index == 0:
+        return params
+    from dataclasses import replace
+
+    return replace(params, seed=seed + index)
+
+
+async def _run(state, llm, request, response_id, kind, body, jobs, chat: bool, release) -> Response:
+    """Start the engine requests of all choices; answer as one JSON body or as an SSE stream."""
+    created = int(time.time())
+    engine_ids = [f"{response_id}-{k}" for k in range(len(jobs))]
+    # Validate every prompt before any work starts (raises InvalidRequestError -> 400).
+    streams = [
+        llm.astream(prompt, params, request_id=rid) for (_, prompt, params), rid in zip(jobs, engine_ids, strict=True)
+    ]
+    aliases = [response_id]
+    client_id = request.headers.get("x-request-id")
+    if client_id:
+        aliases.append(client_id)
+    for alias in aliases:
+        state.requests[alias] = engine_ids
+    arrival = time.monotonic()
+    prompt_texts = [None] * len(jobs)
+    if not chat and body.echo:
+        prompt_texts = [p if isinstance(p, str) else llm.tokenizer.decode(p) for _, p, _ in jobs]
+    formatter = _Formatter(llm, response_id, created, state.model_name, kind, chat, prompt_texts)
+
+    def cleanup() -> None:  # idempotent: the request is over for the server
+        for alias in aliases:
+            if state.requests.get(alias) is engine_ids:
+                del state.requests[alias]
+        release()
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(state, streams, formatter, arrival, include_usage, cleanup, [j[0] for j in jobs]),
+            media_type="text/event-stream",
+            headers={"X-Request-Id": response_id},
+            background=BackgroundTask(cleanup),  # also when the stream never started
+        )
+    try:
+        chunks = await _collect_or_abort(state, request, streams, arrival)
+    finally:
+        cleanup()
+    return JSONResponse(formatter.full_response(chunks, [j[0] for j in jobs]), headers={"X-Request-Id": response_id})
+
+
+async def _collect_or_abort(state, request, streams, arrival) -> list[list[StreamChunk]]:
+    """Run all choices to the end; a client disconnect or the time limit cancels (= aborts) them."""
+    metrics = state.metrics
+
+    async def collect(stream) -> list[StreamChunk]:
+        chunks, first = [], True
+        async for chunk in stream:
+            if first and chunk.token_ids:
+                metrics.ttft.observe(time.monotonic() - arrival)
+                first = False
+            chunks.append(chunk)
+        metrics.e2e.observe(time.monotonic() - arrival)
+        return chunks
+
+    work = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in streams)))
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait(
+            {work, disconnect}, timeout=state.settings.request_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        disconnect.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, KVServeError):
+        await work
+    if disconnect in done:
+        raise APIError(499, "Client closed the request.", "client_closed_request")
+    raise APIError(
+        504,
+        f"The request exceeded its time limit of {state.settings.request_timeout:g} s and was aborted.",
+        "timeout_error",
+        code="request_timeout",
+    )
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _sse(state, streams, formatter, arrival, include_usage, cleanup, prompt_indices) -> AsyncIterator[str]:
+    queue: asyncio.Queue = asyncio.Queue()
+    metrics = state.metrics
+
+    async def pump(index: int, stream) -> None:
+        first = True
+        try:
+            async for chunk in stream:
+                if first and chunk.token_ids:
+                    metrics.ttft.observe(time.monotonic() - arrival)
+                    first = False
+                await queue.put((index, chunk))
+            metrics.e2e.observe(time.monotonic() - arrival)
+        except BaseException as exc:
+            await queue.put((index, exc))
+            raise
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    finals: list[StreamChunk | None] = [None] * len(tasks)
+    try:
+        async with asyncio.timeout(state.settings.request_timeout):
+            if formatter.chat:
+                for i in range(len(tasks)):
+                    yield _event(formatter.chunk_event(i, None, role=True))
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if formatter.echo_texts[index] is not None and formatter.first_chunk[index]:
+                    yield _event(formatter.chunk_event(index, StreamChunk("", formatter.echo_texts[index], [])))
+                formatter.first_chunk[index] = False
+                yield _event(formatter.chunk_event(index, item))
+                if item.finish_reason is not None:
+                    finals[index] = item
+                    remaining -= 1
+        if include_usage:
+            yield _event(formatter.usage_event(finals, prompt_indices))
+    except TimeoutError:
+        yield _event(
+            error_body(
+                f"The request exceeded its time limit of {state.settings.request_timeout:g} s and was aborted.",
+                "timeout_error",
+                code="request_timeout",
+            )
+        )
+    except KVServeError as exc:
+        yield _event(error_body(str(exc), "server_error" if isinstance(exc, EngineError) else "invalid_request_error"))
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        cleanup()
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _Formatter:
+    """OpenAI response and chunk shapes for completions and chat completions."""
+
+    def __init__(self, llm, response_id, created, model, kind, chat, echo_texts) -> None:
+        self.tokenizer = llm.tokenizer
+        self.id, self.created, self.model, self.kind, self.chat = response_id, created, model, kind, chat
+        self.echo_texts = echo_texts
+        self.first_chunk = [True] * len(echo_texts)
+
+    def _logprobs(self, logprobs: list[TokenLogprobs] | None, offset: int = 0) -> dict | None:
+        if not logprobs:
+            return None
+        decode = self.tokenizer.decode
+        if self.chat:
+
+            def entry(token_id: int, logprob: float) -> dict:
+                text = decode([token_id])
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+            return {
+                "content": [
+                    {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                    for lp in logprobs
+                ]
+            }
+        tokens = [decode([lp.token_id]) for lp in logprobs]
+        offsets, position = [], offset
+        for token in tokens:
+            offsets.append(position)
+            position += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def chunk_event(self, index: int, chunk: StreamChunk | None, role: bool = False) -> dict:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if chunk is not None and chunk.text:
+                delta["content"] = chunk.text
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": self._logprobs(chunk.logprobs if chunk else None),
+                "finish_reason": chunk.finish_reason if chunk else None,
+            }
+            return {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+            }
+        choice = {
+            "index": index,
+            "text": chunk.text,
+            "logprobs": self._logprobs(chunk.logprobs),
+            "finish_reason": chunk.finish_reason,
+        }
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def usage_event(self, finals: list[StreamChunk | None], prompt_indices: list[int]) -> dict:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self._usage([f.usage if f else None for f in finals], prompt_indices),
+        }
+
+    @staticmethod
+    def _usage(usages, prompt_indices: list[int]) -> dict:
+        prompt = cached = completion = 0
+        seen = set()
+        for usage, p_index in zip(usages, prompt_indices, strict=True):
+            if usage is None:
+                continue
+            completion += usage.completion_tokens
+            if p_index not in seen:  # n choices of one prompt count the prompt once, as OpenAI does
+                seen.add(p_index)
+                prompt += usage.prompt_tokens
+                cached += usage.cached_tokens
+        return usage_dict(prompt, completion, cached)
+
+    def full_response(self, per_choice: list[list[StreamChunk]], prompt_indices: list[int]) -> dict:
+        choices = []
+        for index, chunks in enumerate(per_choice):
+            text = "".join(c.text for c in chunks)
+            logprobs = [lp for c in chunks for lp in (c.logprobs or [])] or None
+            last = chunks[-1]
+            if self.chat:
+                choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": self._logprobs(logprobs),
+                        "finish_reason": last.finish_reason,
+                    }
+                )
+            else:
+                echo = self.echo_texts[index] or ""
+                choices.append(
+                    {
+                        "index": index,
+                        "text": echo + text,
+                        "logprobs": self._logprobs(logprobs, len(echo)),
+                        "finish_reason": last.finish_reason,
+                    }
+                )
+        usage = self._usage([c[-1].usage for c in per_choice], prompt_indices)
+        return {
+            "id": self.id,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
+
+
+# ----- errors, limits, helpers -----------------------------------------------------------------
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"The request body is not valid JSON: {exc}.") from exc
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(
+            404,
+            f"The model {name!r} does not exist; this server serves {state.model_name!r}.",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def respond(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return respond(exc.status, error_body(exc.message, exc.type, exc.param, exc.code), exc.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return respond(400, error_body(str(exc), "invalid_request_error", exc.param))
+
+    @app.exception_handler(KVServeError)
+    async def kvserve_error(_: Request, exc: KVServeError) -> JSONResponse:
+        if isinstance(exc, EngineClosedError):
+            return respond(503, error_body(str(exc), "service_unavailable", code=503))
+        if isinstance(exc, EngineError):
+            return respond(500, error_body(str(exc), "server_error"))
+        return respond(400, error_body(str(exc), "invalid_request_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(400, _validation_body(exc.errors()))
+
+    from pydantic import ValidationError
+
+    @app.exception_handler(ValidationError)
+    async def pydantic_validation(_: Request, exc: ValidationError) -> JSONResponse:
+        return respond(400, _validation_body(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return respond(exc.status_code, error_body(str(exc.detail), kind, code=exc.status_code))
+
+
+def _validation_body(errors: list[dict]) -> dict:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body",)]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return error_body(message, "invalid_request_error", param)
+
+
+class _BodyLimitMiddleware:
+    """413 for request bodies over the limit, by Content-Length or by counting a streamed body."""
+
+    def __init__(self, app: Callable, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._reject(send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            return await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            return await self._reject(send)
+
+    async def _reject(self, send) -> None:
+        body = json.dumps(
+            error_body(f"The request body exceeds {self.max_bytes} bytes.", "invalid_request_error", code=413)
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass

@@ -1,0 +1,159 @@
+"""OpenAI request shapes (pydantic) and their translation to SamplingParams.
+
+Every field kvserve does not support is refused by name (400), never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.errors import InvalidRequestError
+from kvserve.sampling_params import SamplingParams
+
+
+class UnsupportedFieldError(InvalidRequestError):
+    pass
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Base(BaseModel):
+    """Fields common to both routes, including kvserve's extra sampling fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # kvserve (and vLLM) extras
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        """Refuse, by name, every field kvserve does not implement (raises UnsupportedFieldError)."""
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise UnsupportedFieldError(
+                f"response_format {self.response_format.get('type')!r} is not supported; only 'text' is.",
+                "response_format",
+            )
+        extra = sorted((self.model_extra or {}).keys())
+        if extra:
+            raise UnsupportedFieldError(
+                f"Unsupported field(s): {', '.join(extra)}. kvserve does not implement "
+                f"{'it' if len(extra) == 1 else 'them'} yet; remove {'it' if len(extra) == 1 else 'them'} "
+                "from the request.",
+                extra[0],
+            )
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop=tuple(stop),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_Base):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt is empty; send a string, a list of strings or token ids.", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise UnsupportedFieldError(
+                    f"messages[{index}].content[{j}] has type {part.get('type')!r}; only text parts are supported.",
+                    f"messages[{index}].content[{j}].type",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_Base):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(self.messages)
+        ]
+
+    def chat_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true.", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,45 @@
+"""A real uvicorn server on a free loopback port, in a background thread, for the HTTP tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from kvserve.server.app import ServerSettings, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(settings: ServerSettings, llm=None):
+    """Yield the base URL of a started server; stop it (gracefully) on exit."""
+    port = free_port()
+    app = create_app(settings, llm)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    else:
+        raise RuntimeError("server did not become healthy")
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -1,0 +1,362 @@
+"""The OpenAI-compatible server, tested over real HTTP with the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvserve import LLM
+from kvserve.server.app import ServerSettings
+from tests.conftest import wait_idle_and_check
+from tests.server_harness import running_server
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=8192, max_num_seqs=48, progress=False) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def base_url(llm):
+    settings = ServerSettings(served_model_name=MODEL, max_num_seqs=48, max_queue=64, max_body_bytes=200_000)
+    with running_server(settings, llm) as base:
+        yield base
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(llm):
+    yield
+    wait_idle_and_check(llm)
+
+
+@pytest.fixture
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def metric(base_url: str, name: str) -> float:
+    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_and_usage(client, llm):
+    r = client.completions.create(model=MODEL, prompt="hello world", **GREEDY)
+    expected = llm.generate("hello world", _params(12))
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == expected.text and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(expected.prompt_token_ids) and r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_completion_prompt_forms_and_echo(client):
+    single = client.completions.create(model=MODEL, prompt="abc", **GREEDY).choices[0].text
+    as_ids = client.completions.create(model=MODEL, prompt=[97, 98, 99], **GREEDY).choices[0].text
+    many = client.completions.create(model=MODEL, prompt=["abc", "abc"], **GREEDY)
+    many_ids = client.completions.create(model=MODEL, prompt=[[97, 98, 99], [97, 98, 99]], **GREEDY)
+    assert single == as_ids == many.choices[0].text == many.choices[1].text == many_ids.choices[1].text
+    echoed = client.completions.create(model=MODEL, prompt="abc", echo=True, **GREEDY).choices[0].text
+    assert echoed == "abc" + single
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    messages = [{"role": "system", "content": "terse"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_sse_ends_with_done(base_url):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_n_seed_and_stop(client):
+    sampled = dict(temperature=1.0, max_tokens=16, seed=7, extra_body={"ignore_eos": True})
+    a = client.completions.create(model=MODEL, prompt="seeded", n=2, **sampled)
+    b = client.completions.create(model=MODEL, prompt="seeded", n=2, **sampled)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # n choices are different samples
+    assert a.usage.completion_tokens == 32
+    free = client.completions.create(model=MODEL, prompt="stop here", **GREEDY).choices[0].text
+    stop = free[3:5]
+    stopped = client.completions.create(model=MODEL, prompt="stop here", stop=[stop], **GREEDY).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == free[: free.index(stop)]
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3, **GREEDY
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy = top-1
+    c = client.completions.create(model=MODEL, prompt="x", logprobs=2, **GREEDY)
+    assert len(c.choices[0].logprobs.token_logprobs) == 12 and len(c.choices[0].logprobs.top_logprobs[0]) <= 2
+
+
+def test_async_client(base_url, llm):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+        rs = await asyncio.gather(*(client.completions.create(model=MODEL, prompt=f"p{i}", **GREEDY) for i in range(4)))
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "a"}], stream=True, **GREEDY
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+        await client.close()
+        return [r.choices[0].text for r in rs], text
+
+    texts, chat_text = asyncio.run(main())
+    assert texts == [llm.generate(f"p{i}", _params(12)).text for i in range(4)]
+    assert chat_text == llm.chat([{"role": "user", "content": "a"}], _params(12)).text
+
+
+def test_32_concurrent_streams_equal_their_solo_runs(client, llm):
+    prompts = [f"client {i} says " + "la " * i for i in range(32)]
+    solo = [llm.generate(p, _params(20)).text for p in prompts]
+    results: dict[int, str] = {}
+
+    def worker(i: int) -> None:
+        stream = client.completions.create(
+            model=MODEL, prompt=prompts[i], stream=True, temperature=0, max_tokens=20, extra_body={"ignore_eos": True}
+        )
+        results[i] = "".join(c.choices[0].text for c in stream)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [results.get(i) for i in range(32)] == solo
+
+
+def test_closing_a_stream_frees_everything_within_a_second(client, base_url, llm):
+    baseline = metric(base_url, "kvserve_kv_blocks_used")
+    aborted = metric(base_url, "kvserve_requests_aborted_total")
+    stream = client.completions.create(
+        model=MODEL, prompt="long one", stream=True, temperature=0, max_tokens=900, extra_body={"ignore_eos": True}
+    )
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        if metric(base_url, "kvserve_requests_running") == 0 and metric(base_url, "kvserve_kv_blocks_used") == baseline:
+            break
+        time.sleep(0.02)
+    assert metric(base_url, "kvserve_requests_running") == 0
+    assert metric(base_url, "kvserve_kv_blocks_used") == baseline
+    assert metric(base_url, "kvserve_requests_aborted_total") == aborted + 1
+
+
+def test_non_streaming_disconnect_aborts(base_url, llm):
+    aborted = llm.stats()["num_aborted_total"]
+    body = {"model": MODEL, "prompt": "slow", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=0.3)
+    wait_idle_and_check(llm)
+    assert llm.stats()["num_aborted_total"] == aborted + 1
+
+
+def test_hundred_disconnects_leave_the_server_healthy(client, base_url, llm):
+    for i in range(100):
+        stream = client.completions.create(
+            model=MODEL, prompt=f"d{i}", stream=True, temperature=0, max_tokens=200, extra_body={"ignore_eos": True}
+        )
+        next(iter(stream))
+        stream.close()
+    wait_idle_and_check(llm)
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    assert client.completions.create(model=MODEL, prompt="ok", **GREEDY).choices[0].finish_reason == "length"
+
+
+def test_delete_aborts_by_response_id_and_client_id(base_url, llm):
+    body = {"model": MODEL, "prompt": "abort me", "max_tokens": 900, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers={"X-Request-Id": "mine-1"}) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line)[6:])
+        assert httpx.delete(f"{base_url}/v1/requests/mine-1").status_code == 200
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    assert first["id"].startswith("cmpl-")
+    missing = httpx.delete(f"{base_url}/v1/requests/{first['id']}")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
+
+
+BAD_REQUESTS = [
+    ("completions", b"{not json", 400),
+    ("completions", {"model": MODEL}, 400),  # no prompt
+    ("completions", {"model": MODEL, "prompt": 5}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "top_k": -5}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "min_p": 3}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "presence_penalty": 9}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -9}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 0}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "seed": -3}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400),
+    ("completions", {"model": MODEL, "prompt": [1, 2, 999999]}, 400),
+    ("completions", {"model": MODEL, "prompt": []}, 400),
+    ("completions", {"model": MODEL, "prompt": ""}, 400),
+    ("completions", {"model": MODEL, "prompt": "x" * 5000}, 400),  # longer than the context
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"1": 2}}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400),
+    ("completions", {"model": "gpt-4", "prompt": "x"}, 404),
+    ("completions", {"model": MODEL, "prompt": "x" * 300_000}, 413),
+    ("chat/completions", {"model": MODEL, "messages": []}, 400),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, 400),
+    (
+        "chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        400,
+    ),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400),
+    ("chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404),
+]
+
+
+def test_bad_requests_get_4xx_while_a_good_stream_completes(base_url, client, llm):
+    expected_text = llm.generate("good", _params(200)).text
+    good: dict[str, str] = {}
+
+    def good_stream() -> None:
+        stream = client.completions.create(
+            model=MODEL, prompt="good", stream=True, temperature=0, max_tokens=200, extra_body={"ignore_eos": True}
+        )
+        good["text"] = "".join(c.choices[0].text for c in stream)
+
+    thread = threading.Thread(target=good_stream)
+    thread.start()
+    failures = []
+    for route, body, status in BAD_REQUESTS:
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(f"{base_url}/v1/{route}", headers={"content-type": "application/json"}, **kwargs)
+        error = r.json().get("error", {}) if r.headers.get("content-type", "").startswith("application/json") else {}
+        if r.status_code != status or set(error) != {"message", "type", "param", "code"} or not error["message"]:
+            failures.append((route, str(body)[:60], r.status_code, r.text[:200]))
+    thread.join(60)
+    assert not failures, failures
+    assert len(BAD_REQUESTS) >= 25
+    assert good["text"] == expected_text
+
+
+def test_error_bodies_name_the_field(base_url):
+    r = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 0})
+    assert r.json()["error"]["param"] == "top_p"
+    r = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []},
+    )
+    assert r.json()["error"]["param"] == "tools" and "tools" in r.json()["error"]["message"]
+
+
+def test_auth(llm):
+    settings = ServerSettings(served_model_name=MODEL, api_keys=("k1", "k2"))
+    with running_server(settings, llm) as base:
+        assert httpx.get(f"{base}/health").status_code == 200
+        assert httpx.get(f"{base}/metrics").status_code == 200
+        r = httpx.get(f"{base}/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+        for key in ("k1", "k2"):
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+            assert client.models.list().data[0].id == MODEL
+
+
+def test_429_with_retry_after_when_the_queue_is_full(llm):
+    settings = ServerSettings(served_model_name=MODEL, max_num_seqs=2, max_queue=1)
+    with running_server(settings, llm) as base:
+        body = {"model": MODEL, "prompt": "busy", "max_tokens": 900, "stream": True, "ignore_eos": True}
+        with httpx.Client(timeout=30) as http:
+            streams = [http.stream("POST", f"{base}/v1/completions", json=body) for _ in range(3)]
+            responses = [s.__enter__() for s in streams]
+            try:
+                rejected = metric(base, "kvserve_requests_rejected_total")
+                r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+                assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+                assert r.json()["error"]["type"] == "rate_limit_error"
+                assert metric(base, "kvserve_requests_rejected_total") == rejected + 1
+            finally:
+                for s in streams:
+                    s.__exit__(None, None, None)
+        wait_idle_and_check(llm)
+        ok = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_request_timeout(llm):
+    settings = ServerSettings(served_model_name=MODEL, request_timeout=0.2)
+    with running_server(settings, llm) as base:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 900, "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and "request_timeout" in lines[-2]
+    wait_idle_and_check(llm)
+
+
+def test_metrics_names(base_url, client):
+    client.completions.create(model=MODEL, prompt="m", **GREEDY)
+    text = httpx.get(f"{base_url}/metrics").text
+    for name in (
+        "kvserve_requests_running",
+        "kvserve_requests_waiting",
+        "kvserve_kv_cache_usage_ratio",
+        "kvserve_kv_blocks_used",
+        "kvserve_kv_blocks_total",
+        "kvserve_prefix_cache_hit_tokens_total",
+        "kvserve_prompt_tokens_total",
+        "kvserve_generation_tokens_total",
+        "kvserve_requests_aborted_total",
+        "kvserve_requests_rejected_total",
+        "kvserve_time_to_first_token_seconds_bucket",
+        "kvserve_e2e_request_latency_seconds_count",
+    ):
+        assert name in text, name
+
+
+def _params(max_tokens: int):
+    from kvserve import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
