@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -307,18 +308,14 @@ def test_429_with_retry_after_when_the_queue_is_full(llm):
     settings = ServerSettings(served_model_name=MODEL, max_num_seqs=2, max_queue=1)
     with running_server(settings, llm) as base:
         body = {"model": MODEL, "prompt": "busy", "max_tokens": 900, "stream": True, "ignore_eos": True}
-        with httpx.Client(timeout=30) as http:
-            streams = [http.stream("POST", f"{base}/v1/completions", json=body) for _ in range(3)]
-            responses = [s.__enter__() for s in streams]
-            try:
-                rejected = metric(base, "kvserve_requests_rejected_total")
-                r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
-                assert r.status_code == 429 and r.headers["Retry-After"] == "1"
-                assert r.json()["error"]["type"] == "rate_limit_error"
-                assert metric(base, "kvserve_requests_rejected_total") == rejected + 1
-            finally:
-                for s in streams:
-                    s.__exit__(None, None, None)
+        with httpx.Client(timeout=30) as http, contextlib.ExitStack() as open_streams:
+            for _ in range(3):  # two running + one queued: the server is full
+                open_streams.enter_context(http.stream("POST", f"{base}/v1/completions", json=body))
+            rejected = metric(base, "kvserve_requests_rejected_total")
+            r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            assert metric(base, "kvserve_requests_rejected_total") == rejected + 1
         wait_idle_and_check(llm)
         ok = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert ok.status_code == 200
