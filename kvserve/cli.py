@@ -68,7 +68,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    uvicorn.Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish in-flight, close the engine
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # SIGTERM/SIGINT: stop accepting, let in-flight requests finish (up to --shutdown-timeout),
+            # close the engine, and exit 0 instead of re-raising the signal as uvicorn would.
+            super().handle_exit(sig, frame)
+            getattr(self, "_captured_signals", []).clear()
+
+    Server(config).run()
     return 0
 
 

@@ -1,0 +1,70 @@
+"""`kvserve serve` and `kvserve chat` as processes: loading, readiness, graceful SIGTERM, the chat loop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from tests.server_harness import free_port
+
+
+def test_serve_reports_loading_then_ready_and_exits_cleanly_on_sigterm(tiny_model_dir):
+    port = free_port()
+    env = {**os.environ, "KVSERVE_PORT": str(port), "KVSERVE_SERVED_MODEL_NAME": "tiny", "KVSERVE_DTYPE": "float32"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir), "--log-level", "warning"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    statuses = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                statuses.append(httpx.get(f"{base}/health", timeout=1).status_code)
+                if statuses[-1] == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.01)
+        assert statuses and statuses[-1] == 200
+        assert set(statuses) <= {200, 503}
+        result = {}
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 60, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                result["lines"] = [line for line in r.iter_lines() if line]
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+        assert proc.wait(60) == 0
+        assert result["lines"][-1] == "data: [DONE]"  # the in-flight stream was finished, not cut
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_chat_loop_with_reset_and_exit(tiny_model_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "chat", "--model", str(tiny_model_dir), "--max-tokens", "5"],
+        input="hello\n/reset\nagain\n/exit\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "(conversation cleared)" in out.stdout
+    assert out.stdout.count(">>> ") == 4
