@@ -1,43 +1,19 @@
 """A minimal single-request generation path over the paged model interface.
 
-It exists so that the model, weights and tokenizer can be proved against references (and tried
-from the command line) before the engine exists; the engine replaces it for serving. One
-sequence, KV blocks 0..n-1 of a pool sized for exactly that sequence.
+Tests use it as a reference with no scheduler in it: one sequence, KV blocks 0..n-1 of a pool
+sized for exactly that sequence, bound to the model it is given (never the engine's model).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from kvserve.kv_cache import allocate_kv_cache
 from kvserve.layers.attention import build_batch
-from kvserve.model_files import resolve_model
-from kvserve.tokenizer import Tokenizer
-from kvserve.weights.loader import load_model
 
 BLOCK_SIZE = 16
-
-
-@dataclass
-class LoadedModel:
-    path: Path
-    model: torch.nn.Module
-    tokenizer: Tokenizer
-
-    @classmethod
-    def load(
-        cls,
-        model: str | Path | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: str = "cpu",
-        progress=True,
-    ) -> LoadedModel:
-        path = resolve_model(model)
-        return cls(path, load_model(path, dtype, device, progress), Tokenizer.from_model_path(path))
 
 
 @torch.inference_mode()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -25,6 +26,7 @@ from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, 
 from kvserve.llm import LLM
 from kvserve.outputs import StreamChunk
 from kvserve.sampler import TokenLogprobs
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, usage_dict
 
@@ -152,46 +154,44 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
         state.ready_llm().abort(engine_ids)
         return {"id": request_id, "object": "request.abort", "aborted": True}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(request: Request) -> Response:
+    async def handle(request: Request, body_type, prepare, id_prefix: str, kind: str, chat: bool) -> Response:
+        """Admit, parse and check the body, build the choices' (prompt index, prompt, params) jobs, run."""
         llm, release = _admit(state)
         try:
-            body = CompletionRequest.model_validate(await _json(request))
+            body = body_type.model_validate(await _json(request))
             body.check_supported()
             _check_model(state, body.model)
-            if body.echo and body.logprobs is not None:
-                raise InvalidRequestError("echo with logprobs is not supported (no prompt logprobs).", "echo")
-            response_id = f"cmpl-{uuid.uuid4().hex}"
-            jobs = []
-            for p_index, prompt in enumerate(body.prompts()):
-                for i in range(body.n):
-                    params = _with_seed(body.sampling_params(body.max_tokens, body.logprobs, 16), body.seed, i)
-                    jobs.append((p_index, prompt, params))
-            return await _run(state, llm, request, response_id, "text_completion", body, jobs, False, release)
+            jobs = prepare(llm, body)
+            response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+            return await _run(state, llm, request, response_id, kind, body, jobs, chat, release)
         except BaseException:
             release()
             raise
 
+    def completion_jobs(llm: LLM, body: CompletionRequest) -> list:
+        if body.echo and body.logprobs is not None:
+            raise InvalidRequestError("echo with logprobs is not supported (no prompt logprobs).", "echo")
+        params = body.sampling_params(body.max_tokens, body.logprobs, 16)
+        return [
+            (p_index, prompt, _with_seed(params, body.seed, i))
+            for p_index, prompt in enumerate(body.prompts())
+            for i in range(body.n)
+        ]
+
+    def chat_jobs(llm: LLM, body: ChatCompletionRequest) -> list:
+        prompt_ids = llm.tokenizer.encode_chat(body.conversation())
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        default_max = max(1, llm.config.max_model_len - len(prompt_ids))  # as OpenAI: up to the context
+        params = body.sampling_params(max_tokens, body.chat_logprobs(), default_max)
+        return [(0, prompt_ids, _with_seed(params, body.seed, i)) for i in range(body.n)]
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Response:
+        return await handle(request, CompletionRequest, completion_jobs, "cmpl", "text_completion", chat=False)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:
-        llm, release = _admit(state)
-        try:
-            body = ChatCompletionRequest.model_validate(await _json(request))
-            body.check_supported()
-            _check_model(state, body.model)
-            prompt_ids = llm.tokenizer.encode_chat(body.conversation())
-            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            default_max = max(1, llm.config.max_model_len - len(prompt_ids))
-            logprobs = body.chat_logprobs()
-            jobs = [
-                (0, prompt_ids, _with_seed(body.sampling_params(max_tokens, logprobs, default_max), body.seed, i))
-                for i in range(body.n)
-            ]
-            response_id = f"chatcmpl-{uuid.uuid4().hex}"
-            return await _run(state, llm, request, response_id, "chat.completion", body, jobs, True, release)
-        except BaseException:
-            release()
-            raise
+        return await handle(request, ChatCompletionRequest, chat_jobs, "chatcmpl", "chat.completion", chat=True)
 
     return app
 
@@ -226,12 +226,9 @@ def _admit(state: ServerState) -> tuple[LLM, Callable[[], None]]:
     return llm, release
 
 
-def _with_seed(params, seed: int | None, index: int):
-    if seed is None or index == 0:
-        return params
-    from dataclasses import replace
-
-    return replace(params, seed=seed + index)
+def _with_seed(params: SamplingParams, seed: int | None, index: int) -> SamplingParams:
+    """Choice i of n samples with seed + i, so n choices differ but the response is reproducible."""
+    return params if seed is None or index == 0 else dataclasses.replace(params, seed=seed + index)
 
 
 async def _run(state, llm, request, response_id, kind, body, jobs, chat: bool, release) -> Response:
