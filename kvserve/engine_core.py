@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -23,6 +24,7 @@ from kvserve.model_runner import ModelRunner
 from kvserve.output_processor import RequestTextState
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler import Scheduler
+from kvserve.sessions import SessionManager
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvserve.engine")
@@ -56,7 +58,13 @@ class _Shutdown:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        make_sessions: Callable[[EngineCore], SessionManager] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.pool: BlockPool = scheduler.pool
         self.runner = runner
@@ -67,6 +75,9 @@ class EngineCore:
         self.num_failed_total = 0
         self.steps_total = 0
         self.is_closed = False
+        self.sessions = make_sessions(self) if make_sessions is not None else None
+        if self.sessions is not None:
+            scheduler.reclaim = self.sessions.reclaim
         self._stats: dict[str, Any] = {}
         self._publish_stats()
         self.thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
@@ -104,12 +115,18 @@ class EngineCore:
         try:
             while True:
                 block = not self.scheduler.has_work
+                # Idle with sessions alive: wake up now and then to expire those past their TTL.
+                timeout = 1.0 if block and self.sessions is not None and self.sessions.sessions else None
                 try:
-                    message = self.inbox.get(block=block)
+                    message = self.inbox.get(block=block, timeout=timeout)
                 except queue.Empty:
                     message = None
+                if self.sessions is not None:
+                    self.sessions.expire(time.monotonic())
                 while message is not None:
                     if isinstance(message, _Shutdown):
+                        if self.sessions is not None:
+                            self.sessions.shutdown()
                         self._abort(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
                         return
                     self._apply(message)
@@ -131,14 +148,7 @@ class EngineCore:
 
     def _apply(self, message: Any) -> None:
         if isinstance(message, _Add):
-            request = message.request
-            if request.request_id in self.states:
-                message.sink.put(
-                    InvalidRequestError(f"Request id {request.request_id!r} is already in use.", "request_id")
-                )
-                return
-            self.states[request.request_id] = (RequestTextState(request, self.tokenizer), message.sink)
-            self.scheduler.add_request(request)
+            self.admit(message.request, message.sink)
         elif isinstance(message, _Abort):
             self._abort(message.request_ids, RequestStatus.FINISHED_ABORTED)
         elif isinstance(message, _Call):
@@ -146,6 +156,16 @@ class EngineCore:
                 message.future.set_result(message.fn())
             except BaseException as exc:
                 message.future.set_exception(exc)
+
+    def admit(self, request: Request, sink: Sink | None) -> None:
+        """Hand a request to the scheduler (engine thread). A None sink: internal, no output."""
+        if request.request_id in self.states or request.request_id in self.scheduler.requests:
+            if sink is not None:
+                sink.put(InvalidRequestError(f"Request id {request.request_id!r} is already in use.", "request_id"))
+            return
+        if sink is not None:
+            self.states[request.request_id] = (RequestTextState(request, self.tokenizer), sink)
+        self.scheduler.add_request(request)
 
     def _step(self) -> None:
         out = self.scheduler.schedule()
@@ -163,26 +183,46 @@ class EngineCore:
         updated = self.scheduler.update_from_output(out, result.sampled)
         finished = []
         for request in updated:
+            if request.prefill_only:
+                self._on_finished(request)
+                continue
             state, sink = self.states[request.request_id]
             state.add_token(request.output_token_ids[-1], is_last=request.is_finished)
             if state.stopped_by_string is not None and not request.is_finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             logprobs = result.logprobs.get(request.request_id)
-            sink.put(state.chunk([logprobs] if logprobs is not None else None))
+            chunk = state.chunk([logprobs] if logprobs is not None else None)
+            if self.sessions is not None:
+                self.sessions.on_text(request.request_id, chunk.text)
+            sink.put(chunk)
             if request.is_finished:
                 finished.append(request.request_id)
+                self._on_finished(request)
         self._forget(finished)
+
+    def abort_now(self, request_ids: list[str]) -> None:
+        """Abort on the engine thread (sessions use it for interrupts and closes)."""
+        self._abort(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def _abort(self, request_ids: list[str], status: RequestStatus) -> None:
         finished = self.scheduler.finish_requests(request_ids, status)
         for request in finished:
-            state, sink = self.states[request.request_id]
-            sink.put(state.chunk())
-        self.num_aborted_total += len(finished)
+            entry = self.states.get(request.request_id)
+            if entry is not None:
+                entry[1].put(entry[0].chunk())
+            self._on_finished(request)
+        self.num_aborted_total += sum(1 for r in finished if not r.prefill_only)
+        if self.sessions is not None:  # a turn still waiting behind another one
+            self.sessions.drop_pending(set(request_ids) - {r.request_id for r in finished})
         self._forget([r.request_id for r in finished])
 
+    def _on_finished(self, request: Request) -> None:
+        if self.sessions is not None:
+            self.sessions.on_finished(request)
+
     def _fail(self, request_ids: list[str], error: Exception) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR):
+            self._on_finished(request)
         for request_id in request_ids:
             entry = self.states.get(request_id)
             if entry is not None:
@@ -223,5 +263,7 @@ class EngineCore:
             "prefix_cache_hit_tokens_total": s.stats.prefix_cache_hit_tokens_total,
             "generation_tokens_total": s.stats.generation_tokens_total,
             "steps_total": self.steps_total,
+            "num_sessions": len(self.sessions.sessions) if self.sessions is not None else 0,
+            "session_kv_blocks": self.sessions.num_pinned_blocks if self.sessions is not None else 0,
             "is_closed": self.is_closed,
         }

@@ -13,7 +13,7 @@ import itertools
 import os
 import queue
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +24,15 @@ from kvserve.config import EngineConfig
 from kvserve.engine_core import EngineCore
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.kv_cache import kv_cache_bytes_per_token
-from kvserve.model_files import resolve_model
+from kvserve.model_files import kvserve_home, resolve_model
 from kvserve.model_runner import ModelRunner
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
+from kvserve.session_handle import Session
+from kvserve.session_store import SessionStore
+from kvserve.sessions import SessionManager
 from kvserve.tokenizer import Tokenizer
 from kvserve.weights.loader import load_model
 
@@ -81,6 +84,9 @@ class LLM:
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
+        max_sessions: int = 1024,
+        session_ttl: float | None = 3600.0,
+        session_db: str | os.PathLike[str] | bool | None = None,
         progress: bool = True,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -115,7 +121,29 @@ class LLM:
             pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
         )
         runner = ModelRunner(self.model, num_blocks, block_size, self.tokenizer.stop_token_ids)
-        self.engine = EngineCore(scheduler, runner, self.tokenizer)
+        # Sessions need the prefix cache (their pinned blocks are found through it) and a store:
+        # $KVSERVE_HOME/sessions.db by default, a path, or False for none.
+        store = None
+        if session_db is not False and enable_prefix_caching:
+            path = kvserve_home() / "sessions.db" if session_db in (None, True) else Path(session_db)
+            store = SessionStore(path)
+        self.session_store = store
+
+        def make_sessions(engine: EngineCore) -> SessionManager | None:
+            if not enable_prefix_caching:
+                return None
+            return SessionManager(
+                pool,
+                self.tokenizer,
+                engine.admit,
+                engine.abort_now,
+                store,
+                max_sessions,
+                session_ttl,
+                self.config.max_model_len,
+            )
+
+        self.engine = EngineCore(scheduler, runner, self.tokenizer, make_sessions)
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
 
@@ -181,8 +209,12 @@ class LLM:
         return self._stream(request)
 
     def _stream(self, request: Request) -> Iterator[StreamChunk]:
+        return self._stream_with(request.request_id, lambda sink: self.engine.add(request, sink))
+
+    def _stream_with(self, request_id: str, start: Callable[[_ThreadSink], None]) -> Iterator[StreamChunk]:
+        """Yield a request's chunks; `start(sink)` submits it. Leaving early aborts `request_id`."""
         sink = _ThreadSink()
-        self.engine.add(request, sink)
+        start(sink)
         finished = False
         try:
             for chunk in _iter_sink(sink):
@@ -193,7 +225,7 @@ class LLM:
             raise
         finally:
             if not finished:
-                self.engine.abort([request.request_id])
+                self.engine.abort([request_id])
 
     def chat(self, messages: Messages, params: SamplingParams | None = None) -> RequestOutput:
         return self.generate(self._chat_ids(messages), params)
@@ -241,6 +273,38 @@ class LLM:
     async def achat(self, messages: Messages, params: SamplingParams | None = None) -> RequestOutput:
         return await self.agenerate(self._chat_ids(messages), params)
 
+    # ----- sessions -------------------------------------------------------------------------
+    def session(
+        self,
+        system: str | None = None,
+        messages: Messages | None = None,
+        *,
+        id: str | None = None,
+        ttl: float | None = None,
+        owner: str | None = None,
+    ) -> Session:
+        """A new session (optionally with a system message or earlier messages), or, with `id`,
+        an existing one: live, or reopened from the session store after a restart."""
+        if self.engine.sessions is None:
+            raise InvalidRequestError("Sessions need the prefix cache; create the LLM with enable_prefix_caching=True.")
+        if id is not None:
+            self._session_call(lambda m: m.get(id, owner))
+            return Session(self, id, owner)
+        initial = [{"role": "system", "content": system}] if system else []
+        for i, message in enumerate(messages or []):
+            if message.get("role") not in ("system", "user", "assistant") or not isinstance(
+                message.get("content"), str
+            ):
+                raise InvalidRequestError(
+                    f"messages[{i}] needs a role (system/user/assistant) and text content.", "messages"
+                )
+            initial.append({"role": message["role"], "content": message["content"]})
+        state = self._session_call(lambda m: m.create(owner, initial, ttl))
+        return Session(self, state.session_id, owner)
+
+    def _session_call(self, fn: Callable[[SessionManager], Any]) -> Any:
+        return self.engine.call(lambda: fn(self.engine.sessions), timeout=600)
+
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests by id (idempotent; unknown or finished ids are ignored)."""
         self.engine.abort([request_id] if isinstance(request_id, str) else list(request_id))
@@ -264,6 +328,8 @@ class LLM:
 
     def close(self) -> None:
         self.engine.shutdown()
+        if self.session_store is not None:
+            self.session_store.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -56,6 +56,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     stop_reason: int | str | None = None
+    prefill_only: bool = False  # compute the prompt's KV and finish without sampling (eager session prefill)
 
     @property
     def all_token_ids(self) -> list[int]:

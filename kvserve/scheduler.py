@@ -11,7 +11,7 @@ are freed and it is recomputed later from its tokens, which gives the same outpu
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvserve.block_pool import BlockPool, hash_full_blocks
@@ -66,6 +66,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        # Called with a number of blocks when the pool is short, before anything is preempted
+        # (sessions unpin idle conversations here).
+        self.reclaim: Callable[[int], None] | None = None
 
     @property
     def has_work(self) -> bool:
@@ -127,7 +130,8 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests that hit a stop rule.
 
-        Returns the requests that got a new token this step (finished ones included).
+        Returns the requests that got a new token this step (finished ones included), and
+        prefill-only requests that completed.
         """
         updated = []
         for item in out.scheduled:
@@ -136,6 +140,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens += len(item.token_ids)
             self._cache_computed_blocks(request)
+            if request.prefill_only and request.num_computed_tokens == request.num_tokens:
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                updated.append(request)
+                continue
             if not item.sample:
                 continue
             token = sampled[item.request_id]
@@ -177,7 +185,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start : start + num_new],
             num_computed_tokens=start,
             block_ids=list(request.block_ids),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new == request.num_tokens and not request.prefill_only,
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
@@ -187,6 +195,8 @@ class Scheduler:
         needed = -(-(request.num_computed_tokens + num_new) // self.block_size) - len(request.block_ids)
         if needed <= 0:
             return True
+        if needed > self.pool.num_free_blocks and self.reclaim is not None:
+            self.reclaim(needed)
         if needed > self.pool.num_free_blocks:
             return False
         request.block_ids.extend(self.pool.allocate(needed))

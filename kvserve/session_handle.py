@@ -1,0 +1,87 @@
+"""Session: the caller's handle on a conversation the engine thread owns.
+
+Any thread may call any method at any time. Operations on one session apply in the order they
+were called: `append` / `add_message` during a turn wait behind it (nothing is lost), a second
+`stream` waits for the first to finish, and `stream(interrupt=True)` or `interrupt()` aborts the
+running turn first.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from kvserve.errors import InvalidRequestError
+from kvserve.outputs import RequestOutput, StreamChunk
+from kvserve.sampling_params import SamplingParams
+from kvserve.sessions import SessionManager, SessionState, Turn
+
+if TYPE_CHECKING:
+    from kvserve.llm import LLM
+
+ROLES = ("system", "user", "assistant")
+
+
+class Session:
+    def __init__(self, llm: LLM, session_id: str, owner: str | None = None) -> None:
+        self.llm = llm
+        self.id = session_id
+        self.owner = owner
+
+    def _call(self, fn) -> Any:
+        """Run fn(manager, state) on the engine thread, in order with this session's other calls."""
+        owner, sid = self.owner, self.id
+
+        def run(manager: SessionManager) -> Any:
+            return fn(manager, manager.get(sid, owner))
+
+        return self.llm._session_call(run)
+
+    def add_message(self, role: str, content: str) -> None:
+        if role not in ROLES:
+            raise InvalidRequestError(f"role must be one of {', '.join(ROLES)}, got {role!r}.", "role")
+        self._call(lambda m, s: m.add_message(s, role, str(content)))
+
+    def append(self, text: str) -> None:
+        """Streaming input: joins the open user message (or opens one after an assistant turn)."""
+        self._call(lambda m, s: m.append(s, str(text)))
+
+    def stream(self, params: SamplingParams | None = None, *, interrupt: bool = False) -> Iterator[StreamChunk]:
+        """The assistant's turn, streamed; kept in the history when it completes. Leaving early aborts it."""
+        params = params or SamplingParams(max_tokens=256)
+        request_id = f"{self.id}-turn-{uuid.uuid4().hex[:8]}"
+
+        def start(sink) -> None:
+            self._call(lambda m, s: m.start_turn(s, Turn(request_id, params, sink, interrupt)))
+
+        return self.llm._stream_with(request_id, start)
+
+    def generate(self, params: SamplingParams | None = None, *, interrupt: bool = False) -> RequestOutput:
+        chunks = list(self.stream(params, interrupt=interrupt))
+        from kvserve.llm import _merge
+
+        return _merge(chunks[-1].request_id, chunks)
+
+    def interrupt(self) -> None:
+        def run(manager: SessionManager, state: SessionState) -> None:
+            if state.turn_request_id is not None:
+                manager.abort([state.turn_request_id])
+
+        self._call(run)
+
+    def fork(self) -> Session:
+        child = self._call(lambda m, s: m.fork(s))
+        return Session(self.llm, child.session_id, self.owner)
+
+    def info(self) -> dict[str, Any]:
+        return self._call(lambda m, s: m.info(s))
+
+    def close(self) -> None:
+        self._call(lambda m, s: m.close(s))
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

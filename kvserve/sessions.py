@@ -1,0 +1,334 @@
+"""Sessions: conversations whose KV blocks stay pinned between turns. Owned by the engine thread.
+
+A session keeps its history (messages), an open user message that streaming input (`append`)
+grows, and references on the KV blocks of the tokens it has computed ("pinned" blocks: full blocks
+registered in the prefix cache). A turn is an ordinary request whose prompt is the rendered
+history; the pinned blocks make the scheduler's prefix lookup skip everything already computed.
+While text streams in, an eager prefill request computes the part of the prompt that can no
+longer change. Under memory pressure idle sessions are unpinned least recently used first; their
+next turn simply recomputes. Operations arriving while a turn runs wait behind it, in order.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.block_pool import BlockPool
+from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+from kvserve.session_store import SessionStore
+from kvserve.tokenizer import Tokenizer
+
+EAGER_HOLDBACK_TOKENS = 3  # tokens at the open end of streamed input that may still re-tokenize
+_SENTINEL = "\u2063kvserve-open-end\u2063"
+
+
+class SessionNotFoundError(KVServeError):
+    """No session with that id (or not one this caller may see)."""
+
+
+class SessionLimitError(KVServeError):
+    """The maximum number of sessions is reached; close or let some expire first."""
+
+
+@dataclass
+class Turn:
+    request_id: str
+    params: SamplingParams
+    sink: Any
+    interrupt: bool = False
+
+
+@dataclass
+class SessionState:
+    session_id: str
+    owner: str | None
+    ttl: float | None
+    messages: list[dict[str, str]]
+    num_persisted: int = 0  # leading messages already in the store
+    open_user: str | None = None  # user text being streamed in, not yet part of a turn
+    pinned_block_ids: list[int] = field(default_factory=list)
+    turn_request_id: str | None = None  # the running turn
+    prefill_request_id: str | None = None  # the running eager prefill
+    pending: deque = field(default_factory=deque)  # operations waiting for the running turn
+    last_used: float = field(default_factory=time.monotonic)
+    num_turns: int = 0
+
+    @property
+    def is_generating(self) -> bool:
+        return self.turn_request_id is not None
+
+    def conversation(self) -> list[dict[str, str]]:
+        """History plus the open user message: what the next turn's prompt renders."""
+        if self.open_user is None:
+            return list(self.messages)
+        return [*self.messages, {"role": "user", "content": self.open_user}]
+
+
+class SessionManager:
+    """Engine-thread side of sessions. Every method runs on the engine thread."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        tokenizer: Tokenizer,
+        submit: Callable[[Request, Any], None],
+        abort: Callable[[list[str]], None],
+        store: SessionStore | None,
+        max_sessions: int,
+        default_ttl: float | None,
+        max_model_len: int,
+    ) -> None:
+        self.pool = pool
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.submit = submit  # hands a Request (and its sink) to the scheduler
+        self.abort = abort
+        self.store = store
+        self.max_sessions = max_sessions
+        self.default_ttl = default_ttl
+        self.sessions: dict[str, SessionState] = {}
+        self.by_request: dict[str, str] = {}  # turn or prefill request id -> session id
+        self.turn_outputs: dict[str, list[str]] = {}  # turn request id -> text pieces so far
+
+    # ----- lifecycle ------------------------------------------------------------------------
+    def create(
+        self, owner: str | None, messages: list[dict[str, str]], ttl: float | None, session_id: str | None = None
+    ) -> SessionState:
+        if len(self.sessions) >= self.max_sessions:
+            raise SessionLimitError(
+                f"There are already {self.max_sessions} sessions; close some (or raise max_sessions) first."
+            )
+        session_id = session_id or f"sess-{uuid.uuid4().hex}"
+        state = SessionState(session_id, owner, ttl if ttl is not None else self.default_ttl, list(messages))
+        if self.store is not None:
+            self.store.create(session_id, owner, state.ttl, state.messages)
+            state.num_persisted = len(state.messages)
+        self.sessions[session_id] = state
+        return state
+
+    def get(self, session_id: str, owner: str | None) -> SessionState:
+        state = self.sessions.get(session_id)
+        if state is None and self.store is not None:
+            loaded = self.store.load(session_id)
+            if loaded is not None:
+                stored_owner, ttl, messages = loaded
+                if stored_owner == owner:
+                    if len(self.sessions) >= self.max_sessions:
+                        raise SessionLimitError(f"There are already {self.max_sessions} sessions open.")
+                    state = SessionState(session_id, stored_owner, ttl, messages, num_persisted=len(messages))
+                    self.sessions[session_id] = state
+        if state is None or state.owner != owner:
+            raise SessionNotFoundError(f"No session {session_id!r}.")
+        state.last_used = time.monotonic()
+        return state
+
+    def close(self, state: SessionState) -> None:
+        """Abort its work, release its blocks, delete it (and its stored transcript)."""
+        waiting = [op for op in state.pending if isinstance(op, Turn)]
+        state.pending.clear()
+        self.sessions.pop(state.session_id, None)  # from here on, finishing requests ignore it
+        self.abort([i for i in (state.turn_request_id, state.prefill_request_id) if i])
+        for turn in waiting:
+            turn.sink.put(SessionNotFoundError(f"Session {state.session_id!r} was closed."))
+        self._unpin(state)
+        if self.store is not None:
+            self.store.delete(state.session_id)
+
+    def shutdown(self) -> None:
+        """The engine is stopping: turns that never started are told so; nothing new starts."""
+        from kvserve.errors import EngineClosedError
+
+        for state in self.sessions.values():
+            for op in state.pending:
+                if isinstance(op, Turn):
+                    op.sink.put(EngineClosedError("The engine closed before this turn started."))
+            state.pending.clear()
+
+    def fork(self, state: SessionState) -> SessionState:
+        """An independent copy sharing the computed prefix (the pinned blocks get one more reference)."""
+        child = self.create(state.owner, state.messages, state.ttl)
+        child.open_user = state.open_user
+        child.pinned_block_ids = list(state.pinned_block_ids)
+        self.pool.touch(child.pinned_block_ids)
+        return child
+
+    # ----- operations (ordered behind a running turn) ---------------------------------------
+    def add_message(self, state: SessionState, role: str, content: str) -> None:
+        if state.is_generating:
+            state.pending.append(("add_message", role, content))
+            return
+        if state.open_user is not None:  # a whole message closes the streamed one first
+            state.messages.append({"role": "user", "content": state.open_user})
+            state.open_user = None
+        state.messages.append({"role": role, "content": content})
+
+    def append(self, state: SessionState, text: str) -> None:
+        if state.is_generating:
+            state.pending.append(("append", text))
+            return
+        state.open_user = (state.open_user or "") + text
+        self._eager_prefill(state)
+
+    def start_turn(self, state: SessionState, turn: Turn) -> None:
+        if turn.interrupt and state.turn_request_id is not None:
+            self.abort([state.turn_request_id])
+        if state.is_generating:
+            state.pending.append(turn)
+            return
+        if state.prefill_request_id is not None:  # its finished blocks stay cached for this turn
+            self.abort([state.prefill_request_id])
+        conversation = state.conversation()
+        if not conversation or conversation[-1]["role"] != "user":
+            turn.sink.put(InvalidRequestError("The session has no new user message to answer.", "messages"))
+            self._drain(state)
+            return
+        prompt_ids = self.tokenizer.encode_chat(conversation)
+        if len(prompt_ids) + turn.params.max_tokens > self.max_model_len:
+            turn.sink.put(
+                InvalidRequestError(
+                    f"The conversation has {len(prompt_ids)} tokens; with max_tokens={turn.params.max_tokens} it "
+                    f"exceeds the context of {self.max_model_len}. Start a new session or lower max_tokens.",
+                    "max_tokens",
+                )
+            )
+            self._drain(state)
+            return
+        state.messages, state.open_user = conversation, None
+        request = Request(turn.request_id, prompt_ids, turn.params, eos_token_ids=self.tokenizer.stop_token_ids)
+        state.turn_request_id = turn.request_id
+        self.by_request[turn.request_id] = state.session_id
+        self.turn_outputs[turn.request_id] = []
+        self.submit(request, turn.sink)
+
+    def on_text(self, request_id: str, text: str) -> None:
+        pieces = self.turn_outputs.get(request_id)
+        if pieces is not None:
+            pieces.append(text)
+
+    def on_finished(self, request: Request) -> None:
+        """A session's turn or prefill request finished (any reason). Pin, record, run what waits."""
+        session_id = self.by_request.pop(request.request_id, None)
+        pieces = self.turn_outputs.pop(request.request_id, None)
+        state = self.sessions.get(session_id) if session_id else None
+        if state is None:
+            return
+        state.last_used = time.monotonic()
+        if request.request_id == state.prefill_request_id:
+            state.prefill_request_id = None
+            if request.status.name == "FINISHED_STOPPED":
+                self._pin(state, request)
+            return
+        if request.request_id != state.turn_request_id:
+            return
+        state.turn_request_id = None
+        reason = request.finish_reason.value if request.finish_reason else "abort"
+        if reason in ("stop", "length"):
+            state.messages.append({"role": "assistant", "content": "".join(pieces or [])})
+            state.num_turns += 1
+            if self.store is not None:
+                self.store.append_turn(state.session_id, state.num_persisted, state.messages[state.num_persisted :])
+                state.num_persisted = len(state.messages)
+            self._pin(state, request)
+        self._drain(state)
+
+    def drop_pending(self, request_ids: set[str]) -> None:
+        """Forget turns that were aborted before they started (their caller has gone)."""
+        if not request_ids:
+            return
+        for state in self.sessions.values():
+            kept = [op for op in state.pending if not (isinstance(op, Turn) and op.request_id in request_ids)]
+            if len(kept) != len(state.pending):
+                state.pending = deque(kept)
+
+    def reclaim(self, num_blocks: int) -> None:
+        """Memory pressure: unpin idle sessions, least recently used first, until enough is free."""
+        idle = sorted(
+            (s for s in self.sessions.values() if not s.is_generating and s.pinned_block_ids),
+            key=lambda s: s.last_used,
+        )
+        for state in idle:
+            if self.pool.num_free_blocks >= num_blocks:
+                return
+            self._unpin(state)
+
+    def expire(self, now: float) -> None:
+        for state in list(self.sessions.values()):
+            if state.ttl is not None and not state.is_generating and now - state.last_used > state.ttl:
+                self.close(state)
+
+    def info(self, state: SessionState) -> dict[str, Any]:
+        prompt_ids = (
+            self.tokenizer.encode_chat(state.conversation(), add_generation_prompt=False)
+            if (state.conversation())
+            else []
+        )
+        return {
+            "id": state.session_id,
+            "state": "generating" if state.is_generating else "idle",
+            "num_messages": len(state.messages),
+            "num_tokens": len(prompt_ids),
+            "num_cached_tokens": len(state.pinned_block_ids) * self.pool.block_size,
+            "kv_blocks": len(state.pinned_block_ids),
+            "num_turns": state.num_turns,
+            "ttl": state.ttl,
+            "messages": list(state.messages)
+            + ([{"role": "user", "content": state.open_user}] if state.open_user is not None else []),
+        }
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(s.pinned_block_ids) for s in self.sessions.values())
+
+    # ----- internals ------------------------------------------------------------------------
+    def _drain(self, state: SessionState) -> None:
+        """Apply what waited behind the turn, in order, until the next turn starts."""
+        while state.pending and not state.is_generating:
+            op = state.pending.popleft()
+            if isinstance(op, Turn):
+                self.start_turn(state, op)
+            elif op[0] == "add_message":
+                self.add_message(state, op[1], op[2])
+            else:
+                self.append(state, op[1])
+
+    def _pin(self, state: SessionState, request: Request) -> None:
+        """Take references on the request's computed full blocks (still cached: same step)."""
+        blocks = self.pool.find_cached_prefix(request.block_hashes)
+        self.pool.touch(blocks)
+        self._unpin(state)
+        state.pinned_block_ids = blocks
+
+    def _unpin(self, state: SessionState) -> None:
+        if state.pinned_block_ids:
+            self.pool.free(state.pinned_block_ids)
+            state.pinned_block_ids = []
+
+    def _eager_prefill(self, state: SessionState) -> None:
+        """Compute the streamed prompt's stable part now, so the turn has little left to do."""
+        if state.prefill_request_id is not None:
+            self.abort([state.prefill_request_id])  # finished blocks stay cached; restart further on
+            state.prefill_request_id = None
+        marked = [*state.messages, {"role": "user", "content": (state.open_user or "") + _SENTINEL}]
+        try:
+            text = self.tokenizer.apply_chat_template(marked, add_generation_prompt=False)
+        except KVServeError:
+            return
+        cut = text.find(_SENTINEL)
+        if cut < 0:
+            return
+        stable = self.tokenizer.encode(text[:cut], add_special_tokens=False)[:-EAGER_HOLDBACK_TOKENS]
+        computed = len(state.pinned_block_ids) * self.pool.block_size
+        if len(stable) < computed + self.pool.block_size or len(stable) >= self.max_model_len:
+            return  # not even one new full block yet, or past the context (the turn will say so)
+        request_id = f"{state.session_id}-prefill-{uuid.uuid4().hex[:8]}"
+        request = Request(request_id, stable, SamplingParams(max_tokens=1, temperature=0), prefill_only=True)
+        state.prefill_request_id = request_id
+        self.by_request[request_id] = state.session_id
+        self.submit(request, None)

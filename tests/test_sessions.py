@@ -1,0 +1,225 @@
+"""Sessions on a tiny random model: retention, ordering under concurrency (R1), fork, eviction,
+persistence. Every test ends with the pool's integrity check and, once sessions close, no block in use."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.sessions import SessionLimitError, SessionNotFoundError
+from tests.conftest import wait_idle_and_check
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def llm(tiny_model_dir, tmp_path):
+    with LLM(
+        str(tiny_model_dir), dtype="float32", kv_cache_tokens=8192, session_db=tmp_path / "s.db", progress=False
+    ) as llm:
+        yield llm
+
+
+def close_all_and_check(llm: LLM, sessions) -> None:
+    for s in sessions:
+        s.close()
+    counts = wait_idle_and_check(llm)
+    assert counts["used"] == 0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_three_turns_equal_stateless_chat_and_compute_only_new_tokens(llm):
+    s = llm.session(system="You are terse.")
+    history = [{"role": "system", "content": "You are terse."}]
+    previous = None
+    for i in range(3):
+        s.add_message("user", f"question number {i}: " + "why? " * (i + 1))
+        history.append({"role": "user", "content": f"question number {i}: " + "why? " * (i + 1)})
+        out = s.generate(GREEDY)
+        expected = llm.chat(history, GREEDY)
+        assert out.text == expected.text and out.token_ids == expected.token_ids
+        prompt = llm.tokenizer.encode_chat(history)
+        if previous is not None:
+            computed = previous[0] + previous[1][:-1]  # the last sampled token has no KV yet
+            block = llm.config.block_size
+            assert out.usage.cached_tokens == common_prefix(prompt, computed) // block * block > 0
+        history.append({"role": "assistant", "content": out.text})
+        previous = (prompt, out.token_ids)
+        info = s.info()
+        assert info["kv_blocks"] > 0 and info["num_turns"] == i + 1
+    assert llm.stats()["session_kv_blocks"] == s.info()["kv_blocks"]
+    wait_idle_and_check(llm, pinned=s.info()["kv_blocks"])  # held while idle, nothing else
+    close_all_and_check(llm, [s])
+
+
+def test_r1_appends_during_a_turn_queue_behind_it_in_order(llm):
+    s = llm.session(system="sys")
+    s.add_message("user", "first")
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    chunks, errors = [], []
+    started = threading.Event()
+
+    def turn() -> None:
+        try:
+            for chunk in s.stream(params):
+                chunks.append(chunk)
+                started.set()
+        except BaseException as exc:
+            errors.append(exc)
+            started.set()
+
+    thread = threading.Thread(target=turn)
+    thread.start()
+    started.wait(30)
+    for i in range(50):
+        s.append(f"c{i} ")
+    thread.join(60)
+    assert not errors
+    text = "".join(c.text for c in chunks)
+    messages = s.info()["messages"]
+    assert messages[-2] == {"role": "assistant", "content": text}
+    assert messages[-1] == {"role": "user", "content": "".join(f"c{i} " for i in range(50))}
+    # The same operations one after another give the same outputs.
+    sequential = llm.chat([{"role": "system", "content": "sys"}, {"role": "user", "content": "first"}], params)
+    assert sequential.text == text
+    second = s.generate(GREEDY)
+    assert second.text == llm.chat(messages, GREEDY).text
+    close_all_and_check(llm, [s])
+
+
+def test_streamed_input_is_prefilled_eagerly(llm):
+    s = llm.session()
+    text = "".join(f"word{i} " for i in range(60))
+    for start in range(0, len(text), 20):
+        s.append(text[start : start + 20])
+    time.sleep(0.5)  # let the engine prefill while "the user is still typing"
+    out = s.generate(GREEDY)
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": text}])
+    assert out.text == llm.chat([{"role": "user", "content": text}], GREEDY).text
+    assert out.usage.cached_tokens >= len(prompt) - 3 * llm.config.block_size
+    close_all_and_check(llm, [s])
+
+
+def test_fork_continues_independently(llm):
+    s = llm.session(system="base")
+    s.add_message("user", "shared question")
+    first = s.generate(GREEDY).text
+    t = s.fork()
+    assert t.id != s.id
+    s.add_message("user", "branch A")
+    t.add_message("user", "branch B")
+    a, b = s.generate(GREEDY), t.generate(GREEDY)
+    base = [
+        {"role": "system", "content": "base"},
+        {"role": "user", "content": "shared question"},
+        {"role": "assistant", "content": first},
+    ]
+    assert a.text == llm.chat([*base, {"role": "user", "content": "branch A"}], GREEDY).text
+    assert b.text == llm.chat([*base, {"role": "user", "content": "branch B"}], GREEDY).text
+    assert b.usage.cached_tokens > 0
+    assert len(s.info()["messages"]) == len(t.info()["messages"]) == 5
+    close_all_and_check(llm, [s, t])
+
+
+def test_aborted_turn_leaves_history_and_interrupt(llm):
+    s = llm.session()
+    s.add_message("user", "hello")
+    for i, _ in enumerate(s.stream(SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))):
+        if i == 2:
+            break
+    wait_idle_and_check(llm)
+    assert s.info()["messages"] == [{"role": "user", "content": "hello"}]
+    results = {}
+
+    def long_turn() -> None:
+        results["long"] = list(s.stream(SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)))
+
+    thread = threading.Thread(target=long_turn)
+    thread.start()
+    time.sleep(0.3)
+    quick = s.generate(GREEDY, interrupt=True)
+    thread.join(60)
+    assert results["long"][-1].finish_reason == "abort"
+    assert quick.finish_reason == "length"
+    assert s.info()["messages"][-1] == {"role": "assistant", "content": quick.text}
+    close_all_and_check(llm, [s])
+
+
+def test_eviction_under_a_small_pool_keeps_outputs(tiny_model_dir, tmp_path):
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=512, session_db=False, progress=False) as small:
+        sessions = [small.session(system=f"session {i} " * 5) for i in range(10)]
+        histories = []
+        for i, s in enumerate(sessions):
+            s.add_message("user", f"hello from {i} " * 3)
+            first = s.generate(GREEDY)
+            histories.append(
+                [
+                    {"role": "system", "content": f"session {i} " * 5},
+                    {"role": "user", "content": f"hello from {i} " * 3},
+                    {"role": "assistant", "content": first.text},
+                ]
+            )
+        assert sum(s.info()["kv_blocks"] for s in sessions) <= small.config.num_kv_blocks
+        for s, history in zip(sessions, histories, strict=True):
+            s.add_message("user", "again")
+            out = s.generate(GREEDY)
+            assert out.text == small.chat([*history, {"role": "user", "content": "again"}], GREEDY).text
+        small.check_integrity()
+        close_all_and_check(small, sessions)
+
+
+def test_sessions_survive_a_restart(tiny_model_dir, tmp_path):
+    db = tmp_path / "persist.db"
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=4096, session_db=db, progress=False) as a:
+        s = a.session(system="persist")
+        s.add_message("user", "turn one")
+        one = s.generate(GREEDY).text
+        s.add_message("user", "turn two (not answered before the crash)")
+        session_id = s.id
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=4096, session_db=db, progress=False) as b:
+        again = b.session(id=session_id)
+        messages = again.info()["messages"]
+        assert messages == [
+            {"role": "system", "content": "persist"},
+            {"role": "user", "content": "turn one"},
+            {"role": "assistant", "content": one},
+        ]  # the unanswered message was never part of a completed turn
+        again.add_message("user", "turn two")
+        out = again.generate(GREEDY)
+        assert out.text == b.chat([*messages, {"role": "user", "content": "turn two"}], GREEDY).text
+        again.close()
+        with pytest.raises(SessionNotFoundError):
+            b.session(id=session_id)  # closing deletes it from the store too
+        wait_idle_and_check(b)
+
+
+def test_limits_owner_and_ttl(tiny_model_dir):
+    with LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        kv_cache_tokens=1024,
+        session_db=False,
+        max_sessions=2,
+        session_ttl=0.5,
+        progress=False,
+    ) as llm:
+        a = llm.session(owner="alice")
+        llm.session()
+        with pytest.raises(SessionLimitError):
+            llm.session()
+        with pytest.raises(SessionNotFoundError):
+            llm.session(id=a.id, owner="mallory")
+        time.sleep(2.0)
+        with pytest.raises(SessionNotFoundError):
+            a.info()  # expired
+        assert llm.stats()["num_sessions"] == 0
+        wait_idle_and_check(llm)
