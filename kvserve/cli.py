@@ -60,6 +60,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         kv_cache_tokens=args.kv_cache_tokens,
         dtype=args.dtype,
         max_body_bytes=args.max_body_bytes,
+        max_sessions=args.max_sessions,
+        session_ttl=args.session_ttl,
     )
     config = uvicorn.Config(
         create_app(settings),
@@ -85,12 +87,11 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from kvserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    with LLM(args.model, dtype=args.dtype, max_num_seqs=1) as llm:
+    with LLM(args.model, dtype=args.dtype, max_num_seqs=1, session_db=False) as llm:
         if llm.tokenizer.chat_template is None:
             print("kvserve: error: this model has no chat template; use `kvserve generate --raw`.", file=sys.stderr)
             return 2
-        history = list(system)
+        session = llm.session(system=args.system)  # keeps the conversation's KV between turns
         print("Chat with the model. /reset clears the conversation, /exit quits; Ctrl-C stops a reply.")
         while True:
             try:
@@ -101,22 +102,20 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             if line.strip() == "/exit":
                 return 0
             if line.strip() == "/reset":
-                history = list(system)
+                session.close()
+                session = llm.session(system=args.system)
                 print("(conversation cleared)")
                 continue
             if not line.strip():
                 continue
-            history.append({"role": "user", "content": line})
-            reply = []
+            session.add_message("user", line)
             try:
-                for chunk in llm.stream_chat(history, params):
-                    reply.append(chunk.text)
+                for chunk in session.stream(params):
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
-            except KeyboardInterrupt:  # leaving the stream aborts the request; the chat goes on
+            except KeyboardInterrupt:  # leaving the stream aborts the turn; the chat goes on
                 sys.stdout.write(" [stopped]")
             sys.stdout.write("\n")
-            history.append({"role": "assistant", "content": "".join(reply)})
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -234,6 +233,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=int(_env("MAX_BODY_BYTES", str(4 << 20))),
         help="largest request body accepted; larger gets 413 (env KVSERVE_MAX_BODY_BYTES; default %(default)s)",
+    )
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=int(_env("MAX_SESSIONS", "1024")),
+        help="most open sessions; more get 429 (env KVSERVE_MAX_SESSIONS; default %(default)s)",
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=float,
+        default=float(_env("SESSION_TTL", "3600")),
+        help="seconds an idle session lives before it is closed and deleted (env KVSERVE_SESSION_TTL; "
+        "default %(default)s)",
     )
     p.add_argument(
         "--shutdown-timeout",

@@ -95,11 +95,15 @@ class EngineCore:
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run `fn` on the engine thread at the next step boundary and return its result."""
+        return self.post(fn).result(timeout)
+
+    def post(self, fn: Callable[[], Any]) -> Future:
+        """Queue `fn` for the engine thread; its result or exception arrives in the Future."""
         if self.is_closed:
             raise EngineClosedError("The engine is closed.")
         future: Future = Future()
         self.inbox.put(_Call(fn, future))
-        return future.result(timeout)
+        return future
 
     def stats(self) -> dict[str, Any]:
         return dict(self._stats)  # a snapshot the engine thread replaces after every step

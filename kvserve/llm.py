@@ -242,9 +242,13 @@ class LLM:
         """
         return self._astream(self._make_request(prompt, params, request_id))
 
-    async def _astream(self, request: Request) -> AsyncIterator[StreamChunk]:
+    def _astream(self, request: Request) -> AsyncIterator[StreamChunk]:
+        return self._astream_with(request.request_id, lambda sink: self.engine.add(request, sink))
+
+    async def _astream_with(self, request_id: str, start: Callable[[Any], None]) -> AsyncIterator[StreamChunk]:
+        """asyncio twin of `_stream_with`: `start(sink)` submits; leaving early aborts `request_id`."""
         sink = _AsyncSink(asyncio.get_running_loop())
-        self.engine.add(request, sink)
+        start(sink)
         finished = False
         try:
             while True:
@@ -258,7 +262,7 @@ class LLM:
                     return
         finally:
             if not finished:
-                self.engine.abort([request.request_id])
+                self.engine.abort([request_id])
 
     async def agenerate(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
@@ -304,6 +308,11 @@ class LLM:
 
     def _session_call(self, fn: Callable[[SessionManager], Any]) -> Any:
         return self.engine.call(lambda: fn(self.engine.sessions), timeout=600)
+
+    def _session_post(self, fn: Callable[[SessionManager], Any], sink: Any) -> None:
+        """Like _session_call without waiting: an error goes to `sink` (the caller's stream)."""
+        future = self.engine.post(lambda: fn(self.engine.sessions))
+        future.add_done_callback(lambda f: sink.put(f.exception()) if f.exception() is not None else None)
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests by id (idempotent; unknown or finished ids are ignored)."""

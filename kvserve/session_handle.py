@@ -9,7 +9,7 @@ running turn first.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvserve.errors import InvalidRequestError
@@ -47,15 +47,28 @@ class Session:
         """Streaming input: joins the open user message (or opens one after an assistant turn)."""
         self._call(lambda m, s: m.append(s, str(text)))
 
-    def stream(self, params: SamplingParams | None = None, *, interrupt: bool = False) -> Iterator[StreamChunk]:
-        """The assistant's turn, streamed; kept in the history when it completes. Leaving early aborts it."""
+    def _start_turn(self, params: SamplingParams | None, interrupt: bool, request_id: str | None):
         params = params or SamplingParams(max_tokens=256)
-        request_id = f"{self.id}-turn-{uuid.uuid4().hex[:8]}"
+        request_id = request_id or f"{self.id}-turn-{uuid.uuid4().hex[:8]}"
+        owner, sid = self.owner, self.id
 
         def start(sink) -> None:
-            self._call(lambda m, s: m.start_turn(s, Turn(request_id, params, sink, interrupt)))
+            turn = Turn(request_id, params, sink, interrupt)
+            self.llm._session_post(lambda m: m.start_turn(m.get(sid, owner), turn), sink)
 
-        return self.llm._stream_with(request_id, start)
+        return request_id, start
+
+    def stream(
+        self, params: SamplingParams | None = None, *, interrupt: bool = False, request_id: str | None = None
+    ) -> Iterator[StreamChunk]:
+        """The assistant's turn, streamed; kept in the history when it completes. Leaving early aborts it."""
+        return self.llm._stream_with(*self._start_turn(params, interrupt, request_id))
+
+    def astream(
+        self, params: SamplingParams | None = None, *, interrupt: bool = False, request_id: str | None = None
+    ) -> AsyncIterator[StreamChunk]:
+        """asyncio twin of `stream`."""
+        return self.llm._astream_with(*self._start_turn(params, interrupt, request_id))
 
     def generate(self, params: SamplingParams | None = None, *, interrupt: bool = False) -> RequestOutput:
         chunks = list(self.stream(params, interrupt=interrupt))

@@ -28,7 +28,18 @@ from kvserve.outputs import StreamChunk
 from kvserve.sampler import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, usage_dict
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SessionAppendRequest,
+    SessionCompletionRequest,
+    SessionCreateRequest,
+    SessionMessageRequest,
+    error_body,
+    usage_dict,
+)
+from kvserve.session_handle import Session
+from kvserve.sessions import SessionLimitError, SessionNotFoundError
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
@@ -44,6 +55,8 @@ class ServerSettings:
     kv_cache_tokens: int | None = None
     dtype: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_sessions: int = 1024
+    session_ttl: float | None = 3600.0
 
 
 class APIError(Exception):
@@ -97,6 +110,8 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
                             dtype=settings.dtype,
                             kv_cache_tokens=settings.kv_cache_tokens,
                             max_num_seqs=settings.max_num_seqs,
+                            max_sessions=settings.max_sessions,
+                            session_ttl=settings.session_ttl,
                         )
                     )
                 except Exception as exc:  # reported by /health and every route
@@ -114,9 +129,10 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(_BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
 
-    def authorize(request: Request) -> None:
+    def authorize(request: Request) -> str | None:
+        """The caller's API key (None without auth); it also owns the sessions the caller creates."""
         if not settings.api_keys:
-            return
+            return None
         header = request.headers.get("authorization", "")
         token = header[7:] if header.lower().startswith("bearer ") else None
         if token not in settings.api_keys:
@@ -126,6 +142,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
                 "authentication_error",
                 code="invalid_api_key",
             )
+        return token
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -168,22 +185,23 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
             release()
             raise
 
-    def completion_jobs(llm: LLM, body: CompletionRequest) -> list:
+    def completion_jobs(llm: LLM, body: CompletionRequest) -> list[_Job]:
         if body.echo and body.logprobs is not None:
             raise InvalidRequestError("echo with logprobs is not supported (no prompt logprobs).", "echo")
         params = body.sampling_params(body.max_tokens, body.logprobs, 16)
-        return [
-            (p_index, prompt, _with_seed(params, body.seed, i))
-            for p_index, prompt in enumerate(body.prompts())
-            for i in range(body.n)
-        ]
+        jobs = []
+        for p_index, prompt in enumerate(body.prompts()):
+            echo = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt)) if body.echo else None
+            for i in range(body.n):
+                jobs.append(_Job(p_index, _llm_stream(llm, prompt, _with_seed(params, body.seed, i)), echo))
+        return jobs
 
-    def chat_jobs(llm: LLM, body: ChatCompletionRequest) -> list:
+    def chat_jobs(llm: LLM, body: ChatCompletionRequest) -> list[_Job]:
         prompt_ids = llm.tokenizer.encode_chat(body.conversation())
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         default_max = max(1, llm.config.max_model_len - len(prompt_ids))  # as OpenAI: up to the context
         params = body.sampling_params(max_tokens, body.chat_logprobs(), default_max)
-        return [(0, prompt_ids, _with_seed(params, body.seed, i)) for i in range(body.n)]
+        return [_Job(0, _llm_stream(llm, prompt_ids, _with_seed(params, body.seed, i))) for i in range(body.n)]
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
@@ -192,6 +210,67 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:
         return await handle(request, ChatCompletionRequest, chat_jobs, "chatcmpl", "chat.completion", chat=True)
+
+    # ----- sessions ---------------------------------------------------------------------------
+    async def session_of(session_id: str, owner: str | None) -> Session:
+        llm = state.ready_llm()
+        await asyncio.to_thread(llm._session_call, lambda m: m.get(session_id, owner))
+        return Session(llm, session_id, owner)
+
+    def session_object(info: dict) -> dict:
+        return {"object": "session", **info}
+
+    @app.post("/v1/sessions")
+    async def create_session(request: Request, owner: str | None = Depends(authorize)) -> dict:
+        llm = state.ready_llm()
+        body = SessionCreateRequest.model_validate(await _json(request))
+        _check_model(state, body.model)
+        session = await asyncio.to_thread(llm.session, body.system, body.conversation(), ttl=body.ttl, owner=owner)
+        return session_object(await asyncio.to_thread(session.info))
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str, owner: str | None = Depends(authorize)) -> dict:
+        session = await session_of(session_id, owner)
+        return session_object(await asyncio.to_thread(session.info))
+
+    @app.post("/v1/sessions/{session_id}/messages")
+    async def add_session_message(session_id: str, request: Request, owner: str | None = Depends(authorize)) -> dict:
+        body = SessionMessageRequest.model_validate(await _json(request))
+        session = await session_of(session_id, owner)
+        await asyncio.to_thread(session.add_message, body.role, body.content)
+        return {"id": session_id, "object": "session.message", "queued": True}
+
+    @app.post("/v1/sessions/{session_id}/append")
+    async def append_to_session(session_id: str, request: Request, owner: str | None = Depends(authorize)) -> dict:
+        body = SessionAppendRequest.model_validate(await _json(request))
+        session = await session_of(session_id, owner)
+        await asyncio.to_thread(session.append, body.text)
+        return {"id": session_id, "object": "session.append", "queued": True}
+
+    @app.post("/v1/sessions/{session_id}/fork")
+    async def fork_session(session_id: str, owner: str | None = Depends(authorize)) -> dict:
+        session = await session_of(session_id, owner)
+        child = await asyncio.to_thread(session.fork)
+        return session_object(await asyncio.to_thread(child.info))
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, owner: str | None = Depends(authorize)) -> dict:
+        session = await session_of(session_id, owner)
+        await asyncio.to_thread(session.close)
+        return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+    @app.post("/v1/sessions/{session_id}/completions")
+    async def session_completion(session_id: str, request: Request, owner: str | None = Depends(authorize)) -> Response:
+        session = await session_of(session_id, owner)
+
+        def jobs(llm: LLM, body: SessionCompletionRequest) -> list[_Job]:
+            if body.n != 1:
+                raise InvalidRequestError("A session turn has one choice; n must be 1.", "n")
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            params = body.sampling_params(max_tokens, body.chat_logprobs(), 512)
+            return [_Job(0, lambda rid: session.astream(params, interrupt=body.interrupt, request_id=rid))]
+
+        return await handle(request, SessionCompletionRequest, jobs, "chatcmpl", "chat.completion", chat=True)
 
     return app
 
@@ -231,14 +310,26 @@ def _with_seed(params: SamplingParams, seed: int | None, index: int) -> Sampling
     return params if seed is None or index == 0 else dataclasses.replace(params, seed=seed + index)
 
 
-async def _run(state, llm, request, response_id, kind, body, jobs, chat: bool, release) -> Response:
+@dataclasses.dataclass
+class _Job:
+    """One choice of a response: which prompt it answers, how to start its stream, echoed text."""
+
+    prompt_index: int
+    start: Callable[[str], AsyncIterator[StreamChunk]]  # engine request id -> stream (validates now)
+    echo: str | None = None
+
+
+def _llm_stream(llm: LLM, prompt, params: SamplingParams) -> Callable[[str], AsyncIterator[StreamChunk]]:
+    return lambda request_id: llm.astream(prompt, params, request_id=request_id)
+
+
+async def _run(state, llm, request, response_id, kind, body, jobs: list[_Job], chat: bool, release) -> Response:
     """Start the engine requests of all choices; answer as one JSON body or as an SSE stream."""
     created = int(time.time())
     engine_ids = [f"{response_id}-{k}" for k in range(len(jobs))]
     # Validate every prompt before any work starts (raises InvalidRequestError -> 400).
-    streams = [
-        llm.astream(prompt, params, request_id=rid) for (_, prompt, params), rid in zip(jobs, engine_ids, strict=True)
-    ]
+    streams = [job.start(rid) for job, rid in zip(jobs, engine_ids, strict=True)]
+    prompt_indices = [job.prompt_index for job in jobs]
     aliases = [response_id]
     client_id = request.headers.get("x-request-id")
     if client_id:
@@ -246,10 +337,7 @@ async def _run(state, llm, request, response_id, kind, body, jobs, chat: bool, r
     for alias in aliases:
         state.requests[alias] = engine_ids
     arrival = time.monotonic()
-    prompt_texts = [None] * len(jobs)
-    if not chat and body.echo:
-        prompt_texts = [p if isinstance(p, str) else llm.tokenizer.decode(p) for _, p, _ in jobs]
-    formatter = _Formatter(llm, response_id, created, state.model_name, kind, chat, prompt_texts)
+    formatter = _Formatter(llm, response_id, created, state.model_name, kind, chat, [job.echo for job in jobs])
 
     def cleanup() -> None:  # idempotent: the request is over for the server
         for alias in aliases:
@@ -260,7 +348,7 @@ async def _run(state, llm, request, response_id, kind, body, jobs, chat: bool, r
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _sse(state, streams, formatter, arrival, include_usage, cleanup, [j[0] for j in jobs]),
+            _sse(state, streams, formatter, arrival, include_usage, cleanup, prompt_indices),
             media_type="text/event-stream",
             headers={"X-Request-Id": response_id},
             background=BackgroundTask(cleanup),  # also when the stream never started
@@ -269,7 +357,7 @@ async def _run(state, llm, request, response_id, kind, body, jobs, chat: bool, r
         chunks = await _collect_or_abort(state, request, streams, arrival)
     finally:
         cleanup()
-    return JSONResponse(formatter.full_response(chunks, [j[0] for j in jobs]), headers={"X-Request-Id": response_id})
+    return JSONResponse(formatter.full_response(chunks, prompt_indices), headers={"X-Request-Id": response_id})
 
 
 async def _collect_or_abort(state, request, streams, arrival) -> list[list[StreamChunk]]:
@@ -538,6 +626,14 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return respond(400, error_body(str(exc), "invalid_request_error", exc.param))
+
+    @app.exception_handler(SessionNotFoundError)
+    async def session_not_found(_: Request, exc: SessionNotFoundError) -> JSONResponse:
+        return respond(404, error_body(str(exc), "not_found_error", "session_id", "session_not_found"))
+
+    @app.exception_handler(SessionLimitError)
+    async def session_limit(_: Request, exc: SessionLimitError) -> JSONResponse:
+        return respond(429, error_body(str(exc), "rate_limit_error", code="too_many_sessions"), {"Retry-After": "10"})
 
     @app.exception_handler(KVServeError)
     async def kvserve_error(_: Request, exc: KVServeError) -> JSONResponse:

@@ -31,6 +31,10 @@ class _EngineCollector(Collector):
             "kvserve_kv_blocks_cached", "Free KV blocks kept for prefix hits.", s["kv_blocks_cached"]
         )
         yield GaugeMetricFamily("kvserve_kv_blocks_total", "KV blocks in the pool.", s["kv_blocks_total"])
+        yield GaugeMetricFamily("kvserve_sessions_active", "Open sessions.", s["num_sessions"])
+        yield GaugeMetricFamily(
+            "kvserve_session_kv_blocks", "KV blocks pinned by sessions between turns.", s["session_kv_blocks"]
+        )
         for name, key, doc in (
             ("kvserve_prefix_cache_hit_tokens", "prefix_cache_hit_tokens_total", "Prompt tokens served from cache."),
             ("kvserve_prompt_tokens", "prompt_tokens_total", "Prompt tokens received."),

@@ -157,3 +157,38 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class SessionCreateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    system: str | None = None
+    messages: list[ChatMessage] = Field(default_factory=list)
+    ttl: float | None = Field(default=None, gt=0)
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(self.messages)
+        ]
+
+
+class SessionMessageRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class SessionAppendRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str
+
+
+class SessionCompletionRequest(_Base):
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    interrupt: bool = False
+
+    chat_logprobs = ChatCompletionRequest.chat_logprobs

@@ -1,0 +1,172 @@
+"""Session routes over real HTTP: turns equal stateless chat, ownership by API key, and a server
+killed with SIGKILL mid-turn continues its sessions after a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.server.app import ServerSettings
+from tests.conftest import wait_idle_and_check
+from tests.server_harness import free_port, running_server
+
+MODEL = "tiny"
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir, tmp_path_factory):
+    db = tmp_path_factory.mktemp("sessions") / "s.db"
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=8192, session_db=db, progress=False) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def base(llm):
+    with running_server(ServerSettings(served_model_name=MODEL, api_keys=("alice", "bob")), llm) as base:
+        yield base
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_session_turns_over_http_equal_stateless_chat(base, llm):
+    h = auth("alice")
+    created = httpx.post(f"{base}/v1/sessions", json={"system": "be brief"}, headers=h).json()
+    sid = created["id"]
+    assert created["object"] == "session" and created["messages"] == [{"role": "system", "content": "be brief"}]
+    history = [{"role": "system", "content": "be brief"}]
+    for i in range(2):
+        httpx.post(f"{base}/v1/sessions/{sid}/messages", json={"role": "user", "content": f"q{i}"}, headers=h)
+        history.append({"role": "user", "content": f"q{i}"})
+        r = httpx.post(f"{base}/v1/sessions/{sid}/completions", json=GREEDY, headers=h).json()
+        text = r["choices"][0]["message"]["content"]
+        assert r["object"] == "chat.completion" and text == llm.chat(history, PARAMS).text
+        history.append({"role": "assistant", "content": text})
+        if i == 1:
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    httpx.post(f"{base}/v1/sessions/{sid}/append", json={"text": "streamed "}, headers=h)
+    httpx.post(f"{base}/v1/sessions/{sid}/append", json={"text": "input"}, headers=h)
+    with httpx.stream("POST", f"{base}/v1/sessions/{sid}/completions", json={**GREEDY, "stream": True}, headers=h) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    history.append({"role": "user", "content": "streamed input"})
+    assert text == llm.chat(history, PARAMS).text
+    info = httpx.get(f"{base}/v1/sessions/{sid}", headers=h).json()
+    assert info["messages"][-1] == {"role": "assistant", "content": text} and info["kv_blocks"] > 0
+    metrics = httpx.get(f"{base}/metrics").text
+    assert "kvserve_sessions_active" in metrics and "kvserve_session_kv_blocks" in metrics
+    fork = httpx.post(f"{base}/v1/sessions/{sid}/fork", headers=h).json()
+    assert fork["id"] != sid and fork["messages"] == info["messages"]
+    for session_id in (sid, fork["id"]):
+        assert httpx.delete(f"{base}/v1/sessions/{session_id}", headers=h).json()["deleted"] is True
+    assert httpx.get(f"{base}/v1/sessions/{sid}", headers=h).status_code == 404
+    wait_idle_and_check(llm)
+
+
+def test_another_key_cannot_see_append_or_delete(base, llm):
+    sid = httpx.post(f"{base}/v1/sessions", json={}, headers=auth("alice")).json()["id"]
+    bob = auth("bob")
+    for method, path, body in (
+        ("GET", "", None),
+        ("POST", "/append", {"text": "x"}),
+        ("POST", "/messages", {"role": "user", "content": "x"}),
+        ("POST", "/completions", GREEDY),
+        ("POST", "/fork", None),
+        ("DELETE", "", None),
+    ):
+        r = httpx.request(method, f"{base}/v1/sessions/{sid}{path}", json=body, headers=bob)
+        assert r.status_code == 404, (method, path, r.text)
+        assert r.json()["error"]["code"] == "session_not_found"
+    assert httpx.get(f"{base}/v1/sessions/{sid}", headers=auth("alice")).status_code == 200
+    assert httpx.get(f"{base}/v1/sessions/{sid}").status_code == 401
+    httpx.delete(f"{base}/v1/sessions/{sid}", headers=auth("alice"))
+    wait_idle_and_check(llm)
+
+
+def _start(tiny_model_dir, home, port) -> subprocess.Popen:
+    env = {**os.environ, "KVSERVE_HOME": str(home), "KVSERVE_DTYPE": "float32", "KVSERVE_SERVED_MODEL_NAME": MODEL}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def test_sigkill_mid_turn_then_restart_continues_the_session(tiny_model_dir, tmp_path, llm):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _start(tiny_model_dir, tmp_path, port)
+    try:
+        sid = httpx.post(f"{base}/v1/sessions", json={"system": "durable"}).json()["id"]
+        httpx.post(f"{base}/v1/sessions/{sid}/messages", json={"role": "user", "content": "turn one"})
+        one = httpx.post(f"{base}/v1/sessions/{sid}/completions", json=GREEDY).json()["choices"][0]["message"]
+        httpx.post(f"{base}/v1/sessions/{sid}/messages", json={"role": "user", "content": "doomed turn"})
+        started = threading.Event()
+
+        def doomed() -> None:
+            body = {**GREEDY, "max_tokens": 900, "stream": True}
+            try:
+                with httpx.stream("POST", f"{base}/v1/sessions/{sid}/completions", json=body, timeout=60) as s:
+                    for _ in s.iter_lines():
+                        started.set()
+            except httpx.HTTPError:
+                pass
+
+        thread = threading.Thread(target=doomed)
+        thread.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        thread.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc = _start(tiny_model_dir, tmp_path, port)
+    try:
+        info = httpx.get(f"{base}/v1/sessions/{sid}").json()
+        completed = [
+            {"role": "system", "content": "durable"},
+            {"role": "user", "content": "turn one"},
+            {"role": "assistant", "content": one["content"]},
+        ]
+        assert info["messages"] == completed  # the killed turn is lost, nothing before it
+        httpx.post(f"{base}/v1/sessions/{sid}/messages", json={"role": "user", "content": "turn two"})
+        two = httpx.post(f"{base}/v1/sessions/{sid}/completions", json=GREEDY).json()["choices"][0]["message"]
+        assert two["content"] == llm.chat([*completed, {"role": "user", "content": "turn two"}], PARAMS).text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
