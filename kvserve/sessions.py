@@ -64,6 +64,11 @@ class SessionState:
     def is_generating(self) -> bool:
         return self.turn_request_id is not None
 
+    @property
+    def is_busy(self) -> bool:
+        """A turn or an eager prefill runs: new operations wait behind it, in order."""
+        return self.turn_request_id is not None or self.prefill_request_id is not None
+
     def conversation(self) -> list[dict[str, str]]:
         """History plus the open user message: what the next turn's prompt renders."""
         if self.open_user is None:
@@ -161,7 +166,7 @@ class SessionManager:
 
     # ----- operations (ordered behind a running turn) ---------------------------------------
     def add_message(self, state: SessionState, role: str, content: str) -> None:
-        if state.is_generating:
+        if state.is_busy:
             state.pending.append(("add_message", role, content))
             return
         if state.open_user is not None:  # a whole message closes the streamed one first
@@ -170,7 +175,7 @@ class SessionManager:
         state.messages.append({"role": role, "content": content})
 
     def append(self, state: SessionState, text: str) -> None:
-        if state.is_generating:
+        if state.is_busy:
             state.pending.append(("append", text))
             return
         state.open_user = (state.open_user or "") + text
@@ -179,11 +184,9 @@ class SessionManager:
     def start_turn(self, state: SessionState, turn: Turn) -> None:
         if turn.interrupt and state.turn_request_id is not None:
             self.abort([state.turn_request_id])
-        if state.is_generating:
+        if state.is_busy:  # behind a running turn, or an eager prefill whose blocks this turn will reuse
             state.pending.append(turn)
             return
-        if state.prefill_request_id is not None:  # its finished blocks stay cached for this turn
-            self.abort([state.prefill_request_id])
         conversation = state.conversation()
         if not conversation or conversation[-1]["role"] != "user":
             turn.sink.put(InvalidRequestError("The session has no new user message to answer.", "messages"))
@@ -224,6 +227,7 @@ class SessionManager:
             state.prefill_request_id = None
             if request.status.name == "FINISHED_STOPPED":
                 self._pin(state, request)
+            self._drain(state)
             return
         if request.request_id != state.turn_request_id:
             return
@@ -264,23 +268,35 @@ class SessionManager:
                 self.close(state)
 
     def info(self, state: SessionState) -> dict[str, Any]:
-        prompt_ids = (
-            self.tokenizer.encode_chat(state.conversation(), add_generation_prompt=False)
-            if (state.conversation())
-            else []
-        )
+        messages = self._projected_messages(state)
+        prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=False) if messages else []
         return {
             "id": state.session_id,
             "state": "generating" if state.is_generating else "idle",
-            "num_messages": len(state.messages),
+            "num_messages": len(messages),
             "num_tokens": len(prompt_ids),
             "num_cached_tokens": len(state.pinned_block_ids) * self.pool.block_size,
             "kv_blocks": len(state.pinned_block_ids),
             "num_turns": state.num_turns,
             "ttl": state.ttl,
-            "messages": list(state.messages)
-            + ([{"role": "user", "content": state.open_user}] if state.open_user is not None else []),
+            "messages": messages,
         }
+
+    @staticmethod
+    def _projected_messages(state: SessionState) -> list[dict[str, str]]:
+        """The history as it reads once the queued messages and appends apply (queued turns aside)."""
+        messages, open_user = list(state.messages), state.open_user
+        for op in state.pending:
+            if isinstance(op, Turn):
+                continue
+            if op[0] == "append":
+                open_user = (open_user or "") + op[1]
+            else:
+                if open_user is not None:
+                    messages.append({"role": "user", "content": open_user})
+                    open_user = None
+                messages.append({"role": op[1], "content": op[2]})
+        return messages + ([{"role": "user", "content": open_user}] if open_user is not None else [])
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -289,7 +305,7 @@ class SessionManager:
     # ----- internals ------------------------------------------------------------------------
     def _drain(self, state: SessionState) -> None:
         """Apply what waited behind the turn, in order, until the next turn starts."""
-        while state.pending and not state.is_generating:
+        while state.pending and not state.is_busy:
             op = state.pending.popleft()
             if isinstance(op, Turn):
                 self.start_turn(state, op)
@@ -312,9 +328,6 @@ class SessionManager:
 
     def _eager_prefill(self, state: SessionState) -> None:
         """Compute the streamed prompt's stable part now, so the turn has little left to do."""
-        if state.prefill_request_id is not None:
-            self.abort([state.prefill_request_id])  # finished blocks stay cached; restart further on
-            state.prefill_request_id = None
         marked = [*state.messages, {"role": "user", "content": (state.open_user or "") + _SENTINEL}]
         try:
             text = self.tokenizer.apply_chat_template(marked, add_generation_prompt=False)
