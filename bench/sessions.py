@@ -90,7 +90,7 @@ def streamed_input(args, rng: random.Random) -> dict:
             time.sleep(args.chunk_interval)  # the user is still typing (or speaking)
         streamed_ttft, _ = ttft(streamed.stream(reply))
         at_once = llm.session()
-        at_once.add_message("user", text + " ")  # a different prompt: no prefix shared with the first
+        at_once.add_message("user", text_of(llm, args.stream_tokens, rng))  # fresh text: no shared prefix
         at_once_ttft, _ = ttft(at_once.stream(reply))
     return {
         "input_tokens": args.stream_tokens,
