@@ -19,7 +19,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,42 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import WORDS, free_port, percentile
 
 from kvserve.model_files import resolve_model
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "serve.json"
-WORDS = [
-    "river",
-    "stone",
-    "cloud",
-    "paper",
-    "engine",
-    "garden",
-    "window",
-    "silver",
-    "orange",
-    "music",
-    "planet",
-    "coffee",
-    "winter",
-    "bridge",
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def start_server(cmd: list[str], port: int, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, float]:

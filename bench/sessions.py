@@ -20,26 +20,11 @@ import time
 from pathlib import Path
 
 import torch
+from common import WORDS
 
 from kvserve import LLM, SamplingParams
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "sessions.json"
-WORDS = [
-    "river",
-    "stone",
-    "cloud",
-    "paper",
-    "engine",
-    "garden",
-    "window",
-    "silver",
-    "orange",
-    "music",
-    "planet",
-    "coffee",
-    "winter",
-    "bridge",
-]
 
 
 def text_of(llm: LLM, num_tokens: int, rng: random.Random) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import percentile
 
 from kvserve import LLM, SamplingParams
 from kvserve.model_files import resolve_model
@@ -65,15 +66,6 @@ class Prompts:
 
     def short(self) -> list[int]:
         return self.make(self.rng.randint(*SHORT_PROMPT))
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100), as numpy's default."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def decode_rate(token_times: list[float]) -> float:

@@ -118,38 +118,30 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
 
 
+def _flag(p: argparse.ArgumentParser, flag: str, help: str, default=None, type=str, **kwargs) -> None:
+    """An option whose default comes from KVSERVE_<FLAG> when set; --help names the variable."""
+    env = "KVSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+    value = os.environ.get(env)
+    if value not in (None, ""):
+        default = type(value)
+    p.add_argument(flag, type=type, default=default, help=f"{help} (env {env}; default %(default)s)", **kwargs)
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=_env("MODEL", DEFAULT_MODEL),
-        help="registered model name, .gguf file or Hugging Face folder (env KVSERVE_MODEL; default %(default)s)",
-    )
-    p.add_argument(
+    _flag(p, "--model", "registered model name, .gguf file or Hugging Face folder", DEFAULT_MODEL)
+    _flag(
+        p,
         "--dtype",
+        "compute dtype; auto picks the measured fastest for the device",
+        "auto",
         choices=("auto", "float32", "bfloat16"),
-        default=_env("DTYPE", "auto"),
-        help="compute dtype; auto picks the measured fastest for the device (env KVSERVE_DTYPE; default %(default)s)",
     )
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=int(_env("MAX_TOKENS", str(max_tokens))),
-        help="most tokens to generate per reply (env KVSERVE_MAX_TOKENS; default %(default)s)",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=float(_env("TEMPERATURE", "0")),
-        help="sampling temperature, 0 for greedy (env KVSERVE_TEMPERATURE; default %(default)s)",
-    )
+    _flag(p, "--max-tokens", "most tokens to generate per reply", max_tokens, int)
+    _flag(p, "--temperature", "sampling temperature, 0 for greedy", 0.0, float)
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
-
-
-def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,17 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive multi-turn chat with streaming replies")
     _add_model_flags(p)
     _add_sampling_flags(p, 512)
-    p.add_argument("--system", default=_env("SYSTEM"), help="system message (env KVSERVE_SYSTEM)")
+    _flag(p, "--system", "system message")
     p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_model_flags(p)
-    p.add_argument(
-        "--host", default=_env("HOST", "127.0.0.1"), help="address to bind (env KVSERVE_HOST; default %(default)s)"
-    )
-    p.add_argument(
-        "--port", type=int, default=int(_env("PORT", "8000")), help="port (env KVSERVE_PORT; default %(default)s)"
-    )
+    _flag(p, "--host", "address to bind", "127.0.0.1")
+    _flag(p, "--port", "port", 8000, int)
     p.add_argument(
         "--api-key",
         action="append",
@@ -197,69 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several keys "
         "(env KVSERVE_API_KEY, comma-separated; default: no auth). /health and /metrics stay open.",
     )
-    p.add_argument(
-        "--served-model-name",
-        default=_env("SERVED_MODEL_NAME"),
-        help="the model name clients use (env KVSERVE_SERVED_MODEL_NAME; default: the model file's name)",
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=int(_env("MAX_NUM_SEQS", "64")),
-        help="most requests decoded together in one batch (env KVSERVE_MAX_NUM_SEQS; default %(default)s)",
-    )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=int(_env("MAX_QUEUE", "256")),
-        help="requests allowed to wait beyond the batch; more get 429 with Retry-After "
-        "(env KVSERVE_MAX_QUEUE; default %(default)s)",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=float(_env("REQUEST_TIMEOUT", "600")),
-        help="seconds a request may run before it is aborted with 504 (env KVSERVE_REQUEST_TIMEOUT; "
-        "default %(default)s)",
-    )
-    p.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=_int_or_none(_env("KV_CACHE_TOKENS")),
-        help="size of the KV pool in tokens (env KVSERVE_KV_CACHE_TOKENS; default: 1 GiB worth)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=int(_env("MAX_BODY_BYTES", str(4 << 20))),
-        help="largest request body accepted; larger gets 413 (env KVSERVE_MAX_BODY_BYTES; default %(default)s)",
-    )
-    p.add_argument(
-        "--max-sessions",
-        type=int,
-        default=int(_env("MAX_SESSIONS", "1024")),
-        help="most open sessions; more get 429 (env KVSERVE_MAX_SESSIONS; default %(default)s)",
-    )
-    p.add_argument(
-        "--session-ttl",
-        type=float,
-        default=float(_env("SESSION_TTL", "3600")),
-        help="seconds an idle session lives before it is closed and deleted (env KVSERVE_SESSION_TTL; "
-        "default %(default)s)",
-    )
-    p.add_argument(
+    _flag(p, "--served-model-name", "the model name clients use; none means the model file's name")
+    _flag(p, "--max-num-seqs", "most requests decoded together in one batch", 64, int)
+    _flag(p, "--max-queue", "requests allowed to wait beyond the batch; more get 429 with Retry-After", 256, int)
+    _flag(p, "--request-timeout", "seconds a request may run before it is aborted with 504", 600.0, float)
+    _flag(p, "--kv-cache-tokens", "size of the KV pool in tokens; none means 1 GiB worth", None, int)
+    _flag(p, "--max-body-bytes", "largest request body accepted; larger gets 413", 4 << 20, int)
+    _flag(p, "--max-sessions", "most open sessions; more get 429", 1024, int)
+    _flag(p, "--session-ttl", "seconds an idle session lives before it is closed and deleted", 3600.0, float)
+    _flag(
+        p,
         "--shutdown-timeout",
-        type=float,
-        default=float(_env("SHUTDOWN_TIMEOUT", "30")),
-        help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them "
-        "(env KVSERVE_SHUTDOWN_TIMEOUT; default %(default)s)",
+        "on SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them",
+        30.0,
+        float,
     )
-    p.add_argument(
-        "--log-level",
-        default=_env("LOG_LEVEL", "info"),
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="server log level (env KVSERVE_LOG_LEVEL; default %(default)s)",
-    )
+    _flag(p, "--log-level", "server log level", "info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_cmd_serve)
     return parser
 
