@@ -14,6 +14,8 @@ from kvserve.llm import LLM
 from kvserve.model_files import pull, resolve_model
 from kvserve.outputs import RequestOutput, StreamChunk, Usage
 from kvserve.sampling_params import SamplingParams
+from kvserve.session_handle import Session
+from kvserve.sessions import SessionLimitError, SessionNotFoundError
 from kvserve.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
@@ -28,6 +30,9 @@ __all__ = [
     "ModelNotFoundError",
     "RequestOutput",
     "SamplingParams",
+    "Session",
+    "SessionLimitError",
+    "SessionNotFoundError",
     "StreamChunk",
     "Tokenizer",
     "UnsupportedModelError",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.block_pool import BlockPool
-from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.errors import EngineClosedError, InvalidRequestError, KVServeError
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.session_store import SessionStore
@@ -148,8 +148,6 @@ class SessionManager:
 
     def shutdown(self) -> None:
         """The engine is stopping: turns that never started are told so; nothing new starts."""
-        from kvserve.errors import EngineClosedError
-
         for state in self.sessions.values():
             for op in state.pending:
                 if isinstance(op, Turn):
