@@ -61,13 +61,13 @@ class EngineCore:
     def __init__(
         self,
         scheduler: Scheduler,
-        runner: ModelRunner,
+        build_runner: Callable[[], ModelRunner],
         tokenizer: Tokenizer,
         make_sessions: Callable[[EngineCore], SessionManager] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.pool: BlockPool = scheduler.pool
-        self.runner = runner
+        self.runner: ModelRunner | None = None  # built on the engine thread by `build_runner`
         self.tokenizer = tokenizer
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.states: dict[str, tuple[RequestTextState, Sink]] = {}
@@ -80,8 +80,14 @@ class EngineCore:
             scheduler.reclaim = self.sessions.reclaim
         self._stats: dict[str, Any] = {}
         self._publish_stats()
-        self.thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(build_runner,), name="kvserve-engine", daemon=True)
         self.thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self.thread.join()
+            raise self._start_error
 
     # ----- called from any thread ---------------------------------------------------------
     def add(self, request: Request, sink: Sink) -> None:
@@ -115,7 +121,15 @@ class EngineCore:
         self.is_closed = True
 
     # ----- engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, build_runner: Callable[[], ModelRunner]) -> None:
+        try:
+            self.runner = build_runner()
+        except BaseException as exc:  # reported to the constructor's caller
+            self._start_error = exc
+            self.is_closed = True
+            self._ready.set()
+            return
+        self._ready.set()
         try:
             while True:
                 block = not self.scheduler.has_work

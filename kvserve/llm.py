@@ -34,7 +34,7 @@ from kvserve.session_handle import Session
 from kvserve.session_store import SessionStore
 from kvserve.sessions import SessionManager
 from kvserve.tokenizer import Tokenizer
-from kvserve.weights.loader import load_model
+from kvserve.weights.loader import load_config, load_model
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
@@ -96,9 +96,8 @@ class LLM:
             dtype = DTYPES[dtype]
         self.dtype = dtype or default_dtype(self.device)
         self.model_path: Path = resolve_model(model)
-        self.model = load_model(self.model_path, self.dtype, self.device, progress=progress)
+        model_config = load_config(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
-        model_config = self.model.config
         if kv_cache_tokens is None:
             kv_cache_tokens = DEFAULT_KV_CACHE_BYTES // kv_cache_bytes_per_token(model_config, self.dtype)
         num_blocks = max(1, kv_cache_tokens // block_size)
@@ -120,7 +119,14 @@ class LLM:
         scheduler = Scheduler(
             pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
         )
-        runner = ModelRunner(self.model, num_blocks, block_size, self.tokenizer.stop_token_ids)
+
+        def build_runner() -> ModelRunner:
+            # Runs on the engine thread: the weights and the KV pool are created by the thread that
+            # computes with them. (With OpenMP, a second thread that ever ran parallel torch code makes
+            # both thread teams stop spinning between kernels; here that halved decode speed.)
+            loaded = load_model(self.model_path, self.dtype, self.device, progress=progress)
+            return ModelRunner(loaded, num_blocks, block_size, self.tokenizer.stop_token_ids)
+
         # Sessions need the prefix cache (their pinned blocks are found through it) and a store:
         # $KVSERVE_HOME/sessions.db by default, a path, or False for none.
         store = None
@@ -143,7 +149,8 @@ class LLM:
                 self.config.max_model_len,
             )
 
-        self.engine = EngineCore(scheduler, runner, self.tokenizer, make_sessions)
+        self.engine = EngineCore(scheduler, build_runner, self.tokenizer, make_sessions)
+        self.model = self.engine.runner.model
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
 
@@ -154,7 +161,7 @@ class LLM:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
-            vocab = self.model.config.vocab_size
+            vocab = self.engine.runner.model.config.vocab_size
             bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise InvalidRequestError(f"Token id {bad} is outside the vocabulary (0..{vocab - 1}).", "prompt")
