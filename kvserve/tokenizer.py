@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as Backend
 
 from kvserve.chat_template import ChatTemplate
 from kvserve.errors import UnsupportedModelError
-from kvserve.weights.gguf_file import GGUFFile
+from kvserve.weights.gguf_file import GGUFFile, open_gguf
 
 # How text is split before BPE, by GGUF `tokenizer.ggml.pre`. These are the published split
 # rules of each tokenizer family (tiktoken's cl100k for Llama 3, Qwen2's variant with single digits).
@@ -78,7 +78,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, gguf: GGUFFile | str | Path) -> Tokenizer:
         if not isinstance(gguf, GGUFFile):
-            gguf = GGUFFile(gguf)
+            gguf = open_gguf(gguf)
         kind = gguf.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise UnsupportedModelError(

@@ -180,3 +180,17 @@ def test_not_a_gguf_file_gives_a_typed_error(tmp_path):
     bad.write_bytes(b"this is not gguf")
     with pytest.raises(UnsupportedModelError, match="not a readable GGUF"):
         load_model(bad, progress=False)
+
+
+def test_an_unchanged_gguf_is_parsed_once(tmp_path):
+    pytest.importorskip("transformers")
+    from kvserve.weights.gguf_file import open_gguf
+
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=14)
+    path = tmp_path / "cached.gguf"
+    write_llama_gguf(path, hf_model)
+    first = open_gguf(path)
+    assert open_gguf(str(path)) is first
+    write_llama_gguf(path, make_tiny_llama(tmp_path / "hf2", seed=15, hidden_size=32, intermediate_size=64))
+    second = open_gguf(path)
+    assert second is not first and second.model_config().hidden_size == 32

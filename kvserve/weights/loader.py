@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from kvserve.config import ModelConfig
 from kvserve.errors import UnsupportedModelError
 from kvserve.models import MODEL_CLASSES
-from kvserve.weights.gguf_file import GGUFFile
+from kvserve.weights.gguf_file import GGUFFile, open_gguf
 from kvserve.weights.names import shard_offsets
 from kvserve.weights.safetensors_folder import SafetensorsFolder
 
@@ -20,7 +20,7 @@ Checkpoint = GGUFFile | SafetensorsFolder
 def open_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return GGUFFile(path)
+        return open_gguf(path)
     if path.is_dir():
         return SafetensorsFolder(path)
     raise UnsupportedModelError(f"{path} is neither a .gguf file nor a Hugging Face model folder.")
