@@ -130,6 +130,7 @@ class EngineCore:
             self._ready.set()
             return
         self._ready.set()
+        next_expiry = 0.0  # TTL checks walk every session: at most once a second, not every step
         try:
             while True:
                 block = not self.scheduler.has_work
@@ -139,8 +140,9 @@ class EngineCore:
                     message = self.inbox.get(block=block, timeout=timeout)
                 except queue.Empty:
                     message = None
-                if self.sessions is not None:
+                if self.sessions is not None and time.monotonic() >= next_expiry:
                     self.sessions.expire(time.monotonic())
+                    next_expiry = time.monotonic() + 1.0
                 while message is not None:
                     if isinstance(message, _Shutdown):
                         if self.sessions is not None:
@@ -209,13 +211,10 @@ class EngineCore:
             if state.stopped_by_string is not None and not request.is_finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             logprobs = result.logprobs.get(request.request_id)
-            chunk = state.chunk([logprobs] if logprobs is not None else None)
-            if self.sessions is not None:
-                self.sessions.on_text(request.request_id, chunk.text)
-            sink.put(chunk)
+            sink.put(state.chunk([logprobs] if logprobs is not None else None))
             if request.is_finished:
                 finished.append(request.request_id)
-                self._on_finished(request)
+                self._on_finished(request, state.text)
         self._forget(finished)
 
     def abort_now(self, request_ids: list[str]) -> None:
@@ -234,9 +233,9 @@ class EngineCore:
             self.sessions.drop_pending(set(request_ids) - {r.request_id for r in finished})
         self._forget([r.request_id for r in finished])
 
-    def _on_finished(self, request: Request) -> None:
+    def _on_finished(self, request: Request, text: str = "") -> None:
         if self.sessions is not None:
-            self.sessions.on_finished(request)
+            self.sessions.on_finished(request, text)
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR):

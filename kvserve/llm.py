@@ -62,7 +62,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 where the hardware computes it natively, else float32.
 
     Measured on the bundled model on a 2-core AVX-512-BF16 CPU (bench/throughput.py): bfloat16
-    prefills about 2.3x and decodes about 1.4x faster than float32. Without native bf16 kernels,
+    prefills about 2.2x and decodes about 1.9x faster than float32. Without native bf16 kernels,
     bfloat16 is emulated and slower, so float32 is the default there.
     """
     if device.type == "cuda":
@@ -161,7 +161,7 @@ class LLM:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
-            vocab = self.engine.runner.model.config.vocab_size
+            vocab = self.model.config.vocab_size
             bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise InvalidRequestError(f"Token id {bad} is outside the vocabulary (0..{vocab - 1}).", "prompt")

@@ -100,7 +100,6 @@ class SessionManager:
         self.default_ttl = default_ttl
         self.sessions: dict[str, SessionState] = {}
         self.by_request: dict[str, str] = {}  # turn or prefill request id -> session id
-        self.turn_outputs: dict[str, list[str]] = {}  # turn request id -> text pieces so far
 
     # ----- lifecycle ------------------------------------------------------------------------
     def create(
@@ -205,18 +204,12 @@ class SessionManager:
         request = Request(turn.request_id, prompt_ids, turn.params, eos_token_ids=self.tokenizer.stop_token_ids)
         state.turn_request_id = turn.request_id
         self.by_request[turn.request_id] = state.session_id
-        self.turn_outputs[turn.request_id] = []
         self.submit(request, turn.sink)
 
-    def on_text(self, request_id: str, text: str) -> None:
-        pieces = self.turn_outputs.get(request_id)
-        if pieces is not None:
-            pieces.append(text)
-
-    def on_finished(self, request: Request) -> None:
-        """A session's turn or prefill request finished (any reason). Pin, record, run what waits."""
+    def on_finished(self, request: Request, text: str = "") -> None:
+        """A session's turn or prefill request finished (any reason); `text` is a completed turn's
+        reply. Pin, record, run what waits."""
         session_id = self.by_request.pop(request.request_id, None)
-        pieces = self.turn_outputs.pop(request.request_id, None)
         state = self.sessions.get(session_id) if session_id else None
         if state is None:
             return
@@ -232,7 +225,7 @@ class SessionManager:
         state.turn_request_id = None
         reason = request.finish_reason.value if request.finish_reason else "abort"
         if reason in ("stop", "length"):
-            state.messages.append({"role": "assistant", "content": "".join(pieces or [])})
+            state.messages.append({"role": "assistant", "content": text})
             state.num_turns += 1
             if self.store is not None:
                 self.store.append_turn(state.session_id, state.num_persisted, state.messages[state.num_persisted :])
