@@ -202,7 +202,10 @@ class LLM:
                 sink = _ThreadSink()
                 self.engine.add(request, sink)
                 sinks.append(sink)
-            results = [_collect(r, _iter_sink(s)) for r, s in zip(requests, sinks, strict=False)]
+            results = [
+                RequestOutput.from_chunks(list(_iter_sink(s)), r.prompt_token_ids)
+                for r, s in zip(requests, sinks, strict=False)
+            ]
         except BaseException:
             self.engine.abort([r.request_id for r in requests])
             raise
@@ -276,7 +279,7 @@ class LLM:
     ) -> RequestOutput:
         request = self._make_request(prompt, params, request_id)
         chunks = [chunk async for chunk in self._astream(request)]
-        return _merge(request.request_id, chunks, request.prompt_token_ids)
+        return RequestOutput.from_chunks(chunks, request.prompt_token_ids)
 
     def astream_chat(self, messages: Messages, params: SamplingParams | None = None) -> AsyncIterator[StreamChunk]:
         return self.astream(self._chat_ids(messages), params)
@@ -367,22 +370,3 @@ def _iter_sink(sink: _ThreadSink) -> Iterator[StreamChunk]:
         yield item
         if item.finish_reason is not None:
             return
-
-
-def _collect(request: Request, chunks: Iterator[StreamChunk]) -> RequestOutput:
-    return _merge(request.request_id, list(chunks), request.prompt_token_ids)
-
-
-def _merge(request_id: str | None, chunks: list[StreamChunk], prompt_ids: list[int] | None = None) -> RequestOutput:
-    last = chunks[-1]
-    logprobs = [lp for c in chunks for lp in (c.logprobs or [])] if any(c.logprobs for c in chunks) else None
-    return RequestOutput(
-        request_id=request_id or last.request_id,
-        prompt_token_ids=prompt_ids or [],
-        text="".join(c.text for c in chunks),
-        token_ids=[t for c in chunks for t in c.token_ids],
-        finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-        logprobs=logprobs,
-        usage=last.usage,
-    )

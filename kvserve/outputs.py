@@ -41,3 +41,19 @@ class RequestOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
     usage: Usage | None = None
+
+    @classmethod
+    def from_chunks(cls, chunks: list[StreamChunk], prompt_token_ids: list[int] | None = None) -> RequestOutput:
+        """The whole result of a finished stream (its last chunk carries finish reason and usage)."""
+        last = chunks[-1]
+        logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+        return cls(
+            request_id=last.request_id,
+            prompt_token_ids=prompt_token_ids or [],
+            text="".join(c.text for c in chunks),
+            token_ids=[t for c in chunks for t in c.token_ids],
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            logprobs=logprobs or None,
+            usage=last.usage,
+        )

@@ -71,10 +71,7 @@ class Session:
         return self.llm._astream_with(*self._start_turn(params, interrupt, request_id))
 
     def generate(self, params: SamplingParams | None = None, *, interrupt: bool = False) -> RequestOutput:
-        chunks = list(self.stream(params, interrupt=interrupt))
-        from kvserve.llm import _merge
-
-        return _merge(chunks[-1].request_id, chunks)
+        return RequestOutput.from_chunks(list(self.stream(params, interrupt=interrupt)))
 
     def interrupt(self) -> None:
         def run(manager: SessionManager, state: SessionState) -> None:

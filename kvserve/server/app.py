@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, KVServeError
 from kvserve.llm import LLM
-from kvserve.outputs import StreamChunk
+from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.sampler import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.metrics import ServerMetrics
@@ -354,25 +354,28 @@ async def _run(state, llm, request, response_id, kind, body, jobs: list[_Job], c
             background=BackgroundTask(cleanup),  # also when the stream never started
         )
     try:
-        chunks = await _collect_or_abort(state, request, streams, arrival)
+        outputs = await _collect_or_abort(state, request, streams, arrival)
     finally:
         cleanup()
-    return JSONResponse(formatter.full_response(chunks, prompt_indices), headers={"X-Request-Id": response_id})
+    return JSONResponse(formatter.full_response(outputs, prompt_indices), headers={"X-Request-Id": response_id})
 
 
-async def _collect_or_abort(state, request, streams, arrival) -> list[list[StreamChunk]]:
+async def _observed(stream: AsyncIterator[StreamChunk], metrics: ServerMetrics, arrival: float):
+    """Pass a choice's chunks through, observing its time to first token and end-to-end latency."""
+    first = True
+    async for chunk in stream:
+        if first and chunk.token_ids:
+            metrics.ttft.observe(time.monotonic() - arrival)
+            first = False
+        yield chunk
+    metrics.e2e.observe(time.monotonic() - arrival)
+
+
+async def _collect_or_abort(state, request, streams, arrival) -> list[RequestOutput]:
     """Run all choices to the end; a client disconnect or the time limit cancels (= aborts) them."""
-    metrics = state.metrics
 
-    async def collect(stream) -> list[StreamChunk]:
-        chunks, first = [], True
-        async for chunk in stream:
-            if first and chunk.token_ids:
-                metrics.ttft.observe(time.monotonic() - arrival)
-                first = False
-            chunks.append(chunk)
-        metrics.e2e.observe(time.monotonic() - arrival)
-        return chunks
+    async def collect(stream) -> RequestOutput:
+        return RequestOutput.from_chunks([chunk async for chunk in _observed(stream, state.metrics, arrival)])
 
     work = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in streams)))
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
@@ -406,17 +409,11 @@ async def _wait_disconnect(request: Request) -> None:
 
 async def _sse(state, streams, formatter, arrival, include_usage, cleanup, prompt_indices) -> AsyncIterator[str]:
     queue: asyncio.Queue = asyncio.Queue()
-    metrics = state.metrics
 
     async def pump(index: int, stream) -> None:
-        first = True
         try:
-            async for chunk in stream:
-                if first and chunk.token_ids:
-                    metrics.ttft.observe(time.monotonic() - arrival)
-                    first = False
+            async for chunk in _observed(stream, state.metrics, arrival):
                 await queue.put((index, chunk))
-            metrics.e2e.observe(time.monotonic() - arrival)
         except BaseException as exc:
             await queue.put((index, exc))
             raise
@@ -559,19 +556,17 @@ class _Formatter:
                 cached += usage.cached_tokens
         return usage_dict(prompt, completion, cached)
 
-    def full_response(self, per_choice: list[list[StreamChunk]], prompt_indices: list[int]) -> dict:
+    def full_response(self, outputs: list[RequestOutput], prompt_indices: list[int]) -> dict:
         choices = []
-        for index, chunks in enumerate(per_choice):
-            text = "".join(c.text for c in chunks)
-            logprobs = [lp for c in chunks for lp in (c.logprobs or [])] or None
-            last = chunks[-1]
+        for index, output in enumerate(outputs):
+            text, logprobs = output.text, output.logprobs
             if self.chat:
                 choices.append(
                     {
                         "index": index,
                         "message": {"role": "assistant", "content": text},
                         "logprobs": self._logprobs(logprobs),
-                        "finish_reason": last.finish_reason,
+                        "finish_reason": output.finish_reason,
                     }
                 )
             else:
@@ -581,10 +576,10 @@ class _Formatter:
                         "index": index,
                         "text": echo + text,
                         "logprobs": self._logprobs(logprobs, len(echo)),
-                        "finish_reason": last.finish_reason,
+                        "finish_reason": output.finish_reason,
                     }
                 )
-        usage = self._usage([c[-1].usage for c in per_choice], prompt_indices)
+        usage = self._usage([o.usage for o in outputs], prompt_indices)
         return {
             "id": self.id,
             "object": self.kind,
