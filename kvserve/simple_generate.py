@@ -16,39 +16,26 @@ from kvserve.layers.attention import build_batch
 BLOCK_SIZE = 16
 
 
+def _bind_pool(model: torch.nn.Module, num_tokens: int) -> tuple[list[int], torch.device]:
+    """Bind a KV pool of exactly enough blocks for `num_tokens`; return its block table and device."""
+    param = next(model.parameters())
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    model.bind_kv_cache(allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, param.dtype, param.device))
+    return list(range(num_blocks)), param.device
+
+
 @torch.inference_mode()
-def stream_token_ids(
-    model: torch.nn.Module,
-    prompt_ids: Sequence[int],
-    max_tokens: int,
-    stop_token_ids: Sequence[int] = (),
-    temperature: float = 0.0,
-    seed: int | None = None,
-) -> Iterator[int]:
-    """Yield up to `max_tokens` sampled ids (greedy when temperature == 0), stopping after a stop id."""
+def stream_token_ids(model: torch.nn.Module, prompt_ids: Sequence[int], max_tokens: int) -> Iterator[int]:
+    """Yield `max_tokens` greedy token ids (no stop rule: references compare fixed lengths)."""
     if not prompt_ids:
         raise ValueError("prompt_ids is empty; a prompt needs at least one token.")
-    param = next(model.parameters())
-    total = len(prompt_ids) + max_tokens
-    num_blocks = -(-total // BLOCK_SIZE)
-    model.bind_kv_cache(allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, param.dtype, param.device))
-    block_table = list(range(num_blocks))
-    generator = torch.Generator(device=param.device)
-    if seed is not None:
-        generator.manual_seed(seed)
+    block_table, device = _bind_pool(model, len(prompt_ids) + max_tokens)
     num_computed, new_ids = 0, list(prompt_ids)
     for _ in range(max_tokens):
-        positions, metadata = build_batch([block_table], [num_computed], [len(new_ids)], BLOCK_SIZE, param.device)
-        hidden = model(torch.tensor(new_ids, device=param.device), positions, metadata)
-        logits = model.compute_logits(hidden[-1:])[0]
-        if temperature > 0:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=generator))
-        else:
-            token = int(logits.argmax())
+        positions, metadata = build_batch([block_table], [num_computed], [len(new_ids)], BLOCK_SIZE, device)
+        hidden = model(torch.tensor(new_ids, device=device), positions, metadata)
+        token = int(model.compute_logits(hidden[-1:])[0].argmax())
         yield token
-        if token in stop_token_ids:
-            return
         num_computed += len(new_ids)
         new_ids = [token]
 
@@ -56,8 +43,6 @@ def stream_token_ids(
 @torch.inference_mode()
 def prompt_logits(model: torch.nn.Module, prompt_ids: Sequence[int]) -> torch.Tensor:
     """float32 logits of every prompt position, [len(prompt_ids), vocab_size]."""
-    param = next(model.parameters())
-    num_blocks = -(-len(prompt_ids) // BLOCK_SIZE)
-    model.bind_kv_cache(allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, param.dtype, param.device))
-    positions, metadata = build_batch([list(range(num_blocks))], [0], [len(prompt_ids)], BLOCK_SIZE, param.device)
-    return model.compute_logits(model(torch.tensor(list(prompt_ids), device=param.device), positions, metadata))
+    block_table, device = _bind_pool(model, len(prompt_ids))
+    positions, metadata = build_batch([block_table], [0], [len(prompt_ids)], BLOCK_SIZE, device)
+    return model.compute_logits(model(torch.tensor(list(prompt_ids), device=device), positions, metadata))
