@@ -105,10 +105,7 @@ class SessionManager:
     def create(
         self, owner: str | None, messages: list[dict[str, str]], ttl: float | None, session_id: str | None = None
     ) -> SessionState:
-        if len(self.sessions) >= self.max_sessions:
-            raise SessionLimitError(
-                f"There are already {self.max_sessions} sessions; close some (or raise max_sessions) first."
-            )
+        self._check_room()
         session_id = session_id or f"sess-{uuid.uuid4().hex}"
         state = SessionState(session_id, owner, ttl if ttl is not None else self.default_ttl, list(messages))
         if self.store is not None:
@@ -124,14 +121,19 @@ class SessionManager:
             if loaded is not None:
                 stored_owner, ttl, messages = loaded
                 if stored_owner == owner:
-                    if len(self.sessions) >= self.max_sessions:
-                        raise SessionLimitError(f"There are already {self.max_sessions} sessions open.")
+                    self._check_room()
                     state = SessionState(session_id, stored_owner, ttl, messages, num_persisted=len(messages))
                     self.sessions[session_id] = state
         if state is None or state.owner != owner:
             raise SessionNotFoundError(f"No session {session_id!r}.")
         state.last_used = time.monotonic()
         return state
+
+    def _check_room(self) -> None:
+        if len(self.sessions) >= self.max_sessions:
+            raise SessionLimitError(
+                f"There are already {self.max_sessions} sessions; close some (or raise max_sessions) first."
+            )
 
     def close(self, state: SessionState) -> None:
         """Abort its work, release its blocks, delete it (and its stored transcript)."""
