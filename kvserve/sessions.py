@@ -102,11 +102,9 @@ class SessionManager:
         self.by_request: dict[str, str] = {}  # turn or prefill request id -> session id
 
     # ----- lifecycle ------------------------------------------------------------------------
-    def create(
-        self, owner: str | None, messages: list[dict[str, str]], ttl: float | None, session_id: str | None = None
-    ) -> SessionState:
+    def create(self, owner: str | None, messages: list[dict[str, str]], ttl: float | None) -> SessionState:
         self._check_room()
-        session_id = session_id or f"sess-{uuid.uuid4().hex}"
+        session_id = f"sess-{uuid.uuid4().hex}"
         state = SessionState(session_id, owner, ttl if ttl is not None else self.default_ttl, list(messages))
         if self.store is not None:
             self.store.create(session_id, owner, state.ttl, state.messages)
