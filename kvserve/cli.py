@@ -33,7 +33,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from kvserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    with LLM(args.model, dtype=args.dtype, max_num_seqs=1) as llm:
+    with LLM(args.model, dtype=args.dtype, weights=args.weights, max_num_seqs=1) as llm:
         if args.raw or llm.tokenizer.chat_template is None:
             chunks = llm.stream(args.prompt, params)
         else:
@@ -59,6 +59,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         kv_cache_tokens=args.kv_cache_tokens,
         dtype=args.dtype,
+        weights=args.weights,
         max_body_bytes=args.max_body_bytes,
         max_sessions=args.max_sessions,
         session_ttl=args.session_ttl,
@@ -87,7 +88,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from kvserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    with LLM(args.model, dtype=args.dtype, max_num_seqs=1, session_db=False) as llm:
+    with LLM(args.model, dtype=args.dtype, weights=args.weights, max_num_seqs=1, session_db=False) as llm:
         if llm.tokenizer.chat_template is None:
             print("kvserve: error: this model has no chat template; use `kvserve generate --raw`.", file=sys.stderr)
             return 2
@@ -135,6 +136,16 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "compute dtype; auto picks the measured fastest for the device",
         "auto",
         choices=("auto", "float32", "bfloat16"),
+    )
+    _flag(
+        p,
+        "--weights",
+        "how weights are kept in memory: q4 (int4 groups of 32; 4-bit GGUF tensors repacked exactly), "
+        "q8 (int8 per output row), bf16 or f32 (dequantized; also sets the compute dtype), "
+        "auto (on CPU each tensor as stored: 4-bit as q4, other quantized types as q8, float as float; "
+        "on CUDA bf16/f32). The choice is logged at start-up",
+        "auto",
+        choices=("auto", "q4", "q8", "bf16", "f32"),
     )
 
 

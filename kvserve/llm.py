@@ -35,6 +35,7 @@ from kvserve.session_store import SessionStore
 from kvserve.sessions import SessionManager
 from kvserve.tokenizer import Tokenizer
 from kvserve.weights.loader import load_config, load_model
+from kvserve.weights.plan import resolve_weights
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
@@ -77,6 +78,7 @@ class LLM:
         model: str | os.PathLike[str] | None = None,
         *,
         dtype: str | torch.dtype | None = None,
+        weights: str = "auto",
         device: str | torch.device | None = None,
         kv_cache_tokens: int | None = None,
         block_size: int = 16,
@@ -94,6 +96,7 @@ class LLM:
             if dtype not in DTYPES:
                 raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.", "dtype")
             dtype = DTYPES[dtype]
+        weight_mode, dtype = resolve_weights(weights, dtype, self.device)
         self.dtype = dtype or default_dtype(self.device)
         self.model_path: Path = resolve_model(model)
         model_config = load_config(self.model_path)
@@ -124,7 +127,7 @@ class LLM:
             # Runs on the engine thread: the weights and the KV pool are created by the thread that
             # computes with them. (With OpenMP, a second thread that ever ran parallel torch code makes
             # both thread teams stop spinning between kernels; here that halved decode speed.)
-            loaded = load_model(self.model_path, self.dtype, self.device, progress=progress)
+            loaded = load_model(self.model_path, self.dtype, self.device, progress=progress, weights=weight_mode)
             return ModelRunner(loaded, num_blocks, block_size, self.tokenizer.stop_token_ids)
 
         # Sessions need the prefix cache (their pinned blocks are found through it) and a store:

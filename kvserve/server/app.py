@@ -54,6 +54,7 @@ class ServerSettings:
     request_timeout: float = 600.0
     kv_cache_tokens: int | None = None
     dtype: str | None = None
+    weights: str = "auto"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_sessions: int = 1024
     session_ttl: float | None = 3600.0
@@ -108,6 +109,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
                             LLM,
                             settings.model,
                             dtype=settings.dtype,
+                            weights=settings.weights,
                             kv_cache_tokens=settings.kv_cache_tokens,
                             max_num_seqs=settings.max_num_seqs,
                             max_sessions=settings.max_sessions,

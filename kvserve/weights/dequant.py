@@ -105,6 +105,50 @@ FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 SUPPORTED_TYPES = FLOAT_TYPES + tuple(BLOCK_DEQUANTIZERS)
 
 
+# ----- codes without dequantization (weights kept quantized in memory) ---------------------------
+def _q4_0_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = _f16(blocks[:, :2])
+    return _nibbles(blocks[:, None, 2:])[:, 0], d, -8 * d
+
+
+def _q4_1_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _nibbles(blocks[:, None, 4:])[:, 0], _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+
+
+def _q4_k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = _k_scales(blocks[:, 4:16])
+    codes = _nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n * 8, 32)
+    return codes, (d * sc.float()).reshape(n * 8, 1), -(dmin * mn.float()).reshape(n * 8, 1)
+
+
+INT4_GROUP_READERS = {
+    GGMLQuantizationType.Q4_0: _q4_0_groups,
+    GGMLQuantizationType.Q4_1: _q4_1_groups,
+    GGMLQuantizationType.Q4_K: _q4_k_groups,
+}
+
+
+def int4_groups(raw: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw rows `[rows, row_bytes]` of a 4-bit tensor -> (codes [rows, K] uint8 in 0..15,
+    scales [rows, K/32], mins [rows, K/32]) with w = scale * code + min per group of 32 values.
+
+    The products are the ones `dequantize` computes, so Q4_1 and Q4_K values are reproduced
+    bit for bit (Q4_0's d * (q - 8) becomes d * q - 8d, equal up to rounding)."""
+    rows = raw.shape[0]
+    codes, scales, mins = INT4_GROUP_READERS[qtype](raw.reshape(-1, GGML_QUANT_SIZES[qtype][1]))
+    return codes.reshape(rows, -1), scales.reshape(rows, -1), mins.reshape(rows, -1)
+
+
+def q8_0_groups(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw Q8_0 rows -> (codes [rows, K] int8, scales [rows, K/32] float32); w = scale * code."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][1])
+    codes = blocks[:, 2:].contiguous().view(torch.int8)
+    return codes.reshape(rows, -1), _f16(blocks[:, :2]).reshape(rows, -1)
+
+
 def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, num_elements_per_row: int) -> torch.Tensor:
     """Raw bytes `[rows, row_bytes]` (uint8) of a tensor stored as `qtype` -> float32 `[rows, elements]`."""
     rows = raw.shape[0]

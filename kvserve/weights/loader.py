@@ -1,20 +1,41 @@
-"""Build a model from a checkpoint (GGUF file or Hugging Face folder) on a device, in a dtype."""
+"""Build a model from a checkpoint (GGUF file or Hugging Face folder) on a device, in a dtype.
+
+Linear layers (and the token embedding) are built only once every shard of their weight has
+arrived, in the form the WeightPlan picks: float, int8 or int4. A quantized layer never exists in
+float in between, so loading a 4-bit model does not first need the float model's memory.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from kvserve.config import ModelConfig
 from kvserve.errors import UnsupportedModelError
+from kvserve.layers.quantized import (
+    GROUP_SIZE,
+    Int4Linear,
+    Int8Embedding,
+    Int8GroupLinear,
+    Int8Linear,
+    int8_groups_from_float,
+)
 from kvserve.models import MODEL_CLASSES
 from kvserve.weights.gguf_file import GGUFFile, open_gguf
 from kvserve.weights.names import shard_offsets
+from kvserve.weights.plan import WeightPlan
 from kvserve.weights.safetensors_folder import SafetensorsFolder
+from kvserve.weights.source import SourceTensor
 
 Checkpoint = GGUFFile | SafetensorsFolder
+EMBEDDING = "embed_tokens"
+LM_HEAD = "lm_head"
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -26,70 +47,263 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     raise UnsupportedModelError(f"{path} is neither a .gguf file nor a Hugging Face model folder.")
 
 
+# The in-place initializers a module constructor may call on its parameters.
+_INITIALIZERS = frozenset(
+    [getattr(nn.init, n) for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    + [torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.fill_, torch.Tensor.zero_]
+)
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """Skips the random initialization of meta tensors while the model is built on the meta device.
+
+    A meta tensor has no values, so nothing is lost; and `normal_` on a meta tensor (nn.Embedding's
+    init) is a Python decomposition whose first use imports torch._dynamo, sympy and about 800
+    other modules: 65 MB of RSS that the process would keep. Thread-local, like all torch modes.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INITIALIZERS:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+class _PendingLinear(nn.Module):
+    """Stands in for a linear layer until all its shards are read; has no parameters."""
+
+    def __init__(self, layer: nn.Linear, num_shards: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.has_bias = layer.bias is not None
+        self.num_shards = num_shards
+        self.weights: dict[int, SourceTensor] = {}
+        self.biases: dict[int, SourceTensor] = {}
+
+    @property
+    def is_complete(self) -> bool:
+        return len(self.weights) == self.num_shards and len(self.biases) == (self.num_shards if self.has_bias else 0)
+
+    def missing(self, name: str) -> list[str]:
+        out = [f"{name}.weight[{s}]" for s in range(self.num_shards) if s not in self.weights]
+        if self.has_bias:
+            out += [f"{name}.bias[{s}]" for s in range(self.num_shards) if s not in self.biases]
+        return out
+
+
 @torch.inference_mode()
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    weights: str = "float",
 ) -> torch.nn.Module:
-    """Load weights into a fresh model (eval mode, no grad). Raises UnsupportedModelError."""
+    """Load weights into a fresh model (eval mode, no grad). `weights` is a WeightPlan mode
+    ("float", "auto", "q4", "q8"; see weights/plan.py). Raises UnsupportedModelError."""
     checkpoint = open_checkpoint(path)
     config = checkpoint.model_config()
-    with torch.device("meta"):
+    plan = WeightPlan(weights)
+    with torch.device("meta"), _SkipMetaInit():
         model = MODEL_CLASSES[config.architecture](config)
-    model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    params = dict(model.named_parameters(remove_duplicate=False))
-    expected = _expected_shards(params, config)
-    loaded: set[tuple[str, int | None]] = set()
+    pending: dict[str, _PendingLinear] = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            pending[name] = _PendingLinear(module, _num_shards(name))
+            model.set_submodule(name, pending[name])
+    _materialize(model.to(dtype), device)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
     tensors = checkpoint.tensors(config)
     if progress:
         tensors = tqdm(
-            tensors,
-            total=checkpoint.num_tensors,
-            desc=f"Loading {Path(path).name}",
-            unit="tensor",
-            leave=False,
+            tensors, total=checkpoint.num_tensors, desc=f"Loading {Path(path).name}", unit="tensor", leave=False
         )
-    for target, tensor in tensors:
-        if target.name == "lm_head.weight" and config.tie_word_embeddings:
+    for target, source in tensors:
+        module_name, kind = target.name.rsplit(".", 1)
+        if target.name == f"{LM_HEAD}.weight" and config.tie_word_embeddings:
             continue
-        param = params.get(target.name)
-        if param is None:
-            raise UnsupportedModelError(f"The checkpoint has {target.name!r}, which the model does not.")
-        if target.shard is None:
-            dest = param.data
+        if module_name in pending:
+            layer = pending[module_name]
+            (layer.weights if kind == "weight" else layer.biases)[target.shard or 0] = source
+            if layer.is_complete:
+                model.set_submodule(module_name, _build_linear(module_name, layer, plan, config, dtype, device))
+                del pending[module_name]
+        elif target.name == f"{EMBEDDING}.weight":
+            _load_embedding(model, source, plan, dtype)
+            loaded.add(target.name)
+            if config.tie_word_embeddings:
+                layer = pending.pop(LM_HEAD)
+                layer.weights[0] = source
+                model.set_submodule(LM_HEAD, _build_linear(LM_HEAD, layer, plan, config, dtype, device, model))
+        elif target.name in params:
+            _copy(params[target.name].data, source.read_float(), target.name)
+            loaded.add(target.name)
         else:
-            offsets = shard_offsets(target.name, config.q_size, config.kv_size, config.intermediate_size)
-            dest = param.data[offsets[target.shard] : offsets[target.shard + 1]]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise UnsupportedModelError(
-                f"Tensor for {target} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)}."
-            )
-        dest.copy_(tensor)
-        loaded.add((target.name, target.shard))
-    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+            raise UnsupportedModelError(f"The checkpoint has {target.name!r}, which the model does not.")
+    missing = sorted(n for n in params if n not in loaded and not n.startswith((f"{EMBEDDING}.", f"{LM_HEAD}.")))
+    missing += [m for name, layer in pending.items() for m in layer.missing(name)]
+    if f"{EMBEDDING}.weight" not in loaded:
+        missing.append(f"{EMBEDDING}.weight")
     if missing:
         raise UnsupportedModelError(f"The checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}.")
     model.rotary.build(torch.device(device), checkpoint.rope_freq_factors())
     model.eval().requires_grad_(False)
+    del params, tensors
+    _return_freed_memory()
     return model
 
 
-def _expected_shards(params: dict[str, torch.nn.Parameter], config: ModelConfig) -> set[tuple[str, int | None]]:
-    expected: set[tuple[str, int | None]] = set()
-    for name in params:
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        if "qkv_proj" in name:
-            expected.update((name, s) for s in range(3))
-        elif "gate_up_proj" in name:
-            expected.update((name, s) for s in range(2))
+def _materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Give every meta parameter and buffer uninitialized storage on `device`, in its dtype.
+
+    What `to_empty` does, but with `torch.empty`: `empty_like` of a meta tensor runs a Python
+    reference that imports sympy (33 MB of RSS for good). The dtype is set while still on meta,
+    so each tensor is allocated once, and its pages stay untouched until it is loaded (the float
+    embedding, replaced when the plan keeps it int8, never becomes resident).
+    """
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if id(tensor) not in done:
+                empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                done[id(tensor)] = (
+                    nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+                )
+            setattr(module, name, done[id(tensor)])
+
+
+def _return_freed_memory() -> None:
+    """Give the heap pages that loading freed back to the system (glibc; elsewhere nothing).
+
+    The temporaries of loading (raw blocks, codes, int32 codes for packing) are freed, but glibc
+    keeps their pages: freeing a large block raises its mmap threshold, so the next temporaries land
+    in the loading thread's malloc arena between long-lived weights. For the bundled model that left
+    30-40 MB resident beyond the weights; malloc_trim releases the free pages of every arena.
+    """
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
+def _num_shards(name: str) -> int:
+    if name.endswith("qkv_proj"):
+        return 3
+    return 2 if name.endswith("gate_up_proj") else 1
+
+
+def _copy(dest: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise UnsupportedModelError(
+            f"Tensor for {name} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)}."
+        )
+    dest.copy_(tensor)
+
+
+def _shard_rows(name: str, layer: _PendingLinear, config: ModelConfig) -> list[int]:
+    if layer.num_shards == 1:
+        return [layer.out_features]
+    offsets = shard_offsets(name, config.q_size, config.kv_size, config.intermediate_size)
+    return [b - a for a, b in itertools.pairwise(offsets)]
+
+
+def _build_linear(
+    name: str,
+    layer: _PendingLinear,
+    plan: WeightPlan,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    model: nn.Module | None = None,
+) -> nn.Module:
+    """The layer in its planned form from its shards (rows of q/k/v or gate/up, stacked in order)."""
+    shards = [layer.weights[s] for s in range(layer.num_shards)]
+    bias = torch.cat([layer.biases[s].read_float() for s in range(layer.num_shards)]) if layer.has_bias else None
+    rows = _shard_rows(name, layer, config)
+    fmt = plan.linear_format(shards, is_lm_head=name == LM_HEAD)
+    if fmt == "int4" and not Int4Linear.supports(layer.out_features, layer.in_features):
+        fmt = "int8"
+    if fmt == "int8-groups":
+        if layer.in_features % GROUP_SIZE or layer.num_shards != 1:
+            fmt = "int8"
         else:
-            expected.add((name, None))
-    return expected
+            return _int8_group_linear(shards[0], layer, dtype, model)
+    if fmt == "int4":
+        groups = [s.int4() for s in shards]
+        for i, (g, n) in enumerate(zip(groups, rows, strict=True)):
+            _check_shape(name, i, tuple(g.codes.shape), (n, layer.in_features))
+        return Int4Linear(type(groups[0]).cat(groups), dtype, bias)
+    weight = _stacked_float(name, shards, rows, layer.in_features)
+    if fmt == "int8":
+        return Int8Linear(weight, dtype, bias)
+    out = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, device=device, dtype=dtype)
+    if model is not None and isinstance(getattr(model, EMBEDDING), nn.Embedding):
+        out.weight = getattr(model, EMBEDDING).weight  # tied and both float: one tensor
+    else:
+        out.weight.copy_(weight)
+    if bias is not None:
+        out.bias.copy_(bias)
+    return out
+
+
+def _int8_group_linear(
+    source: SourceTensor, layer: _PendingLinear, dtype: torch.dtype, model: nn.Module | None
+) -> Int8GroupLinear:
+    """Int8 with a scale per 32 inputs: a tied Q8_0 embedding's own tensors, Q8_0 codes as stored,
+    or rounded from float."""
+    embedding = getattr(model, EMBEDDING, None) if model is not None else None
+    if isinstance(embedding, Int8Embedding) and embedding.group_size == GROUP_SIZE:
+        return Int8GroupLinear(embedding.codes, embedding.scales, dtype)
+    if source.read_int8_groups is not None:
+        codes, scales = source.read_int8_groups()
+    else:
+        codes, scales = int8_groups_from_float(source.read_float())
+    _check_shape(LM_HEAD, 0, tuple(codes.shape), (layer.out_features, layer.in_features))
+    return Int8GroupLinear(codes, scales, dtype)
+
+
+def _stacked_float(name: str, shards: list[SourceTensor], rows: list[int], in_features: int) -> torch.Tensor:
+    tensors = [s.read_float() for s in shards]
+    for i, (t, n) in enumerate(zip(tensors, rows, strict=True)):
+        _check_shape(name, i, tuple(t.shape), (n, in_features))
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _check_shape(name: str, shard: int, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if got != want:
+        raise UnsupportedModelError(f"Tensor for {name}.weight[{shard}] has shape {got}, the model expects {want}.")
+
+
+def _load_embedding(model: nn.Module, source: SourceTensor, plan: WeightPlan, dtype: torch.dtype) -> None:
+    embedding = getattr(model, EMBEDDING)
+    if plan.embedding_format(source) == "float":
+        _copy(embedding.weight.data, source.read_float(), f"{EMBEDDING}.weight")
+        return
+    if source.read_int8_groups is not None:  # Q8_0: the codes and scales as stored
+        codes, scales = source.read_int8_groups()
+        quantized = Int8Embedding(codes, scales, dtype)
+    else:
+        quantized = Int8Embedding.from_float(source.read_float(), dtype)
+    _check_shape(EMBEDDING, 0, (quantized.num_embeddings, quantized.embedding_dim), tuple(embedding.weight.shape))
+    model.set_submodule(EMBEDDING, quantized)
+
+
+def weight_summary(model: nn.Module) -> dict[str, object]:
+    """How the weights are held: layer counts per form and the bytes of all parameters and weight buffers."""
+    forms: dict[str, int] = {}
+    for module in model.modules():
+        forms_by_type = {Int4Linear: "int4", Int8Linear: "int8", Int8GroupLinear: "int8 groups"}
+        form = {**forms_by_type, Int8Embedding: "int8 embedding"}.get(type(module))
+        if form is None and isinstance(module, nn.Linear | nn.Embedding):
+            form = f"{str(module.weight.dtype).removeprefix('torch.')} {type(module).__name__.lower()}"
+        if form is not None:
+            forms[form] = forms.get(form, 0) + 1
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers(recurse=True)) if t is not model.rotary.cos_sin}
+    return {"layers": forms, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
 def load_config(path: str | Path) -> ModelConfig:

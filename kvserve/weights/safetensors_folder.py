@@ -13,6 +13,7 @@ from safetensors import safe_open
 from kvserve.config import ModelConfig
 from kvserve.errors import UnsupportedModelError
 from kvserve.weights.names import WeightTarget
+from kvserve.weights.source import SourceTensor
 
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -51,13 +52,13 @@ class SafetensorsFolder:
     def rope_freq_factors(self) -> torch.Tensor | None:
         return None
 
-    def tensors(self, config: ModelConfig) -> Iterator[tuple[WeightTarget, torch.Tensor]]:
+    def tensors(self, config: ModelConfig) -> Iterator[tuple[WeightTarget, SourceTensor]]:
         for file in self.files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     target = _target(name)
                     if target is not None:
-                        yield target, f.get_tensor(name)
+                        yield target, SourceTensor.of(f.get_tensor(name))
 
 
 def _target(hf_name: str) -> WeightTarget | None:

@@ -1,0 +1,258 @@
+"""Weight-only quantized layers on PyTorch's own CPU kernels.
+
+- `Int4Linear`: 4-bit codes in groups of 32 along the input dimension, one (scale, zero) pair per
+  group, packed for `aten._weight_int4pack_mm_for_cpu`. GGML's Q4_0 / Q4_1 / Q4_K blocks are
+  exactly this shape (w = scale * code + min), so they are repacked without loss.
+- `Int8Linear`: int8 with one scale per output row, for `aten._weight_int8pack_mm`.
+- `Int8Embedding`: int8 rows with one scale per group of 32, dequantized only for the looked-up
+  rows (GGML's Q8_0 is exactly this shape).
+
+Activations stay in the compute dtype (bfloat16 or float32); the scales are stored in it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP_SIZE = 32
+# Rows converted per step while quantizing or packing a weight, so that the temporaries (float
+# groups, int32 codes) stay a few MB even for a 49152-row lm_head. A multiple of 64: the CPU int4
+# packing works in blocks of 64 rows, so packing in pieces gives the same bytes as packing whole.
+CHUNK_ROWS = 4096
+# From this many rows on, Int4Linear dequantizes its weight (C++, kvserve/csrc) and runs a float
+# GEMM instead of the int4 kernel, which costs about the same per row at any batch size.
+MANY_ROWS = 32
+_dequantizer: object = None  # None: not checked yet; False: unavailable
+
+
+def _many_rows_dequantizer():
+    """The C++ int4 dequantizer once the extension is loaded and its packing layout is verified
+    against PyTorch's own packing op; None until then (or for good, if they disagree)."""
+    global _dequantizer
+    if _dequantizer is None:
+        from kvserve.layers import fused_decode
+
+        extension = fused_decode.loaded_extension()
+        if extension is None:
+            return None
+        groups = Int4Groups.from_float(torch.randn(128, 64, generator=torch.Generator().manual_seed(0)))
+        probe = Int4Linear(groups, torch.float32)
+        got = extension.dequantize_int4(probe.weight_packed, probe.scales_and_zeros, 128, 64, GROUP_SIZE)
+        _dequantizer = extension.dequantize_int4 if torch.allclose(got.T, groups.dequantize(), atol=1e-5) else False
+    return _dequantizer or None
+
+
+@dataclass
+class Int4Groups:
+    """A weight as 4-bit codes: w[n, k] = scales[n, k // g] * codes[n, k] + mins[n, k // g]."""
+
+    codes: torch.Tensor  # [N, K] uint8 in 0..15
+    scales: torch.Tensor  # [N, K / g] float32
+    mins: torch.Tensor  # [N, K / g] float32
+    group_size: int = GROUP_SIZE
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Groups:
+        """Round-to-nearest, asymmetric (min/max) per group, as GPTQ-free int4 schemes do."""
+        return cls.from_rows(weight.shape, lambda rows: weight[rows], group_size)
+
+    @classmethod
+    def from_int8_groups(cls, codes: torch.Tensor, scales: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Groups:
+        """`from_float` of the weight w = scales * codes (int8 codes, a scale per group of
+        codes.shape[1] / scales.shape[1] values, as in GGML's Q8_0), never held in float whole."""
+        rows, cols = codes.shape
+        size = cols // scales.shape[1]
+
+        def read(part: slice) -> torch.Tensor:
+            part_codes = codes[part].float().view(-1, cols // size, size)
+            return (part_codes * scales[part].float().unsqueeze(-1)).view(-1, cols)
+
+        return cls.from_rows((rows, cols), read, group_size)
+
+    @classmethod
+    def from_rows(
+        cls, shape: tuple[int, int], read: Callable[[slice], torch.Tensor], group_size: int = GROUP_SIZE
+    ) -> Int4Groups:
+        """`from_float` of a weight of `shape` given by `read(rows)`, quantized CHUNK_ROWS rows at a time."""
+        rows, cols = shape
+        codes = torch.empty(rows, cols, dtype=torch.uint8)
+        scales = torch.empty(rows, cols // group_size)
+        mins = torch.empty(rows, cols // group_size)
+        for start in range(0, rows, CHUNK_ROWS):
+            part = slice(start, start + CHUNK_ROWS)
+            groups = read(part).float().reshape(-1, cols // group_size, group_size)
+            low, high = groups.amin(-1), groups.amax(-1)
+            step = ((high - low) / 15).clamp(min=1e-10)
+            codes[part] = ((groups - low[..., None]) / step[..., None]).round().clamp(0, 15).view(-1, cols)
+            scales[part], mins[part] = step, low
+        return cls(codes, scales, mins, group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.codes.shape
+        codes = self.codes.float().reshape(rows, cols // self.group_size, self.group_size)
+        return (codes * self.scales[..., None] + self.mins[..., None]).reshape(rows, cols)
+
+    @staticmethod
+    def cat(parts: list[Int4Groups]) -> Int4Groups:
+        """Stack weights along the output dimension (the shards of a fused projection)."""
+        assert len({p.group_size for p in parts}) == 1
+        return Int4Groups(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat([p.mins for p in parts]),
+            parts[0].group_size,
+        )
+
+    def permute_rows(self, order: torch.Tensor) -> Int4Groups:
+        return Int4Groups(self.codes[order], self.scales[order], self.mins[order], self.group_size)
+
+
+def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Parameter | None:
+    return None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T (+ bias) with W stored as packed int4 groups (about 4.5 bits per weight)."""
+
+    def __init__(self, weight: Int4Groups, dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.codes.shape
+        self.group_size = weight.group_size
+        if self.in_features % self.group_size:
+            raise ValueError(f"in_features={self.in_features} is not a multiple of the group size {self.group_size}")
+        # The kernel takes int32 codes: converted and packed CHUNK_ROWS rows at a time.
+        packed = torch.cat(
+            [
+                torch.ops.aten._convert_weight_to_int4pack_for_cpu(part.to(torch.int32), 1)
+                for part in weight.codes.split(CHUNK_ROWS)
+            ]
+        )
+        # The kernel computes (code - 8) * scale + zero, so zero = min + 8 * scale.
+        zeros = weight.mins + 8 * weight.scales
+        scales_and_zeros = torch.stack((weight.scales, zeros), dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        self.register_buffer("weight_packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype))
+        self.bias = _bias(bias, dtype)
+
+    @staticmethod
+    def supports(out_features: int, in_features: int, group_size: int = GROUP_SIZE) -> bool:
+        """The CPU kernel packs 16 output rows at a time and whole groups along the input."""
+        return out_features % 16 == 0 and in_features % group_size == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        x2 = x.reshape(-1, self.in_features)
+        dequantize = _many_rows_dequantizer() if x2.shape[0] >= MANY_ROWS and self.out_features % 64 == 0 else None
+        if dequantize is not None:  # the int4 kernel re-reads the weight per row; a GEMM reuses it
+            weight_t = dequantize(
+                self.weight_packed, self.scales_and_zeros, self.out_features, self.in_features, self.group_size
+            )
+            out = torch.mm(x2, weight_t)  # weight_t: [K, N]
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.weight_packed, self.group_size, self.scales_and_zeros
+            )
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W.T (+ bias) with W stored as int8 rows and one scale per output row."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        scales = weight.float().abs().amax(dim=1).clamp(min=1e-10) / 127  # [N]
+        codes = (weight.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight_int8", codes)
+        self.register_buffer("scales", scales.to(dtype))
+        self.bias = _bias(bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight_int8, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def int8_groups_from_float(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [N, K] int8, scales [N, K / g] float32), symmetric per group (one group per row when
+    K is not a multiple of g)."""
+    rows, cols = weight.shape
+    group_size = group_size if cols % group_size == 0 else cols
+    groups = weight.float().reshape(rows, cols // group_size, group_size)
+    scales = groups.abs().amax(-1) / 127
+    codes = (groups / scales.clamp(min=1e-30)[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return codes.reshape(rows, cols), scales
+
+
+class Int8GroupLinear(nn.Module):
+    """y = x @ W.T with W as int8 and a scale per group of 32 inputs (GGML's Q8_0, kept exact).
+
+    Serves a tied lm_head from the embedding's own tensors (no second copy). Few rows go through
+    the C++ kernel (kvserve/csrc), which reads the codes once per call; many rows, or no compiled
+    kernel, dequantize the weight and run a float GEMM.
+    """
+
+    FEW_ROWS = 8
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.dtype = dtype
+        self.register_buffer("codes", codes)  # [N, K] int8
+        self.register_buffer("scales", scales)  # [N, K / 32] float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N] in float32 (this layer produces logits)
+        from kvserve.layers import fused_decode
+
+        x2 = x.reshape(-1, self.in_features)
+        extension = fused_decode.loaded_extension()
+        if extension is not None and x2.shape[0] < self.FEW_ROWS and self.scales.shape[1] * 32 == self.in_features:
+            out = extension.int8_group_matmul(x2, self.codes, self.scales)
+        else:
+            groups = self.codes.view(self.out_features, self.scales.shape[1], -1)
+            weight = (groups * self.scales.unsqueeze(-1)).view(self.out_features, -1)
+            out = F.linear(x2.float(), weight)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table kept as int8 with a scale per group of 32 values of a row."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = codes.shape
+        self.group_size = self.embedding_dim // scales.shape[1]
+        self.dtype = dtype
+        self.register_buffer("codes", codes.to(torch.int8))  # [V, D]
+        self.register_buffer("scales", scales.float())  # [V, D / g]
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, group_size: int = GROUP_SIZE) -> Int8Embedding:
+        return cls(*int8_groups_from_float(weight, group_size), dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, D]
+        codes = self.codes[input_ids].float().view(-1, self.embedding_dim // self.group_size, self.group_size)
+        rows = codes * self.scales[input_ids].unsqueeze(-1)
+        return rows.view(*input_ids.shape, self.embedding_dim).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, group_size={self.group_size}"

@@ -1,0 +1,76 @@
+"""Which form each weight takes in memory (the `--weights` choice), decided per module.
+
+| choice | linear layers (q/k/v/o, gate/up/down, lm_head) | token embedding |
+|---|---|---|
+| `f32`, `bf16` | float, in that dtype (which is then also the compute dtype) | float |
+| `q4` | int4 groups of 32: 4-bit GGUF blocks repacked exactly, anything else rounded to nearest | int8, a scale per 32 values |
+| `q8` | int8, one scale per output row; lm_head a scale per 32 inputs | int8, a scale per 32 values |
+| `auto` on CPU | as stored: int4 where any shard is a 4-bit GGUF type, int8 for other quantized types, float for float tensors; a quantized lm_head int8 with a scale per 32 inputs (Q8_0 exactly; one tensor with a tied embedding) | int8 if stored quantized, else float |
+| `auto` on CUDA | float (the weight-only kernels used here are PyTorch's CPU ones) | float |
+
+`auto` on CPU is the fastest measured choice for the bundled model (bench/compare.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.errors import InvalidRequestError
+from kvserve.weights.source import SourceTensor
+
+WEIGHT_CHOICES = ("auto", "q4", "q8", "bf16", "f32")
+FLOAT_CHOICES = {"bf16": torch.bfloat16, "f32": torch.float32}
+MODES = ("auto", "q4", "q8", "float")
+
+
+def resolve_weights(weights: str, dtype: torch.dtype | None, device: torch.device) -> tuple[str, torch.dtype | None]:
+    """(mode for `WeightPlan`, compute dtype or None for the device's default) from the user's choices."""
+    if weights not in WEIGHT_CHOICES:
+        raise InvalidRequestError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}.", "weights")
+    if weights in FLOAT_CHOICES:
+        wanted = FLOAT_CHOICES[weights]
+        if dtype is not None and dtype != wanted:
+            raise InvalidRequestError(
+                f"weights={weights} keeps the weights in the compute dtype, but dtype is {dtype}; "
+                "drop dtype or make the two agree.",
+                "weights",
+            )
+        return "float", wanted
+    if device.type != "cpu":
+        if weights == "auto":
+            return "float", dtype
+        raise InvalidRequestError(
+            f"weights={weights} uses PyTorch's CPU weight-only kernels; on {device.type} use weights=bf16 or auto.",
+            "weights",
+        )
+    return weights, dtype
+
+
+class WeightPlan:
+    def __init__(self, mode: str) -> None:
+        assert mode in MODES, mode
+        self.mode = mode
+
+    def linear_format(self, shards: list[SourceTensor], is_lm_head: bool = False) -> str:
+        """'float', 'int4', 'int8' (a scale per row) or 'int8-groups' (a scale per 32 inputs) for a
+        linear layer stored as these shards (q/k/v, gate/up, or one)."""
+        if self.mode == "float":
+            return "float"
+        if self.mode == "q4":
+            return "int4"
+        if self.mode == "q8":
+            return "int8-groups" if is_lm_head else "int8"
+        if all(s.is_float for s in shards):
+            return "float"
+        if is_lm_head:  # the logits decide every token: Q8_0 kept exact (and shared with a tied embedding)
+            return "int8-groups"
+        return "int4" if any(s.is_int4 for s in shards) else "int8"
+
+    def embedding_format(self, source: SourceTensor) -> str:
+        if self.mode == "float" or (self.mode == "auto" and source.is_float):
+            return "float"
+        return "int8"
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.mode != "float"

@@ -1,0 +1,47 @@
+"""A checkpoint tensor before it is placed in the model: its stored type and lazy readers.
+
+The loader decides per module whether a weight is kept as float, int8 or int4 (weights/plan.py)
+and only then reads it in that form, so a 4-bit GGUF tensor can be repacked from its codes
+without ever being dequantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.layers.quantized import Int4Groups
+
+FLOAT_KINDS = ("F32", "F16", "BF16", "float32", "float16", "bfloat16")
+INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
+
+
+@dataclass
+class SourceTensor:
+    kind: str  # GGML type name ("Q4_1", "Q8_0", "F32", ...) or torch dtype name ("bfloat16", ...)
+    read_float: Callable[[], torch.Tensor]
+    read_int4: Callable[[], Int4Groups] | None = None  # exact codes, for 4-bit GGML types
+    read_int8_groups: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None  # exact Q8_0 codes, scales
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind in FLOAT_KINDS
+
+    @property
+    def is_int4(self) -> bool:
+        return self.read_int4 is not None
+
+    def int4(self) -> Int4Groups:
+        """Exact codes when stored as 4-bit groups, else round-to-nearest from the float values
+        (from Q8_0's codes a block of rows at a time, without the whole float weight)."""
+        if self.read_int4 is not None:
+            return self.read_int4()
+        if self.read_int8_groups is not None:
+            return Int4Groups.from_int8_groups(*self.read_int8_groups())
+        return Int4Groups.from_float(self.read_float())
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> SourceTensor:
+        return cls(str(tensor.dtype).removeprefix("torch."), lambda: tensor)

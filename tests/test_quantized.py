@@ -1,0 +1,191 @@
+"""Weights kept quantized: exact repacking of GGML blocks, the int4/int8 kernels against
+dequantized matmuls, loading in every --weights form, and the option's errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from kvserve.errors import InvalidRequestError
+from kvserve.layers.quantized import (
+    Int4Groups,
+    Int4Linear,
+    Int8Embedding,
+    Int8GroupLinear,
+    Int8Linear,
+    int8_groups_from_float,
+)
+from kvserve.weights.dequant import dequantize, int4_groups, q8_0_groups
+from kvserve.weights.loader import load_model, weight_summary
+from kvserve.weights.plan import resolve_weights
+from tests.conftest import make_tiny_llama
+from tests.test_gguf import _logits, random_blocks, write_llama_gguf
+
+T = GGMLQuantizationType
+# Dimensions the int4 kernel takes whole (outputs in 16s, inputs in groups of 32).
+INT4_FRIENDLY = dict(hidden_size=64, intermediate_size=128, vocab_size=320)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K], ids=lambda t: t.name)
+def test_int4_groups_reproduce_the_dequantized_values(qtype):
+    rng = np.random.default_rng(int(qtype))
+    block_elements = GGML_QUANT_SIZES[qtype][0]
+    rows, blocks_per_row = 16, 256 // block_elements * 2
+    raw = torch.from_numpy(random_blocks(qtype, rows * blocks_per_row, rng).reshape(rows, -1).copy())
+    expected = dequantize(raw, qtype, block_elements * blocks_per_row)
+    groups = Int4Groups(*int4_groups(raw, qtype))
+    assert groups.codes.dtype == torch.uint8 and int(groups.codes.max()) <= 15
+    assert groups.codes.shape == expected.shape and groups.scales.shape == (rows, expected.shape[1] // 32)
+    got = groups.dequantize()
+    if qtype == T.Q4_0:  # d * (q - 8) versus d * q - 8d: equal up to float rounding
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+    else:
+        assert torch.equal(got, expected)
+
+
+def test_q8_0_groups_reproduce_the_dequantized_values():
+    raw = torch.from_numpy(random_blocks(T.Q8_0, 8 * 6, np.random.default_rng(3)).reshape(8, -1).copy())
+    codes, scales = q8_0_groups(raw)
+    embedding = Int8Embedding(codes, scales, torch.float32)
+    ids = torch.tensor([7, 0, 3, 3])
+    assert torch.equal(embedding(ids), dequantize(raw, T.Q8_0, 192)[ids])
+
+
+def _random_groups(rows: int, cols: int, seed: int) -> Int4Groups:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+    scales = torch.rand(rows, cols // 32, generator=g) * 0.1 + 0.01
+    mins = -torch.rand(rows, cols // 32, generator=g)
+    return Int4Groups(codes, scales, mins)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_linear_equals_a_matmul_with_the_dequantized_weight(dtype):
+    groups = _random_groups(48, 96, seed=1)
+    bias = torch.randn(48)
+    layer = Int4Linear(groups, dtype, bias)
+    x = torch.randn(2, 5, 96)
+    expected = x @ groups.dequantize().T + bias  # [2, 5, 48]
+    got = layer(x.to(dtype)).float()
+    assert got.shape == (2, 5, 48)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2 * float(expected.abs().max())
+    assert (got - expected).abs().max().item() <= tolerance
+    # a wrong zero point (the kernel's "- 8" convention ignored) would be caught
+    assert (Int4Linear(Int4Groups(groups.codes, groups.scales, groups.mins - 8 * groups.scales), dtype)(x.to(dtype))
+            .float() + bias - expected).abs().max().item() > 10 * tolerance  # fmt: skip
+
+
+def test_int8_linear_is_within_its_rounding_of_the_float_matmul():
+    weight = torch.randn(40, 72)
+    layer = Int8Linear(weight, torch.float32)
+    x = torch.randn(6, 72)
+    step = weight.abs().amax(1) / 127  # one rounding step per output row
+    bound = (x.abs().sum(1, keepdim=True) * step[None, :] / 2) + 1e-4  # |x| . |error| <= sum|x| * step/2
+    assert ((layer(x) - x @ weight.T).abs() <= bound).all()
+    dequantized = layer.weight_int8.float() * layer.scales[:, None]
+    torch.testing.assert_close(layer(x), x @ dequantized.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [3, 20], ids=["few-rows-kernel", "many-rows-gemm"])
+def test_int8_group_linear_equals_the_dequantized_matmul(rows):
+    codes, scales = int8_groups_from_float(torch.randn(80, 96))
+    layer = Int8GroupLinear(codes, scales, torch.float32)
+    x = torch.randn(rows, 96)
+    expected = x @ (codes.view(80, 3, 32).float() * scales[..., None]).view(80, 96).T
+    assert (layer(x) - expected).abs().max().item() <= 1e-4
+    assert (Int8GroupLinear(codes, scales, torch.bfloat16)(x.bfloat16()) - expected).abs().max().item() <= 0.1
+
+
+def test_int4_from_float_round_trips_within_half_a_step():
+    weight = torch.randn(32, 64)
+    groups = Int4Groups.from_float(weight)
+    error = (groups.dequantize() - weight).abs().reshape(32, 2, 32)
+    assert (error <= groups.scales[..., None] / 2 + 1e-6).all()
+
+
+def test_a_4bit_gguf_is_repacked_exactly(tmp_path):
+    """Q4_1 linear layers kept as int4 give the same logits as the same file dequantized (float32 compute)."""
+    pytest.importorskip("transformers")
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=21, **INT4_FRIENDLY)
+    write_llama_gguf(tmp_path / "tiny-q4.gguf", hf_model, qtype=T.Q4_1)
+    dequantized = load_model(tmp_path / "tiny-q4.gguf", progress=False, weights="float")
+    kept = load_model(tmp_path / "tiny-q4.gguf", progress=False, weights="auto")
+    assert weight_summary(kept)["layers"] == {"int4": 8, "int8 groups": 1, "int8 embedding": 1}  # 4 per layer
+    assert isinstance(kept.layers[0].self_attn.qkv_proj, Int4Linear)
+    # The embedding and lm_head are re-quantized (4-bit rows to int8 groups); compare the layers only.
+    with torch.inference_mode():
+        dequantized.embed_tokens.weight.copy_(kept.embed_tokens(torch.arange(320)))
+        head = kept.lm_head
+        dequantized.lm_head.weight.copy_((head.codes.view(320, 2, 32) * head.scales[..., None]).view(320, 64))
+    tokens = list(range(3, 300, 7))
+    assert (_logits(kept, tokens) - _logits(dequantized, tokens)).abs().max().item() <= 1e-4
+    assert weight_summary(kept)["bytes"] < 0.45 * weight_summary(dequantized)["bytes"]
+
+
+def test_a_q8_0_gguf_keeps_int8_and_the_embedding_exact(tmp_path):
+    pytest.importorskip("transformers")
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=22, **INT4_FRIENDLY)
+    write_llama_gguf(tmp_path / "tiny-q8.gguf", hf_model, qtype=T.Q8_0)
+    model = load_model(tmp_path / "tiny-q8.gguf", progress=False, weights="auto")
+    assert weight_summary(model)["layers"] == {"int8": 8, "int8 groups": 1, "int8 embedding": 1}
+    embed = hf_model.model.embed_tokens.weight.detach().numpy()
+    expected = quants.dequantize(quants.quantize(embed, T.Q8_0), T.Q8_0)
+    ids = torch.arange(320)
+    assert np.array_equal(model.embed_tokens(ids).numpy(), expected)
+    head = hf_model.lm_head.weight.detach().numpy()  # the lm_head keeps the Q8_0 codes as stored
+    expected = quants.dequantize(quants.quantize(head, T.Q8_0), T.Q8_0)
+    got = (model.lm_head.codes.view(320, 2, 32).float() * model.lm_head.scales[..., None]).view(320, 64)
+    assert np.array_equal(got.numpy(), expected)
+
+
+@pytest.mark.parametrize("mode", ["q4", "q8"])
+def test_a_float_checkpoint_is_quantized_at_load(tmp_path, mode):
+    """A safetensors folder with weights=q4/q8 equals the float model whose linear weights went
+    through the same quantize-dequantize round trip (the kernels and packing are what is tested)."""
+    pytest.importorskip("transformers")
+    make_tiny_llama(tmp_path, seed=23, **INT4_FRIENDLY)
+    quantized = load_model(tmp_path, progress=False, weights=mode)
+    reference = load_model(tmp_path, progress=False, weights="float")
+    form = {"q4": Int4Linear, "q8": Int8Linear}[mode]
+    assert all(isinstance(m, form) for n, m in quantized.named_modules() if n.endswith("_proj"))
+    assert isinstance(quantized.lm_head, {"q4": Int4Linear, "q8": Int8GroupLinear}[mode])
+    with torch.inference_mode():
+        for name, module in reference.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                w = module.weight
+                if name == "lm_head" and mode == "q8":
+                    codes, scales = int8_groups_from_float(w)
+                    module.weight.copy_((codes.view(320, 2, 32) * scales[..., None]).view(320, 64))
+                elif mode == "q4":
+                    module.weight.copy_(Int4Groups.from_float(w).dequantize())
+                else:
+                    int8 = Int8Linear(w, torch.float32)
+                    module.weight.copy_(int8.weight_int8 * int8.scales[:, None])
+        reference.embed_tokens.weight.copy_(quantized.embed_tokens(torch.arange(320)))
+    tokens = list(range(5, 300, 9))
+    assert (_logits(quantized, tokens) - _logits(reference, tokens)).abs().max().item() <= 1e-4
+
+
+def test_layers_the_int4_kernel_cannot_take_fall_back_to_int8(tmp_path):
+    pytest.importorskip("transformers")
+    make_tiny_llama(tmp_path, seed=24)  # vocab 300 (not a multiple of 16), intermediate 112 (not of 32)
+    model = load_model(tmp_path, progress=False, weights="q4")
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.layers[0].mlp.down_proj, Int8Linear)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)
+
+
+def test_weight_choices_and_their_errors():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_weights("auto", None, cpu) == ("auto", None)
+    assert resolve_weights("bf16", None, cpu) == ("float", torch.bfloat16)
+    assert resolve_weights("f32", torch.float32, cpu) == ("float", torch.float32)
+    assert resolve_weights("auto", None, cuda) == ("float", None)
+    with pytest.raises(InvalidRequestError, match="weights must be one of") as info:
+        resolve_weights("q3", None, cpu)
+    assert info.value.param == "weights"
+    with pytest.raises(InvalidRequestError, match="drop dtype"):
+        resolve_weights("bf16", torch.float32, cpu)
+    with pytest.raises(InvalidRequestError, match="CPU weight-only kernels"):
+        resolve_weights("q4", None, cuda)
