@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.kv_cache import allocate_kv_cache
+from kvserve.layers import fused_decode
 from kvserve.layers.attention import build_batch
+from kvserve.layers.fused_decode import FusedDecoder
 from kvserve.sampler import Sampler, SamplingRow, TokenLogprobs
 from kvserve.scheduler import SchedulerOutput
 
@@ -24,9 +26,16 @@ class RunnerTimings:
     forward: float = 0.0
     sample: float = 0.0
     steps: int = 0
+    fused_steps: int = 0  # decode-only steps run by the fused C++ layer loop
 
     def as_dict(self) -> dict[str, float]:
-        return {"prepare_s": self.prepare, "forward_s": self.forward, "sample_s": self.sample, "steps": self.steps}
+        return {
+            "prepare_s": self.prepare,
+            "forward_s": self.forward,
+            "sample_s": self.sample,
+            "steps": self.steps,
+            "fused_steps": self.fused_steps,
+        }
 
 
 @dataclass
@@ -53,19 +62,34 @@ class ModelRunner:
         self.stop_token_ids = stop_token_ids
         self.generators: dict[str, torch.Generator] = {}
         self.timings = RunnerTimings()
+        # Decode-only steps on the CPU go through the fused C++ layer loop once it is built
+        # (in the background: the Python forward serves until then, and wherever it does not apply).
+        self.fused: FusedDecoder | None = None
+        self.wants_fused = FusedDecoder.supports(model) and fused_decode.is_enabled()
+        if self.wants_fused:
+            fused_decode.start_loading()
+
+    def _fused_decoder(self) -> FusedDecoder | None:
+        if self.fused is None and self.wants_fused and fused_decode.loaded_extension() is not None:
+            self.fused = fused_decode.make_fused_decoder(self.model, wait=False)
+        return self.fused
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         items = out.scheduled
-        input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.long).to(self.device)
-        positions, metadata = build_batch(
-            [s.block_ids for s in items],
-            [s.num_computed_tokens for s in items],
-            [len(s.token_ids) for s in items],
-            self.block_size,
-            self.device,
-        )
+        fused = self._fused_decoder() if all(len(s.token_ids) == 1 for s in items) else None
+        if fused is not None:
+            inputs = self._decode_inputs(items)
+        else:
+            input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.long).to(self.device)
+            positions, metadata = build_batch(
+                [s.block_ids for s in items],
+                [s.num_computed_tokens for s in items],
+                [len(s.token_ids) for s in items],
+                self.block_size,
+                self.device,
+            )
         ends, rows, ids = [], [], []
         offset = 0
         for s in items:
@@ -79,7 +103,11 @@ class ModelRunner:
                     )
                 )
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, metadata)
+        if fused is not None:
+            hidden = fused.forward(*inputs)
+            self.timings.fused_steps += 1
+        else:
+            hidden = self.model(input_ids, positions, metadata)
         result = RunnerOutput()
         if ends:
             logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
@@ -95,6 +123,22 @@ class ModelRunner:
         self.timings.sample += t3 - t2
         self.timings.steps += 1
         return result
+
+    def _decode_inputs(self, items: list) -> tuple[torch.Tensor, ...]:
+        """(input_ids, positions, slot_mapping, block_tables, seq_lens) of a decode-only step."""
+        size = self.block_size
+        positions = [s.num_computed_tokens for s in items]
+        slots = [s.block_ids[p // size] * size + p % size for s, p in zip(items, positions, strict=True)]
+        width = max(len(s.block_ids) for s in items)
+        tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in items]
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+        return (
+            as_tensor([s.token_ids[0] for s in items]),
+            as_tensor(positions),
+            as_tensor(slots),
+            as_tensor(tables),
+            as_tensor([p + 1 for p in positions]),
+        )
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state (generators) of finished requests."""

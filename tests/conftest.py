@@ -24,6 +24,15 @@ TINY_LLAMA = dict(
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fused_decode_extension():
+    """Build the fused CPU decode step once, before any engine starts, so that every engine test
+    runs its decode steps through it from the first step (not from whenever a build finishes)."""
+    from kvserve.layers import fused_decode
+
+    return fused_decode.load_extension()
+
+
 @pytest.fixture(scope="session")
 def bundled_gguf() -> Path:
     """The default model's GGUF, fetched with `kvserve pull` semantics on first use."""

@@ -55,13 +55,19 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos_sin = torch.stack((emb.cos(), emb.sin()))  # [2, P, D]
 
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed), each [T, 1, D] in `dtype`, for the flattened positions [T] of one step;
+        looked up once per step and shared by every layer."""
+        cos, sin = self.cos_sin[:, positions].to(dtype).unsqueeze(2)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
-        cos, sin = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)  # each [T, 1, D]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin_signed = self.table(positions, q.dtype)
+        return rotate(q, cos, sin_signed), rotate(k, cos, sin_signed)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x * cos + [-x2, x1] * sin, written as x * cos + roll(x) * [-sin, sin]."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)

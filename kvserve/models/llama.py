@@ -13,11 +13,11 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.layers.attention import AttentionMetadata, paged_attention
 from kvserve.layers.norm import RMSNorm
-from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.layers.rotary import RotaryEmbedding, rotate
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -26,18 +26,19 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
-        self.rotary = rotary
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "bind_kv_cache() first"
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k are rotated together: [T, H + Hkv, D]
+        qk = rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -55,15 +56,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), metadata)
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -73,7 +76,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.rotary = RotaryEmbedding(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -90,8 +93,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] (a flattened batch). Returns hidden states [T, hidden_size]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions, x.dtype)  # one lookup per step, shared by every layer
         for layer in self.layers:
-            x = layer(positions, x, attn_metadata)
+            x = layer(rope, x, attn_metadata)
         return self.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

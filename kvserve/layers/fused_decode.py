@@ -1,0 +1,199 @@
+"""The fused CPU decode step (kvserve/csrc/decode_cpu.cpp) and when it is used.
+
+A decode-only step (one new token per sequence) of a Llama model on the CPU runs its whole layer
+loop in one C++ call; the model's Python forward remains the reference and serves everything
+else (prefill, mixed steps, CUDA). The extension is compiled on first use with the machine's C++
+compiler (about a minute, once; cached under $TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions). Without a compiler, or with KVSERVE_FUSED_DECODE=0, the Python path
+serves every step and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.layers.quantized import Int4Linear, Int8Linear
+
+logger = logging.getLogger("kvserve.fused_decode")
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "decode_cpu.cpp"
+_lock = threading.Lock()
+_extension: Any = None
+_error: str | None = None
+
+
+def is_enabled() -> bool:
+    return os.environ.get("KVSERVE_FUSED_DECODE", "1") not in ("0", "false", "no")
+
+
+def load_extension() -> Any:
+    """The compiled module, or None (with the reason logged once) when it cannot be built."""
+    global _extension, _error
+    with _lock:
+        if _extension is None and _error is None:
+            try:
+                # -march=native: the build is specific to this CPU, so its name carries the CPU's identity.
+                key = f"{SOURCE.read_bytes()!r}{_cpu_identity()}{torch.__version__}".encode()
+                name = "kvserve_decode_cpu_" + hashlib.sha256(key).hexdigest()[:12]
+                _extension = _build_or_load(name)
+            except Exception as exc:  # no compiler, no headers: the Python path serves
+                _error = f"{type(exc).__name__}: {exc}"
+                logger.warning("fused CPU decode step unavailable, using the Python path: %s", _error)
+        return _extension
+
+
+def _build_or_load(name: str) -> Any:
+    """torch's `load`, serialized across processes by an flock that dies with its holder.
+
+    torch's own lock is a plain file: a build killed midway leaves it behind and every later
+    build waits on it forever. Holding the flock, no live process is building, so any such file
+    is stale and is removed first."""
+    import fcntl
+
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "kvserve.flock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+
+
+def start_loading() -> None:
+    """Build (or load the cached build of) the extension in a background thread. Compiling runs in
+    a compiler subprocess, so the engine thread keeps serving on the Python path meanwhile."""
+    if is_enabled() and _extension is None and _error is None:
+        threading.Thread(target=load_extension, name="kvserve-build-decode", daemon=True).start()
+
+
+def loaded_extension() -> Any:
+    """The extension if it is loaded by now, without waiting; else None."""
+    return _extension
+
+
+def _cpu_identity() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        return next((line for line in info.splitlines() if line.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+class FusedDecoder:
+    """Runs decode-only steps of one LlamaForCausalLM through the C++ layer loop.
+
+    Holds references to the model's tensors (no copies). `supports(model)` tells whether the
+    model's layers are all of a kind the C++ loop knows.
+    """
+
+    def __init__(self, model: nn.Module, extension: Any) -> None:
+        self.model, self.extension = model, extension
+        config = model.config
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.intermediate = config.head_dim, config.intermediate_size
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim**-0.5
+        self.norms: list[torch.Tensor] = []
+        self.kinds: list[int] = []
+        self.weights: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor | None] = []
+        self.biases: list[torch.Tensor | None] = []
+        for layer in model.layers:
+            self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                self._add(linear)
+        self.norms.append(model.norm.weight)
+        groups = {m.group_size for m in model.modules() if isinstance(m, Int4Linear)}
+        self.group_size = groups.pop() if groups else 32
+
+    def _add(self, linear: nn.Module) -> None:
+        if isinstance(linear, Int4Linear):
+            self.kinds.append(1)
+            self.weights.append(linear.weight_packed)
+            self.scales.append(linear.scales_and_zeros)
+        elif isinstance(linear, Int8Linear):
+            self.kinds.append(2)
+            self.weights.append(linear.weight_int8)
+            self.scales.append(linear.scales)
+        else:
+            self.kinds.append(0)
+            self.weights.append(linear.weight)
+            self.scales.append(None)
+        self.biases.append(linear.bias)
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        param = next(model.parameters())
+        if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        groups = {m.group_size for m in model.modules() if isinstance(m, Int4Linear)}
+        linears = (nn.Linear, Int4Linear, Int8Linear)
+        return len(groups) <= 1 and all(
+            isinstance(m, linears)
+            for layer in model.layers
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states [B, hidden] after the final norm, for B sequences adding one token each.
+        Writes each layer's K/V at `slot_mapping`, as the model's forward would."""
+        model = self.model
+        x = model.embed_tokens(input_ids)  # [B, hidden]
+        cos, sin_signed = model.rotary.table(positions, x.dtype)  # each [B, 1, D]
+        k_caches = [layer.self_attn.k_cache for layer in model.layers]
+        v_caches = [layer.self_attn.v_cache for layer in model.layers]
+        return self.extension.decode_forward(
+            x.contiguous(),
+            cos.reshape(len(positions), -1).contiguous(),
+            sin_signed.reshape(len(positions), -1).contiguous(),
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            self.norms,
+            self.kinds,
+            self.weights,
+            self.scales,
+            self.biases,
+            k_caches,
+            v_caches,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.intermediate,
+            self.eps,
+            self.scale,
+            self.group_size,
+        )
+
+
+def make_fused_decoder(model: nn.Module, wait: bool = True) -> FusedDecoder | None:
+    """A FusedDecoder for `model` when enabled, supported and built (waiting for the build, or,
+    with wait=False, only if it is loaded already); else None."""
+    if not is_enabled() or not FusedDecoder.supports(model):
+        return None
+    extension = load_extension() if wait else loaded_extension()
+    return None if extension is None else FusedDecoder(model, extension)

@@ -1,0 +1,134 @@
+"""The fused C++ decode step against the model's Python forward (the reference), the int4
+dequantize-then-GEMM path against the int4 kernel, and the attention groups' cost bound."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv_cache import allocate_kv_cache
+from kvserve.layers import fused_decode, quantized
+from kvserve.layers.attention import _partition, build_batch
+from kvserve.layers.fused_decode import FusedDecoder
+from kvserve.layers.quantized import Int4Groups, Int4Linear
+from kvserve.weights.loader import load_model
+from tests.conftest import make_tiny_llama, wait_idle_and_check
+
+VARIANTS = {
+    "gqa-q4": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q4"),
+    "gqa-q8": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q8"),
+    "mha-tied-float": (dict(num_key_value_heads=4, tie_word_embeddings=True), "float"),
+    "mqa-bias-float": (dict(num_key_value_heads=1, attention_bias=True, head_dim=24), "float"),
+}
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def extension():
+    ext = fused_decode.load_extension()
+    if ext is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the Python decode path serves (it is what the other tests check)")
+    assert ext is not None, f"the fused decode extension failed to build: {fused_decode._error}"
+    return ext
+
+
+def _prefilled(model, lengths, tables, seed):
+    """Prefill random prompts of `lengths` through the Python forward; return the KV pool."""
+    kv = allocate_kv_cache(model.config, 64, BLOCK_SIZE, torch.float32, "cpu")
+    model.bind_kv_cache(kv)
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        for length, table in zip(lengths, tables, strict=True):
+            positions, metadata = build_batch([table], [0], [length], BLOCK_SIZE)
+            model(torch.randint(0, 300, (length,), generator=g), positions, metadata)
+    return kv
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, variant):
+    pytest.importorskip("transformers")
+    overrides, weights = VARIANTS[variant]
+    make_tiny_llama(tmp_path, seed=31, **overrides)
+    model = load_model(tmp_path, torch.float32, progress=False, weights=weights)
+    assert FusedDecoder.supports(model)
+    lengths = [9, 1, 30, 17]  # different contexts; blocks scattered and interleaved below
+    tables = [[3, 40, 7], [12], [5, 20, 21, 22, 23, 24, 60, 61], [30, 31, 2, 33, 34]]
+    kv = _prefilled(model, lengths, tables, seed=1)
+    # Garbage where no sequence has a token (past each length in its blocks, and unused blocks):
+    # the fused loop reads each sequence's own keys only, so the result stays finite.
+    for k_cache, v_cache in kv:
+        mask = torch.ones(64, BLOCK_SIZE, dtype=torch.bool)
+        for table, length in zip(tables, lengths, strict=True):
+            for pos in range(length):
+                mask[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = False
+        k_cache[mask] = float("nan")
+        v_cache[mask] = float("nan")
+    snapshot = [(k.clone(), v.clone()) for k, v in kv]
+    ids = torch.tensor([5, 77, 123, 250])
+    positions, metadata = build_batch(tables, lengths, [1, 1, 1, 1], BLOCK_SIZE)
+    fused = FusedDecoder(model, extension)
+    width = max(len(t) for t in tables)
+    with torch.inference_mode():
+        got = fused.forward(
+            ids,
+            positions,
+            metadata.slot_mapping,
+            torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            torch.tensor([n + 1 for n in lengths]),
+        )
+        fused_kv = [(k.clone(), v.clone()) for k, v in kv]
+        clean = [(torch.nan_to_num(k, nan=0.0), torch.nan_to_num(v, nan=0.0)) for k, v in snapshot]
+        for (k, v), (k0, v0) in zip(kv, clean, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+        expected = model(ids, positions, metadata)
+    assert torch.isfinite(got).all()
+    assert (got - expected).abs().max().item() <= 1e-4
+    for (k, v), (k_ref, v_ref) in zip(fused_kv, kv, strict=True):  # the new K/V landed where Python puts them
+        slots = metadata.slot_mapping
+        assert (k.flatten(0, 1)[slots] - k_ref.flatten(0, 1)[slots]).abs().max().item() <= 1e-5
+        assert (v.flatten(0, 1)[slots] - v_ref.flatten(0, 1)[slots]).abs().max().item() <= 1e-5
+
+
+def test_the_engine_decodes_through_the_fused_step(tiny_model_dir, extension, monkeypatch):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = ["Hello there", "A longer prompt with more words in it, so its context differs", "x"]
+    with LLM(tiny_model_dir, dtype="float32", session_db=False) as llm:
+        fused = [r.token_ids for r in llm.generate(prompts, params)]
+        assert llm.runner_timings()["fused_steps"] > 0
+        wait_idle_and_check(llm)
+    monkeypatch.setenv("KVSERVE_FUSED_DECODE", "0")
+    with LLM(tiny_model_dir, dtype="float32", session_db=False) as llm:
+        python = [r.token_ids for r in llm.generate(prompts, params)]
+        assert llm.runner_timings()["fused_steps"] == 0
+    assert fused == python
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_many_rows_path_equals_the_int4_kernel(extension, dtype, monkeypatch):
+    groups = Int4Groups.from_float(torch.randn(192, 96, generator=torch.Generator().manual_seed(5)))
+    layer = Int4Linear(groups, dtype, torch.randn(192))
+    x = torch.randn(40, 96).to(dtype)
+    monkeypatch.setattr(quantized, "MANY_ROWS", 10**9)
+    kernel = layer(x).float()
+    monkeypatch.setattr(quantized, "MANY_ROWS", 1)
+    gemm = layer(x).float()
+    assert quantized._many_rows_dequantizer() is not None  # the packing layout check passed
+    tolerance = 1e-4 if dtype == torch.float32 else 0.02 * float(kernel.abs().max())
+    assert (gemm - kernel).abs().max().item() <= tolerance
+
+
+def test_attention_groups_bound_padding():
+    # 63 short decodes and one long one: the long one gets a group of its own.
+    new, seq_lens = [1] * 64, [100] * 63 + [3000]
+    groups = _partition(new, seq_lens)
+    assert [63] in groups and sorted(len(g) for g in groups) == [1, 63]
+    # similar lengths stay together; decodes never share a group with a prefill
+    groups = _partition([1, 1, 1, 50], [100, 110, 120, 50])
+    assert groups == [[2, 1, 0], [3]]
+    for members in _partition([1] * 10 + [7] * 3, list(range(10, 140, 10))):
+        lens = [list(range(10, 140, 10))[i] for i in members]
+        assert len(members) * max(lens) <= 1.25 * sum(lens) or len(members) == 1
