@@ -1,4 +1,5 @@
-"""The bundled SmolLM2 GGUF loaded by kvserve and by transformers: greedy tokens agree.
+"""The bundled SmolLM2 GGUF loaded by kvserve (dequantized, and kept quantized) and by
+transformers (dequantized, float32): greedy tokens agree.
 
 First-divergence rule (DESIGN.md): up to the first differing token both runs agree; at that
 position each run's token must be in the other's top-5 (the logits there are conditioned on the
@@ -34,17 +35,31 @@ PROMPTS = [
 ]
 
 
+# (weights, dtype): dequantized float32 (the foundation check), then served quantized as `auto`
+# keeps them (int4 layers, the Q8_0 embedding/lm_head table) in both compute dtypes.
+FORMS = {"f32": ("float", torch.float32), "auto-f32": ("auto", torch.float32), "auto-bf16": ("auto", torch.bfloat16)}
+
+
 @pytest.fixture(scope="module")
-def models(bundled_gguf):
-    ours = load_model(bundled_gguf, torch.float32, progress=False)
-    tokenizer = Tokenizer.from_gguf(bundled_gguf)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
+def reference(bundled_gguf):
+    return transformers.AutoModelForCausalLM.from_pretrained(
         bundled_gguf.parent, gguf_file=bundled_gguf.name, dtype=torch.float32
     ).eval()
-    return ours, tokenizer, reference
+
+
+@pytest.fixture(scope="module", params=list(FORMS))
+def models(request, bundled_gguf, reference):
+    weights, dtype = FORMS[request.param]
+    ours = load_model(bundled_gguf, dtype, progress=False, weights=weights)
+    return ours, Tokenizer.from_gguf(bundled_gguf), reference
+
+
+_expected: dict[tuple[int, ...], list[int]] = {}
 
 
 def _reference_greedy(reference, prompt_ids: list[int]) -> list[int]:
+    if tuple(prompt_ids) in _expected:  # the same reference serves every form
+        return _expected[tuple(prompt_ids)]
     with torch.no_grad():
         out = reference.generate(
             torch.tensor([prompt_ids]),
@@ -54,7 +69,8 @@ def _reference_greedy(reference, prompt_ids: list[int]) -> list[int]:
             do_sample=False,
             pad_token_id=0,
         )
-    return out[0, len(prompt_ids) :].tolist()
+    _expected[tuple(prompt_ids)] = out[0, len(prompt_ids) :].tolist()
+    return _expected[tuple(prompt_ids)]
 
 
 @pytest.mark.parametrize("index", range(len(PROMPTS)))

@@ -38,6 +38,20 @@ inline float from_float<float>(float x) { return x; }
 template <>
 inline c10::BFloat16 from_float<c10::BFloat16>(float x) { return c10::BFloat16(x); }  // round to nearest even
 
+// Round-to-nearest-even float -> T without a NaN branch, so that loops over weights vectorize
+// (weights are finite; activations use from_float, which keeps NaN handling).
+template <typename T>
+inline T weight_from_float(float x);
+template <>
+inline float weight_from_float<float>(float x) { return x; }
+template <>
+inline c10::BFloat16 weight_from_float<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+}
+
 struct Linear {
   int64_t kind;  // 0 float (weight [N, K]), 1 int4 packed (+ scales_and_zeros), 2 int8 (+ scales)
   at::Tensor weight, scales, bias;
@@ -278,8 +292,8 @@ void dequantize_int4_impl(const uint8_t* packed, const T* scales_and_zeros, T* o
           T* ob = o + nb * 64;
 #pragma omp simd
           for (int64_t i = 0; i < 32; ++i) {
-            ob[i] = from_float<T>(static_cast<float>(bytes[i] & 0xF) * sc[i] + zr[i]);
-            ob[i + 32] = from_float<T>(static_cast<float>(bytes[i] >> 4) * sc[i + 32] + zr[i + 32]);
+            ob[i] = weight_from_float<T>(static_cast<float>(bytes[i] & 0xF) * sc[i] + zr[i]);
+            ob[i + 32] = weight_from_float<T>(static_cast<float>(bytes[i] >> 4) * sc[i + 32] + zr[i + 32]);
           }
         }
       }
@@ -317,13 +331,19 @@ void int8_group_matmul_impl(const T* x, const int8_t* codes, const float* scales
       const float* s = scales + row * groups;
       for (int64_t r = 0; r < m; ++r) {
         const float* xr = xf.data() + r * k;
-        float acc = 0.f;
+        // 16 lanes of partial sums (one AVX-512 register), one horizontal sum per row at the end
+        float lanes[16] = {0.f};
         for (int64_t g = 0; g < groups; ++g) {
-          float part = 0.f;
-#pragma omp simd reduction(+ : part)
-          for (int64_t j = 0; j < kGroup; ++j) part += xr[g * kGroup + j] * static_cast<float>(c[g * kGroup + j]);
-          acc += part * s[g];
+          const float sg = s[g];
+          const float* xg = xr + g * kGroup;
+          const int8_t* cg = c + g * kGroup;
+#pragma omp simd
+          for (int64_t j = 0; j < 16; ++j) lanes[j] += xg[j] * sg * static_cast<float>(cg[j]);
+#pragma omp simd
+          for (int64_t j = 0; j < 16; ++j) lanes[j] += xg[16 + j] * sg * static_cast<float>(cg[16 + j]);
         }
+        float acc = 0.f;
+        for (int64_t j = 0; j < 16; ++j) acc += lanes[j];
         out[r * v + row] = acc;
       }
     }
