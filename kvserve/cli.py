@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -218,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":  # say at start-up how the weights are held (kvserve.weights)
+        logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+        logging.getLogger("kvserve").setLevel(getattr(logging, args.log_level.upper()))
     try:
         return args.func(args)
     except KVServeError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import queue
 import uuid
@@ -34,9 +35,10 @@ from kvserve.session_handle import Session
 from kvserve.session_store import SessionStore
 from kvserve.sessions import SessionManager
 from kvserve.tokenizer import Tokenizer
-from kvserve.weights.loader import load_config, load_model
+from kvserve.weights.loader import load_config, load_model, weight_summary
 from kvserve.weights.plan import resolve_weights
 
+logger = logging.getLogger("kvserve.weights")
 Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -154,6 +156,16 @@ class LLM:
 
         self.engine = EngineCore(scheduler, build_runner, self.tokenizer, make_sessions)
         self.model = self.engine.runner.model
+        summary = weight_summary(self.model)
+        self.weights: dict[str, Any] = {"choice": weights, "mode": weight_mode, **summary}
+        logger.info(
+            "weights=%s on %s: %s, %.1f MB, compute dtype %s",
+            weights,
+            self.device.type,
+            ", ".join(f"{n} {form}" for form, n in summary["layers"].items()),
+            summary["bytes"] / 1e6,
+            str(self.dtype).removeprefix("torch."),
+        )
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
 
@@ -336,12 +348,19 @@ class LLM:
         return self.engine.stats()
 
     def check_integrity(self) -> dict[str, Any]:
-        """On the engine thread: assert the block pool's invariants; return the pool's counts."""
+        """On the engine thread: assert the block pool's invariants; return the pool's counts and the
+        scheduler's running and waiting requests at that moment."""
 
         def check() -> dict[str, Any]:
-            pool = self.engine.pool
+            pool, scheduler = self.engine.pool, self.engine.scheduler
             pool.check_integrity()
-            return {"used": pool.num_used_blocks, "cached": pool.num_cached_blocks, "free": pool.num_free_blocks}
+            return {
+                "used": pool.num_used_blocks,
+                "cached": pool.num_cached_blocks,
+                "free": pool.num_free_blocks,
+                "running": len(scheduler.running),
+                "waiting": len(scheduler.waiting),
+            }
 
         return self.engine.call(check, timeout=60)
 

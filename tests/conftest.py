@@ -93,12 +93,12 @@ def wait_idle_and_check(llm, timeout: float = 30.0, pinned: int = 0) -> dict:
     `pinned` (blocks that live sessions hold between turns)."""
     import time
 
+    # Asked on the engine thread, not from the stats snapshot: the snapshot is published after a
+    # step's chunks are delivered, so a client can act on a chunk before the snapshot shows its request.
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = llm.stats()
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
-            break
-        time.sleep(0.01)
     counts = llm.check_integrity()
+    while (counts["running"] or counts["waiting"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        counts = llm.check_integrity()
     assert counts["used"] == pinned, f"KV blocks leaked: {counts} (sessions pin {pinned})"
     return counts

@@ -97,6 +97,7 @@ def test_the_engine_decodes_through_the_fused_step(tiny_model_dir, extension, mo
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = ["Hello there", "A longer prompt with more words in it, so its context differs", "x"]
     with LLM(tiny_model_dir, dtype="float32", session_db=False) as llm:
+        assert llm.weights["mode"] == "auto" and llm.weights["layers"] == {"float32 linear": 9, "float32 embedding": 1}
         fused = [r.token_ids for r in llm.generate(prompts, params)]
         assert llm.runner_timings()["fused_steps"] > 0
         wait_idle_and_check(llm)

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -367,7 +368,36 @@ at::Tensor int8_group_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales) 
   return out;
 }
 
+// rows [begin, end) of codes * scales (a scale per 32 values), as [end - begin, K] in `dtype`.
+at::Tensor dequantize_int8_groups(at::Tensor codes, at::Tensor scales, int64_t begin, int64_t end,
+                                  at::ScalarType dtype) {
+  const int64_t k = codes.size(1), groups = k / 32;
+  at::Tensor out = at::empty({end - begin, k}, codes.options().dtype(dtype));
+  const int8_t* c = codes.data_ptr<int8_t>() + begin * k;
+  const float* s = scales.data_ptr<float>() + begin * groups;
+  auto run = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    at::parallel_for(0, end - begin, 64, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        for (int64_t g = 0; g < groups; ++g) {
+          const float sg = s[r * groups + g];
+#pragma omp simd
+          for (int64_t j = 0; j < 32; ++j) o[r * k + g * 32 + j] = weight_from_float<T>(sg * c[r * k + g * 32 + j]);
+        }
+      }
+    });
+  };
+  if (dtype == at::kBFloat16) {
+    run(out.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(dtype == at::kFloat, "dequantize_int8_groups makes float32 or bfloat16");
+    run(out.data_ptr<float>());
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dequantize_int8_groups", &dequantize_int8_groups, "rows of an int8-groups weight, [rows, K]");
   m.def("int8_group_matmul", &int8_group_matmul, "x @ (codes * group scales).T in float32, [M, V]");
   m.def("decode_forward", &decode_forward, "one decode step of a Llama model");
   m.def("dequantize_int4", &dequantize_int4, "an Int4Linear's transposed weight in its compute dtype, [K, N]");

@@ -221,12 +221,21 @@ class Int8GroupLinear(nn.Module):
 
         x2 = x.reshape(-1, self.in_features)
         extension = fused_decode.loaded_extension()
-        if extension is not None and x2.shape[0] < self.FEW_ROWS and self.scales.shape[1] * 32 == self.in_features:
-            out = extension.int8_group_matmul(x2, self.codes, self.scales)
-        else:
-            groups = self.codes.view(self.out_features, self.scales.shape[1], -1)
-            weight = (groups * self.scales.unsqueeze(-1)).view(self.out_features, -1)
-            out = F.linear(x2.float(), weight)
+        is_grouped = self.scales.shape[1] * GROUP_SIZE == self.in_features
+        if extension is not None and is_grouped and x2.shape[0] < self.FEW_ROWS:
+            return extension.int8_group_matmul(x2, self.codes, self.scales).view(*x.shape[:-1], self.out_features)
+        # Many rows: dequantize CHUNK_ROWS output rows at a time into the compute dtype and run a GEMM
+        # on each, so the temporary stays a few MB whatever the vocabulary.
+        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x2.device)
+        x2 = x2.to(self.dtype)
+        for start in range(0, self.out_features, CHUNK_ROWS):
+            end = min(start + CHUNK_ROWS, self.out_features)
+            if extension is not None and is_grouped:
+                weight = extension.dequantize_int8_groups(self.codes, self.scales, start, end, self.dtype)
+            else:
+                groups = self.codes[start:end].view(end - start, self.scales.shape[1], -1)
+                weight = (groups * self.scales[start:end].unsqueeze(-1)).view(end - start, -1).to(self.dtype)
+            out[:, start:end] = F.linear(x2, weight)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
