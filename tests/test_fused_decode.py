@@ -19,6 +19,7 @@ from tests.conftest import make_tiny_llama, wait_idle_and_check
 
 VARIANTS = {
     "gqa-q4": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q4"),
+    "gqa-q4-dequantized-gemm": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q4"),
     "gqa-q8": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q8"),
     "mha-tied-float": (dict(num_key_value_heads=4, tie_word_embeddings=True), "float"),
     "mqa-bias-float": (dict(num_key_value_heads=1, attention_bias=True, head_dim=24), "float"),
@@ -48,9 +49,11 @@ def _prefilled(model, lengths, tables, seed):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, variant):
+def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, variant, monkeypatch):
     pytest.importorskip("transformers")
     overrides, weights = VARIANTS[variant]
+    if variant.endswith("dequantized-gemm"):  # int4 layers as for a batch of many rows
+        monkeypatch.setattr(quantized, "INT4_FEW_ROWS", 0)
     make_tiny_llama(tmp_path, seed=31, **overrides)
     model = load_model(tmp_path, torch.float32, progress=False, weights=weights)
     assert FusedDecoder.supports(model)
@@ -109,17 +112,31 @@ def test_the_engine_decodes_through_the_fused_step(tiny_model_dir, extension, mo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_int4_many_rows_path_equals_the_int4_kernel(extension, dtype, monkeypatch):
+def test_int4_paths_equal_the_dequantized_reference(extension, dtype, monkeypatch):
+    """int4_mm (few rows), dequantize + GEMM (many rows) and PyTorch's int4 kernel (layout unknown)
+    all give x @ W.T + b of the float weight the int4 groups stand for."""
     groups = Int4Groups.from_float(torch.randn(192, 96, generator=torch.Generator().manual_seed(5)))
-    layer = Int4Linear(groups, dtype, torch.randn(192))
-    x = torch.randn(40, 96).to(dtype)
-    monkeypatch.setattr(quantized, "MANY_ROWS", 10**9)
-    kernel = layer(x).float()
-    monkeypatch.setattr(quantized, "MANY_ROWS", 1)
-    gemm = layer(x).float()
-    assert quantized._many_rows_dequantizer() is not None  # the packing layout check passed
-    tolerance = 1e-4 if dtype == torch.float32 else 0.02 * float(kernel.abs().max())
-    assert (gemm - kernel).abs().max().item() <= tolerance
+    bias = torch.randn(192)
+    layer = Int4Linear(groups, dtype, bias)
+    scales_and_zeros = layer.scales_and_zeros.float()  # the layer's scales, rounded to its dtype
+    weight = (
+        groups.codes.float().view(192, 3, 32) * scales_and_zeros[:, :, 0].T.unsqueeze(-1)
+        + (scales_and_zeros[:, :, 1].T - 8 * scales_and_zeros[:, :, 0].T).unsqueeze(-1)
+    ).view(192, 96)
+    assert quantized.int4_block_rows() in (32, 64)  # the packing layout check found PyTorch's layout
+    for rows in (1, 5, 13, 40, 100):  # register tiles of every size, and both sides of INT4_FEW_ROWS
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        expected = x.float() @ weight.T + bias.to(dtype).float()
+        paths = {}
+        for few_rows in (10**9, 0):
+            monkeypatch.setattr(quantized, "INT4_FEW_ROWS", few_rows)
+            paths[f"few_rows={few_rows}"] = layer(x).float()
+        monkeypatch.setattr(quantized, "_int4_block", 0)  # an unknown layout: PyTorch's kernel
+        paths["int4 kernel"] = layer(x).float()
+        monkeypatch.undo()
+        tolerance = 1e-4 if dtype == torch.float32 else 0.02 * float(expected.abs().max())
+        for name, got in paths.items():
+            assert (got - expected).abs().max().item() <= tolerance, (rows, name)
 
 
 def test_attention_groups_bound_padding():

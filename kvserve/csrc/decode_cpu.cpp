@@ -16,11 +16,20 @@
 
 #include <ATen/Parallel.h>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_and_zeros, int64_t n, int64_t group_size,
+                   int64_t block_n);
+at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_and_zeros, int64_t n, int64_t k, int64_t group_size,
+                           int64_t block_n);
 
 namespace {
 
@@ -58,9 +67,23 @@ struct Linear {
   at::Tensor weight, scales, bias;
 };
 
-at::Tensor linear(const at::Tensor& x, const Linear& l, int64_t group_size) {
+// How an int4 layer multiplies (int4_block_n: the packing's rows per block, 0 if unknown): up to
+// few_rows rows int4_mm (below), more rows a float GEMM over the dequantized weight; with an
+// unknown layout, PyTorch's int4 kernel.
+struct Int4Policy {
+  int64_t few_rows, int4_block_n;
+};
+
+at::Tensor linear(const at::Tensor& x, const Linear& l, int64_t group_size, const Int4Policy& policy) {
   at::Tensor out;
-  if (l.kind == 1) {
+  const int64_t n = l.weight.size(0);  // every kind stores [N, ...]
+  if (l.kind == 1 && policy.int4_block_n > 0 && n % policy.int4_block_n == 0) {
+    if (x.size(0) <= policy.few_rows) {
+      out = int4_mm(x, l.weight, l.scales, n, group_size, policy.int4_block_n);
+    } else {
+      out = at::mm(x, dequantize_int4(l.weight, l.scales, n, x.size(1), group_size, policy.int4_block_n));
+    }
+  } else if (l.kind == 1) {
     out = at::_weight_int4pack_mm_for_cpu(x, l.weight, group_size, l.scales);
   } else if (l.kind == 2) {
     out = at::_weight_int8pack_mm(x, l.weight, l.scales);
@@ -203,7 +226,7 @@ at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& s
                         const std::vector<at::Tensor>& norms, const std::vector<Linear>& linears,
                         const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-                        double scale, int64_t group_size) {
+                        double scale, int64_t group_size, const Int4Policy& policy) {
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   const int64_t block_size = k_caches[0].size(1);
@@ -215,7 +238,7 @@ at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& s
   for (int64_t l = 0; l < num_layers; ++l) {
     add_rms_norm<T>(residual.data_ptr<T>(), delta.defined() ? delta.data_ptr<T>() : nullptr,
                     norms[2 * l].data_ptr<T>(), normed.data_ptr<T>(), tokens, hidden, static_cast<float>(eps));
-    at::Tensor qkv = linear(normed, linears[4 * l], group_size).contiguous();
+    at::Tensor qkv = linear(normed, linears[4 * l], group_size, policy).contiguous();
     rope_and_cache<T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin_signed.data_ptr<T>(), slot_mapping.data_ptr<int64_t>(),
                       k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>(), tokens, num_heads, num_kv_heads,
                       head_dim);
@@ -223,12 +246,12 @@ at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& s
                         block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), attn.data_ptr<T>(), tokens,
                         block_tables.size(1), block_size, num_heads, num_kv_heads, head_dim,
                         static_cast<float>(scale));
-    delta = linear(attn, linears[4 * l + 1], group_size).contiguous();
+    delta = linear(attn, linears[4 * l + 1], group_size, policy).contiguous();
     add_rms_norm<T>(residual.data_ptr<T>(), delta.data_ptr<T>(), norms[2 * l + 1].data_ptr<T>(),
                     normed.data_ptr<T>(), tokens, hidden, static_cast<float>(eps));
-    at::Tensor gate_up = linear(normed, linears[4 * l + 2], group_size).contiguous();
+    at::Tensor gate_up = linear(normed, linears[4 * l + 2], group_size, policy).contiguous();
     silu_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), tokens, intermediate);
-    delta = linear(act, linears[4 * l + 3], group_size).contiguous();
+    delta = linear(act, linears[4 * l + 3], group_size, policy).contiguous();
   }
   add_rms_norm<T>(residual.data_ptr<T>(), delta.data_ptr<T>(), norms[2 * num_layers].data_ptr<T>(),
                   normed.data_ptr<T>(), tokens, hidden, static_cast<float>(eps));
@@ -247,7 +270,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor cos, at::Tensor sin_signed, a
                           std::vector<std::optional<at::Tensor>> scales, std::vector<std::optional<at::Tensor>> biases,
                           std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale,
-                          int64_t group_size) {
+                          int64_t group_size, int64_t int4_few_rows, int64_t int4_block_n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [B, hidden] tensor");
   TORCH_CHECK(k_caches.size() * 4 == kinds.size() && norms.size() == 2 * k_caches.size() + 1, "bad layer lists");
   std::vector<Linear> linears;
@@ -256,14 +279,15 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor cos, at::Tensor sin_signed, a
                        biases[i].has_value() ? *biases[i] : at::Tensor()});
   }
   c10::InferenceMode guard;
+  const Int4Policy policy{int4_few_rows, int4_block_n};
   if (x.scalar_type() == at::kBFloat16) {
     return forward_impl<c10::BFloat16>(x, cos, sin_signed, slot_mapping, block_tables, seq_lens, norms, linears,
                                        k_caches, v_caches, num_heads, num_kv_heads, head_dim, intermediate, eps,
-                                       scale, group_size);
+                                       scale, group_size, policy);
   }
   TORCH_CHECK(x.scalar_type() == at::kFloat, "decode_forward runs in float32 or bfloat16");
   return forward_impl<float>(x, cos, sin_signed, slot_mapping, block_tables, seq_lens, norms, linears, k_caches,
-                             v_caches, num_heads, num_kv_heads, head_dim, intermediate, eps, scale, group_size);
+                             v_caches, num_heads, num_kv_heads, head_dim, intermediate, eps, scale, group_size, policy);
 }
 
 // ----- dequantization, for matmuls over many rows (prefill, large batches) ----------------------
@@ -272,11 +296,13 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor cos, at::Tensor sin_signed, a
 
 template <typename T>
 void dequantize_int4_impl(const uint8_t* packed, const T* scales_and_zeros, T* out, int64_t n, int64_t k,
-                          int64_t group_size) {
-  // Layout of aten::_convert_weight_to_int4pack_for_cpu: blocks of 64 output rows; in a block, byte
-  // (k * 32 + i) holds row i (low nibble) and row i + 32 (high nibble) at input k. Checked at run
-  // time against the op itself (kvserve/layers/quantized.py), so a different layout disables this.
+                          int64_t group_size, int64_t block_n) {
+  // Layout of aten::_convert_weight_to_int4pack_for_cpu: blocks of block_n output rows (64 where
+  // PyTorch's kernel runs AVX-512, 32 on AVX2); in a block, byte (k * block_n / 2 + i) holds row i
+  // (low nibble) and row i + block_n / 2 (high nibble) at input k. The block size is found at run
+  // time by checking against the op itself (kvserve/layers/quantized.py); no match disables this.
   // Writes the transposed weight [K, N], so every store and every byte load is contiguous.
+  const int64_t half = block_n / 2;
   at::parallel_for(0, k / group_size, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scale(n), zero(n);
     for (int64_t g = begin; g < end; ++g) {
@@ -286,15 +312,15 @@ void dequantize_int4_impl(const uint8_t* packed, const T* scales_and_zeros, T* o
       }
       for (int64_t c = g * group_size; c < (g + 1) * group_size; ++c) {
         T* o = out + c * n;
-        for (int64_t nb = 0; nb < n / 64; ++nb) {
-          const uint8_t* bytes = packed + nb * 64 * (k / 2) + c * 32;
-          const float* sc = scale.data() + nb * 64;
-          const float* zr = zero.data() + nb * 64;
-          T* ob = o + nb * 64;
+        for (int64_t nb = 0; nb < n / block_n; ++nb) {
+          const uint8_t* bytes = packed + nb * half * k + c * half;
+          const float* sc = scale.data() + nb * block_n;
+          const float* zr = zero.data() + nb * block_n;
+          T* ob = o + nb * block_n;
 #pragma omp simd
-          for (int64_t i = 0; i < 32; ++i) {
+          for (int64_t i = 0; i < half; ++i) {
             ob[i] = weight_from_float<T>(static_cast<float>(bytes[i] & 0xF) * sc[i] + zr[i]);
-            ob[i + 32] = weight_from_float<T>(static_cast<float>(bytes[i] >> 4) * sc[i + 32] + zr[i + 32]);
+            ob[i + half] = weight_from_float<T>(static_cast<float>(bytes[i] >> 4) * sc[i + half] + zr[i + half]);
           }
         }
       }
@@ -303,15 +329,16 @@ void dequantize_int4_impl(const uint8_t* packed, const T* scales_and_zeros, T* o
 }
 
 // The transposed weight of an Int4Linear, [K, N], in the dtype of its scales.
-at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_and_zeros, int64_t n, int64_t k, int64_t group_size) {
-  TORCH_CHECK(n % 64 == 0 && k % group_size == 0, "dequantize_int4 takes whole blocks of 64 rows");
+at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_and_zeros, int64_t n, int64_t k, int64_t group_size,
+                           int64_t block_n) {
+  TORCH_CHECK(n % block_n == 0 && k % group_size == 0, "dequantize_int4 takes whole blocks of rows");
   at::Tensor out = at::empty({k, n}, scales_and_zeros.options());
   if (out.scalar_type() == at::kBFloat16) {
     dequantize_int4_impl<c10::BFloat16>(packed.data_ptr<uint8_t>(), scales_and_zeros.data_ptr<c10::BFloat16>(),
-                                        out.data_ptr<c10::BFloat16>(), n, k, group_size);
+                                        out.data_ptr<c10::BFloat16>(), n, k, group_size, block_n);
   } else {
     dequantize_int4_impl<float>(packed.data_ptr<uint8_t>(), scales_and_zeros.data_ptr<float>(),
-                                out.data_ptr<float>(), n, k, group_size);
+                                out.data_ptr<float>(), n, k, group_size, block_n);
   }
   return out;
 }
@@ -396,9 +423,152 @@ at::Tensor dequantize_int8_groups(at::Tensor codes, at::Tensor scales, int64_t b
   return out;
 }
 
+// ----- int4 matmul for a few rows (decode) ---------------------------------------------------
+// PyTorch's int4 CPU kernel is fast where it runs AVX-512 but slow on AVX2 (about 2 ms for one
+// row of a 3072 x 576 weight here), and it unpacks the weight again for every row. This kernel
+// unpacks each 4-bit code once per call and multiplies it into every row of x from registers.
+// It uses w = (code - 8) * scale + zero = code * scale + zero' per group, so a group's sum is
+// scale * sum_k x[k] code[k] + zero' * sum_k x[k]: the inner loop converts codes to float and
+// multiply-adds, nothing more. GCC/Clang vector extensions keep it portable.
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;  // floats per vector register
+#else
+constexpr int64_t kLanes = 8;  // AVX2 (NEON: the compiler splits each vector in two)
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint8_t ByteVec __attribute__((vector_size(kLanes)));
+
+// kLanes bytes widened to int32 lanes (the generic conversion compiles to a byte-by-byte loop).
+inline IVec widen_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<IVec>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<IVec>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  ByteVec b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, IVec);
+#endif
+}
+
+// Rows [0, R) of x times one block of block_n = NV * kLanes output columns; x float [R, ldx],
+// xsum [R, ldxs] (the sums of x over each group); out [R, ldo] at the block's first column.
+template <int NV, int R, typename S, typename O>
+inline void int4_block(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* block,
+                       const S* scales_and_zeros, int64_t n, int64_t n0, int64_t k_len, int64_t group_size,
+                       O* out, int64_t ldo) {
+  constexpr int64_t half = NV * kLanes / 2;  // bytes per input: row i low nibble, row i + half high
+  Vec total[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) total[r][v] = Vec{};
+  }
+  for (int64_t g = 0; g < k_len / group_size; ++g) {
+    Vec acc[R][NV];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < NV; ++v) acc[r][v] = Vec{};
+    }
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+      const uint8_t* bytes = block + k * half;
+      Vec codes[NV];
+      for (int v = 0; v < NV / 2; ++v) {
+        const IVec wide = widen_bytes(bytes + v * kLanes);
+        codes[v] = __builtin_convertvector(wide & 0xF, Vec);
+        codes[v + NV / 2] = __builtin_convertvector(wide >> 4, Vec);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float a = x[r * ldx + k];
+        for (int v = 0; v < NV; ++v) acc[r][v] += a * codes[v];
+      }
+    }
+    Vec scale[NV], zero[NV];  // zero' = zero - 8 * scale
+    for (int v = 0; v < NV; ++v) {
+      float s[kLanes], z[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const S* pair = scales_and_zeros + (g * n + n0 + v * kLanes + i) * 2;
+        s[i] = to_float(pair[0]);
+        z[i] = to_float(pair[1]) - 8.f * s[i];
+      }
+      std::memcpy(&scale[v], s, sizeof(s));
+      std::memcpy(&zero[v], z, sizeof(z));
+    }
+    for (int r = 0; r < R; ++r) {
+      const float xs = xsum[r * ldxs + g];
+      for (int v = 0; v < NV; ++v) total[r][v] += scale[v] * acc[r][v] + xs * zero[v];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float lanes[NV * kLanes];
+    std::memcpy(lanes, total[r], sizeof(lanes));
+    for (int64_t j = 0; j < NV * kLanes; ++j) out[r * ldo + j] = from_float<O>(lanes[j]);
+  }
+}
+
+template <int NV, typename S, typename O>
+void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, const uint8_t* packed,
+                  const S* scales_and_zeros, int64_t n, int64_t group_size, O* out) {
+  constexpr int64_t block_n = NV * kLanes;
+  constexpr int kRows = 12 / NV > 0 ? 12 / NV : 1;  // rows per register tile: about 12 accumulators
+  const int64_t groups = k_len / group_size;
+  at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = packed + b * (block_n / 2) * k_len;
+      for (int64_t r = 0; r < m; r += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, m - r);
+        const float* xr = x + r * k_len;
+        const float* xs = xsum + r * groups;
+        O* o = out + r * n + b * block_n;
+        switch (rows) {
+#define KVSERVE_ROWS(R)                                                                                            \
+  case R:                                                                                                          \
+    int4_block<NV, R>(xr, k_len, xs, groups, block, scales_and_zeros, n, b * block_n, k_len, group_size, o, n); \
+    break;
+          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+#undef KVSERVE_ROWS
+          default:
+            TORCH_CHECK(false, "int4_mm: bad row tile");
+        }
+      }
+    }
+  });
+}
+
+// x @ W.T for an Int4Linear's packed weight (blocks of block_n rows, see dequantize_int4_impl) and
+// scales_and_zeros [K / g, N, 2]: out [M, N] in x's dtype.
+at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_and_zeros, int64_t n, int64_t group_size,
+                   int64_t block_n) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % group_size == 0 && n % block_n == 0, "int4_mm: x [M, K], whole groups");
+  TORCH_CHECK(block_n % (2 * kLanes) == 0 && block_n / kLanes <= 8, "int4_mm: unsupported block of ", block_n, " rows");
+  x = x.contiguous();
+  const int64_t m = x.size(0), k_len = x.size(1), groups = k_len / group_size;
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor xsum = xf.view({m, groups, group_size}).sum(-1).contiguous();  // [M, K / g]
+  at::Tensor out = at::empty({m, n}, x.options());
+  auto run = [&](auto* sz, auto* o) {
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    const float *xp = xf.data_ptr<float>(), *xs = xsum.data_ptr<float>();
+    switch (block_n / kLanes) {
+      case 2: int4_mm_impl<2>(xp, xs, m, k_len, w, sz, n, group_size, o); break;
+      case 4: int4_mm_impl<4>(xp, xs, m, k_len, w, sz, n, group_size, o); break;
+      default: int4_mm_impl<8>(xp, xs, m, k_len, w, sz, n, group_size, o); break;
+    }
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16, "int4_mm: scales in x's dtype");
+    run(scales_and_zeros.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && scales_and_zeros.scalar_type() == at::kFloat,
+                "int4_mm runs in float32 or bfloat16");
+    run(scales_and_zeros.data_ptr<float>(), out.data_ptr<float>());
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int8_groups", &dequantize_int8_groups, "rows of an int8-groups weight, [rows, K]");
   m.def("int8_group_matmul", &int8_group_matmul, "x @ (codes * group scales).T in float32, [M, V]");
   m.def("decode_forward", &decode_forward, "one decode step of a Llama model");
+  m.def("int4_mm", &int4_mm, "x @ W.T for an Int4Linear's packed weight, for a few rows");
   m.def("dequantize_int4", &dequantize_int4, "an Int4Linear's transposed weight in its compute dtype, [K, N]");
 }

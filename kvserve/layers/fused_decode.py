@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvserve.layers import quantized
 from kvserve.layers.quantized import Int4Linear, Int8Linear
 
 logger = logging.getLogger("kvserve.fused_decode")
@@ -187,6 +188,8 @@ class FusedDecoder:
             self.eps,
             self.scale,
             self.group_size,
+            quantized.INT4_FEW_ROWS,
+            quantized.int4_block_rows() or 0,
         )
 
 
