@@ -194,8 +194,13 @@ def kvserve_concurrent(llm: LLM, prompts: Prompts, s: Settings, n: int) -> tuple
     tokens = sum(len(times) for _, times in results)
     assert tokens == n * s.max_tokens, f"expected {n * s.max_tokens} tokens, got {tokens}"
     ttft = [times[0] - submitted for submitted, times in results]
-    result = {
-        "requests": n,
+    return batch_result(batch, tokens, wall_s, ttft), breakdown
+
+
+def batch_result(batch: list[list[int]], tokens: int, wall_s: float, ttft: list[float]) -> dict[str, Any]:
+    """The figures of one concurrency level: aggregate tokens/s and time to first token."""
+    return {
+        "requests": len(batch),
         "prompt_tokens": [len(p) for p in batch],
         "generated_tokens": tokens,
         "wall_s": wall_s,
@@ -204,7 +209,6 @@ def kvserve_concurrent(llm: LLM, prompts: Prompts, s: Settings, n: int) -> tuple
         "ttft_p99_s": percentile(ttft, 99),
         "ttft_s": ttft,
     }
-    return result, breakdown
 
 
 def bench_kvserve(dtype: str, s: Settings) -> dict[str, Any]:
@@ -261,6 +265,20 @@ def hf_generate(model: Any, batch: list[list[int]], new_tokens: int, streamer: _
     return (out.shape[1] - width) * len(batch)
 
 
+def hf_concurrent(model: Any, prompts: Prompts, n: int, new_tokens: int) -> tuple[list[list[int]], int, float, float]:
+    """n fresh prompts as one left-padded batch: (batch, generated tokens, wall seconds, TTFT), where
+    TTFT is the time of a one-token generate of the whole batch, the same for every request."""
+    batch = [prompts.short() for _ in range(n)]
+    start = time.perf_counter()
+    hf_generate(model, batch, 1)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    tokens = hf_generate(model, batch, new_tokens)
+    wall_s = time.perf_counter() - start
+    assert tokens == n * new_tokens, f"expected {n * new_tokens} tokens, got {tokens}"
+    return batch, tokens, wall_s, ttft
+
+
 def bench_transformers(dtype: str, s: Settings) -> dict[str, Any]:
     import transformers
 
@@ -294,23 +312,8 @@ def bench_transformers(dtype: str, s: Settings) -> dict[str, Any]:
 
     out["concurrency"] = {}
     for n in s.concurrency:
-        batch = [prompts.short() for _ in range(n)]
-        start = time.perf_counter()
-        hf_generate(model, batch, 1)  # the whole batch's first token: every request's TTFT
-        ttft = time.perf_counter() - start
-        start = time.perf_counter()
-        tokens = hf_generate(model, batch, s.max_tokens)
-        wall_s = time.perf_counter() - start
-        assert tokens == n * s.max_tokens, f"expected {n * s.max_tokens} tokens, got {tokens}"
-        out["concurrency"][str(n)] = {
-            "requests": n,
-            "prompt_tokens": [len(p) for p in batch],
-            "generated_tokens": tokens,
-            "wall_s": wall_s,
-            "aggregate_tokens_per_s": tokens / wall_s,
-            "ttft_p50_s": ttft,
-            "ttft_p99_s": ttft,
-        }
+        batch, tokens, wall_s, ttft = hf_concurrent(model, prompts, n, s.max_tokens)
+        out["concurrency"][str(n)] = batch_result(batch, tokens, wall_s, [ttft] * n)
     return out
 
 
