@@ -62,6 +62,29 @@ inline c10::BFloat16 weight_from_float<c10::BFloat16>(float x) {
   return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
 }
 
+// ----- vectors (GCC/Clang vector extensions: one register each on AVX-512 and AVX2) ------------
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;  // floats per vector register
+#else
+constexpr int64_t kLanes = 8;  // AVX2 (NEON: the compiler splits each vector in two)
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint8_t ByteVec __attribute__((vector_size(kLanes)));
+
+// kLanes bytes widened to int32 lanes (the generic conversion compiles to a byte-by-byte loop).
+inline IVec widen_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<IVec>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<IVec>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  ByteVec b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, IVec);
+#endif
+}
+
 struct Linear {
   int64_t kind;  // 0 float (weight [N, K]), 1 int4 packed (+ scales_and_zeros), 2 int8 (+ scales)
   at::Tensor weight, scales, bias;
@@ -344,8 +367,51 @@ at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_and_zeros, int64
 }
 
 // ----- int8 with a scale per group of 32 (GGML's Q8_0 layout): the tied lm_head -------------------
-// out[m, v] = sum_k x[m, k] * codes[v, k] * scales[v, k / 32], float32 out. The codes are read
-// once per call whatever M is; meant for the few rows a decode step samples.
+// out[m, v] = sum_k x[m, k] * codes[v, k] * scales[v, k / 32], float32 out. Each code is widened
+// and scaled once per call and multiplied into up to four rows of x from registers.
+
+inline IVec widen_signed_bytes(const int8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<IVec>(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<IVec>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  typedef int8_t SByteVec __attribute__((vector_size(kLanes)));
+  SByteVec b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, IVec);
+#endif
+}
+
+// out[r * ldo] = x[r] . (codes * scales) for R rows of x (float [R, ldx]) and one row of codes.
+template <int R>
+inline void int8_group_dot(const float* x, int64_t ldx, const int8_t* codes, const float* scales, int64_t groups,
+                           float* out, int64_t ldo) {
+  constexpr int64_t kGroup = 32;
+  Vec acc[R][2];  // two chains per row, so consecutive multiply-adds do not wait on each other
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec{};
+  for (int64_t g = 0; g < groups; ++g) {
+    const float scale = scales[g];
+    for (int64_t j = 0; j < kGroup / kLanes; ++j) {
+      const int64_t k = g * kGroup + j * kLanes;
+      const Vec w = scale * __builtin_convertvector(widen_signed_bytes(codes + k), Vec);
+      for (int r = 0; r < R; ++r) {
+        Vec xv;
+        std::memcpy(&xv, x + r * ldx + k, sizeof(xv));
+        acc[r][j & 1] += xv * w;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float lanes[kLanes];
+    const Vec sum = acc[r][0] + acc[r][1];
+    std::memcpy(lanes, &sum, sizeof(lanes));
+    float total = 0.f;
+    for (int64_t i = 0; i < kLanes; ++i) total += lanes[i];
+    out[r * ldo] = total;
+  }
+}
+
 template <typename T>
 void int8_group_matmul_impl(const T* x, const int8_t* codes, const float* scales, float* out, int64_t m, int64_t k,
                             int64_t v) {
@@ -357,22 +423,15 @@ void int8_group_matmul_impl(const T* x, const int8_t* codes, const float* scales
     for (int64_t row = begin; row < end; ++row) {
       const int8_t* c = codes + row * k;
       const float* s = scales + row * groups;
-      for (int64_t r = 0; r < m; ++r) {
+      for (int64_t r = 0; r < m; r += 4) {
         const float* xr = xf.data() + r * k;
-        // 16 lanes of partial sums (one AVX-512 register), one horizontal sum per row at the end
-        float lanes[16] = {0.f};
-        for (int64_t g = 0; g < groups; ++g) {
-          const float sg = s[g];
-          const float* xg = xr + g * kGroup;
-          const int8_t* cg = c + g * kGroup;
-#pragma omp simd
-          for (int64_t j = 0; j < 16; ++j) lanes[j] += xg[j] * sg * static_cast<float>(cg[j]);
-#pragma omp simd
-          for (int64_t j = 0; j < 16; ++j) lanes[j] += xg[16 + j] * sg * static_cast<float>(cg[16 + j]);
+        float* o = out + r * v + row;
+        switch (std::min<int64_t>(4, m - r)) {
+          case 1: int8_group_dot<1>(xr, k, c, s, groups, o, v); break;
+          case 2: int8_group_dot<2>(xr, k, c, s, groups, o, v); break;
+          case 3: int8_group_dot<3>(xr, k, c, s, groups, o, v); break;
+          default: int8_group_dot<4>(xr, k, c, s, groups, o, v); break;
         }
-        float acc = 0.f;
-        for (int64_t j = 0; j < 16; ++j) acc += lanes[j];
-        out[r * v + row] = acc;
       }
     }
   });
@@ -431,28 +490,6 @@ at::Tensor dequantize_int8_groups(at::Tensor codes, at::Tensor scales, int64_t b
 // scale * sum_k x[k] code[k] + zero' * sum_k x[k]: the inner loop converts codes to float and
 // multiply-adds, nothing more. GCC/Clang vector extensions keep it portable.
 
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;  // floats per vector register
-#else
-constexpr int64_t kLanes = 8;  // AVX2 (NEON: the compiler splits each vector in two)
-#endif
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint8_t ByteVec __attribute__((vector_size(kLanes)));
-
-// kLanes bytes widened to int32 lanes (the generic conversion compiles to a byte-by-byte loop).
-inline IVec widen_bytes(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<IVec>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  return reinterpret_cast<IVec>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-  ByteVec b;
-  std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, IVec);
-#endif
-}
-
 // Rows [0, R) of x times one block of block_n = NV * kLanes output columns; x float [R, ldx],
 // xsum [R, ldxs] (the sums of x over each group); out [R, ldo] at the block's first column.
 template <int NV, int R, typename S, typename O>
@@ -505,6 +542,81 @@ inline void int4_block(const float* x, int64_t ldx, const float* xsum, int64_t l
   }
 }
 
+// One group of one block for R rows: codes float [group_size, NV vectors] (unpacked once for every
+// tile of rows), then total[r] += scale * (x[r] . codes) + sum(x[r]) * zero'.
+template <int NV, int R>
+inline void int4_group_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const Vec* codes,
+                            int64_t group_size, const Vec* scale, const Vec* zero, Vec* total) {
+  Vec acc[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec{};
+  }
+  for (int64_t k = 0; k < group_size; ++k) {
+    const Vec* b = codes + k * NV;
+    for (int r = 0; r < R; ++r) {
+      const float a = x[r * ldx + k];
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float xs = xsum[r * ldxs];
+    for (int v = 0; v < NV; ++v) total[r * NV + v] += scale[v] * acc[r][v] + xs * zero[v];
+  }
+}
+
+// int4_block for more rows than one register tile holds: each group's codes are unpacked once into
+// a small buffer (4 KB on AVX2) and every tile of rows multiplies them from there.
+template <int NV, int kRows, typename S, typename O>
+void int4_block_many(const float* x, int64_t m, const float* xsum, const uint8_t* block, const S* scales_and_zeros,
+                     int64_t n, int64_t n0, int64_t k_len, int64_t group_size, O* out, std::vector<Vec>& codes,
+                     std::vector<Vec>& total) {
+  constexpr int64_t half = NV * kLanes / 2;
+  const int64_t groups = k_len / group_size;
+  codes.resize(group_size * NV);
+  total.assign(m * NV, Vec{});
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t k = 0; k < group_size; ++k) {
+      const uint8_t* bytes = block + (g * group_size + k) * half;
+      for (int v = 0; v < NV / 2; ++v) {
+        const IVec wide = widen_bytes(bytes + v * kLanes);
+        codes[k * NV + v] = __builtin_convertvector(wide & 0xF, Vec);
+        codes[k * NV + v + NV / 2] = __builtin_convertvector(wide >> 4, Vec);
+      }
+    }
+    Vec scale[NV], zero[NV];
+    for (int v = 0; v < NV; ++v) {
+      float sc[kLanes], zr[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const S* pair = scales_and_zeros + (g * n + n0 + v * kLanes + i) * 2;
+        sc[i] = to_float(pair[0]);
+        zr[i] = to_float(pair[1]) - 8.f * sc[i];
+      }
+      std::memcpy(&scale[v], sc, sizeof(sc));
+      std::memcpy(&zero[v], zr, sizeof(zr));
+    }
+    for (int64_t r = 0; r < m; r += kRows) {
+      const float* xr = x + r * k_len + g * group_size;
+      const float* xs = xsum + r * groups + g;
+      Vec* t = total.data() + r * NV;
+      switch (std::min<int64_t>(kRows, m - r)) {
+#define KVSERVE_ROWS(R)                                                                       \
+  case R:                                                                                     \
+    int4_group_tile<NV, R>(xr, k_len, xs, groups, codes.data(), group_size, scale, zero, t); \
+    break;
+        KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+#undef KVSERVE_ROWS
+        default:
+          TORCH_CHECK(false, "int4_mm: bad row tile");
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    float lanes[NV * kLanes];
+    std::memcpy(lanes, total.data() + r * NV, sizeof(lanes));
+    for (int64_t j = 0; j < NV * kLanes; ++j) out[r * n + n0 + j] = from_float<O>(lanes[j]);
+  }
+}
+
 template <int NV, typename S, typename O>
 void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, const uint8_t* packed,
                   const S* scales_and_zeros, int64_t n, int64_t group_size, O* out) {
@@ -512,23 +624,24 @@ void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, c
   constexpr int kRows = 12 / NV > 0 ? 12 / NV : 1;  // rows per register tile: about 12 accumulators
   const int64_t groups = k_len / group_size;
   at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Vec> codes, total;
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* block = packed + b * (block_n / 2) * k_len;
-      for (int64_t r = 0; r < m; r += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, m - r);
-        const float* xr = x + r * k_len;
-        const float* xs = xsum + r * groups;
-        O* o = out + r * n + b * block_n;
-        switch (rows) {
-#define KVSERVE_ROWS(R)                                                                                            \
-  case R:                                                                                                          \
-    int4_block<NV, R>(xr, k_len, xs, groups, block, scales_and_zeros, n, b * block_n, k_len, group_size, o, n); \
+      if (m > kRows) {
+        int4_block_many<NV, kRows>(x, m, xsum, block, scales_and_zeros, n, b * block_n, k_len, group_size, out, codes,
+                                   total);
+        continue;
+      }
+      O* o = out + b * block_n;
+      switch (m) {
+#define KVSERVE_ROWS(R)                                                                                              \
+  case R:                                                                                                            \
+    int4_block<NV, R>(x, k_len, xsum, groups, block, scales_and_zeros, n, b * block_n, k_len, group_size, o, n); \
     break;
-          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+        KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
 #undef KVSERVE_ROWS
-          default:
-            TORCH_CHECK(false, "int4_mm: bad row tile");
-        }
+        default:
+          TORCH_CHECK(false, "int4_mm: bad row tile");
       }
     }
   });

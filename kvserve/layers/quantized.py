@@ -27,9 +27,9 @@ CHUNK_ROWS = 4096
 # How Int4Linear multiplies once the C++ kernels are loaded and the packing layout is known: up to
 # INT4_FEW_ROWS rows (decode steps), `int4_mm` (kvserve/csrc), which unpacks each code once per call;
 # more rows (prefill), a float GEMM over the weight dequantized in C++. Measured on the bundled
-# model's shapes (2-core AVX2 CPU, float32): int4_mm takes 0.09 ms for one row of the 3072 x 576
-# gate/up projection against 2.1 ms for PyTorch's int4 kernel, and ties dequantize + GEMM near 64 rows.
-INT4_FEW_ROWS = 48
+# model's 3072 x 576 gate/up projection (2-core AVX2 CPU, float32): int4_mm takes 0.11 / 0.80 / 2.6 ms
+# for 1 / 16 / 64 rows; PyTorch's int4 kernel 2.1 / 30 / 120 ms; dequantize + GEMM 0.7 / 1.4 / 3.1 ms.
+INT4_FEW_ROWS = 64
 _int4_block: int | None = None  # rows per block of PyTorch's int4 packing; 0: unknown
 
 
@@ -227,12 +227,14 @@ def int8_groups_from_float(weight: torch.Tensor, group_size: int = GROUP_SIZE) -
 class Int8GroupLinear(nn.Module):
     """y = x @ W.T with W as int8 and a scale per group of 32 inputs (GGML's Q8_0, kept exact).
 
-    Serves a tied lm_head from the embedding's own tensors (no second copy). Few rows go through
-    the C++ kernel (kvserve/csrc), which reads the codes once per call; many rows, or no compiled
-    kernel, dequantize the weight and run a float GEMM.
+    Serves a tied lm_head from the embedding's own tensors (no second copy). The rows of a decode
+    step go through the C++ kernel (kvserve/csrc), which widens each code once per four rows;
+    more rows, or no compiled kernel, dequantize the weight and run a float GEMM. Measured for the
+    bundled model's 49152 x 576 table (2-core AVX2 CPU, float32): 2.4 / 14 / 77 ms for 1 / 16 / 64
+    rows in C++, 34 / 95 / 83 ms dequantized.
     """
 
-    FEW_ROWS = 8
+    FEW_ROWS = 64
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
