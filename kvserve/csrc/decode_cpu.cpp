@@ -2,9 +2,10 @@
 //
 // In eager PyTorch a decode step of a 30-layer model is ~1,200 small operator calls, each paying
 // microseconds of Python and dispatcher overhead: more than the matmuls themselves on a small
-// model. Here the layer loop runs in C++: the matmuls are the same ATen weight-only kernels the
-// Python path calls (int4 / int8 / float), and the glue between them (RMSNorm with the residual
-// add, RoPE, the KV-cache write, paged attention, SiLU*up) is fused loops over the batch.
+// model. Here the layer loop runs in C++: the matmuls are those the Python path uses (int4_mm or
+// a GEMM over the dequantized weight for int4, ATen's kernels for int8 and float), and the glue
+// between them (RMSNorm with the residual add, RoPE, the KV-cache write, paged attention, SiLU*up)
+// is fused loops over the batch.
 //
 // Attention reads each sequence's keys through its own block table up to its own length: the
 // cost of a sequence is its own context, whatever the other sequences in the batch hold.
