@@ -88,17 +88,20 @@ def test_int8_linear_is_within_its_rounding_of_the_float_matmul():
     torch.testing.assert_close(layer(x), x @ dequantized.T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [3, 20], ids=["few-rows-kernel", "many-rows-gemm"])
+@pytest.mark.parametrize("rows", [1, 3, 6, 13, 70], ids=lambda n: f"{n}-rows")
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "pure-torch"])
 def test_int8_group_linear_equals_the_dequantized_matmul(rows, compiled, monkeypatch):
+    # 83 output rows: the kernel's tiles of code rows and of x rows both end in a partial tile;
+    # 70 rows is past FEW_ROWS, the dequantized GEMM.
     if not compiled:
         from kvserve.layers import fused_decode
 
         monkeypatch.setattr(fused_decode, "loaded_extension", lambda: None)
-    codes, scales = int8_groups_from_float(torch.randn(80, 96))
+    assert 13 < Int8GroupLinear.FEW_ROWS <= 70
+    codes, scales = int8_groups_from_float(torch.randn(83, 96))
     layer = Int8GroupLinear(codes, scales, torch.float32)
     x = torch.randn(rows, 96)
-    expected = x @ (codes.view(80, 3, 32).float() * scales[..., None]).view(80, 96).T
+    expected = x @ (codes.view(83, 3, 32).float() * scales[..., None]).view(83, 96).T
     assert (layer(x) - expected).abs().max().item() <= 1e-4
     bf16 = Int8GroupLinear(codes, scales, torch.bfloat16)(x.bfloat16())
     assert (bf16 - expected).abs().max().item() <= 0.02 * expected.abs().max().item()
