@@ -38,6 +38,10 @@ Prompts are random token ids from a fixed seed, every engine drawing the same pr
 order, distinct per request, so no prefix cache hits. Writes JSON (--out), a PNG (--plot) and prints
 Markdown tables with kvserve / peer ratios (above 1 is better for tok/s; below 1 for TTFT, ready
 and memory). Smoke test: `python bench/compare.py --quick`.
+
+`--device cuda` runs kvserve and transformers on the GPU (kvserve's `auto` weights are bf16 there) and
+skips llama.cpp and vLLM, whose installed builds are CPU peers; the memory columns stay host RSS, and
+each engine's record adds the GPU memory it holds after its first token (`cuda_allocated_bytes`).
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ class Settings:
     skip_hf: bool
     skip_llamacpp: bool
     skip_vllm: bool
+    device: str = "cpu"  # kvserve's and transformers'; llama.cpp and vLLM (CPU builds) run on CPU runs only
 
     def for_throughput(self) -> throughput.Settings:
         """The same workload in throughput.py's settings, for its kvserve helpers."""
@@ -192,11 +197,14 @@ def start_engine(
     first = first_token(engine)
     after = rss()
     gguf_bytes = resolve_model(None).stat().st_size
-    return engine, {
+    record = {
         "load_s": loaded - start,
         "ready_s": first - start,
         "memory": memory_report(before, after, gguf_bytes, kv_bytes(engine)),
     }
+    if torch.cuda.is_initialized():
+        record["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
+    return engine, record
 
 
 # ----- shared measuring loops -------------------------------------------------------------------
@@ -241,6 +249,7 @@ def start_kvserve(weights: str | None, s: Settings, prompts: Prompts) -> tuple[L
         "kv_cache_tokens": s.kv_cache_tokens,
         "progress": False,
         "session_db": False,
+        "device": s.device,
     }
     if weights is not None:
         kwargs["weights"] = weights
@@ -303,9 +312,13 @@ def bench_transformers(s: Settings) -> dict[str, Any]:
     gguf = resolve_model(None)
 
     def construct() -> Any:
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=TORCH_DTYPES[s.dtype]
-        ).eval()
+        return (
+            transformers.AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=TORCH_DTYPES[s.dtype]
+            )
+            .eval()
+            .to(s.device)
+        )
 
     def first_token(model: Any) -> float:
         clock = _TokenClock()
@@ -313,7 +326,7 @@ def bench_transformers(s: Settings) -> dict[str, Any]:
         return clock.times[0]
 
     model, out = start_engine(construct, first_token, lambda _: None)
-    out["config"] = {"transformers": transformers.__version__, "dtype": s.dtype}
+    out["config"] = {"transformers": transformers.__version__, "dtype": s.dtype, "device": s.device}
     hf_generate(model, [prompts.short()], WARMUP_TOKENS)
     out["prefill"] = timed_prefill(lambda p: hf_generate(model, [p], 1), prompts, s)
 
@@ -662,7 +675,7 @@ def plot(report: dict[str, Any], s: Settings, path: Path) -> str:
     agg.legend(fontsize="small")
     fig.suptitle(
         f"{Path(report['model']['path']).name}, {s.dtype}, {s.max_tokens} new tokens/request, "
-        f"{machine['processor']} x{machine['torch_num_threads']} threads",
+        f"{machine.get('gpu', machine['processor'])} x{machine['torch_num_threads']} threads",
         fontsize="medium",
     )
     fig.tight_layout()
@@ -701,6 +714,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
     parser.add_argument(
         "--quick", action="store_true", help="smoke test: concurrency 1,4, max-tokens 16, prompt-len 64, one repeat"
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="kvserve's and transformers' device, e.g. cuda (default cpu); llama.cpp and vLLM run on cpu runs only",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="leave out transformers")
     parser.add_argument("--skip-llamacpp", action="store_true", help="leave out llama.cpp")
     parser.add_argument("--skip-vllm", action="store_true", help="leave out vLLM even where it is installed")
@@ -717,7 +735,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
         parser.error("--kvserve-weights needs at least one value")
     dtype = args.dtype
     if dtype == "auto":
-        dtype = {v: k for k, v in TORCH_DTYPES.items()}[default_dtype(torch.device("cpu"))]
+        dtype = {v: k for k, v in TORCH_DTYPES.items()}[default_dtype(torch.device(args.device))]
     settings = Settings(
         concurrency=concurrency,
         max_tokens=args.max_tokens,
@@ -731,6 +749,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
         skip_hf=args.skip_hf,
         skip_llamacpp=args.skip_llamacpp,
         skip_vllm=args.skip_vllm,
+        device=args.device,
     )
     return settings, args.out, args.plot
 
@@ -741,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     gguf = resolve_model(None)
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(torch.get_num_threads()),
+        "machine": machine_info(torch.get_num_threads(), settings.device),
         "model": {"path": str(gguf), "gguf_bytes": gguf.stat().st_size},
         "settings": asdict(settings),
         "notes": [],
@@ -767,7 +786,9 @@ def main(argv: list[str] | None = None) -> int:
     if not settings.skip_vllm:
         vllm_environment()
     for name, module, bench, skip, flag in peers:
-        if skip:
+        if settings.device != "cpu" and name != "transformers":
+            engines[name] = {"skipped": f"--device {settings.device}: the installed build is a CPU peer"}
+        elif skip:
             engines[name] = {"skipped": f"{flag} given"}
         elif reason := importable(module):
             engines[name] = {"skipped": reason}
@@ -779,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     machine = report["machine"]
     print(
-        f"## Engines on {gguf.name}, {machine['processor']}, {machine['torch_num_threads']} threads, "
+        f"## Engines on {gguf.name}, {machine.get('gpu', machine['processor'])}, {machine['torch_num_threads']} threads, "
         f"{settings.dtype}, torch {machine['torch']}\n"
     )
     print(markdown(report, settings))

@@ -83,8 +83,10 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info(threads: int) -> dict[str, Any]:
+def machine_info(threads: int, device: str = "cpu") -> dict[str, Any]:
+    gpu = {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda} if device.startswith("cuda") else {}
     return {
+        **gpu,
         "platform": platform.platform(),
         "processor": cpu_model(),
         "python": platform.python_version(),
@@ -250,8 +252,8 @@ class _TokenClock:
 def hf_generate(model: Any, batch: list[list[int]], new_tokens: int, streamer: _TokenClock | None = None) -> int:
     """Greedy generate of exactly `new_tokens` for a left-padded batch; returns the generated token count."""
     width = max(len(p) for p in batch)
-    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
     with torch.inference_mode():
         out = model.generate(
             input_ids,
@@ -262,6 +264,8 @@ def hf_generate(model: Any, batch: list[list[int]], new_tokens: int, streamer: _
             pad_token_id=0,
             streamer=streamer,
         )
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)  # the caller times the call
     return (out.shape[1] - width) * len(batch)
 
 
