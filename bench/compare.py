@@ -46,6 +46,8 @@ each engine's record adds the GPU memory it holds after its first token (`cuda_a
 
 from __future__ import annotations
 
+# kvserve first: importing it sets its GOMP_SPINCOUNT default, which only counts before torch loads libgomp.
+import kvserve  # isort: skip  # noqa: F401
 import argparse
 import contextlib
 import ctypes

@@ -10,6 +10,8 @@ Writes JSON (--out) and prints Markdown tables. Smoke test: `python bench/sessio
 
 from __future__ import annotations
 
+# kvserve first: importing it sets its GOMP_SPINCOUNT default, which only counts before torch loads libgomp.
+import kvserve  # isort: skip  # noqa: F401
 import argparse
 import datetime
 import json

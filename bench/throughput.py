@@ -14,6 +14,8 @@ never hits. Writes JSON (--out) and prints a Markdown table. Smoke test: `python
 
 from __future__ import annotations
 
+# kvserve first: importing it sets its GOMP_SPINCOUNT default, which only counts before torch loads libgomp.
+import kvserve  # isort: skip  # noqa: F401
 import argparse
 import datetime
 import gc
