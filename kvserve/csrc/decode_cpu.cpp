@@ -389,8 +389,12 @@ template <int R>
 inline void int8_group_dot(const float* x, int64_t ldx, const int8_t* codes, const float* scales, int64_t groups,
                            float* out, int64_t ldo) {
   constexpr int64_t kGroup = 32;
-  Vec acc[R][2];  // two chains per row, so consecutive multiply-adds do not wait on each other
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec{};
+  // Independent chains per row, so consecutive multiply-adds do not wait on each other: one row
+  // alone needs four to keep the FMA units busy; more rows bring their own.
+  constexpr int kChains = R == 1 ? 4 : 2;
+  Vec acc[R][kChains];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kChains; ++c) acc[r][c] = Vec{};
   for (int64_t g = 0; g < groups; ++g) {
     const float scale = scales[g];
     for (int64_t j = 0; j < kGroup / kLanes; ++j) {
@@ -399,13 +403,14 @@ inline void int8_group_dot(const float* x, int64_t ldx, const int8_t* codes, con
       for (int r = 0; r < R; ++r) {
         Vec xv;
         std::memcpy(&xv, x + r * ldx + k, sizeof(xv));
-        acc[r][j & 1] += xv * w;
+        acc[r][(g * (kGroup / kLanes) + j) % kChains] += xv * w;
       }
     }
   }
   for (int r = 0; r < R; ++r) {
     float lanes[kLanes];
-    const Vec sum = acc[r][0] + acc[r][1];
+    Vec sum = acc[r][0];
+    for (int c = 1; c < kChains; ++c) sum += acc[r][c];
     std::memcpy(lanes, &sum, sizeof(lanes));
     float total = 0.f;
     for (int64_t i = 0; i < kLanes; ++i) total += lanes[i];

@@ -230,8 +230,9 @@ class Int8GroupLinear(nn.Module):
     Serves a tied lm_head from the embedding's own tensors (no second copy). The rows of a decode
     step go through the C++ kernel (kvserve/csrc), which widens each code once per four rows;
     more rows, or no compiled kernel, dequantize the weight and run a float GEMM. Measured for the
-    bundled model's 49152 x 576 table (2-core AVX2 CPU, float32): 2.4 / 14 / 77 ms for 1 / 16 / 64
-    rows in C++, 34 / 95 / 83 ms dequantized.
+    bundled model's 49152 x 576 table (2-core AVX2 CPU, float32): about 1.5 / 9-11 / 44-52 ms for
+    1 / 16 / 64 rows in C++ (this machine's speed moves by tens of percent between runs), 34 / 95 / 83
+    ms dequantized.
     """
 
     FEW_ROWS = 64
