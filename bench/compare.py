@@ -81,9 +81,7 @@ from throughput import (
     hf_concurrent,
     hf_generate,
     in_own_thread,
-    kvserve_concurrent,
-    kvserve_decode,
-    kvserve_prefill,
+    kvserve_workloads,
     machine_info,
     stream_times,
 )
@@ -289,15 +287,7 @@ def bench_kvserve(weights: str | None, s: Settings) -> dict[str, Any]:
             "max_num_seqs": llm.config.max_num_seqs,
             "max_model_len": llm.config.max_model_len,
         }
-        llm.generate(prompts.short(), greedy(WARMUP_TOKENS))
-        tp = s.for_throughput()
-        out["prefill"] = kvserve_prefill(llm, prompts, tp)
-        out["decode"], overhead = kvserve_decode(llm, prompts, tp)
-        out["overhead"] = {"single_stream": overhead}
-        out["concurrency"] = {}
-        for n in s.concurrency:
-            out["concurrency"][str(n)], out["overhead"][f"concurrency_{n}"] = kvserve_concurrent(llm, prompts, tp, n)
-        out["stats"] = llm.stats()
+        out.update(kvserve_workloads(llm, prompts, s.for_throughput()))
         out["runner_timings"] = llm.runner_timings()
     finally:
         llm.close()

@@ -215,20 +215,27 @@ def batch_result(batch: list[list[int]], tokens: int, wall_s: float, ttft: list[
     }
 
 
+def kvserve_workloads(llm: LLM, prompts: Prompts, s: Settings) -> dict[str, Any]:
+    """A warm-up, then prefill, single-stream decode and every concurrency level (each with its
+    per-step overhead), then `llm.stats()`."""
+    llm.generate(prompts.short(), SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0, ignore_eos=True))
+    out: dict[str, Any] = {"prefill": kvserve_prefill(llm, prompts, s)}
+    out["decode"], overhead = kvserve_decode(llm, prompts, s)
+    out["overhead"] = {"single_stream": overhead}
+    out["concurrency"] = {}
+    for n in s.concurrency:
+        out["concurrency"][str(n)], out["overhead"][f"concurrency_{n}"] = kvserve_concurrent(llm, prompts, s, n)
+    out["stats"] = llm.stats()
+    return out
+
+
 def bench_kvserve(dtype: str, s: Settings) -> dict[str, Any]:
     prompts = Prompts(s.seed)
     start = time.perf_counter()
     llm = LLM(model=None, dtype=dtype, max_num_seqs=max(64, *s.concurrency), progress=False)
     out: dict[str, Any] = {"load_s": time.perf_counter() - start}
     try:
-        llm.generate(prompts.short(), SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0, ignore_eos=True))
-        out["prefill"] = kvserve_prefill(llm, prompts, s)
-        out["decode"], overhead = kvserve_decode(llm, prompts, s)
-        out["overhead"] = {"single_stream": overhead}
-        out["concurrency"] = {}
-        for n in s.concurrency:
-            out["concurrency"][str(n)], out["overhead"][f"concurrency_{n}"] = kvserve_concurrent(llm, prompts, s, n)
-        out["stats"] = llm.stats()
+        out.update(kvserve_workloads(llm, prompts, s))
     finally:
         llm.close()
     return out
