@@ -33,6 +33,13 @@ INT4_FEW_ROWS = 64
 _int4_block: int | None = None  # rows per block of PyTorch's int4 packing; 0: unknown
 
 
+def _extension():
+    """The compiled C++ kernels if loaded by now (never waits for the build), else None."""
+    from kvserve.layers import fused_decode
+
+    return fused_decode.loaded_extension()
+
+
 def int4_block_rows() -> int | None:
     """Rows per block of `aten._convert_weight_to_int4pack_for_cpu`'s layout (64 where PyTorch's
     kernel runs AVX-512, 32 on AVX2), found by checking the C++ dequantizer against the op itself
@@ -40,9 +47,7 @@ def int4_block_rows() -> int | None:
     int4 kernel then serves every batch size)."""
     global _int4_block
     if _int4_block is None:
-        from kvserve.layers import fused_decode
-
-        extension = fused_decode.loaded_extension()
+        extension = _extension()
         if extension is None:
             return None
         groups = Int4Groups.from_float(torch.randn(128, 64, generator=torch.Generator().manual_seed(0)))
@@ -126,13 +131,6 @@ class Int4Groups:
 
     def permute_rows(self, order: torch.Tensor) -> Int4Groups:
         return Int4Groups(self.codes[order], self.scales[order], self.mins[order], self.group_size)
-
-
-def _extension():
-    """The compiled C++ kernels if loaded by now (never waits for the build), else None."""
-    from kvserve.layers import fused_decode
-
-    return fused_decode.loaded_extension()
 
 
 def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Parameter | None:
