@@ -496,6 +496,32 @@ at::Tensor dequantize_int8_groups(at::Tensor codes, at::Tensor scales, int64_t b
 // scale * sum_k x[k] code[k] + zero' * sum_k x[k]: the inner loop converts codes to float and
 // multiply-adds, nothing more. GCC/Clang vector extensions keep it portable.
 
+// One input's codes in a block of NV * kLanes output columns, as NV float vectors: byte i holds
+// column i in its low nibble and column i + NV * kLanes / 2 in its high nibble.
+template <int NV>
+inline void unpack_codes(const uint8_t* bytes, Vec* codes) {
+  for (int v = 0; v < NV / 2; ++v) {
+    const IVec wide = widen_bytes(bytes + v * kLanes);
+    codes[v] = __builtin_convertvector(wide & 0xF, Vec);
+    codes[v + NV / 2] = __builtin_convertvector(wide >> 4, Vec);
+  }
+}
+
+// Group g's scale and zero' = zero - 8 * scale for the NV vectors of columns from n0.
+template <int NV, typename S>
+inline void group_scale_zero(const S* scales_and_zeros, int64_t g, int64_t n, int64_t n0, Vec* scale, Vec* zero) {
+  for (int v = 0; v < NV; ++v) {
+    float s[kLanes], z[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const S* pair = scales_and_zeros + (g * n + n0 + v * kLanes + i) * 2;
+      s[i] = to_float(pair[0]);
+      z[i] = to_float(pair[1]) - 8.f * s[i];
+    }
+    std::memcpy(&scale[v], s, sizeof(s));
+    std::memcpy(&zero[v], z, sizeof(z));
+  }
+}
+
 // Rows [0, R) of x times one block of block_n = NV * kLanes output columns; x float [R, ldx],
 // xsum [R, ldxs] (the sums of x over each group); out [R, ldo] at the block's first column.
 template <int NV, int R, typename S, typename O>
@@ -513,29 +539,15 @@ inline void int4_block(const float* x, int64_t ldx, const float* xsum, int64_t l
       for (int v = 0; v < NV; ++v) acc[r][v] = Vec{};
     }
     for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
-      const uint8_t* bytes = block + k * half;
       Vec codes[NV];
-      for (int v = 0; v < NV / 2; ++v) {
-        const IVec wide = widen_bytes(bytes + v * kLanes);
-        codes[v] = __builtin_convertvector(wide & 0xF, Vec);
-        codes[v + NV / 2] = __builtin_convertvector(wide >> 4, Vec);
-      }
+      unpack_codes<NV>(block + k * half, codes);
       for (int r = 0; r < R; ++r) {
         const float a = x[r * ldx + k];
         for (int v = 0; v < NV; ++v) acc[r][v] += a * codes[v];
       }
     }
-    Vec scale[NV], zero[NV];  // zero' = zero - 8 * scale
-    for (int v = 0; v < NV; ++v) {
-      float s[kLanes], z[kLanes];
-      for (int64_t i = 0; i < kLanes; ++i) {
-        const S* pair = scales_and_zeros + (g * n + n0 + v * kLanes + i) * 2;
-        s[i] = to_float(pair[0]);
-        z[i] = to_float(pair[1]) - 8.f * s[i];
-      }
-      std::memcpy(&scale[v], s, sizeof(s));
-      std::memcpy(&zero[v], z, sizeof(z));
-    }
+    Vec scale[NV], zero[NV];
+    group_scale_zero<NV>(scales_and_zeros, g, n, n0, scale, zero);
     for (int r = 0; r < R; ++r) {
       const float xs = xsum[r * ldxs + g];
       for (int v = 0; v < NV; ++v) total[r][v] += scale[v] * acc[r][v] + xs * zero[v];
@@ -581,25 +593,9 @@ void int4_block_many(const float* x, int64_t m, const float* xsum, const uint8_t
   codes.resize(group_size * NV);
   total.assign(m * NV, Vec{});
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t k = 0; k < group_size; ++k) {
-      const uint8_t* bytes = block + (g * group_size + k) * half;
-      for (int v = 0; v < NV / 2; ++v) {
-        const IVec wide = widen_bytes(bytes + v * kLanes);
-        codes[k * NV + v] = __builtin_convertvector(wide & 0xF, Vec);
-        codes[k * NV + v + NV / 2] = __builtin_convertvector(wide >> 4, Vec);
-      }
-    }
+    for (int64_t k = 0; k < group_size; ++k) unpack_codes<NV>(block + (g * group_size + k) * half, &codes[k * NV]);
     Vec scale[NV], zero[NV];
-    for (int v = 0; v < NV; ++v) {
-      float sc[kLanes], zr[kLanes];
-      for (int64_t i = 0; i < kLanes; ++i) {
-        const S* pair = scales_and_zeros + (g * n + n0 + v * kLanes + i) * 2;
-        sc[i] = to_float(pair[0]);
-        zr[i] = to_float(pair[1]) - 8.f * sc[i];
-      }
-      std::memcpy(&scale[v], sc, sizeof(sc));
-      std::memcpy(&zero[v], zr, sizeof(zr));
-    }
+    group_scale_zero<NV>(scales_and_zeros, g, n, n0, scale, zero);
     for (int64_t r = 0; r < m; r += kRows) {
       const float* xr = x + r * k_len + g * group_size;
       const float* xs = xsum + r * groups + g;
