@@ -76,6 +76,7 @@ from throughput import (
     WARMUP_TOKENS,
     Prompts,
     _TokenClock,
+    add_workload_flags,
     batch_result,
     decode_rate,
     hf_concurrent,
@@ -84,6 +85,8 @@ from throughput import (
     kvserve_workloads,
     machine_info,
     stream_times,
+    usable_cpus,
+    workload_levels,
 )
 
 from kvserve import LLM, SamplingParams
@@ -687,11 +690,7 @@ def kv_tokens_for(concurrency: tuple[int, ...], max_tokens: int, prompt_len: int
 
 def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated request counts (default 1,16,64)")
-    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per decode request (default 128)")
-    parser.add_argument("--prompt-len", type=int, default=512, help="prefill prompt length (default 512)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of the prefill and single-stream figures")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    add_workload_flags(parser, "1,16,64")
     parser.add_argument(
         "--dtype",
         choices=["auto", *TORCH_DTYPES],
@@ -704,9 +703,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
         help="comma-separated values of LLM(weights=...): auto, q4, q8, bf16, f32; one kvserve run each (default auto)",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="smoke test: concurrency 1,4, max-tokens 16, prompt-len 64, one repeat"
-    )
-    parser.add_argument(
         "--device",
         default="cpu",
         help="kvserve's and transformers' device, e.g. cuda (default cpu); llama.cpp and vLLM run on cpu runs only",
@@ -717,11 +713,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help=f"PNG plot (default {DEFAULT_PLOT})")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.concurrency, args.max_tokens, args.prompt_len, args.repeats = "1,4", 16, 64, 1
-    concurrency = tuple(sorted({int(n) for n in args.concurrency.split(",")}))
-    if args.max_tokens < 2 or args.prompt_len < 1 or args.repeats < 1 or min(concurrency) < 1:
-        parser.error("--max-tokens must be >= 2; --prompt-len, --repeats and --concurrency >= 1")
+    concurrency = tuple(sorted(set(workload_levels(parser, args))))
     weights = tuple(dict.fromkeys(w.strip() for w in args.kvserve_weights.split(",") if w.strip()))
     if not weights:
         parser.error("--kvserve-weights needs at least one value")
@@ -734,7 +726,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
         prompt_len=args.prompt_len,
         repeats=args.repeats,
         seed=args.seed,
-        threads=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        threads=usable_cpus(),
         dtype=dtype,
         kvserve_weights=weights,
         kv_cache_tokens=kv_tokens_for(concurrency, args.max_tokens, args.prompt_len),

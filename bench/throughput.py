@@ -378,10 +378,11 @@ def markdown(dtype: str, result: dict[str, Any], s: Settings) -> str:
 
 
 # ----- CLI --------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
-    parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated request counts (default 1,4,16,64)")
+def add_workload_flags(parser: argparse.ArgumentParser, concurrency: str) -> None:
+    """The workload flags of this script and compare.py; `concurrency` is the default levels."""
+    parser.add_argument(
+        "--concurrency", default=concurrency, help=f"comma-separated request counts (default {concurrency})"
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per decode request (default 128)")
     parser.add_argument("--prompt-len", type=int, default=512, help="prefill prompt length (default 512)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the prefill and single-stream figures")
@@ -389,14 +390,30 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path]:
     parser.add_argument(
         "--quick", action="store_true", help="smoke test: concurrency 1,4, max-tokens 16, prompt-len 64, one repeat"
     )
-    parser.add_argument("--skip-hf", action="store_true", help="benchmark kvserve only")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
-    args = parser.parse_args(argv)
+
+
+def workload_levels(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, ...]:
+    """Apply --quick to `args` and check the workload flags; the concurrency levels as given."""
     if args.quick:
         args.concurrency, args.max_tokens, args.prompt_len, args.repeats = "1,4", 16, 64, 1
     concurrency = tuple(int(n) for n in args.concurrency.split(","))
     if args.max_tokens < 2 or args.prompt_len < 1 or args.repeats < 1 or min(concurrency) < 1:
         parser.error("--max-tokens must be >= 2; --prompt-len, --repeats and --concurrency >= 1")
+    return concurrency
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
+    add_workload_flags(parser, "1,4,16,64")
+    parser.add_argument("--skip-hf", action="store_true", help="benchmark kvserve only")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    concurrency = workload_levels(parser, args)
     settings = Settings(
         dtypes=("float32", "bfloat16") if args.dtype == "both" else (args.dtype,),
         concurrency=concurrency,
@@ -405,7 +422,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path]:
         repeats=args.repeats,
         seed=args.seed,
         skip_hf=args.skip_hf,
-        threads=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        threads=usable_cpus(),
     )
     return settings, args.out
 
