@@ -111,18 +111,20 @@ def test_the_engine_decodes_through_the_fused_step(tiny_model_dir, extension, mo
     assert fused == python
 
 
+@pytest.mark.parametrize("half_scales", [True, False], ids=["float16-scales", "float32-scales"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_int4_paths_equal_the_dequantized_reference(extension, dtype, monkeypatch):
+def test_int4_paths_equal_the_dequantized_reference(extension, dtype, half_scales, monkeypatch):
     """int4_mm (few rows), dequantize + GEMM (many rows) and PyTorch's int4 kernel (layout unknown)
-    all give x @ W.T + b of the float weight the int4 groups stand for."""
+    all give x @ W.T + b of the float weight the int4 groups stand for, with the scales and mins
+    kept as float16 (exact, as GGUF's Q4_1 stores them) or as float32 (not exact in float16)."""
     groups = Int4Groups.from_float(torch.randn(192, 96, generator=torch.Generator().manual_seed(5)))
+    if half_scales:
+        groups = Int4Groups(groups.codes, groups.scales.half().float(), groups.mins.half().float())
     bias = torch.randn(192)
     layer = Int4Linear(groups, dtype, bias)
-    scales_and_zeros = layer.scales_and_zeros.float()  # the layer's scales, rounded to its dtype
-    weight = (
-        groups.codes.float().view(192, 3, 32) * scales_and_zeros[:, :, 0].T.unsqueeze(-1)
-        + (scales_and_zeros[:, :, 1].T - 8 * scales_and_zeros[:, :, 0].T).unsqueeze(-1)
-    ).view(192, 96)
+    assert layer.scales_mins.dtype == (torch.float16 if half_scales else torch.float32)
+    assert torch.equal(layer.scales_mins.float(), torch.stack((groups.scales, groups.mins), 1).transpose(0, 2))
+    weight = groups.dequantize()
     assert quantized.int4_block_rows() in (32, 64)  # the packing layout check found PyTorch's layout
     for rows in (1, 5, 13, 40, 100):  # register tiles of every size, and both sides of INT4_FEW_ROWS
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)

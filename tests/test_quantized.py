@@ -123,6 +123,7 @@ def test_a_4bit_gguf_is_repacked_exactly(tmp_path):
     kept = load_model(tmp_path / "tiny-q4.gguf", progress=False, weights="auto")
     assert weight_summary(kept)["layers"] == {"int4": 8, "int8 groups": 1, "int8 embedding": 1}  # 4 per layer
     assert isinstance(kept.layers[0].self_attn.qkv_proj, Int4Linear)
+    assert kept.layers[0].self_attn.qkv_proj.scales_mins.dtype == torch.float16  # Q4_1 stores them so
     # The embedding and lm_head are re-quantized (4-bit rows to int8 groups); compare the layers only.
     with torch.inference_mode():
         dequantized.embed_tokens.weight.copy_(kept.embed_tokens(torch.arange(320)))

@@ -27,10 +27,10 @@
 #include <type_traits>
 #include <vector>
 
-at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_and_zeros, int64_t n, int64_t group_size,
+at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int64_t n, int64_t group_size,
                    int64_t block_n);
-at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_and_zeros, int64_t n, int64_t k, int64_t group_size,
-                           int64_t block_n);
+at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_mins, int64_t n, int64_t k, int64_t group_size,
+                           int64_t block_n, at::ScalarType dtype);
 
 namespace {
 
@@ -42,6 +42,7 @@ inline float to_float(c10::BFloat16 x) {
   std::memcpy(&out, &bits, sizeof(out));
   return out;
 }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
 template <typename T>
 inline T from_float(float x);
 template <>
@@ -86,8 +87,26 @@ inline IVec widen_bytes(const uint8_t* p) {
 #endif
 }
 
+// kLanes floats from p: float32 as is, float16 widened (F16C where the CPU has it).
+inline Vec load_floats(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline Vec load_floats(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  return reinterpret_cast<Vec>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  float lanes[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
+  return load_floats(lanes);
+#endif
+}
+
 struct Linear {
-  int64_t kind;  // 0 float (weight [N, K]), 1 int4 packed (+ scales_and_zeros), 2 int8 (+ scales)
+  int64_t kind;  // 0 float (weight [N, K]), 1 int4 packed (+ scales_mins), 2 int8 (+ scales)
   at::Tensor weight, scales, bias;
 };
 
@@ -105,10 +124,15 @@ at::Tensor linear(const at::Tensor& x, const Linear& l, int64_t group_size, cons
     if (x.size(0) <= policy.few_rows) {
       out = int4_mm(x, l.weight, l.scales, n, group_size, policy.int4_block_n);
     } else {
-      out = at::mm(x, dequantize_int4(l.weight, l.scales, n, x.size(1), group_size, policy.int4_block_n));
+      out = at::mm(x, dequantize_int4(l.weight, l.scales, n, x.size(1), group_size, policy.int4_block_n,
+                                      x.scalar_type()));
     }
   } else if (l.kind == 1) {
-    out = at::_weight_int4pack_mm_for_cpu(x, l.weight, group_size, l.scales);
+    // PyTorch's kernel computes (code - 8) * scale + zero: zero = min + 8 * scale (Int4Linear's
+    // kernel_scales_and_zeros).
+    const at::Tensor scales = l.scales.select(1, 0).to(at::kFloat), mins = l.scales.select(1, 1).to(at::kFloat);
+    out = at::_weight_int4pack_mm_for_cpu(x, l.weight, group_size,
+                                          at::stack({scales, mins + 8 * scales}, -1).to(x.scalar_type()));
   } else if (l.kind == 2) {
     out = at::_weight_int8pack_mm(x, l.weight, l.scales);
   } else {
@@ -318,8 +342,8 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor cos, at::Tensor sin_signed, a
 // The weight-only kernels re-read the weights for every row; a bf16 GEMM reuses them. For many
 // rows it is faster to dequantize a layer's weight into a temporary and call the GEMM.
 
-template <typename T>
-void dequantize_int4_impl(const uint8_t* packed, const T* scales_and_zeros, T* out, int64_t n, int64_t k,
+template <typename S, typename T>
+void dequantize_int4_impl(const uint8_t* packed, const S* scales_mins, T* out, int64_t n, int64_t k,
                           int64_t group_size, int64_t block_n) {
   // Layout of aten::_convert_weight_to_int4pack_for_cpu: blocks of block_n output rows (64 where
   // PyTorch's kernel runs AVX-512, 32 on AVX2); in a block, byte (k * block_n / 2 + i) holds row i
@@ -328,18 +352,18 @@ void dequantize_int4_impl(const uint8_t* packed, const T* scales_and_zeros, T* o
   // Writes the transposed weight [K, N], so every store and every byte load is contiguous.
   const int64_t half = block_n / 2;
   at::parallel_for(0, k / group_size, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scale(n), zero(n);
+    std::vector<float> scale(n), min(n);
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t j = 0; j < n; ++j) {
-        scale[j] = to_float(scales_and_zeros[(g * n + j) * 2]);
-        zero[j] = to_float(scales_and_zeros[(g * n + j) * 2 + 1]) - 8.f * scale[j];
+        scale[j] = to_float(scales_mins[2 * g * n + j]);
+        min[j] = to_float(scales_mins[(2 * g + 1) * n + j]);
       }
       for (int64_t c = g * group_size; c < (g + 1) * group_size; ++c) {
         T* o = out + c * n;
         for (int64_t nb = 0; nb < n / block_n; ++nb) {
           const uint8_t* bytes = packed + nb * half * k + c * half;
           const float* sc = scale.data() + nb * block_n;
-          const float* zr = zero.data() + nb * block_n;
+          const float* zr = min.data() + nb * block_n;
           T* ob = o + nb * block_n;
 #pragma omp simd
           for (int64_t i = 0; i < half; ++i) {
@@ -352,18 +376,30 @@ void dequantize_int4_impl(const uint8_t* packed, const T* scales_and_zeros, T* o
   });
 }
 
-// The transposed weight of an Int4Linear, [K, N], in the dtype of its scales.
-at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_and_zeros, int64_t n, int64_t k, int64_t group_size,
-                           int64_t block_n) {
-  TORCH_CHECK(n % block_n == 0 && k % group_size == 0, "dequantize_int4 takes whole blocks of rows");
-  at::Tensor out = at::empty({k, n}, scales_and_zeros.options());
-  if (out.scalar_type() == at::kBFloat16) {
-    dequantize_int4_impl<c10::BFloat16>(packed.data_ptr<uint8_t>(), scales_and_zeros.data_ptr<c10::BFloat16>(),
-                                        out.data_ptr<c10::BFloat16>(), n, k, group_size, block_n);
+// Runs f(S*) with the data of an Int4Linear's scales_mins [K / g, 2, N], float16 or float32.
+template <typename F>
+void with_scales_mins(const at::Tensor& scales_mins, F&& f) {
+  if (scales_mins.scalar_type() == at::kHalf) {
+    f(scales_mins.data_ptr<c10::Half>());
   } else {
-    dequantize_int4_impl<float>(packed.data_ptr<uint8_t>(), scales_and_zeros.data_ptr<float>(),
-                                out.data_ptr<float>(), n, k, group_size, block_n);
+    TORCH_CHECK(scales_mins.scalar_type() == at::kFloat, "int4 scales and mins are float16 or float32");
+    f(scales_mins.data_ptr<float>());
   }
+}
+
+// The transposed weight of an Int4Linear, [K, N], in `dtype` (float32 or bfloat16).
+at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_mins, int64_t n, int64_t k, int64_t group_size,
+                           int64_t block_n, at::ScalarType dtype) {
+  TORCH_CHECK(n % block_n == 0 && k % group_size == 0, "dequantize_int4 takes whole blocks of rows");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize_int4 makes float32 or bfloat16");
+  at::Tensor out = at::empty({k, n}, packed.options().dtype(dtype));
+  with_scales_mins(scales_mins, [&](auto* sm) {
+    if (dtype == at::kBFloat16) {
+      dequantize_int4_impl(packed.data_ptr<uint8_t>(), sm, out.data_ptr<c10::BFloat16>(), n, k, group_size, block_n);
+    } else {
+      dequantize_int4_impl(packed.data_ptr<uint8_t>(), sm, out.data_ptr<float>(), n, k, group_size, block_n);
+    }
+  });
   return out;
 }
 
@@ -492,8 +528,8 @@ at::Tensor dequantize_int8_groups(at::Tensor codes, at::Tensor scales, int64_t b
 // PyTorch's int4 CPU kernel is fast where it runs AVX-512 but slow on AVX2 (about 2 ms for one
 // row of a 3072 x 576 weight here), and it unpacks the weight again for every row. This kernel
 // unpacks each 4-bit code once per call and multiplies it into every row of x from registers.
-// It uses w = (code - 8) * scale + zero = code * scale + zero' per group, so a group's sum is
-// scale * sum_k x[k] code[k] + zero' * sum_k x[k]: the inner loop converts codes to float and
+// It uses w = code * scale + min per group, so a group's sum is
+// scale * sum_k x[k] code[k] + min * sum_k x[k]: the inner loop converts codes to float and
 // multiply-adds, nothing more. GCC/Clang vector extensions keep it portable.
 
 // One input's codes in a block of NV * kLanes output columns, as NV float vectors: byte i holds
@@ -507,18 +543,12 @@ inline void unpack_codes(const uint8_t* bytes, Vec* codes) {
   }
 }
 
-// Group g's scale and zero' = zero - 8 * scale for the NV vectors of columns from n0.
+// Group g's scale and min ([K / g, 2, N]) for the NV vectors of columns from n0.
 template <int NV, typename S>
-inline void group_scale_zero(const S* scales_and_zeros, int64_t g, int64_t n, int64_t n0, Vec* scale, Vec* zero) {
+inline void group_scale_min(const S* scales_mins, int64_t g, int64_t n, int64_t n0, Vec* scale, Vec* min) {
   for (int v = 0; v < NV; ++v) {
-    float s[kLanes], z[kLanes];
-    for (int64_t i = 0; i < kLanes; ++i) {
-      const S* pair = scales_and_zeros + (g * n + n0 + v * kLanes + i) * 2;
-      s[i] = to_float(pair[0]);
-      z[i] = to_float(pair[1]) - 8.f * s[i];
-    }
-    std::memcpy(&scale[v], s, sizeof(s));
-    std::memcpy(&zero[v], z, sizeof(z));
+    scale[v] = load_floats(scales_mins + 2 * g * n + n0 + v * kLanes);
+    min[v] = load_floats(scales_mins + (2 * g + 1) * n + n0 + v * kLanes);
   }
 }
 
@@ -526,7 +556,7 @@ inline void group_scale_zero(const S* scales_and_zeros, int64_t g, int64_t n, in
 // xsum [R, ldxs] (the sums of x over each group); out [R, ldo] at the block's first column.
 template <int NV, int R, typename S, typename O>
 inline void int4_block(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* block,
-                       const S* scales_and_zeros, int64_t n, int64_t n0, int64_t k_len, int64_t group_size,
+                       const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, int64_t group_size,
                        O* out, int64_t ldo) {
   constexpr int64_t half = NV * kLanes / 2;  // bytes per input: row i low nibble, row i + half high
   Vec total[R][NV];
@@ -546,11 +576,11 @@ inline void int4_block(const float* x, int64_t ldx, const float* xsum, int64_t l
         for (int v = 0; v < NV; ++v) acc[r][v] += a * codes[v];
       }
     }
-    Vec scale[NV], zero[NV];
-    group_scale_zero<NV>(scales_and_zeros, g, n, n0, scale, zero);
+    Vec scale[NV], min[NV];
+    group_scale_min<NV>(scales_mins, g, n, n0, scale, min);
     for (int r = 0; r < R; ++r) {
       const float xs = xsum[r * ldxs + g];
-      for (int v = 0; v < NV; ++v) total[r][v] += scale[v] * acc[r][v] + xs * zero[v];
+      for (int v = 0; v < NV; ++v) total[r][v] += scale[v] * acc[r][v] + xs * min[v];
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -561,10 +591,10 @@ inline void int4_block(const float* x, int64_t ldx, const float* xsum, int64_t l
 }
 
 // One group of one block for R rows: codes float [group_size, NV vectors] (unpacked once for every
-// tile of rows), then total[r] += scale * (x[r] . codes) + sum(x[r]) * zero'.
+// tile of rows), then total[r] += scale * (x[r] . codes) + sum(x[r]) * min.
 template <int NV, int R>
 inline void int4_group_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const Vec* codes,
-                            int64_t group_size, const Vec* scale, const Vec* zero, Vec* total) {
+                            int64_t group_size, const Vec* scale, const Vec* min, Vec* total) {
   Vec acc[R][NV];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NV; ++v) acc[r][v] = Vec{};
@@ -578,14 +608,14 @@ inline void int4_group_tile(const float* x, int64_t ldx, const float* xsum, int6
   }
   for (int r = 0; r < R; ++r) {
     const float xs = xsum[r * ldxs];
-    for (int v = 0; v < NV; ++v) total[r * NV + v] += scale[v] * acc[r][v] + xs * zero[v];
+    for (int v = 0; v < NV; ++v) total[r * NV + v] += scale[v] * acc[r][v] + xs * min[v];
   }
 }
 
 // int4_block for more rows than one register tile holds: each group's codes are unpacked once into
 // a small buffer (4 KB on AVX2) and every tile of rows multiplies them from there.
 template <int NV, int kRows, typename S, typename O>
-void int4_block_many(const float* x, int64_t m, const float* xsum, const uint8_t* block, const S* scales_and_zeros,
+void int4_block_many(const float* x, int64_t m, const float* xsum, const uint8_t* block, const S* scales_mins,
                      int64_t n, int64_t n0, int64_t k_len, int64_t group_size, O* out, std::vector<Vec>& codes,
                      std::vector<Vec>& total) {
   constexpr int64_t half = NV * kLanes / 2;
@@ -594,8 +624,8 @@ void int4_block_many(const float* x, int64_t m, const float* xsum, const uint8_t
   total.assign(m * NV, Vec{});
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t k = 0; k < group_size; ++k) unpack_codes<NV>(block + (g * group_size + k) * half, &codes[k * NV]);
-    Vec scale[NV], zero[NV];
-    group_scale_zero<NV>(scales_and_zeros, g, n, n0, scale, zero);
+    Vec scale[NV], min[NV];
+    group_scale_min<NV>(scales_mins, g, n, n0, scale, min);
     for (int64_t r = 0; r < m; r += kRows) {
       const float* xr = x + r * k_len + g * group_size;
       const float* xs = xsum + r * groups + g;
@@ -603,7 +633,7 @@ void int4_block_many(const float* x, int64_t m, const float* xsum, const uint8_t
       switch (std::min<int64_t>(kRows, m - r)) {
 #define KVSERVE_ROWS(R)                                                                       \
   case R:                                                                                     \
-    int4_group_tile<NV, R>(xr, k_len, xs, groups, codes.data(), group_size, scale, zero, t); \
+    int4_group_tile<NV, R>(xr, k_len, xs, groups, codes.data(), group_size, scale, min, t); \
     break;
         KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
 #undef KVSERVE_ROWS
@@ -621,7 +651,7 @@ void int4_block_many(const float* x, int64_t m, const float* xsum, const uint8_t
 
 template <int NV, typename S, typename O>
 void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, const uint8_t* packed,
-                  const S* scales_and_zeros, int64_t n, int64_t group_size, O* out) {
+                  const S* scales_mins, int64_t n, int64_t group_size, O* out) {
   constexpr int64_t block_n = NV * kLanes;
   constexpr int kRows = 12 / NV > 0 ? 12 / NV : 1;  // rows per register tile: about 12 accumulators
   const int64_t groups = k_len / group_size;
@@ -630,7 +660,7 @@ void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, c
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* block = packed + b * (block_n / 2) * k_len;
       if (m > kRows) {
-        int4_block_many<NV, kRows>(x, m, xsum, block, scales_and_zeros, n, b * block_n, k_len, group_size, out, codes,
+        int4_block_many<NV, kRows>(x, m, xsum, block, scales_mins, n, b * block_n, k_len, group_size, out, codes,
                                    total);
         continue;
       }
@@ -638,7 +668,7 @@ void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, c
       switch (m) {
 #define KVSERVE_ROWS(R)                                                                                              \
   case R:                                                                                                            \
-    int4_block<NV, R>(x, k_len, xsum, groups, block, scales_and_zeros, n, b * block_n, k_len, group_size, o, n); \
+    int4_block<NV, R>(x, k_len, xsum, groups, block, scales_mins, n, b * block_n, k_len, group_size, o, n); \
     break;
         KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
 #undef KVSERVE_ROWS
@@ -650,8 +680,8 @@ void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, c
 }
 
 // x @ W.T for an Int4Linear's packed weight (blocks of block_n rows, see dequantize_int4_impl) and
-// scales_and_zeros [K / g, N, 2]: out [M, N] in x's dtype.
-at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_and_zeros, int64_t n, int64_t group_size,
+// scales_mins [K / g, 2, N]: out [M, N] in x's dtype.
+at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int64_t n, int64_t group_size,
                    int64_t block_n) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % group_size == 0 && n % block_n == 0, "int4_mm: x [M, K], whole groups");
   TORCH_CHECK(block_n % (2 * kLanes) == 0 && block_n / kLanes <= 8, "int4_mm: unsupported block of ", block_n, " rows");
@@ -669,14 +699,14 @@ at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_and_zeros,
       default: int4_mm_impl<8>(xp, xs, m, k_len, w, sz, n, group_size, o); break;
     }
   };
-  if (x.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16, "int4_mm: scales in x's dtype");
-    run(scales_and_zeros.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat && scales_and_zeros.scalar_type() == at::kFloat,
-                "int4_mm runs in float32 or bfloat16");
-    run(scales_and_zeros.data_ptr<float>(), out.data_ptr<float>());
-  }
+  with_scales_mins(scales_mins, [&](auto* sm) {
+    if (x.scalar_type() == at::kBFloat16) {
+      run(sm, out.data_ptr<c10::BFloat16>());
+    } else {
+      TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_mm runs in float32 or bfloat16");
+      run(sm, out.data_ptr<float>());
+    }
+  });
   return out;
 }
 

@@ -128,7 +128,7 @@ class FusedDecoder:
         if isinstance(linear, Int4Linear):
             self.kinds.append(1)
             self.weights.append(linear.weight_packed)
-            self.scales.append(linear.scales_and_zeros)
+            self.scales.append(linear.scales_mins)
         elif isinstance(linear, Int8Linear):
             self.kinds.append(2)
             self.weights.append(linear.weight_int8)

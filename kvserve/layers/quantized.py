@@ -7,7 +7,8 @@
 - `Int8Embedding`: int8 rows with one scale per group of 32, dequantized only for the looked-up
   rows (GGML's Q8_0 is exactly this shape).
 
-Activations stay in the compute dtype (bfloat16 or float32); the scales are stored in it too.
+Activations stay in the compute dtype (bfloat16 or float32). Int4Linear keeps each group's scale
+and min as float16 when that is exact (GGUF stores them so for Q4_0 and Q4_1), else float32.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def int4_block_rows() -> int | None:
                 rows
                 for rows in (64, 32)
                 if torch.allclose(
-                    extension.dequantize_int4(probe.weight_packed, probe.scales_and_zeros, 128, 64, GROUP_SIZE, rows).T,
+                    extension.dequantize_int4(
+                        probe.weight_packed, probe.scales_mins, 128, 64, GROUP_SIZE, rows, torch.float32
+                    ).T,
                     expected,
                     atol=1e-5,
                 )
@@ -153,12 +156,24 @@ class Int4Linear(nn.Module):
                 for part in weight.codes.split(CHUNK_ROWS)
             ]
         )
-        # The kernel computes (code - 8) * scale + zero, so zero = min + 8 * scale.
-        zeros = weight.mins + 8 * weight.scales
-        scales_and_zeros = torch.stack((weight.scales, zeros), dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        # Each group's (scale, min) as rows [K/g, 2, N]: float16 where that holds them exactly (GGUF's
+        # Q4_0 / Q4_1 store them as float16: half the bytes of float32, and of the memory a decode
+        # step reads besides the codes), float32 otherwise (Q4_K's products, weights quantized here).
+        scales_mins = torch.stack((weight.scales.float(), weight.mins.float()), dim=1).transpose(0, 2).contiguous()
+        as_half = scales_mins.half()
+        if torch.equal(as_half.float(), scales_mins):
+            scales_mins = as_half
+        self.dtype = dtype
         self.register_buffer("weight_packed", packed)
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype))
+        self.register_buffer("scales_mins", scales_mins)
         self.bias = _bias(bias, dtype)
+
+    def kernel_scales_and_zeros(self) -> torch.Tensor:
+        """[K/g, N, 2] (scale, zero) in the compute dtype, as PyTorch's int4 kernel takes them: it
+        computes (code - 8) * scale + zero, so zero = min + 8 * scale. Made per call: that kernel only
+        serves while the C++ kernels are not loaded or PyTorch's packing layout is unknown."""
+        scales, mins = self.scales_mins.float().unbind(1)
+        return torch.stack((scales, mins + 8 * scales), dim=-1).to(self.dtype)
 
     @staticmethod
     def supports(out_features: int, in_features: int, group_size: int = GROUP_SIZE) -> bool:
@@ -171,15 +186,17 @@ class Int4Linear(nn.Module):
         block = int4_block_rows() if x2.device.type == "cpu" else None
         if block is not None and self.out_features % block == 0:
             extension = _extension()
-            args = (self.weight_packed, self.scales_and_zeros)
+            args = (self.weight_packed, self.scales_mins)
             if x2.shape[0] <= INT4_FEW_ROWS:
                 out = extension.int4_mm(x2, *args, self.out_features, self.group_size, block)
             else:  # a float GEMM over the dequantized weight: weight_t [K, N]
-                weight_t = extension.dequantize_int4(*args, self.out_features, self.in_features, self.group_size, block)
+                weight_t = extension.dequantize_int4(
+                    *args, self.out_features, self.in_features, self.group_size, block, x2.dtype
+                )
                 out = torch.mm(x2, weight_t)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2, self.weight_packed, self.group_size, self.scales_and_zeros
+                x2, self.weight_packed, self.group_size, self.kernel_scales_and_zeros()
             )
         if self.bias is not None:
             out = out + self.bias
