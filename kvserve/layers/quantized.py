@@ -243,9 +243,9 @@ class Int8GroupLinear(nn.Module):
     """y = x @ W.T with W as int8 and a scale per group of 32 inputs (GGML's Q8_0, kept exact).
 
     Serves a tied lm_head from the embedding's own tensors (no second copy). The rows of a decode
-    step go through the C++ kernel (kvserve/csrc), which widens each code once per four rows;
-    more rows, or no compiled kernel, dequantize the weight and run a float GEMM. Measured for the
-    bundled model's 49152 x 576 table (2-core AVX2 CPU, float32): about 1.5 / 9-11 / 44-52 ms for
+    step (up to FEW_ROWS) go through the C++ kernel (kvserve/csrc), which widens each code once per
+    call; more rows, or no compiled kernel, dequantize the weight and run a float GEMM. Measured for
+    the bundled model's 49152 x 576 table (2-core AVX2 CPU, float32): about 2 / 9-15 / 42 ms for
     1 / 16 / 64 rows in C++ (this machine's speed moves by tens of percent between runs), 34 / 95 / 83
     ms dequantized.
     """
@@ -264,7 +264,7 @@ class Int8GroupLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         extension = _extension() if x2.device.type == "cpu" else None
         is_grouped = self.scales.shape[1] * GROUP_SIZE == self.in_features
-        if extension is not None and is_grouped and x2.shape[0] < self.FEW_ROWS:
+        if extension is not None and is_grouped and x2.shape[0] <= self.FEW_ROWS:
             return extension.int8_group_matmul(x2, self.codes, self.scales).view(*x.shape[:-1], self.out_features)
         # Many rows: dequantize CHUNK_ROWS output rows at a time into the compute dtype and run a GEMM
         # on each, so the temporary stays a few MB whatever the vocabulary.
