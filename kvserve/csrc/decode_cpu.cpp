@@ -118,6 +118,15 @@ inline Vec load_floats(const c10::Half* p) {
 #endif
 }
 
+// The sum of a vector's lanes, in lane order.
+inline float sum_lanes(Vec v) {
+  float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(lanes));
+  float total = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) total += lanes[i];
+  return total;
+}
+
 struct Linear {
   int64_t kind;  // 0 float (weight [N, K]), 1 int4 packed (+ scales_mins), 2 int8 (+ scales)
   at::Tensor weight, scales, bias;
@@ -210,58 +219,65 @@ void rope_and_cache(T* qkv, const T* cos, const T* sin_signed, const int64_t* sl
   });
 }
 
-// Calls f(j, slot) for the positions j < len of a sequence in order, slot being j's row in the
-// cache: walks the block table a block at a time, with no division per position.
-template <typename F>
-inline void for_each_slot(const int64_t* table, int64_t len, int64_t block_size, F&& f) {
-  for (int64_t start = 0; start < len; start += block_size) {
-    const int64_t first = table[start / block_size] * block_size, count = std::min(block_size, len - start);
-    for (int64_t i = 0; i < count; ++i) f(start + i, first + i);
-  }
-}
-
 // out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] over the sequence's own seq_lens[b] keys.
-// Each (sequence, kv head) is one task; its query heads' weighted sums of values are built in
-// registers, kDimVecs vectors of dimensions at a time, rather than in memory one key at a time.
+// Each (sequence, kv head) is one task. Its positions' cache rows are listed once (walking the
+// block table a block at a time). Where head_dim is a multiple of the vector width, four keys'
+// dot products run side by side (four independent chains, one load of q for four keys), and the
+// query heads' weighted sums of values are built in registers, kDimVecs vectors of dimensions at a
+// time, rather than in memory one key at a time.
 template <typename T>
 void decode_attention(const T* qkv, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                       const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t max_blocks, int64_t block_size,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {
-  constexpr int kDimVecs = 8;
+  constexpr int kDimVecs = 8, kKeys = 4;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t kv_row = num_kv_heads * head_dim;
+  const bool vectors = head_dim % kLanes == 0;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, q(group * head_dim);
+    std::vector<int64_t> slots;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t len = seq_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
       const T* keys = k_cache + kvh * head_dim;
       const T* values = v_cache + kvh * head_dim;
+      slots.resize(len);
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t first = table[start / block_size] * block_size;
+        for (int64_t j = start; j < std::min(start + block_size, len); ++j) slots[j] = first + j - start;
+      }
       scores.resize(group * len);
       for (int64_t i = 0; i < group * head_dim; ++i) q[i] = to_float(qkv[b * row + kvh * group * head_dim + i]);
-      for_each_slot(table, len, block_size, [&](int64_t j, int64_t slot) {
-        const T* key = keys + slot * kv_row;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q.data() + g * head_dim;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q.data() + g * head_dim;
+        float* sg = scores.data() + g * len;
+        int64_t j = 0;
+        for (; vectors && j + kKeys <= len; j += kKeys) {
+          Vec acc[kKeys] = {};
+          for (int64_t d = 0; d < head_dim; d += kLanes) {
+            const Vec qv = load_floats(qg + d);
+            for (int i = 0; i < kKeys; ++i) acc[i] += qv * load_floats(keys + slots[j + i] * kv_row + d);
+          }
+          for (int i = 0; i < kKeys; ++i) sg[j + i] = sum_lanes(acc[i]) * scale;
+        }
+        for (; j < len; ++j) {
+          const T* key = keys + slots[j] * kv_row;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t i = 0; i < head_dim; ++i) dot += qg[i] * to_float(key[i]);
-          scores[g * len + j] = dot * scale;
+          sg[j] = dot * scale;
         }
-      });
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
         float peak = -INFINITY;
-        for (int64_t j = 0; j < len; ++j) peak = std::max(peak, sg[j]);
+        for (j = 0; j < len; ++j) peak = std::max(peak, sg[j]);
         float total = 0.f;
-        for (int64_t j = 0; j < len; ++j) {
+        for (j = 0; j < len; ++j) {
           sg[j] = std::exp(sg[j] - peak);
           total += sg[j];
         }
         const float inv = 1.f / total;
-        for (int64_t j = 0; j < len; ++j) sg[j] *= inv;
+        for (j = 0; j < len; ++j) sg[j] *= inv;
       }
       T* o = out + b * num_heads * head_dim + kvh * group * head_dim;
       for (int64_t g = 0; g < group; ++g) {
@@ -269,20 +285,20 @@ void decode_attention(const T* qkv, const T* k_cache, const T* v_cache, const in
         int64_t d0 = 0;
         for (; d0 + kDimVecs * kLanes <= head_dim; d0 += kDimVecs * kLanes) {
           Vec acc[kDimVecs] = {};
-          for_each_slot(table, len, block_size, [&](int64_t j, int64_t slot) {
-            const T* value = values + slot * kv_row + d0;
+          for (int64_t j = 0; j < len; ++j) {
+            const T* value = values + slots[j] * kv_row + d0;
             for (int v = 0; v < kDimVecs; ++v) acc[v] += sg[j] * load_floats(value + v * kLanes);
-          });
+          }
           float lanes[kDimVecs * kLanes];
           std::memcpy(lanes, acc, sizeof(lanes));
           for (int64_t i = 0; i < kDimVecs * kLanes; ++i) o[g * head_dim + d0 + i] = from_float<T>(lanes[i]);
         }
         if (d0 < head_dim) {  // the dimensions left over (head_dim not a multiple of kDimVecs vectors)
           std::vector<float> acc(head_dim - d0, 0.f);
-          for_each_slot(table, len, block_size, [&](int64_t j, int64_t slot) {
-            const T* value = values + slot * kv_row + d0;
+          for (int64_t j = 0; j < len; ++j) {
+            const T* value = values + slots[j] * kv_row + d0;
             for (int64_t i = 0; i < head_dim - d0; ++i) acc[i] += sg[j] * to_float(value[i]);
-          });
+          }
           for (int64_t i = 0; i < head_dim - d0; ++i) o[g * head_dim + d0 + i] = from_float<T>(acc[i]);
         }
       }
@@ -459,15 +475,6 @@ inline IVec widen_signed_bytes(const int8_t* p) {
   std::memcpy(&b, p, sizeof(b));
   return __builtin_convertvector(b, IVec);
 #endif
-}
-
-// The sum of a vector's lanes, in lane order.
-inline float sum_lanes(Vec v) {
-  float lanes[kLanes];
-  std::memcpy(lanes, &v, sizeof(lanes));
-  float total = 0.f;
-  for (int64_t i = 0; i < kLanes; ++i) total += lanes[i];
-  return total;
 }
 
 // out[r * ldo] = x[r] . (codes * scales) for R rows of x (float [R, ldx]) and one row of codes.
