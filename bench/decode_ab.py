@@ -1,0 +1,152 @@
+"""Single-stream decode, kvserve against llama.cpp, measured in alternation.
+
+compare.py measures one engine after the other. On a shared machine whose speed drifts by tens of
+percent over minutes, the single-stream decode ratio then says as much about when each engine ran
+as about the engines. Here the two engines take turns: each round starts a fresh process per engine
+(one engine in memory at a time, as in compare.py), in the order kvserve, llama.cpp, then llama.cpp,
+kvserve in the next round, and so on (ABBA, so neither always goes first). Each process loads the
+bundled GGUF, warms up, and decodes --max-tokens greedy tokens from a short random prompt --repeats
+times; tokens/s is (tokens - 1) / (first token -> last token), as in compare.py. A round's ratio is
+kvserve's median over llama.cpp's median from the two adjacent processes; the report gives every
+round's figures, the median of the rates and the median, min and max of the round ratios.
+
+Both engines run on 2 threads (--threads) on the same GGUF: kvserve with `LLM(weights=--kvserve-weights)`,
+llama.cpp in-process through llama-cpp-python's low-level loop (compare.llamacpp_stream). Writes JSON
+(--out, default results/decode_ab.json) and prints a Markdown table.
+
+    python bench/decode_ab.py                     # 6 rounds, 128 tokens, 3 decodes per process
+    python bench/decode_ab.py --rounds 2 --max-tokens 32 --out /tmp/ab.json   # smoke test
+"""
+
+from __future__ import annotations
+
+import kvserve  # isort: skip  # noqa: F401
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import compare
+import torch
+from throughput import WARMUP_TOKENS, Prompts, decode_rate, machine_info, stream_times
+
+from kvserve.model_files import resolve_model
+
+DEFAULT_OUT = compare.RESULTS / "decode_ab.json"
+ENGINES = ("kvserve", "llama.cpp")
+
+
+def measure(engine: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """In this process: load `engine`, warm up, decode --repeats times; the rates and their median."""
+    torch.set_num_threads(args.threads)
+    prompts = Prompts(seed)
+    rates = []
+    if engine == "kvserve":
+        from kvserve import LLM
+        from kvserve.layers import fused_decode
+
+        fused_decode.load_extension()  # built before the clock starts, as a running server has it
+        with LLM(None, weights=args.kvserve_weights, kv_cache_tokens=2048, progress=False, session_db=False) as llm:
+            stream_times(llm, prompts.short(), compare.greedy(WARMUP_TOKENS))
+            for _ in range(args.repeats):
+                rates.append(decode_rate(stream_times(llm, prompts.short(), compare.greedy(args.max_tokens))[1]))
+    else:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(
+            model_path=str(resolve_model(None)),
+            n_threads=args.threads,
+            n_threads_batch=args.threads,
+            n_ctx=256 * (1 + (32 + args.max_tokens) // 256),
+            verbose=False,
+        )
+        try:
+            compare.llamacpp_stream(llm, prompts.short(), WARMUP_TOKENS)
+            for _ in range(args.repeats):
+                rates.append(decode_rate(compare.llamacpp_stream(llm, prompts.short(), args.max_tokens)[1]))
+        finally:
+            llm.close()
+    return {"runs_tokens_per_s": rates, "tokens_per_s": statistics.median(rates)}
+
+
+def run_worker(engine: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """`measure` in a fresh process (this script with --worker); its JSON from the last stdout line."""
+    command = [sys.executable, __file__, "--worker", engine, "--seed", str(seed)]
+    command += ["--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    command += ["--kvserve-weights", args.kvserve_weights]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{engine} worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of one process per engine (default 6)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per decode (default 128)")
+    parser.add_argument("--repeats", type=int, default=3, help="decodes per process; its median counts (default 3)")
+    parser.add_argument("--threads", type=int, default=2, help="threads for both engines (default 2)")
+    parser.add_argument("--kvserve-weights", default="auto", help="LLM's weights for kvserve (default auto)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)  # internal: one measuring process
+    args = parser.parse_args(argv)
+    if min(args.rounds, args.max_tokens - 1, args.repeats, args.threads) < 1:
+        parser.error("--rounds, --repeats and --threads must be at least 1, --max-tokens at least 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(measure(args.worker, args, args.seed)))
+        return 0
+    missing = compare.importable("llama_cpp")
+    if missing:
+        print(f"llama.cpp is the peer here and {missing}; pip install llama-cpp-python", file=sys.stderr)
+        return 1
+    rounds = []
+    for i in range(args.rounds):
+        order = ENGINES if i % 2 == 0 else ENGINES[::-1]
+        # the same prompts for both engines within a round, fresh ones each round
+        figures = {engine: run_worker(engine, args, args.seed + i) for engine in order}
+        ratio = figures["kvserve"]["tokens_per_s"] / figures["llama.cpp"]["tokens_per_s"]
+        rounds.append({"order": list(order), **figures, "ratio": ratio})
+        print(
+            f"round {i + 1}: kvserve {figures['kvserve']['tokens_per_s']:.1f}, "
+            f"llama.cpp {figures['llama.cpp']['tokens_per_s']:.1f} tok/s, ratio {ratio:.2f}",
+            flush=True,
+        )
+    ratios = [r["ratio"] for r in rounds]
+    summary = {
+        "kvserve_tokens_per_s": statistics.median(r["kvserve"]["tokens_per_s"] for r in rounds),
+        "llamacpp_tokens_per_s": statistics.median(r["llama.cpp"]["tokens_per_s"] for r in rounds),
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(args.threads),
+        "model": str(resolve_model(None)),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+        "rounds": rounds,
+        "summary": summary,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(
+        f"\n| kvserve ({args.kvserve_weights}) tok/s | llama.cpp tok/s | kvserve / llama.cpp, median of "
+        f"{args.rounds} rounds (min - max) |\n|---:|---:|---:|\n"
+        f"| {summary['kvserve_tokens_per_s']:.1f} | {summary['llamacpp_tokens_per_s']:.1f} | "
+        f"{summary['ratio_median']:.2f} ({summary['ratio_min']:.2f} - {summary['ratio_max']:.2f}) |\n\nWrote {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
