@@ -229,7 +229,7 @@ template <typename T>
 void decode_attention(const T* qkv, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                       const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t max_blocks, int64_t block_size,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {
-  constexpr int kDimVecs = 8, kKeys = 4;
+  constexpr int kDimVecs = kLanes < 64 ? 64 / kLanes : 1, kKeys = 4;  // 64 dimensions at a time
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t kv_row = num_kv_heads * head_dim;
@@ -418,12 +418,12 @@ void dequantize_int4_impl(const uint8_t* packed, const S* scales_mins, T* out, i
         for (int64_t nb = 0; nb < n / block_n; ++nb) {
           const uint8_t* bytes = packed + nb * half * k + c * half;
           const float* sc = scale.data() + nb * block_n;
-          const float* zr = min.data() + nb * block_n;
+          const float* mn = min.data() + nb * block_n;
           T* ob = o + nb * block_n;
 #pragma omp simd
           for (int64_t i = 0; i < half; ++i) {
-            ob[i] = weight_from_float<T>(static_cast<float>(bytes[i] & 0xF) * sc[i] + zr[i]);
-            ob[i + half] = weight_from_float<T>(static_cast<float>(bytes[i] >> 4) * sc[i + half] + zr[i + half]);
+            ob[i] = weight_from_float<T>(static_cast<float>(bytes[i] & 0xF) * sc[i] + mn[i]);
+            ob[i + half] = weight_from_float<T>(static_cast<float>(bytes[i] >> 4) * sc[i + half] + mn[i + half]);
           }
         }
       }
@@ -652,9 +652,8 @@ at::Tensor dequantize_int8_groups(at::Tensor codes, at::Tensor scales, int64_t b
 // PyTorch's int4 CPU kernel is fast where it runs AVX-512 but slow on AVX2 (about 2 ms for one
 // row of a 3072 x 576 weight here), and it unpacks the weight again for every row. This kernel
 // unpacks each 4-bit code once per call and multiplies it into every row of x from registers.
-// It uses w = code * scale + min per group, so a group's sum is
-// scale * sum_k x[k] code[k] + min * sum_k x[k]: the inner loop converts codes to float and
-// multiply-adds, nothing more. GCC/Clang vector extensions keep it portable.
+// It uses w = code * scale + min per group, so a group's sum is scale * sum_k x[k] code[k] +
+// min * sum_k x[k]: the inner loop converts codes to float and multiply-adds, nothing more. GCC/Clang vector extensions keep it portable.
 
 // One input's codes in a block of NV * kLanes output columns, as NV float vectors: byte i holds
 // column i in its low nibble and column i + NV * kLanes / 2 in its high nibble.
@@ -796,8 +795,7 @@ void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, c
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* block = packed + b * (block_n / 2) * k_len;
       if (m > kRows) {
-        int4_block_many<NV>(x, m, xsum, block, scales_mins, n, b * block_n, k_len, group_size, out, codes,
-                                   total);
+        int4_block_many<NV>(x, m, xsum, block, scales_mins, n, b * block_n, k_len, group_size, out, codes, total);
         continue;
       }
       O* o = out + b * block_n;

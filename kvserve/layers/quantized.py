@@ -1,7 +1,7 @@
 """Weight-only quantized layers on PyTorch's own CPU kernels.
 
-- `Int4Linear`: 4-bit codes in groups of 32 along the input dimension, one (scale, zero) pair per
-  group, packed for `aten._weight_int4pack_mm_for_cpu`. GGML's Q4_0 / Q4_1 / Q4_K blocks are
+- `Int4Linear`: 4-bit codes in groups of 32 along the input dimension, one (scale, min) pair per
+  group, the codes packed in the layout of `aten._weight_int4pack_mm_for_cpu`. GGML's Q4_0 / Q4_1 / Q4_K blocks are
   exactly this shape (w = scale * code + min), so they are repacked without loss.
 - `Int8Linear`: int8 with one scale per output row, for `aten._weight_int8pack_mm`.
 - `Int8Embedding`: int8 rows with one scale per group of 32, dequantized only for the looked-up
