@@ -686,24 +686,38 @@ inline void int4_block(const float* x, int64_t ldx, const float* xsum, int64_t l
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NV; ++v) total[r][v] = Vec{};
   }
+  // One row: two accumulator sets (even and odd inputs), so that consecutive inputs' multiply-adds
+  // into the same columns do not wait on each other (group_size is even, see int4_mm). Measured in
+  // one process, one layer's four projections for one row: 0.205-0.219 ms against 0.249-0.256 ms
+  // with one set.
+  constexpr int kSets = R == 1 ? 2 : 1;
   for (int64_t g = 0; g < k_len / group_size; ++g) {
-    Vec acc[R][NV];
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < NV; ++v) acc[r][v] = Vec{};
-    }
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
-      Vec codes[NV];
-      unpack_codes<NV>(block + k * half, codes);
+    Vec acc[kSets][R][NV];
+    for (int s = 0; s < kSets; ++s) {
       for (int r = 0; r < R; ++r) {
-        const float a = x[r * ldx + k];
-        for (int v = 0; v < NV; ++v) acc[r][v] += a * codes[v];
+        for (int v = 0; v < NV; ++v) acc[s][r][v] = Vec{};
+      }
+    }
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kSets) {
+      for (int s = 0; s < kSets; ++s) {
+        Vec codes[NV];
+        unpack_codes<NV>(block + (k + s) * half, codes);
+        for (int r = 0; r < R; ++r) {
+          const float a = x[r * ldx + k + s];
+          for (int v = 0; v < NV; ++v) acc[s][r][v] += a * codes[v];
+        }
+      }
+    }
+    for (int s = 1; s < kSets; ++s) {
+      for (int r = 0; r < R; ++r) {
+        for (int v = 0; v < NV; ++v) acc[0][r][v] += acc[s][r][v];
       }
     }
     Vec scale[NV], min[NV];
     group_scale_min<NV>(scales_mins, g, n, n0, scale, min);
     for (int r = 0; r < R; ++r) {
       const float xs = xsum[r * ldxs + g];
-      for (int v = 0; v < NV; ++v) total[r][v] += scale[v] * acc[r][v] + xs * min[v];
+      for (int v = 0; v < NV; ++v) total[r][v] += scale[v] * acc[0][r][v] + xs * min[v];
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -817,7 +831,8 @@ void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, c
 // scales_mins [K / g, 2, N]: out [M, N] in x's dtype.
 at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int64_t n, int64_t group_size,
                    int64_t block_n) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % group_size == 0 && n % block_n == 0, "int4_mm: x [M, K], whole groups");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % group_size == 0 && n % block_n == 0 && group_size % 2 == 0,
+              "int4_mm: x [M, K], whole groups of an even size");
   TORCH_CHECK(block_n % (2 * kLanes) == 0 && block_n / kLanes <= 8, "int4_mm: unsupported block of ", block_n, " rows");
   x = x.contiguous();
   const int64_t m = x.size(0), k_len = x.size(1), groups = k_len / group_size;
