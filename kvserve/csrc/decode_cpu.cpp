@@ -72,16 +72,22 @@ constexpr int64_t kLanes = 8;  // AVX2 (NEON: the compiler splits each vector in
 #endif
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint8_t ByteVec __attribute__((vector_size(kLanes)));
 
-// kLanes bytes widened to int32 lanes (the generic conversion compiles to a byte-by-byte loop).
-inline IVec widen_bytes(const uint8_t* p) {
+// kLanes bytes widened to int32 lanes: uint8 (the 4-bit codes' bytes) zero-extended, int8 (Q8_0
+// codes) sign-extended. The generic conversion compiles to a byte-by-byte loop, hence the intrinsics.
+template <typename B>
+inline IVec widen_bytes(const B* p) {
+  static_assert(std::is_same_v<B, uint8_t> || std::is_same_v<B, int8_t>);
+  constexpr bool is_signed = std::is_signed_v<B>;
 #if defined(__AVX512F__)
-  return reinterpret_cast<IVec>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<IVec>(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 #elif defined(__AVX2__)
-  return reinterpret_cast<IVec>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<IVec>(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 #else
-  ByteVec b;
+  typedef B BytesVec __attribute__((vector_size(kLanes)));
+  BytesVec b;
   std::memcpy(&b, p, sizeof(b));
   return __builtin_convertvector(b, IVec);
 #endif
@@ -464,17 +470,14 @@ at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_mins, int64_t n,
 // registers; for many rows (kPanelMinRows and more), panels of kPanelRows code rows are widened
 // into a float buffer that every tile of rows then reads, as a GEMM packs its operands.
 
-inline IVec widen_signed_bytes(const int8_t* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<IVec>(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  return reinterpret_cast<IVec>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-  typedef int8_t SByteVec __attribute__((vector_size(kLanes)));
-  SByteVec b;
-  std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, IVec);
-#endif
+// One row of k codes times its scales (one per 32 codes), as T.
+template <typename T>
+inline void dequantize_int8_row(const int8_t* codes, const float* scales, int64_t k, T* out) {
+  for (int64_t g = 0; g < k / 32; ++g) {
+    const float scale = scales[g];
+#pragma omp simd
+    for (int64_t j = 0; j < 32; ++j) out[g * 32 + j] = weight_from_float<T>(scale * codes[g * 32 + j]);
+  }
 }
 
 // out[r * ldo] = x[r] . (codes * scales) for R rows of x (float [R, ldx]) and one row of codes.
@@ -492,7 +495,7 @@ inline void int8_group_dot(const float* x, int64_t ldx, const int8_t* codes, con
     const float scale = scales[g];
     for (int64_t j = 0; j < kGroup / kLanes; ++j) {
       const int64_t k = g * kGroup + j * kLanes;
-      const Vec w = scale * __builtin_convertvector(widen_signed_bytes(codes + k), Vec);
+      const Vec w = scale * __builtin_convertvector(widen_bytes(codes + k), Vec);
       for (int r = 0; r < R; ++r) {
         Vec xv;
         std::memcpy(&xv, x + r * ldx + k, sizeof(xv));
@@ -542,13 +545,7 @@ void int8_group_matmul_panels(const float* xf, const int8_t* codes, const float*
     for (int64_t p = begin; p < end; ++p) {
       const int64_t row0 = p * kPanelRows, rows = std::min(kPanelRows, v - row0);
       for (int64_t c = 0; c < rows; ++c) {
-        const int8_t* cr = codes + (row0 + c) * k;
-        const float* sr = scales + (row0 + c) * groups;
-        float* w = panel.data() + c * k;
-        for (int64_t i = 0; i < k; i += kLanes) {
-          const Vec wv = sr[i / kGroup] * __builtin_convertvector(widen_signed_bytes(cr + i), Vec);
-          std::memcpy(w + i, &wv, sizeof(wv));
-        }
+        dequantize_int8_row(codes + (row0 + c) * k, scales + (row0 + c) * groups, k, panel.data() + c * k);
       }
       for (int64_t r = 0; r < m; r += R) {
         const float* xr = xf + r * k;
@@ -628,15 +625,8 @@ at::Tensor dequantize_int8_groups(at::Tensor codes, at::Tensor scales, int64_t b
   const int8_t* c = codes.data_ptr<int8_t>() + begin * k;
   const float* s = scales.data_ptr<float>() + begin * groups;
   auto run = [&](auto* o) {
-    using T = std::remove_pointer_t<decltype(o)>;
     at::parallel_for(0, end - begin, 64, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        for (int64_t g = 0; g < groups; ++g) {
-          const float sg = s[r * groups + g];
-#pragma omp simd
-          for (int64_t j = 0; j < 32; ++j) o[r * k + g * 32 + j] = weight_from_float<T>(sg * c[r * k + g * 32 + j]);
-        }
-      }
+      for (int64_t r = b; r < e; ++r) dequantize_int8_row(c + r * k, s + r * groups, k, o + r * k);
     });
   };
   if (dtype == at::kBFloat16) {
@@ -653,7 +643,8 @@ at::Tensor dequantize_int8_groups(at::Tensor codes, at::Tensor scales, int64_t b
 // row of a 3072 x 576 weight here), and it unpacks the weight again for every row. This kernel
 // unpacks each 4-bit code once per call and multiplies it into every row of x from registers.
 // It uses w = code * scale + min per group, so a group's sum is scale * sum_k x[k] code[k] +
-// min * sum_k x[k]: the inner loop converts codes to float and multiply-adds, nothing more. GCC/Clang vector extensions keep it portable.
+// min * sum_k x[k]: the inner loop converts codes to float and multiply-adds, nothing more.
+// GCC/Clang vector extensions keep it portable.
 
 // One input's codes in a block of NV * kLanes output columns, as NV float vectors: byte i holds
 // column i in its low nibble and column i + NV * kLanes / 2 in its high nibble.
