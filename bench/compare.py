@@ -362,22 +362,31 @@ def llamacpp_stream(llm: Any, prompt: list[int], new_tokens: int) -> tuple[float
     return submitted, times
 
 
+def llamacpp_model(s: Settings) -> Any:
+    """llama.cpp (llama-cpp-python) on the bundled GGUF with --threads threads, sized for the workload."""
+    import llama_cpp
+
+    return llama_cpp.Llama(
+        model_path=str(resolve_model(None)),
+        n_threads=s.threads,
+        n_threads_batch=s.threads,
+        n_ctx=llamacpp_n_ctx(s),
+        verbose=False,
+    )
+
+
 def bench_llamacpp(s: Settings) -> dict[str, Any]:
     import llama_cpp
 
     prompts = Prompts(s.seed)
     gguf = resolve_model(None)
-    n_ctx = llamacpp_n_ctx(s)
-
-    def construct() -> Any:
-        return llama_cpp.Llama(
-            model_path=str(gguf), n_threads=s.threads, n_threads_batch=s.threads, n_ctx=n_ctx, verbose=False
-        )
 
     def kv_bytes(llm: Any) -> int:  # llama.cpp's default KV type is f16, one cell per context position
         return kv_cache_bytes_per_token(load_config(gguf), torch.float16) * llm.n_ctx()
 
-    llm, out = start_engine(construct, lambda llm: llamacpp_stream(llm, prompts.short(), 1)[1][0], kv_bytes)
+    llm, out = start_engine(
+        lambda: llamacpp_model(s), lambda llm: llamacpp_stream(llm, prompts.short(), 1)[1][0], kv_bytes
+    )
     try:
         out["config"] = {
             "llama_cpp": llama_cpp.__version__,

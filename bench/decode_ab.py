@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import kvserve  # isort: skip  # noqa: F401
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -32,45 +33,42 @@ from typing import Any
 
 import compare
 import torch
-from throughput import WARMUP_TOKENS, Prompts, decode_rate, machine_info, stream_times
+from throughput import WARMUP_TOKENS, Prompts, kvserve_decode, machine_info, stream_times
 
+from kvserve.layers import fused_decode
 from kvserve.model_files import resolve_model
 
 DEFAULT_OUT = compare.RESULTS / "decode_ab.json"
 ENGINES = ("kvserve", "llama.cpp")
 
 
-def measure(engine: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """In this process: load `engine`, warm up, decode --repeats times; the rates and their median."""
-    torch.set_num_threads(args.threads)
-    prompts = Prompts(seed)
-    rates = []
+def worker_settings(args: argparse.Namespace, seed: int) -> compare.Settings:
+    """compare.py's settings for one stream of --max-tokens, --repeats times, on --threads threads."""
+    flags = {"--concurrency": 1, "--max-tokens": args.max_tokens, "--repeats": args.repeats, "--seed": seed}
+    argv = [str(part) for flag in flags.items() for part in flag]
+    settings, _, _ = compare.parse_args([*argv, "--kvserve-weights", args.kvserve_weights])
+    return dataclasses.replace(settings, threads=args.threads)
+
+
+def measure(engine: str, s: compare.Settings) -> dict[str, Any]:
+    """In this process: start `engine`, warm up, decode --repeats times (compare.py's loops)."""
+    torch.set_num_threads(s.threads)
+    prompts = Prompts(s.seed)
     if engine == "kvserve":
-        from kvserve import LLM
-        from kvserve.layers import fused_decode
-
-        fused_decode.load_extension()  # built before the clock starts, as a running server has it
-        with LLM(None, weights=args.kvserve_weights, kv_cache_tokens=2048, progress=False, session_db=False) as llm:
-            stream_times(llm, prompts.short(), compare.greedy(WARMUP_TOKENS))
-            for _ in range(args.repeats):
-                rates.append(decode_rate(stream_times(llm, prompts.short(), compare.greedy(args.max_tokens))[1]))
-    else:
-        import llama_cpp
-
-        llm = llama_cpp.Llama(
-            model_path=str(resolve_model(None)),
-            n_threads=args.threads,
-            n_threads_batch=args.threads,
-            n_ctx=256 * (1 + (32 + args.max_tokens) // 256),
-            verbose=False,
-        )
+        llm, _ = compare.start_kvserve(s.kvserve_weights[0], s, prompts)
         try:
-            compare.llamacpp_stream(llm, prompts.short(), WARMUP_TOKENS)
-            for _ in range(args.repeats):
-                rates.append(decode_rate(compare.llamacpp_stream(llm, prompts.short(), args.max_tokens)[1]))
+            fused_decode.load_extension()  # measured with the fused step in place, as compare.py does
+            stream_times(llm, prompts.short(), compare.greedy(WARMUP_TOKENS))
+            decode, _ = kvserve_decode(llm, prompts, s.for_throughput())
         finally:
             llm.close()
-    return {"runs_tokens_per_s": rates, "tokens_per_s": statistics.median(rates)}
+        return decode
+    llm = compare.llamacpp_model(s)
+    try:
+        compare.llamacpp_stream(llm, prompts.short(), WARMUP_TOKENS)
+        return compare.timed_decode(lambda p: compare.llamacpp_stream(llm, p, s.max_tokens)[1], prompts, s)
+    finally:
+        llm.close()
 
 
 def run_worker(engine: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -103,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        print(json.dumps(measure(args.worker, args, args.seed)))
+        print(json.dumps(measure(args.worker, worker_settings(args, args.seed))))
         return 0
     missing = compare.importable("llama_cpp")
     if missing:
