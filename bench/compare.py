@@ -17,8 +17,8 @@ memory at a time, each in a thread of its own (see `in_own_thread` in throughput
 Before those runs a throwaway kvserve engine starts in the fresh process and is closed: it takes the
 process's one-time costs (torch's lazily loaded libraries and kernels, some 300 MB of RSS here), which
 would otherwise be charged to whichever engine came first. Its figures are reported as the cold start.
-kvserve runs once per --kvserve-weights value (LLM's `weights` keyword) with one thread per
-streaming request; its per-step timings (ModelRunner) and `llm.stats()` are recorded too.
+kvserve runs once per --kvserve-weights value (LLM's `weights` keyword; "+int8" adds
+activations="int8", e.g. auto+int8) with one thread per streaming request; its per-step timings (ModelRunner) and `llm.stats()` are recorded too.
 
 How each peer is measured:
   transformers: AutoModelForCausalLM.from_pretrained(gguf_file=..., dtype=--dtype), greedy generate;
@@ -243,19 +243,23 @@ def accepts_weights() -> bool:
 
 def start_kvserve(weights: str | None, s: Settings, prompts: Prompts) -> tuple[LLM, dict[str, Any]]:
     """A kvserve engine sized for the workload, up to its first token; `weights` is LLM's `weights`
-    keyword, None where the installed LLM lacks it. Returns the engine and start_engine's record."""
+    keyword, None where the installed LLM lacks it, with "+int8" for activations="int8" (e.g.
+    "auto+int8"). Returns the engine and start_engine's record."""
+    weights, _, activations = (weights or "").partition("+")
     kwargs: dict[str, Any] = {
         "model": None,
         # Float weights are kept in the compute dtype, and LLM refuses a dtype that disagrees.
-        "dtype": FLOAT_WEIGHTS.get(weights or "", s.dtype),
+        "dtype": FLOAT_WEIGHTS.get(weights, s.dtype),
         "max_num_seqs": max(s.concurrency),
         "kv_cache_tokens": s.kv_cache_tokens,
         "progress": False,
         "session_db": False,
         "device": s.device,
     }
-    if weights is not None:
+    if weights:
         kwargs["weights"] = weights
+    if activations:
+        kwargs["activations"] = activations
 
     def first_token(llm: LLM) -> float:
         return stream_times(llm, prompts.short(), greedy(1))[1][0]
@@ -709,7 +713,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
     parser.add_argument(
         "--kvserve-weights",
         default="auto",
-        help="comma-separated values of LLM(weights=...): auto, q4, q8, bf16, f32; one kvserve run each (default auto)",
+        help="comma-separated values of LLM(weights=...): auto, q4, q8, bf16, f32, each optionally +int8 for "
+        "LLM(activations='int8'), e.g. auto,auto+int8; one kvserve run each (default auto)",
     )
     parser.add_argument(
         "--device",

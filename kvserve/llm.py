@@ -36,7 +36,7 @@ from kvserve.session_store import SessionStore
 from kvserve.sessions import SessionManager
 from kvserve.tokenizer import Tokenizer
 from kvserve.weights.loader import load_config, load_model, weight_summary
-from kvserve.weights.plan import resolve_weights
+from kvserve.weights.plan import resolve_activations, resolve_weights
 
 logger = logging.getLogger("kvserve.weights")
 Prompt = str | Sequence[int]
@@ -81,6 +81,7 @@ class LLM:
         *,
         dtype: str | torch.dtype | None = None,
         weights: str = "auto",
+        activations: str = "float",
         device: str | torch.device | None = None,
         kv_cache_tokens: int | None = None,
         block_size: int = 16,
@@ -99,6 +100,7 @@ class LLM:
                 raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.", "dtype")
             dtype = DTYPES[dtype]
         weight_mode, dtype = resolve_weights(weights, dtype, self.device)
+        activations = resolve_activations(activations, self.device)
         self.dtype = dtype or default_dtype(self.device)
         self.model_path: Path = resolve_model(model)
         model_config = load_config(self.model_path)
@@ -129,7 +131,14 @@ class LLM:
             # Runs on the engine thread: the weights and the KV pool are created by the thread that
             # computes with them. (With OpenMP, a second thread that ever ran parallel torch code makes
             # both thread teams stop spinning between kernels; here that halved decode speed.)
-            loaded = load_model(self.model_path, self.dtype, self.device, progress=progress, weights=weight_mode)
+            loaded = load_model(
+                self.model_path,
+                self.dtype,
+                self.device,
+                progress=progress,
+                weights=weight_mode,
+                activations=activations,
+            )
             return ModelRunner(loaded, num_blocks, block_size, self.tokenizer.stop_token_ids)
 
         # Sessions need the prefix cache (their pinned blocks are found through it) and a store:
@@ -157,10 +166,11 @@ class LLM:
         self.engine = EngineCore(scheduler, build_runner, self.tokenizer, make_sessions)
         self.model = self.engine.runner.model
         summary = weight_summary(self.model)
-        self.weights: dict[str, Any] = {"choice": weights, "mode": weight_mode, **summary}
+        self.weights: dict[str, Any] = {"choice": weights, "mode": weight_mode, "activations": activations, **summary}
         logger.info(
-            "weights=%s on %s: %s, %.1f MB, compute dtype %s",
+            "weights=%s activations=%s on %s: %s, %.1f MB, compute dtype %s",
             weights,
+            activations,
             self.device.type,
             ", ".join(f"{n} {form}" for form, n in summary["layers"].items()),
             summary["bytes"] / 1e6,

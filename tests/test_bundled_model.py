@@ -35,9 +35,15 @@ PROMPTS = [
 ]
 
 
-# (weights, dtype): dequantized float32 (the foundation check), then served quantized as `auto`
-# keeps them (int4 layers, the Q8_0 embedding/lm_head table) in both compute dtypes.
-FORMS = {"f32": ("float", torch.float32), "auto-f32": ("auto", torch.float32), "auto-bf16": ("auto", torch.bfloat16)}
+# (weights, dtype[, activations]): dequantized float32 (the foundation check), then served quantized
+# as `auto` keeps them (int4 layers, the Q8_0 embedding/lm_head table) in both compute dtypes, and
+# with the int4 layers' inputs quantized to int8 (an AVX2 CPU; float inputs elsewhere).
+FORMS = {
+    "f32": ("float", torch.float32),
+    "auto-f32": ("auto", torch.float32),
+    "auto-bf16": ("auto", torch.bfloat16),
+    "auto-f32-int8-activations": ("auto", torch.float32, "int8"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +55,8 @@ def reference(bundled_gguf):
 
 @pytest.fixture(scope="module", params=list(FORMS))
 def models(request, bundled_gguf, reference):
-    weights, dtype = FORMS[request.param]
-    ours = load_model(bundled_gguf, dtype, progress=False, weights=weights)
+    weights, dtype, activations = (*FORMS[request.param], "float")[:3]
+    ours = load_model(bundled_gguf, dtype, progress=False, weights=weights, activations=activations)
     return ours, Tokenizer.from_gguf(bundled_gguf), reference
 
 

@@ -90,6 +90,31 @@ def test_second_turn_reuses_the_first_turns_prefix(llm):
     assert second.usage.cached_tokens % llm.config.block_size == 0
 
 
+def test_int8_activations_batched_requests_equal_their_solo_runs(bundled_gguf):
+    """With activations=int8 a row's int4 products do not depend on the rows batched with it (exact
+    integer sums, the same float steps per row; checked bit for bit in test_fused_decode): eight
+    requests batched give their solo runs' tokens, through batched prefill and decode steps alike.
+    Their logprobs agree to float rounding: the lm_head and attention sum in batch-dependent orders,
+    and a rounding that moved an int8 input across a step would show as a gap of about 1e-2."""
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+    with LLM(str(bundled_gguf), dtype="float32", activations="int8", kv_cache_tokens=4096, progress=False) as int8:
+        assert int8.weights["activations"] == "int8"
+        layers = [m for m in int8.model.modules() if hasattr(m, "int8_activations")]
+        assert layers and all(m.int8_activations for m in layers)
+        prompts = [
+            int8.tokenizer.encode(f"{n} {thing} that are {colour}:")
+            for n in ("Two", "Three")
+            for thing, colour in (("fruits", "red"), ("birds", "blue"), ("trees", "tall"), ("stones", "green"))
+        ]
+        solo = [int8.generate(p, params) for p in prompts]
+        batched = int8.generate(prompts, params)
+        wait_idle_and_check(int8)
+    for one, many in zip(solo, batched, strict=True):
+        assert one.token_ids == many.token_ids
+        gaps = [abs(a.logprob - b.logprob) for a, b in zip(one.logprobs, many.logprobs, strict=True)]
+        assert max(gaps) <= 1e-4
+
+
 def test_bfloat16_engine_answers_like_float32(bundled_gguf, llm):
     """Greedy tokens agree under the first-divergence rule (DESIGN.md), with each engine's own top-5."""
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=5, ignore_eos=True)

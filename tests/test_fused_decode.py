@@ -1,5 +1,6 @@
-"""The fused C++ decode step against the model's Python forward (the reference), the int4
-dequantize-then-GEMM path against the int4 kernel, and the attention groups' cost bound."""
+"""The fused C++ decode step against the model's Python forward (the reference), the int4 kernels
+(float or int8 inputs, dequantize-then-GEMM) against their references, and the attention groups'
+cost bound."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.conftest import make_tiny_llama, wait_idle_and_check
 VARIANTS = {
     "gqa-q4": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q4"),
     "gqa-q4-dequantized-gemm": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q4"),
+    "gqa-q4-int8-activations": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q4"),
     "gqa-q8": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q8"),
     "mha-tied-float": (dict(num_key_value_heads=4, tie_word_embeddings=True), "float"),
     "mqa-bias-float": (dict(num_key_value_heads=1, attention_bias=True, head_dim=24), "float"),
@@ -55,10 +57,13 @@ def _prefilled(model, lengths, tables, seed, dtype=torch.float32):
 def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, variant, monkeypatch):
     pytest.importorskip("transformers")
     overrides, weights, dtype = (*VARIANTS[variant], torch.float32)[:3]
-    if variant.endswith("dequantized-gemm"):  # int4 layers as for a batch of many rows
+    if variant.endswith("dequantized-gemm"):  # int4 layers as for a batch of many rows, float inputs
         monkeypatch.setattr(quantized, "INT4_FEW_ROWS", 0)
+    activations = "int8" if variant.endswith("int8-activations") else "float"
+    if activations == "int8" and not extension.int8_activations():
+        pytest.skip("int8 activations need AVX2 with F16C and FMA")
     make_tiny_llama(tmp_path, seed=31, **overrides)
-    model = load_model(tmp_path, dtype, progress=False, weights=weights)
+    model = load_model(tmp_path, dtype, progress=False, weights=weights, activations=activations)
     assert FusedDecoder.supports(model)
     lengths = [9, 1, 30, 17]  # different contexts; blocks scattered and interleaved below
     tables = [[3, 40, 7], [12], [5, 20, 21, 22, 23, 24, 60, 61], [30, 31, 2, 33, 34]]
@@ -76,6 +81,7 @@ def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, varian
     ids = torch.tensor([5, 77, 123, 250])
     positions, metadata = build_batch(tables, lengths, [1, 1, 1, 1], BLOCK_SIZE)
     fused = FusedDecoder(model, extension)
+    assert fused.int8_activations == (activations == "int8")
     width = max(len(t) for t in tables)
     with torch.inference_mode():
         got = fused.forward(
@@ -95,6 +101,13 @@ def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, varian
     # bfloat16: the two paths round the same values, but sum in different orders (a few units in
     # the last place of bfloat16's 8-bit mantissa); float32 agrees to rounding.
     relative = 1e-5 if dtype == torch.float32 else 0.02
+    if variant.endswith("int8-activations"):
+        # Both paths quantize each int4 layer's input with the same kernel, but the inputs differ by
+        # float rounding (sums in other orders), and where that moves a value across an int8 rounding
+        # boundary the input changes by a whole step (max|x| / 127 of its group). On this random tiny
+        # model, perturbing the embeddings by 1e-7 (relative) moves the Python forward's output by up
+        # to 2.5% of its largest value; the kernel itself is checked exactly in the test further below.
+        relative = 0.1
     assert (got - expected).float().abs().max().item() <= max(1e-4, relative * expected.float().abs().max().item())
     for (k, v), (k_ref, v_ref) in zip(fused_kv, kv, strict=True):  # the new K/V landed where Python puts them
         slots = metadata.slot_mapping
@@ -148,6 +161,54 @@ def test_int4_paths_equal_the_dequantized_reference(extension, dtype, half_scale
         tolerance = 1e-4 if dtype == torch.float32 else 0.02 * float(expected.abs().max())
         for name, got in paths.items():
             assert (got - expected).abs().max().item() <= tolerance, (rows, name)
+
+
+def _int8_activation_reference(x: torch.Tensor, groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """x @ W.T as the int8-activation kernel defines it, in float64, and a bound on its distance from
+    the float product: per group of 32 inputs d = max|x| / 127, q = round(x / d) (nearest even), and
+    out = sum over groups of scale * d * (q . codes) + min * sum(x). Rounding moves each input by at
+    most d / 2, so the result is within sum over groups of scale * d / 2 * sum(codes) of x @ W.T."""
+    rows, k = x.shape
+    xg = x.float().view(rows, k // 32, 32)
+    d = xg.abs().amax(-1) / 127
+    q = torch.round(xg * torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None])
+    codes = groups.codes.double().view(-1, k // 32, 32)  # [N, G, 32]
+    scales, mins = groups.scales.double().T, groups.mins.double().T  # [G, N]
+    products = torch.einsum("mgk,ngk->mgn", q.double(), codes)
+    out = (scales * d.double()[..., None] * products + xg.double().sum(-1)[..., None] * mins).sum(1)
+    bound = (scales * d.double()[..., None] / 2 * codes.sum(-1).T).sum(1)
+    return out, bound
+
+
+@pytest.mark.parametrize("half_scales", [True, False], ids=["float16-scales", "float32-scales"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_with_int8_activations_equals_its_integer_reference(extension, dtype, half_scales):
+    """Int4Linear with its inputs quantized to int8 (an AVX2 CPU): against the products computed in
+    float64 from the same int8 inputs, for row counts that end in partial register tiles, from one row
+    (its own kernel) to a prefill; within the inputs' rounding of the float product; and each row equal,
+    bit for bit, to that row computed alone (the integer sums are exact and the float steps per row the
+    same, whatever the batch)."""
+    if not extension.int8_activations():
+        pytest.skip("int8 activations need AVX2 with F16C and FMA")
+    assert quantized.int8_activations_available()
+    groups = Int4Groups.from_float(torch.randn(192, 320, generator=torch.Generator().manual_seed(7)))
+    if half_scales:
+        groups = Int4Groups(groups.codes, groups.scales.half().float(), groups.mins.half().float())
+    layer = Int4Linear(groups, dtype, int8_activations=True)
+    float_inputs = Int4Linear(groups, dtype)
+    for rows in (1, 2, 3, 4, 7, 13, 64, 100, 515):
+        x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        x[0, :32] = 0.0  # an all-zero group: d = 0
+        reference, bound = _int8_activation_reference(x, groups)
+        got = layer(x)
+        # float32: the per-group float steps' rounding; bfloat16: also the output's own (8-bit mantissa)
+        rounding = 1e-5 * reference.abs().max() + (0.008 * reference.abs() if dtype == torch.bfloat16 else 0)
+        assert ((got.double() - reference).abs() <= rounding).all(), rows
+        exact = x.double() @ groups.dequantize().double().T
+        assert ((got.double() - exact).abs() <= bound + rounding).all(), rows
+        for i in {0, rows // 2, rows - 1}:
+            assert torch.equal(layer(x[i : i + 1])[0], got[i]), (rows, i)
+        assert not torch.equal(float_inputs(x), got)  # the option is what changed the path
 
 
 def test_attention_groups_bound_padding():

@@ -19,7 +19,7 @@ from kvserve.layers.quantized import (
 )
 from kvserve.weights.dequant import dequantize, int4_groups, q8_0_groups
 from kvserve.weights.loader import load_model, weight_summary
-from kvserve.weights.plan import resolve_weights
+from kvserve.weights.plan import resolve_activations, resolve_weights
 from tests.conftest import make_tiny_llama
 from tests.test_gguf import _logits, random_blocks, write_llama_gguf
 
@@ -199,3 +199,9 @@ def test_weight_choices_and_their_errors():
         resolve_weights("bf16", torch.float32, cpu)
     with pytest.raises(InvalidRequestError, match="CPU weight-only kernels"):
         resolve_weights("q4", None, cuda)
+    assert resolve_activations("int8", cpu) == "int8" and resolve_activations("float", cuda) == "float"
+    with pytest.raises(InvalidRequestError, match="activations must be one of") as info:
+        resolve_activations("int4", cpu)
+    assert info.value.param == "activations"
+    with pytest.raises(InvalidRequestError, match="on cuda use activations=float"):
+        resolve_activations("int8", cuda)

@@ -28,7 +28,7 @@
 #include <vector>
 
 at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int64_t n, int64_t group_size,
-                   int64_t block_n);
+                   int64_t block_n, bool int8_activations);
 at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_mins, int64_t n, int64_t k, int64_t group_size,
                            int64_t block_n, at::ScalarType dtype);
 
@@ -143,14 +143,15 @@ struct Linear {
 // unknown layout, PyTorch's int4 kernel.
 struct Int4Policy {
   int64_t few_rows, int4_block_n;
+  bool int8_activations;
 };
 
 at::Tensor linear(const at::Tensor& x, const Linear& l, int64_t group_size, const Int4Policy& policy) {
   at::Tensor out;
   const int64_t n = l.weight.size(0);  // every kind stores [N, ...]
   if (l.kind == 1 && policy.int4_block_n > 0 && n % policy.int4_block_n == 0) {
-    if (x.size(0) <= policy.few_rows) {
-      out = int4_mm(x, l.weight, l.scales, n, group_size, policy.int4_block_n);
+    if (x.size(0) <= policy.few_rows || policy.int8_activations) {
+      out = int4_mm(x, l.weight, l.scales, n, group_size, policy.int4_block_n, policy.int8_activations);
     } else {
       out = at::mm(x, dequantize_int4(l.weight, l.scales, n, x.size(1), group_size, policy.int4_block_n,
                                       x.scalar_type()));
@@ -379,7 +380,8 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor cos, at::Tensor sin_signed, a
                           std::vector<std::optional<at::Tensor>> scales, std::vector<std::optional<at::Tensor>> biases,
                           std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale,
-                          int64_t group_size, int64_t int4_few_rows, int64_t int4_block_n) {
+                          int64_t group_size, int64_t int4_few_rows, int64_t int4_block_n,
+                          bool int8_activations) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [B, hidden] tensor");
   TORCH_CHECK(k_caches.size() * 4 == kinds.size() && norms.size() == 2 * k_caches.size() + 1, "bad layer lists");
   std::vector<Linear> linears;
@@ -388,7 +390,7 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor cos, at::Tensor sin_signed, a
                        biases[i].has_value() ? *biases[i] : at::Tensor()});
   }
   c10::InferenceMode guard;
-  const Int4Policy policy{int4_few_rows, int4_block_n};
+  const Int4Policy policy{int4_few_rows, int4_block_n, int8_activations};
   if (x.scalar_type() == at::kBFloat16) {
     return forward_impl<c10::BFloat16>(x, cos, sin_signed, slot_mapping, block_tables, seq_lens, norms, linears,
                                        k_caches, v_caches, num_heads, num_kv_heads, head_dim, intermediate, eps,
@@ -818,16 +820,272 @@ void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, c
   });
 }
 
+// ----- int4 weights times int8 activations (AVX2) -----------------------------------------------
+// The float kernels above spend an FMA per weight per row: near the CPU's float peak for many rows
+// and bound on unpacking the codes for one. Here, as llama.cpp does, each row's inputs are
+// quantized per group of 32 to int8 (x ~ d * q, d = max|x| / 127, q rounded to nearest even), and
+// AVX2's byte multiply-add (vpmaddubsw: 32 code x input products, summed in pairs, per instruction)
+// computes each group's sum over code * q exactly in integers. Per group and column:
+//   out += (scale * d) * sum_k(code * q) + min * sum_k(x)
+// with sum_k(x) the float sum of the group's inputs, so only the products with the codes carry the
+// inputs' rounding. The integer sums are exact and the float steps per row are the same for one
+// row and for many, so a row's result does not depend on the rows batched with it.
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+constexpr bool kInt8Activations = true;
+#ifndef KVSERVE_TR
+#define KVSERVE_TR 3
+#define KVSERVE_TV 4
+#endif
+constexpr int64_t kQ8Group = 32;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline float hsum8(__m256 v) {  // fixed order: the same for every row
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One group of 32 inputs: q (int8), d (the scale) and s (the float sum).
+inline void quantize_group(const float* x, int8_t* q, float* d, float* s) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax1 = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float scale = amax1 / 127.0f;
+  const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest even (MXCSR default)
+  // packs interleave the 128-bit lanes: (0-3, 8-11, 16-19, 24-27 | 4-7, ...); the permute restores order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d = scale;
+  *s = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+
+// Two consecutive inputs' code bytes for 16 columns of a block, side by side per column (lane 0:
+// columns c*16 .. +7, lane 1: +8 .. +15), still two nibbles per byte (see unpack_codes).
+inline __m256i code_pairs(const uint8_t* row, int64_t half, int64_t c) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + half + c * 16));
+  return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+}
+
+inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+
+// out += (scale * d) * float(isum) + s * min, the per-group float step (the same for every kernel).
+inline __m256 group_step(__m256 total, __m256i isum, __m256 scale, __m256 min, float d, float s) {
+  total = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(isum), total);
+  return _mm256_fmadd_ps(_mm256_set1_ps(s), min, total);
+}
+
+// One row times one block of NV * 8 columns (NV / 4 chunks of 16 code bytes per input). A pair of
+// inputs gives 16 products per column-lane of int16; 8 pairs stay below int16's range
+// (8 * 2 * 15 * 127 = 30480), then they are widened into int32 sums.
+template <int NV, typename S, typename O>
+inline void q8_block_one(const int8_t* xq, const float* xd, const float* xs, const uint8_t* block,
+                         const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, O* out) {
+  constexpr int64_t half = NV * 4, chunks = NV / 4;
+  __m256 total[NV];
+  for (int v = 0; v < NV; ++v) total[v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k_len / kQ8Group; ++g) {
+    __m256i isum[NV];
+    for (int v = 0; v < NV; ++v) isum[v] = _mm256_setzero_si256();
+    for (int64_t k0 = g * kQ8Group; k0 < (g + 1) * kQ8Group; k0 += 16) {
+      __m256i acc[2 * chunks];  // [low chunks..., high chunks...]
+      for (int a = 0; a < 2 * chunks; ++a) acc[a] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k0 + 16; k += 2) {
+        int16_t pair;
+        std::memcpy(&pair, xq + k, 2);
+        const __m256i xb = _mm256_set1_epi16(pair);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m256i p = code_pairs(block + k * half, half, c);
+          acc[c] = _mm256_add_epi16(acc[c], _mm256_maddubs_epi16(low_nibbles(p), xb));
+          acc[chunks + c] = _mm256_add_epi16(acc[chunks + c], _mm256_maddubs_epi16(high_nibbles(p), xb));
+        }
+      }
+      for (int a = 0; a < 2 * chunks; ++a) {  // acc a holds the columns of vectors 2a and 2a + 1
+        isum[2 * a] = _mm256_add_epi32(isum[2 * a], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[a])));
+        isum[2 * a + 1] = _mm256_add_epi32(isum[2 * a + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[a], 1)));
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m256 scale = load8(scales_mins + 2 * g * n + n0 + 8 * v);
+      const __m256 min = load8(scales_mins + (2 * g + 1) * n + n0 + 8 * v);
+      total[v] = group_step(total[v], isum[v], scale, min, xd[g], xs[g]);
+    }
+  }
+  float lanes[NV * 8];
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(lanes + 8 * v, total[v]);
+  for (int64_t j = 0; j < NV * 8; ++j) out[n0 + j] = from_float<O>(lanes[j]);
+}
+
+// One group of R rows times NT vectors of columns: codes [8 quads][NV] (see q8_block_many) from
+// the tile's first vector, as are scale and min; xq at the group's first input of the tile's first
+// row; total [R][NT].
+template <int R, int NT, int NV>
+inline void q8_tile(const int8_t* xq, int64_t k_len, const float* xd, const float* xs, int64_t groups,
+                    const __m256i* codes, const __m256* scale, const __m256* min, __m256* total) {
+  __m256i acc[R][NT];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
+  }
+  for (int q = 0; q < kQ8Group / 4; ++q) {
+    __m256i c[NT];
+    for (int t = 0; t < NT; ++t) c[t] = codes[q * NV + t];
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, xq + r * k_len + 4 * q, 4);
+      const __m256i xb = _mm256_set1_epi32(quad);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_add_epi16(acc[r][t], _mm256_maddubs_epi16(c[t], xb));
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      total[r * NT + t] = group_step(total[r * NT + t], _mm256_madd_epi16(acc[r][t], ones), scale[t], min[t],
+                                     xd[r * groups], xs[r * groups]);
+    }
+  }
+}
+
+// R rows (from row r) times NT vectors of columns (from vector v) over every group, then out.
+template <int R, int NT, int NV, typename O>
+inline void q8_rows(const int8_t* xq, const float* xd, const float* xs, int64_t r, int v, int64_t k_len,
+                    const __m256i* codes, const __m256* scale, const __m256* min, O* out, int64_t n, int64_t n0) {
+  const int64_t groups = k_len / kQ8Group;
+  __m256 total[R * NT];
+  for (int i = 0; i < R * NT; ++i) total[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    q8_tile<R, NT, NV>(xq + r * k_len + g * kQ8Group, k_len, xd + r * groups + g, xs + r * groups + g, groups,
+                       codes + g * (kQ8Group / 4) * NV + v, scale + g * NV + v, min + g * NV + v, total);
+  }
+  for (int i = 0; i < R; ++i) {
+    float lanes[NT * 8];
+    for (int t = 0; t < NT; ++t) _mm256_storeu_ps(lanes + 8 * t, total[i * NT + t]);
+    for (int64_t j = 0; j < NT * 8; ++j) out[(r + i) * n + n0 + 8 * v + j] = from_float<O>(lanes[j]);
+  }
+}
+
+// Many rows times one block of NV * 8 columns. The block's codes are rearranged once into a
+// buffer, four consecutive inputs of a column per int32 lane and 8 columns per vector, so that one
+// vpmaddubsw + vpmaddwd gives 8 columns' sums over 4 inputs, and its scales and mins widened to
+// float; every tile of rows reads them from there, its float totals kept over all groups. A
+// column's int16 lane adds 8 quads' pair sums, at most 8 * 2 * 15 * 127 = 30480: within range.
+template <int NV, typename S, typename O>
+void q8_block_many(const int8_t* xq, const float* xd, const float* xs, int64_t m, const uint8_t* block,
+                   const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, O* out, std::vector<__m256i>& codes,
+                   std::vector<__m256>& scale_min) {
+  constexpr int64_t half = NV * 4, chunks = NV / 4;
+  constexpr int kTileRows = KVSERVE_TR, kTileVecs = KVSERVE_TV;
+  const int64_t groups = k_len / kQ8Group;
+  codes.resize(k_len / 4 * NV);
+  scale_min.resize(2 * groups * NV);
+  __m256 *scale = scale_min.data(), *min = scale_min.data() + groups * NV;
+  for (int64_t q = 0; q < k_len / 4; ++q) {
+    const uint8_t* rows = block + 4 * q * half;
+    __m256i* dst = codes.data() + q * NV;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256i p01 = code_pairs(rows, half, c), p23 = code_pairs(rows + 2 * half, half, c);
+      const __m256i lo = _mm256_unpacklo_epi16(p01, p23), hi = _mm256_unpackhi_epi16(p01, p23);
+      const __m256i first = _mm256_permute2x128_si256(lo, hi, 0x20);   // columns c*16 + 0..7
+      const __m256i second = _mm256_permute2x128_si256(lo, hi, 0x31);  // columns c*16 + 8..15
+      dst[2 * c] = low_nibbles(first);
+      dst[2 * c + 1] = low_nibbles(second);
+      dst[NV / 2 + 2 * c] = high_nibbles(first);
+      dst[NV / 2 + 2 * c + 1] = high_nibbles(second);
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int v = 0; v < NV; ++v) {
+      scale[g * NV + v] = load8(scales_mins + 2 * g * n + n0 + 8 * v);
+      min[g * NV + v] = load8(scales_mins + (2 * g + 1) * n + n0 + 8 * v);
+    }
+  }
+  for (int64_t r = 0; r < m; r += kTileRows) {
+    for (int v = 0; v < NV; v += kTileVecs) {
+      switch (std::min<int64_t>(kTileRows, m - r)) {
+#define KVSERVE_ROWS(R)                                                                                   \
+  case R:                                                                                                 \
+    q8_rows<R, kTileVecs, NV>(xq, xd, xs, r, v, k_len, codes.data(), scale, min, out, n, n0); \
+    break;
+        KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+#undef KVSERVE_ROWS
+        default:
+          TORCH_CHECK(false, "int4_mm: bad row tile");
+      }
+    }
+  }
+}
+
+template <int NV, typename S, typename O>
+void q8_mm_impl(const float* x, int64_t m, int64_t k_len, const uint8_t* packed, const S* scales_mins, int64_t n,
+                O* out) {
+  const int64_t groups = k_len / kQ8Group;
+  std::vector<int8_t> xq(m * k_len);
+  std::vector<float> xd(m * groups), xs(m * groups);
+  at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_group(x + i * kQ8Group, xq.data() + i * kQ8Group, &xd[i], &xs[i]);
+  });
+  constexpr int64_t block_n = NV * 8;
+  at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m256i> codes;
+    std::vector<__m256> scale_min;
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = packed + b * (block_n / 2) * k_len;
+      if (m == 1) {
+        q8_block_one<NV>(xq.data(), xd.data(), xs.data(), block, scales_mins, n, b * block_n, k_len, out);
+      } else {
+        q8_block_many<NV>(xq.data(), xd.data(), xs.data(), m, block, scales_mins, n, b * block_n, k_len, out, codes,
+                          scale_min);
+      }
+    }
+  });
+}
+#else
+constexpr bool kInt8Activations = false;
+#endif
+
 // x @ W.T for an Int4Linear's packed weight (blocks of block_n rows, see dequantize_int4_impl) and
 // scales_mins [K / g, 2, N]: out [M, N] in x's dtype.
 at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int64_t n, int64_t group_size,
-                   int64_t block_n) {
+                   int64_t block_n, bool int8_activations) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % group_size == 0 && n % block_n == 0 && group_size % 2 == 0,
               "int4_mm: x [M, K], whole groups of an even size");
   TORCH_CHECK(block_n % (2 * kLanes) == 0 && block_n / kLanes <= 8, "int4_mm: unsupported block of ", block_n, " rows");
   x = x.contiguous();
   const int64_t m = x.size(0), k_len = x.size(1), groups = k_len / group_size;
   at::Tensor xf = x.to(at::kFloat).contiguous();
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+  if (int8_activations && group_size == kQ8Group && (block_n == 32 || block_n == 64)) {
+    at::Tensor out = at::empty({m, n}, x.options());
+    with_scales_mins(scales_mins, [&](auto* sm) {
+      const uint8_t* w = packed.data_ptr<uint8_t>();
+      auto run = [&](auto* o) {
+        if (block_n == 32) {
+          q8_mm_impl<4>(xf.data_ptr<float>(), m, k_len, w, sm, n, o);
+        } else {
+          q8_mm_impl<8>(xf.data_ptr<float>(), m, k_len, w, sm, n, o);
+        }
+      };
+      if (x.scalar_type() == at::kBFloat16) {
+        run(out.data_ptr<c10::BFloat16>());
+      } else {
+        run(out.data_ptr<float>());
+      }
+    });
+    return out;
+  }
+#endif
   at::Tensor xsum = xf.view({m, groups, group_size}).sum(-1).contiguous();  // [M, K / g]
   at::Tensor out = at::empty({m, n}, x.options());
   auto run = [&](auto* sz, auto* o) {
@@ -854,6 +1112,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int8_groups", &dequantize_int8_groups, "rows of an int8-groups weight, [rows, K]");
   m.def("int8_group_matmul", &int8_group_matmul, "x @ (codes * group scales).T in float32, [M, V]");
   m.def("decode_forward", &decode_forward, "one decode step of a Llama model");
+  m.def("int8_activations", [] { return kInt8Activations; }, "whether int4_mm can quantize activations to int8");
   m.def("int4_mm", &int4_mm, "x @ W.T for an Int4Linear's packed weight, for a few rows");
   m.def("dequantize_int4", &dequantize_int4, "an Int4Linear's transposed weight in its compute dtype, [K, N]");
 }

@@ -123,6 +123,10 @@ class FusedDecoder:
         self.norms.append(model.norm.weight)
         groups = {m.group_size for m in model.modules() if isinstance(m, Int4Linear)}
         self.group_size = groups.pop() if groups else 32
+        int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+        # The C++ loop takes one setting for all its int4 layers (set_activations sets them together).
+        self.int8_activations = bool(int4) and all(m.int8_activations for m in int4)
+        self.int8_activations &= self.group_size == quantized.GROUP_SIZE and quantized.int8_activations_available()
 
     def _add(self, linear: nn.Module) -> None:
         if isinstance(linear, Int4Linear):
@@ -190,6 +194,7 @@ class FusedDecoder:
             self.group_size,
             quantized.INT4_FEW_ROWS,
             quantized.int4_block_rows() or 0,
+            self.int8_activations,
         )
 
 

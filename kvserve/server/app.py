@@ -55,6 +55,7 @@ class ServerSettings:
     kv_cache_tokens: int | None = None
     dtype: str | None = None
     weights: str = "auto"
+    activations: str = "float"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_sessions: int = 1024
     session_ttl: float | None = 3600.0
@@ -110,6 +111,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
                             settings.model,
                             dtype=settings.dtype,
                             weights=settings.weights,
+                            activations=settings.activations,
                             kv_cache_tokens=settings.kv_cache_tokens,
                             max_num_seqs=settings.max_num_seqs,
                             max_sessions=settings.max_sessions,

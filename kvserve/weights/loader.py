@@ -25,6 +25,7 @@ from kvserve.layers.quantized import (
     Int8GroupLinear,
     Int8Linear,
     int8_groups_from_float,
+    set_activations,
 )
 from kvserve.models import MODEL_CLASSES
 from kvserve.weights.gguf_file import GGUFFile, open_gguf
@@ -100,9 +101,11 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: bool = True,
     weights: str = "float",
+    activations: str = "float",
 ) -> torch.nn.Module:
     """Load weights into a fresh model (eval mode, no grad). `weights` is a WeightPlan mode
-    ("float", "auto", "q4", "q8"; see weights/plan.py). Raises UnsupportedModelError."""
+    ("float", "auto", "q4", "q8"; see weights/plan.py); `activations` "int8" makes the int4 layers
+    quantize their inputs (see kvserve/layers/quantized.py). Raises UnsupportedModelError."""
     checkpoint = open_checkpoint(path)
     config = checkpoint.model_config()
     plan = WeightPlan(weights)
@@ -151,6 +154,7 @@ def load_model(
         raise UnsupportedModelError(f"The checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}.")
     model.rotary.build(torch.device(device), checkpoint.rope_freq_factors())
     model.eval().requires_grad_(False)
+    set_activations(model, activations)
     del params, tensors
     _return_freed_memory()
     return model

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.errors import InvalidRequestError
+from kvserve.layers.quantized import ACTIVATION_CHOICES
 from kvserve.weights.source import SourceTensor
 
 WEIGHT_CHOICES = ("auto", "q4", "q8", "bf16", "f32")
@@ -44,6 +45,19 @@ def resolve_weights(weights: str, dtype: torch.dtype | None, device: torch.devic
             "weights",
         )
     return weights, dtype
+
+
+def resolve_activations(activations: str, device: torch.device) -> str:
+    """The `activations` choice, checked: "float", or "int8" (int4 layers quantize their inputs; CPU only)."""
+    if activations not in ACTIVATION_CHOICES:
+        raise InvalidRequestError(
+            f"activations must be one of {', '.join(ACTIVATION_CHOICES)}, got {activations!r}.", "activations"
+        )
+    if activations == "int8" and device.type != "cpu":
+        raise InvalidRequestError(
+            f"activations=int8 uses kvserve's AVX2 CPU kernels; on {device.type} use activations=float.", "activations"
+        )
+    return activations
 
 
 class WeightPlan:
