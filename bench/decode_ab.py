@@ -10,9 +10,10 @@ times; tokens/s is (tokens - 1) / (first token -> last token), as in compare.py.
 kvserve's median over llama.cpp's median from the two adjacent processes; the report gives every
 round's figures, the median of the rates and the median, min and max of the round ratios.
 
-Both engines run on 2 threads (--threads) on the same GGUF: kvserve with `LLM(weights=--kvserve-weights)`,
-llama.cpp in-process through llama-cpp-python's low-level loop (compare.llamacpp_stream). Writes JSON
-(--out, default results/decode_ab.json) and prints a Markdown table.
+Both engines run on 2 threads (--threads) on the same GGUF: kvserve with `LLM(weights=--kvserve-weights)`
+(compare.py's values: auto+int8 adds activations="int8"), llama.cpp in-process through llama-cpp-python's
+low-level loop (compare.llamacpp_stream). Writes JSON (--out, default results/decode_ab.json) and prints a
+Markdown table.
 
     python bench/decode_ab.py                     # 6 rounds, 128 tokens, 3 decodes per process
     python bench/decode_ab.py --rounds 2 --max-tokens 32 --out /tmp/ab.json   # smoke test
