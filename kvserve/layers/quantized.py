@@ -39,8 +39,9 @@ INT4_FEW_ROWS = 64
 # as llama.cpp's CPU backend does. Measured on the bundled model's four projections of a layer
 # (2-core AVX2 CPU): 0.13 / 0.56 / 1.9 / 15 ms for 1 / 16 / 64 / 512 rows, against 0.19-0.21 /
 # 0.93-1.0 / 3.0-3.5 ms for the float int4_mm and 23-29 ms for dequantize + GEMM at 512. A row's
-# result does not depend on the rows batched with it. The inputs' rounding moves the bundled model's
-# logits by up to about 0.5 (as llama.cpp's own), enough to flip near-ties: an option, off by default.
+# result does not depend on the rows batched with it. The inputs' rounding moved the bundled model's
+# top logits for a chat prompt's first token by about 0.5 (llama.cpp's by about as much), enough to
+# flip near-ties: an option, off by default. Until the C++ kernels are loaded, inputs stay float.
 ACTIVATION_CHOICES = ("float", "int8")
 _int4_block: int | None = None  # rows per block of PyTorch's int4 packing; 0: unknown
 
