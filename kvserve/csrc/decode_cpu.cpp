@@ -982,11 +982,12 @@ void q8_block_many(const int8_t* xq, const float* xd, const float* xs, int64_t m
                    const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, O* out, std::vector<__m256i>& codes,
                    std::vector<__m256>& scale_min) {
   constexpr int64_t half = NV * 4, chunks = NV / 4;
-  // 3 rows x 4 vectors: 12 int16 accumulators. Timed against 6 x 2 and 2 x 4 on the bundled model's
-  // four projections of a layer (one build each, each against the float paths in the same process):
-  // 0.66 of dequantize + GEMM's time at 512 rows against 0.72-0.75; at 64 rows 0.63 of the float
-  // int4_mm's against 0.55-0.60 (this machine's noise is of that size).
-  constexpr int kTileRows = 3, kTileVecs = 4;
+  // 5 rows x 2 vectors: 10 int16 accumulators, 2 code vectors, the broadcast inputs and a product fit
+  // AVX2's 16 registers (3 x 4 needs 18: the compiler then spills accumulators and reloads codes).
+  // Timed on the bundled model's four projections of a layer, one build each, against the float
+  // paths in the same process: 0.53 / 0.55 / 0.59 of the float int4_mm's time at 16 / 64 rows and of
+  // dequantize + GEMM's at 512, against 0.56-0.60 / 0.60-0.64 / 0.62-0.69 for 3 x 4, 4 x 2, 6 x 2, 2 x 4.
+  constexpr int kTileRows = 5, kTileVecs = 2;
   const int64_t groups = k_len / kQ8Group;
   codes.resize(k_len / 4 * NV);
   scale_min.resize(2 * groups * NV);
@@ -1018,7 +1019,7 @@ void q8_block_many(const int8_t* xq, const float* xd, const float* xs, int64_t m
   case R:                                                                                                 \
     q8_rows<R, kTileVecs, NV>(xq, xd, xs, r, v, k_len, codes.data(), scale, min, out, n, n0); \
     break;
-        KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+        KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5)
 #undef KVSERVE_ROWS
         default:
           TORCH_CHECK(false, "int4_mm: bad row tile");
