@@ -5,6 +5,7 @@ One forward over the flattened batch per step; logits only for the rows that sam
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ class RunnerTimings:
     sample: float = 0.0
     steps: int = 0
     fused_steps: int = 0  # decode-only steps run by the fused C++ layer loop
+    fused_prefills: int = 0  # steps of fresh prompts only, run by the same loop
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -35,6 +37,7 @@ class RunnerTimings:
             "sample_s": self.sample,
             "steps": self.steps,
             "fused_steps": self.fused_steps,
+            "fused_prefills": self.fused_prefills,
         }
 
 
@@ -79,6 +82,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         items = out.scheduled
         fused = self._fused_decoder() if all(len(s.token_ids) == 1 for s in items) else None
+        # Fresh prompts (no earlier context) also go through the C++ layer loop, its attention causal
+        # over each prompt's own tokens.
+        prefill = None if fused is not None else self._fused_decoder()
+        if prefill is not None and any(s.num_computed_tokens for s in items):
+            prefill = None
         if fused is not None:
             inputs = self._decode_inputs(items)
         else:
@@ -106,6 +114,10 @@ class ModelRunner:
         if fused is not None:
             hidden = fused.forward(*inputs)
             self.timings.fused_steps += 1
+        elif prefill is not None:
+            starts = [0, *itertools.accumulate(len(s.token_ids) for s in items)]
+            hidden = prefill.prefill(input_ids, positions, metadata.slot_mapping, starts)
+            self.timings.fused_prefills += 1
         else:
             hidden = self.model(input_ids, positions, metadata)
         result = RunnerOutput()

@@ -118,6 +118,43 @@ def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, varian
             assert (new - ref).float().abs().max().item() <= max(1e-5, relative * ref.float().abs().max().item())
 
 
+@pytest.mark.parametrize(
+    "variant", ["gqa-q4", "gqa-q4-dequantized-gemm", "mqa-bias-float", "gqa-head-dim-80-float-bf16"]
+)
+def test_fused_prefill_of_fresh_prompts_equals_the_python_forward(tmp_path, extension, variant, monkeypatch):
+    """Whole prompts of fresh sequences through the C++ layer loop: the hidden states and the K/V
+    written equal the Python forward's. 300 tokens: query chunks of 128 and a partial one; a
+    one-token prompt; blocks scattered."""
+    pytest.importorskip("transformers")
+    overrides, weights, dtype = (*VARIANTS[variant], torch.float32)[:3]
+    if variant.endswith("dequantized-gemm"):
+        monkeypatch.setattr(quantized, "INT4_FEW_ROWS", 0)
+    make_tiny_llama(tmp_path, seed=32, **overrides)
+    model = load_model(tmp_path, dtype, progress=False, weights=weights)
+    lengths = [300, 1, 37]
+    tables = [list(range(100, 175)), [3], [40, 7, 12, 90, 91, 92, 93, 94, 95, 96]]
+    ids = torch.randint(0, 300, (sum(lengths),), generator=torch.Generator().manual_seed(3))
+    positions, metadata = build_batch(tables, [0, 0, 0], lengths, BLOCK_SIZE)
+    results = []
+    for fused in (True, False):
+        kv = allocate_kv_cache(model.config, 200, BLOCK_SIZE, dtype, "cpu")
+        model.bind_kv_cache(kv)
+        with torch.inference_mode():
+            if fused:
+                hidden = FusedDecoder(model, extension).prefill(
+                    ids, positions, metadata.slot_mapping, [0, 300, 301, 338]
+                )
+            else:
+                hidden = model(ids, positions, metadata)
+        results.append((hidden, kv))
+    (got, got_kv), (expected, expected_kv) = results
+    relative = 1e-5 if dtype == torch.float32 else 0.02
+    assert (got - expected).float().abs().max().item() <= max(1e-4, relative * expected.float().abs().max().item())
+    for (k, v), (k_ref, v_ref) in zip(got_kv, expected_kv, strict=True):
+        for new, ref in ((k, k_ref), (v, v_ref)):
+            assert (new - ref).float().abs().max().item() <= max(1e-5, relative * ref.float().abs().max().item())
+
+
 def test_the_engine_decodes_through_the_fused_step(tiny_model_dir, extension, monkeypatch):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = ["Hello there", "A longer prompt with more words in it, so its context differs", "x"]

@@ -330,13 +330,39 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   });
 }
 
+// Causal attention of fresh prompts (no earlier context): rows [starts[s], starts[s + 1]) of qkv are
+// sequence s's tokens, its keys and values their own. PyTorch's flash kernel does not skip the keys
+// past the diagonal, so the queries go in chunks of kPrefillChunk, each over the keys up to its own
+// last token (a mask for the diagonal block): 3.6 against 4.6 ms for a 512-token prompt here.
+constexpr int64_t kPrefillChunk = 128;
+void prefill_attention(const at::Tensor& qkv, at::Tensor& out, const std::vector<int64_t>& starts, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, double scale) {
+  const int64_t qd = num_heads * head_dim, kd = num_kv_heads * head_dim;
+  for (size_t s = 0; s + 1 < starts.size(); ++s) {
+    const int64_t begin = starts[s], len = starts[s + 1] - starts[s];
+    const at::Tensor rows = qkv.narrow(0, begin, len);
+    const at::Tensor k = rows.narrow(1, qd, kd).view({len, num_kv_heads, head_dim}).transpose(0, 1).unsqueeze(0);
+    const at::Tensor v = rows.narrow(1, qd + kd, kd).view({len, num_kv_heads, head_dim}).transpose(0, 1).unsqueeze(0);
+    for (int64_t c = 0; c < len; c += kPrefillChunk) {
+      const int64_t end = std::min(c + kPrefillChunk, len);
+      const at::Tensor q = rows.narrow(0, c, end - c).narrow(1, 0, qd).view({end - c, num_heads, head_dim});
+      const at::Tensor mask = at::ones({end - c, end}, qkv.options().dtype(at::kBool)).tril(c);
+      const at::Tensor o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.narrow(2, 0, end),
+                                                            v.narrow(2, 0, end), mask, 0.0, false, scale,
+                                                            num_heads != num_kv_heads);  // [1, H, chunk, D]
+      out.narrow(0, begin + c, end - c).view({end - c, num_heads, head_dim}).copy_(o[0].transpose(0, 1));
+    }
+  }
+}
+
 template <typename T>
 at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin_signed,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         const std::vector<at::Tensor>& norms, const std::vector<Linear>& linears,
                         const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-                        double scale, int64_t group_size, const Int4Policy& policy) {
+                        double scale, int64_t group_size, const Int4Policy& policy,
+                        const std::vector<int64_t>& prefill_starts) {
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   const int64_t block_size = k_caches[0].size(1);
@@ -352,10 +378,14 @@ at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& s
     rope_and_cache<T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin_signed.data_ptr<T>(), slot_mapping.data_ptr<int64_t>(),
                       k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>(), tokens, num_heads, num_kv_heads,
                       head_dim);
-    decode_attention<T>(qkv.data_ptr<T>(), k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>(),
-                        block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), attn.data_ptr<T>(), tokens,
-                        block_tables.size(1), block_size, num_heads, num_kv_heads, head_dim,
-                        static_cast<float>(scale));
+    if (prefill_starts.empty()) {
+      decode_attention<T>(qkv.data_ptr<T>(), k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>(),
+                          block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), attn.data_ptr<T>(), tokens,
+                          block_tables.size(1), block_size, num_heads, num_kv_heads, head_dim,
+                          static_cast<float>(scale));
+    } else {
+      prefill_attention(qkv, attn, prefill_starts, num_heads, num_kv_heads, head_dim, scale);
+    }
     delta = linear(attn, linears[4 * l + 1], group_size, policy).contiguous();
     add_rms_norm<T>(residual.data_ptr<T>(), delta.data_ptr<T>(), norms[2 * l + 1].data_ptr<T>(),
                     normed.data_ptr<T>(), tokens, hidden, static_cast<float>(eps));
@@ -374,6 +404,9 @@ at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& s
 // x: [B, hidden] embeddings; cos, sin_signed: [B, head_dim]; slot_mapping, seq_lens: [B] int64;
 // block_tables: [B, max_blocks] int64; norms: 2 per layer + the final one; linears: 4 per layer
 // (qkv, o, gate_up, down) as (kind, weight, scales, bias) with undefined tensors where unused.
+// With prefill_starts (S + 1 row offsets), the rows are instead the whole prompts of S fresh
+// sequences (no earlier context; block_tables and seq_lens unused): a prefill step, whose
+// attention is prefill_attention's.
 at::Tensor decode_forward(at::Tensor x, at::Tensor cos, at::Tensor sin_signed, at::Tensor slot_mapping,
                           at::Tensor block_tables, at::Tensor seq_lens, std::vector<at::Tensor> norms,
                           std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
@@ -381,9 +414,11 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor cos, at::Tensor sin_signed, a
                           std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale,
                           int64_t group_size, int64_t int4_few_rows, int64_t int4_block_n,
-                          bool int8_activations) {
+                          bool int8_activations, std::vector<int64_t> prefill_starts) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [B, hidden] tensor");
   TORCH_CHECK(k_caches.size() * 4 == kinds.size() && norms.size() == 2 * k_caches.size() + 1, "bad layer lists");
+  TORCH_CHECK(prefill_starts.empty() || (prefill_starts.front() == 0 && prefill_starts.back() == x.size(0)),
+              "prefill_starts must run from 0 to the number of rows");
   std::vector<Linear> linears;
   for (size_t i = 0; i < kinds.size(); ++i) {
     linears.push_back({kinds[i], weights[i], scales[i].has_value() ? *scales[i] : at::Tensor(),
@@ -394,11 +429,12 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor cos, at::Tensor sin_signed, a
   if (x.scalar_type() == at::kBFloat16) {
     return forward_impl<c10::BFloat16>(x, cos, sin_signed, slot_mapping, block_tables, seq_lens, norms, linears,
                                        k_caches, v_caches, num_heads, num_kv_heads, head_dim, intermediate, eps,
-                                       scale, group_size, policy);
+                                       scale, group_size, policy, prefill_starts);
   }
   TORCH_CHECK(x.scalar_type() == at::kFloat, "decode_forward runs in float32 or bfloat16");
   return forward_impl<float>(x, cos, sin_signed, slot_mapping, block_tables, seq_lens, norms, linears, k_caches,
-                             v_caches, num_heads, num_kv_heads, head_dim, intermediate, eps, scale, group_size, policy);
+                             v_caches, num_heads, num_kv_heads, head_dim, intermediate, eps, scale, group_size, policy,
+                             prefill_starts);
 }
 
 // ----- dequantization, for matmuls over many rows (prefill, large batches) ----------------------
@@ -1112,7 +1148,7 @@ at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int6
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int8_groups", &dequantize_int8_groups, "rows of an int8-groups weight, [rows, K]");
   m.def("int8_group_matmul", &int8_group_matmul, "x @ (codes * group scales).T in float32, [M, V]");
-  m.def("decode_forward", &decode_forward, "one decode step of a Llama model");
+  m.def("decode_forward", &decode_forward, "one decode step (or fresh prompts' prefill) of a Llama model");
   m.def("int8_activations", [] { return kInt8Activations; }, "whether int4_mm can quantize activations to int8");
   m.def("int4_mm", &int4_mm, "x @ W.T for an Int4Linear's packed weight, for a few rows");
   m.def("dequantize_int4", &dequantize_int4, "an Int4Linear's transposed weight in its compute dtype, [K, N]");
