@@ -166,29 +166,11 @@ class FusedDecoder:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        prefill_starts: list[int] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [B, hidden] after the final norm, for B sequences adding one token each.
-        Writes each layer's K/V at `slot_mapping`, as the model's forward would."""
-        return self._run(input_ids, positions, slot_mapping, block_tables, seq_lens, [])
-
-    def prefill(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, starts: list[int]
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm for the whole prompts of fresh sequences
-        (no earlier context), flattened: sequence s is rows starts[s]:starts[s + 1]. Writes their K/V
-        at `slot_mapping`, as the model's forward would."""
-        empty = torch.empty(0, 0, dtype=torch.long)
-        return self._run(input_ids, positions, slot_mapping, empty, empty, starts)
-
-    def _run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        prefill_starts: list[int],
-    ) -> torch.Tensor:
+        """Hidden states [B, hidden] after the final norm, for B sequences adding one token each
+        (see `prefill` for prefill_starts). Writes each layer's K/V at `slot_mapping`, as the model's
+        forward would."""
         model = self.model
         x = model.embed_tokens(input_ids)  # [B, hidden]
         cos, sin_signed = model.rotary.table(positions, x.dtype)  # each [B, 1, D]
@@ -218,8 +200,17 @@ class FusedDecoder:
             quantized.INT4_FEW_ROWS,
             quantized.int4_block_rows() or 0,
             self.int8_activations,
-            prefill_starts,
+            prefill_starts or [],
         )
+
+    def prefill(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, starts: list[int]
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm for the whole prompts of fresh sequences
+        (no earlier context), flattened: sequence s is rows starts[s]:starts[s + 1]. Writes their K/V
+        at `slot_mapping`, as the model's forward would."""
+        empty = torch.empty(0, 0, dtype=torch.long)
+        return self.forward(input_ids, positions, slot_mapping, empty, empty, starts)
 
 
 def make_fused_decoder(model: nn.Module, wait: bool = True) -> FusedDecoder | None:
