@@ -3,9 +3,9 @@
 A decode-only step (one new token per sequence) of a Llama model on the CPU runs its whole layer
 loop in one C++ call, and so does a step of fresh prompts only (no earlier context: `prefill`);
 the model's Python forward remains the reference and serves everything else (prefill chunks after
-the first, prompts with a cached prefix, mixed steps, CUDA). The extension is compiled on first use with the machine's C++
-compiler (about a minute, once; cached under $TORCH_EXTENSIONS_DIR, default
-~/.cache/torch_extensions). Without a compiler, or with KVSERVE_FUSED_DECODE=0, the Python path
+the first, prompts with a cached prefix, mixed steps, CUDA). The extension is compiled on first
+use with the machine's C++ compiler (about a minute, once; cached under $TORCH_EXTENSIONS_DIR,
+default ~/.cache/torch_extensions). Without a compiler, or with KVSERVE_FUSED_DECODE=0, the Python path
 serves every step and nothing else changes.
 """
 
