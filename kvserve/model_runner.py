@@ -84,9 +84,8 @@ class ModelRunner:
         fused = self._fused_decoder() if all(len(s.token_ids) == 1 for s in items) else None
         # Fresh prompts (no earlier context) also go through the C++ layer loop, its attention causal
         # over each prompt's own tokens.
-        prefill = None if fused is not None else self._fused_decoder()
-        if prefill is not None and any(s.num_computed_tokens for s in items):
-            prefill = None
+        fresh = fused is None and not any(s.num_computed_tokens for s in items)
+        prefill = self._fused_decoder() if fresh else None
         if fused is not None:
             inputs = self._decode_inputs(items)
         else:

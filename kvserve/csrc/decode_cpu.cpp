@@ -866,9 +866,9 @@ void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, c
 // with sum_k(x) the float sum of the group's inputs, so only the products with the codes carry the
 // inputs' rounding. The integer sums are exact and the float steps per row are the same for one
 // row and for many, so a row's result does not depend on the rows batched with it.
+constexpr int64_t kQ8Group = 32;
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 constexpr bool kInt8Activations = true;
-constexpr int64_t kQ8Group = 32;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) {
@@ -1102,31 +1102,22 @@ at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int6
   x = x.contiguous();
   const int64_t m = x.size(0), k_len = x.size(1), groups = k_len / group_size;
   at::Tensor xf = x.to(at::kFloat).contiguous();
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-  if (int8_activations && group_size == kQ8Group && (block_n == 32 || block_n == 64)) {
-    at::Tensor out = at::empty({m, n}, x.options());
-    with_scales_mins(scales_mins, [&](auto* sm) {
-      const uint8_t* w = packed.data_ptr<uint8_t>();
-      auto run = [&](auto* o) {
-        if (block_n == 32) {
-          q8_mm_impl<4>(xf.data_ptr<float>(), m, k_len, w, sm, n, o);
-        } else {
-          q8_mm_impl<8>(xf.data_ptr<float>(), m, k_len, w, sm, n, o);
-        }
-      };
-      if (x.scalar_type() == at::kBFloat16) {
-        run(out.data_ptr<c10::BFloat16>());
-      } else {
-        run(out.data_ptr<float>());
-      }
-    });
-    return out;
-  }
-#endif
-  at::Tensor xsum = xf.view({m, groups, group_size}).sum(-1).contiguous();  // [M, K / g]
+  const bool int8 = kInt8Activations && int8_activations && group_size == kQ8Group && (block_n == 32 || block_n == 64);
+  at::Tensor xsum;  // [M, K / g], the float kernels' group sums
+  if (!int8) xsum = xf.view({m, groups, group_size}).sum(-1).contiguous();
   at::Tensor out = at::empty({m, n}, x.options());
   auto run = [&](auto* sz, auto* o) {
     const uint8_t* w = packed.data_ptr<uint8_t>();
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    if (int8) {
+      if (block_n == 32) {
+        q8_mm_impl<4>(xf.data_ptr<float>(), m, k_len, w, sz, n, o);
+      } else {
+        q8_mm_impl<8>(xf.data_ptr<float>(), m, k_len, w, sz, n, o);
+      }
+      return;
+    }
+#endif
     const float *xp = xf.data_ptr<float>(), *xs = xsum.data_ptr<float>();
     switch (block_n / kLanes) {
       case 2: int4_mm_impl<2>(xp, xs, m, k_len, w, sz, n, group_size, o); break;

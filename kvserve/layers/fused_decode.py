@@ -126,10 +126,10 @@ class FusedDecoder:
         self.group_size = groups.pop() if groups else 32
         int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
         # The C++ loop takes one setting for all its int4 layers (set_activations sets them together).
-        self.int8_activations = bool(int4) and all(m.int8_activations for m in int4)
-        if self.int8_activations and not quantized.int8_activations_available():
+        wanted = bool(int4) and all(m.int8_activations for m in int4)
+        if wanted and not extension.int8_activations():
             logger.warning("activations=int8 needs a CPU with AVX2, F16C and FMA; the int4 layers take float inputs")
-        self.int8_activations &= self.group_size == quantized.GROUP_SIZE and quantized.int8_activations_available()
+        self.int8_activations = wanted and extension.int8_activations() and self.group_size == quantized.GROUP_SIZE
 
     def _add(self, linear: nn.Module) -> None:
         if isinstance(linear, Int4Linear):

@@ -83,13 +83,6 @@ def int4_block_rows() -> int | None:
     return _int4_block or None
 
 
-def int8_activations_available() -> bool:
-    """Whether Int4Linear can quantize its inputs to int8 (see ACTIVATION_CHOICES): the C++ kernels
-    loaded and built for a CPU with AVX2 (with F16C and FMA)."""
-    extension = _extension()
-    return extension is not None and extension.int8_activations()
-
-
 def set_activations(model: nn.Module, activations: str) -> None:
     """Make every Int4Linear of `model` take float ("float") or int8 ("int8") inputs."""
     for module in model.modules():
@@ -217,7 +210,7 @@ class Int4Linear(nn.Module):
         if block is not None and self.out_features % block == 0:
             extension = _extension()
             args = (self.weight_packed, self.scales_mins)
-            int8 = self.int8_activations and self.group_size == GROUP_SIZE and int8_activations_available()
+            int8 = self.int8_activations and self.group_size == GROUP_SIZE and extension.int8_activations()
             if int8 or x2.shape[0] <= INT4_FEW_ROWS:
                 out = extension.int4_mm(x2, *args, self.out_features, self.group_size, block, int8)
             else:  # a float GEMM over the dequantized weight: weight_t [K, N]
