@@ -88,16 +88,17 @@ def test_int8_linear_is_within_its_rounding_of_the_float_matmul():
     torch.testing.assert_close(layer(x), x @ dequantized.T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6, 13, 40, 64, 70], ids=lambda n: f"{n}-rows")
+@pytest.mark.parametrize("rows", [1, 3, 6, 13, 16, 17, 40, 64, 300], ids=lambda n: f"{n}-rows")
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "pure-torch"])
 def test_int8_group_linear_equals_the_dequantized_matmul(rows, compiled, monkeypatch):
     # 83 output rows: the kernel's tiles of code rows and of x rows both end in a partial tile, and
-    # so do its panels of code rows (40 and 64 rows of x); 70 rows is past FEW_ROWS, the dequantized GEMM.
+    # so do its panels of code rows (16 to 64 rows of x: row tiles of 6 ending in 4, 5 and 4 rows);
+    # 300 rows is past FEW_ROWS, the dequantized GEMM.
     if not compiled:
         from kvserve.layers import fused_decode
 
         monkeypatch.setattr(fused_decode, "loaded_extension", lambda: None)
-    assert 40 < Int8GroupLinear.FEW_ROWS == 64 < 70
+    assert 64 < Int8GroupLinear.FEW_ROWS == 256 < 300
     codes, scales = int8_groups_from_float(torch.randn(83, 96))
     layer = Int8GroupLinear(codes, scales, torch.float32)
     x = torch.randn(rows, 96)

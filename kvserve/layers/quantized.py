@@ -268,15 +268,15 @@ def int8_groups_from_float(weight: torch.Tensor, group_size: int = GROUP_SIZE) -
 class Int8GroupLinear(nn.Module):
     """y = x @ W.T with W as int8 and a scale per group of 32 inputs (GGML's Q8_0, kept exact).
 
-    Serves a tied lm_head from the embedding's own tensors (no second copy). The rows of a decode
-    step (up to FEW_ROWS) go through the C++ kernel (kvserve/csrc), which widens each code once per
-    call; more rows, or no compiled kernel, dequantize the weight and run a float GEMM. Measured for
-    the bundled model's 49152 x 576 table (2-core AVX2 CPU, float32): about 2 / 9-15 / 42 ms for
-    1 / 16 / 64 rows in C++ (this machine's speed moves by tens of percent between runs), 34 / 95 / 83
-    ms dequantized.
+    Serves a tied lm_head from the embedding's own tensors (no second copy). Up to FEW_ROWS rows go
+    through the C++ kernel (kvserve/csrc), which widens each code once per call; more rows, or no
+    compiled kernel, dequantize the weight and run a float GEMM. Measured for the bundled model's
+    49152 x 576 table (2-core AVX2 CPU, float32; this machine's speed moves by tens of percent
+    between runs): about 1.1-1.5 / 9-11 / 24-36 / 65 / 113 ms for 1 / 16 / 64 / 128 / 256 rows in
+    C++, 94 / 149 ms dequantized for 128 / 256.
     """
 
-    FEW_ROWS = 64
+    FEW_ROWS = 256
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
