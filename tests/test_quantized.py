@@ -92,7 +92,7 @@ def test_int8_linear_is_within_its_rounding_of_the_float_matmul():
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "pure-torch"])
 def test_int8_group_linear_equals_the_dequantized_matmul(rows, compiled, monkeypatch):
     # 83 output rows: the kernel's tiles of code rows and of x rows both end in a partial tile, and
-    # so do its panels of code rows (16 to 64 rows of x: row tiles of 6 ending in 4, 5 and 4 rows);
+    # so do its panels of code rows (16 to 64 rows of x, in row tiles of 6 ending in 4 or 5 rows);
     # 300 rows is past FEW_ROWS, the dequantized GEMM.
     if not compiled:
         from kvserve.layers import fused_decode

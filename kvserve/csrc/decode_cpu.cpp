@@ -641,51 +641,15 @@ inline void panel_dot(const float* x, int64_t ldx, const float* w, int64_t k, fl
     for (int c = 0; c < C; ++c) out[r * ldo + c] = sum_lanes(acc[r][c]);
 }
 
-// The many-rows path, xf float [m, k], without AVX2: tiles of 6 rows x 2 code rows (12
-// accumulators: 15 of AVX2's 16 vector registers in use) of dot products.
-void int8_group_matmul_dots(const float* xf, const int8_t* codes, const float* scales, float* out, int64_t m,
-                            int64_t k, int64_t v) {
-  constexpr int64_t kPanelRows = 32;
-  constexpr int R = 6, C = 2;
-  const int64_t groups = k / 32;
-  at::parallel_for(0, (v + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> panel(kPanelRows * k);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t row0 = p * kPanelRows, rows = std::min(kPanelRows, v - row0);
-      for (int64_t c = 0; c < rows; ++c) {
-        dequantize_int8_row(codes + (row0 + c) * k, scales + (row0 + c) * groups, k, panel.data() + c * k);
-      }
-      for (int64_t r = 0; r < m; r += R) {
-        const float* xr = xf + r * k;
-        float* o = out + r * v + row0;
-        const int64_t tile = std::min<int64_t>(R, m - r);
-        const float* w = panel.data();
-        int64_t c = 0;
-        for (; c + C <= rows; c += C) {
-          switch (tile) {
-#define KVSERVE_ROWS(T)                                \
-  case T:                                              \
-    panel_dot<T, C>(xr, k, w + c * k, k, o + c, v); \
-    break;
-            KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
-#undef KVSERVE_ROWS
-          }
-        }
-        for (; c < rows; ++c) {
-          for (int64_t i = 0; i < tile; ++i) panel_dot<1, 1>(xr + i * k, k, w + c * k, k, o + i * v + c, v);
-        }
-      }
-    }
-  });
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 // With AVX2, as a GEMM does: 16 code rows at a time are widened, scaled and transposed into a
 // panel [k][16] (8 x 8 blocks through registers), then tiles of 6 rows of x x 16 columns take one
 // broadcast input per row and two panel vectors per step, 12 accumulators that end as the output
-// itself (no horizontal sums). For the bundled model's 49152 x 576 table, timed in turn in one
-// process (2-core AVX2 CPU): 8.6-8.9 / 22.8-23.1 ms against 9.6-10.9 / 37.7 ms for 16 / 64 rows
-// (the dot products above for 64 rows, int8_group_dot per four rows for 16).
+// itself (no horizontal sums). For the bundled model's 49152 x 576 table, a standalone copy of the
+// kernels timed in turn in one process (2-core AVX2 CPU): 8.6-8.9 / 22.8-23.1 ms against 9.6-10.9 /
+// 37.7 ms for 16 / 64 rows (the earlier dot products of row-major panels for 64 rows, as kept below
+// for CPUs without AVX2; int8_group_dot per four rows for 16). In a 16-stream decode step of the
+// bundled model the two measured even (35.1-36.1 against 34.9-36.2 ms per step).
 constexpr int64_t kPanelWidth = 16;
 
 inline void transpose8(__m256* r) {
@@ -783,9 +747,42 @@ void int8_group_matmul_panels(const float* xf, const int8_t* codes, const float*
   });
 }
 #else
+// Without AVX2: panels of 32 code rows widened row by row, and tiles of 6 rows x 2 code rows of dot
+// products (12 accumulators).
 void int8_group_matmul_panels(const float* xf, const int8_t* codes, const float* scales, float* out, int64_t m,
                               int64_t k, int64_t v) {
-  int8_group_matmul_dots(xf, codes, scales, out, m, k, v);
+  constexpr int64_t kPanelRows = 32;
+  constexpr int R = 6, C = 2;
+  const int64_t groups = k / 32;
+  at::parallel_for(0, (v + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(kPanelRows * k);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t row0 = p * kPanelRows, rows = std::min(kPanelRows, v - row0);
+      for (int64_t c = 0; c < rows; ++c) {
+        dequantize_int8_row(codes + (row0 + c) * k, scales + (row0 + c) * groups, k, panel.data() + c * k);
+      }
+      for (int64_t r = 0; r < m; r += R) {
+        const float* xr = xf + r * k;
+        float* o = out + r * v + row0;
+        const int64_t tile = std::min<int64_t>(R, m - r);
+        const float* w = panel.data();
+        int64_t c = 0;
+        for (; c + C <= rows; c += C) {
+          switch (tile) {
+#define KVSERVE_ROWS(T)                                \
+  case T:                                              \
+    panel_dot<T, C>(xr, k, w + c * k, k, o + c, v); \
+    break;
+            KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+#undef KVSERVE_ROWS
+          }
+        }
+        for (; c < rows; ++c) {
+          for (int64_t i = 0; i < tile; ++i) panel_dot<1, 1>(xr + i * k, k, w + c * k, k, o + i * v + c, v);
+        }
+      }
+    }
+  });
 }
 #endif
 
