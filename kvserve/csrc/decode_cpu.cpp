@@ -288,8 +288,9 @@ void rope_and_cache(T* qkv, const T* cos, const T* sin_signed, const int64_t* sl
 // eight at a time (exp_sum), and the query heads' weighted sums of values are built in registers,
 // kDimVecs vectors of dimensions at a time, rather than in memory one key at a time. For 64
 // sequences of 25-152 tokens of the bundled model, eight keys and exp8 took the step without the
-// lm_head from 79-81 to 74-76 ms (two builds alternating in one process). What is left is mostly
-// reading the float32 cache: about 1.5 KB per token per layer, some 260 MB per step at 64 streams.
+// lm_head from 79-81 to 74-79 ms (two builds alternating in one process, 4 runs). What is left is
+// mostly reading the float32 cache: about 1.5 KB per token per layer, some 260 MB per step at 64
+// streams.
 template <typename T>
 void decode_attention(const T* qkv, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                       const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t max_blocks, int64_t block_size,
