@@ -140,6 +140,12 @@ inline float sum_lanes(Vec v) {
 // -87.3, where expf's results are subnormal (under 1.2e-38 of the largest term), it gives 0.
 // Else std::exp one at a time.
 #if defined(__AVX2__) && defined(__FMA__)
+inline float hsum8(__m256 v) {  // fixed order: the same for every row
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
   const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
@@ -176,9 +182,7 @@ inline float exp_sum(float* s, int64_t n) {
     _mm256_storeu_ps(s + i, e);
     sum = _mm256_add_ps(sum, e);
   }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, sum);
-  for (float lane : lanes) total += lane;
+  total = hsum8(sum);
 #endif
   for (; i < n; ++i) {
     s[i] = std::exp(s[i] - peak);
@@ -580,8 +584,8 @@ at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_mins, int64_t n,
 // ----- int8 with a scale per group of 32 (GGML's Q8_0 layout): the tied lm_head -------------------
 // out[m, v] = sum_k x[m, k] * codes[v, k] * scales[v, k / 32], float32 out. Each code is widened
 // and scaled once per call: for a few rows of x it is multiplied into up to four of them from
-// registers; for many rows (kPanelMinRows and more), panels of kPanelRows code rows are widened
-// into a float buffer that every tile of rows then reads, as a GEMM packs its operands.
+// registers; for many rows (kPanelMinRows and more), panels of code rows are widened into a float
+// buffer that every tile of rows then reads, as a GEMM packs its operands.
 
 // One row of k codes times its scales (one per 32 codes), as T.
 template <typename T>
@@ -1054,12 +1058,6 @@ constexpr bool kInt8Activations = true;
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline float hsum8(__m256 v) {  // fixed order: the same for every row
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // One group of 32 inputs: q (int8), d (the scale) and s (the float sum).

@@ -122,14 +122,13 @@ class FusedDecoder:
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 self._add(linear)
         self.norms.append(model.norm.weight)
-        groups = {m.group_size for m in model.modules() if isinstance(m, Int4Linear)}
-        self.group_size = groups.pop() if groups else 32
         int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+        groups = {m.group_size for m in int4}
+        self.group_size = groups.pop() if groups else 32
         # The C++ loop takes one setting for all its int4 layers (set_activations sets them together).
-        wanted = bool(int4) and all(m.int8_activations for m in int4)
-        if wanted and not extension.int8_activations():
+        if int4 and all(m.int8_activations for m in int4) and not extension.int8_activations():
             logger.warning("activations=int8 needs a CPU with AVX2, F16C and FMA; the int4 layers take float inputs")
-        self.int8_activations = wanted and extension.int8_activations() and self.group_size == quantized.GROUP_SIZE
+        self.int8_activations = bool(int4) and all(m.takes_int8(extension) for m in int4)
 
     def _add(self, linear: nn.Module) -> None:
         if isinstance(linear, Int4Linear):

@@ -210,7 +210,7 @@ class Int4Linear(nn.Module):
         if block is not None and self.out_features % block == 0:
             extension = _extension()
             args = (self.weight_packed, self.scales_mins)
-            int8 = self.int8_activations and self.group_size == GROUP_SIZE and extension.int8_activations()
+            int8 = self.takes_int8(extension)
             if int8 or x2.shape[0] <= INT4_FEW_ROWS:
                 out = extension.int4_mm(x2, *args, self.out_features, self.group_size, block, int8)
             else:  # a float GEMM over the dequantized weight: weight_t [K, N]
@@ -225,6 +225,11 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def takes_int8(self, extension) -> bool:
+        """Whether the C++ kernels of `extension` quantize this layer's inputs to int8: asked for
+        (int8_activations), groups of 32, and a CPU with the instructions."""
+        return self.int8_activations and self.group_size == GROUP_SIZE and extension.int8_activations()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}" + (
