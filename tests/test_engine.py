@@ -61,6 +61,7 @@ def test_back_to_back_requests_equal_their_solo_runs(llm, tiny_model_dir, seeded
     with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=4096, progress=False) as fresh:
         for (kind, text), got in zip(texts, back_to_back, strict=True):
             assert fresh.generate(text, params[kind]).token_ids == got
+        wait_idle_and_check(fresh)
     if not seeded:
         for (kind, text), got in zip(texts, back_to_back, strict=True):
             assert reference_greedy(tiny_model_dir, llm, text, params[kind].max_tokens) == got
@@ -225,6 +226,7 @@ def test_shared_256_token_prefix_is_computed_once(llm):
         llm.model_path, dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False, progress=False
     ) as plain:
         assert plain.generate([*shared, 10, 11, 12, 13], GREEDY).token_ids == second.token_ids
+        wait_idle_and_check(plain)
 
 
 # ----- errors ----------------------------------------------------------------------------------
@@ -278,6 +280,7 @@ def test_close_aborts_in_flight_and_refuses_new_requests(tiny_model_dir):
 def test_no_engine_thread_left_after_close(tiny_model_dir):
     with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=512, progress=False) as tmp:
         tmp.generate("x", GREEDY)
+        wait_idle_and_check(tmp)
         thread = tmp.engine.thread
         assert thread.is_alive()
     assert not thread.is_alive()

@@ -167,6 +167,7 @@ def test_the_engine_decodes_through_the_fused_step(tiny_model_dir, extension, mo
     with LLM(tiny_model_dir, dtype="float32", session_db=False) as llm:
         python = [r.token_ids for r in llm.generate(prompts, params)]
         assert llm.runner_timings()["fused_steps"] == 0
+        wait_idle_and_check(llm)
     assert fused == python
 
 
