@@ -24,7 +24,8 @@ VARIANTS = {
     "gqa-q4-int8-activations": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q4"),
     "gqa-q8": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q8"),
     "mha-tied-float": (dict(num_key_value_heads=4, tie_word_embeddings=True), "float"),
-    "mqa-bias-float": (dict(num_key_value_heads=1, attention_bias=True, head_dim=24), "float"),
+    # head_dim 24: prefill attention's fallback (PyTorch's SDPA); intermediate 100: SiLU's leftover lanes
+    "mqa-bias-float": (dict(num_key_value_heads=1, attention_bias=True, head_dim=24, intermediate_size=100), "float"),
     # head_dim 80: attention's vector path (64 dimensions at a time on AVX2) and its leftover dimensions
     "gqa-head-dim-80-float": (dict(head_dim=80), "float"),
     "gqa-head-dim-80-float-bf16": (dict(head_dim=80), "float", torch.bfloat16),
@@ -123,8 +124,9 @@ def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, varian
 )
 def test_fused_prefill_of_fresh_prompts_equals_the_python_forward(tmp_path, extension, variant, monkeypatch):
     """Whole prompts of fresh sequences through the C++ layer loop: the hidden states and the K/V
-    written equal the Python forward's. 300 tokens: query chunks of 128 and a partial one; a
-    one-token prompt; blocks scattered."""
+    written equal the Python forward's. 300 tokens: attention's tasks of 32 positions and a partial
+    one, keys in panels of 16 and a partial one (head_dim 16 and 80; 24 takes the SDPA fallback);
+    a one-token prompt; blocks scattered."""
     pytest.importorskip("transformers")
     overrides, weights, dtype = (*VARIANTS[variant], torch.float32)[:3]
     if variant.endswith("dequantized-gemm"):

@@ -22,6 +22,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -190,6 +191,52 @@ inline float exp_sum(float* s, int64_t n) {
   }
   return total;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// out[r * ldo + c] = x[r] . panel column c, for R rows of x and the first `cols` (<= 16) columns of a
+// panel of k rows of 16 floats, ldp apart: a GEMM's register tile. Its 12 accumulators, 2 panel
+// vectors and the broadcast x value fit in AVX2's 16 registers. The lm_head's panels and prefill
+// attention's keys (transposed) and values are such panels.
+template <int R>
+inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t k, float* out,
+                       int64_t ldo, int64_t cols) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    const __m256 w0 = _mm256_loadu_ps(panel + i * ldp), w1 = _mm256_loadu_ps(panel + i * ldp + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == 16) {
+      _mm256_storeu_ps(out + r * ldo, acc[r][0]);
+      _mm256_storeu_ps(out + r * ldo + 8, acc[r][1]);
+    } else {
+      float lanes[16];
+      _mm256_storeu_ps(lanes, acc[r][0]);
+      _mm256_storeu_ps(lanes + 8, acc[r][1]);
+      std::memcpy(out + r * ldo, lanes, cols * sizeof(float));
+    }
+  }
+}
+
+// panel_tile for up to 6 rows (rows known at run time).
+inline void panel_tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t k,
+                            float* out, int64_t ldo, int64_t cols) {
+  switch (rows) {
+#define KVSERVE_ROWS(R)                                           \
+  case R:                                                         \
+    return panel_tile<R>(x, ldx, panel, ldp, k, out, ldo, cols);
+    KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+#undef KVSERVE_ROWS
+    default:
+      TORCH_CHECK(false, "panel_tile: bad row tile");
+  }
+}
+#endif
 
 struct Linear {
   int64_t kind;  // 0 float (weight [N, K]), 1 int4 packed (+ scales_mins), 2 int8 (+ scales)
@@ -392,7 +439,8 @@ void decode_attention(const T* qkv, const T* k_cache, const T* v_cache, const in
   });
 }
 
-// out = T(silu(gate)) * up, rounded like F.silu(gate) * up.
+// out = T(silu(gate)) * up, rounded like F.silu(gate) * up. In float32 with AVX2, eight at a time
+// through exp8 (std::exp one at a time was 6% of a 512-token prefill).
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -400,7 +448,17 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
       const T* g = gate_up + r * 2 * inter;
       const T* u = g + inter;
       T* o = out + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, float>) {
+        for (; i + 8 <= inter; i += 8) {
+          const __m256 x = _mm256_loadu_ps(g + i);
+          const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(-x)));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+      }
+#endif
+      for (; i < inter; ++i) {
         float x = to_float(g[i]);
         float s = to_float(from_float<T>(x / (1.f + std::exp(-x))));
         o[i] = from_float<T>(s * to_float(u[i]));
@@ -410,12 +468,119 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
 }
 
 // Causal attention of fresh prompts (no earlier context): rows [starts[s], starts[s + 1]) of qkv are
-// sequence s's tokens, its keys and values their own. PyTorch's flash kernel does not skip the keys
-// past the diagonal, so the queries go in chunks of kPrefillChunk, each over the keys up to its own
-// last token (a mask for the diagonal block): 3.6 against 4.6 ms for a 512-token prompt here.
+// sequence s's tokens, its keys and values their own.
+//
+// With AVX2 (and head_dim a multiple of 16), as a blocked GEMM that skips the keys past the diagonal.
+// Each task is 32 positions of one sequence times the query heads of one KV head, their rows ordered
+// position-major, so a tile of 6 rows spans two positions. Keys transposed into panels of 16 (K^T,
+// once per layer) give the tile's scores up to its last position; each row's softmax runs over its
+// own keys (exp_sum) with the rest zeroed; the tile's outputs are then the probabilities times the
+// values up to its last position, 16 dimensions at a time. Both products are panel_tile's, so the
+// causal half of the work is about all that is done. Tasks run longest first, taken by whichever
+// thread is free. For a 512-token prompt of the bundled model (9 heads, 3 KV heads, head_dim 64)
+// this took 2.07-2.09 ms against 3.74-3.75 ms for the chunked SDPA below and 4.46-4.53 for one SDPA
+// call (a standalone copy, timed in turn).
+//
+// Elsewhere PyTorch's flash kernel, in query chunks of kPrefillChunk, each over the keys up to its
+// own last token (a mask for the diagonal block): it does not skip the keys past the diagonal.
+#if defined(__AVX2__) && defined(__FMA__)
+template <typename T>
+void causal_attention_avx2(const T* qkv, T* out, const std::vector<int64_t>& starts, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, float scale) {
+  constexpr int64_t kPositions = 32, kTileRows = 6, kPanel = 16;
+  const int64_t group = num_heads / num_kv_heads, dim = head_dim, kv_dim = num_kv_heads * head_dim;
+  const int64_t row_len = num_heads * head_dim + 2 * kv_dim, rows_per_task = group * kPositions;
+  const int64_t num_seqs = static_cast<int64_t>(starts.size()) - 1;
+  // Per sequence and KV head: keys as panels [position / 16][dim][16] (zero past the end), values
+  // as [position][dim], in float32.
+  std::vector<int64_t> panel_base(num_seqs + 1, 0), value_base(num_seqs + 1, 0);
+  struct Task {
+    int64_t seq, first, head, cost;
+  };
+  std::vector<Task> tasks;
+  int64_t widest = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = starts[s + 1] - starts[s], padded = (len + kPanel - 1) / kPanel * kPanel;
+    panel_base[s + 1] = panel_base[s] + num_kv_heads * padded * dim;
+    value_base[s + 1] = value_base[s] + num_kv_heads * len * dim;
+    widest = std::max(widest, padded);
+    for (int64_t first = 0; first < len; first += kPositions) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        tasks.push_back({s, first, h, std::min(kPositions, len - first) * (first + kPositions)});
+      }
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  std::vector<float> keys(panel_base[num_seqs], 0.f), values(value_base[num_seqs]);
+  at::parallel_for(0, starts.back(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = std::upper_bound(starts.begin(), starts.end(), t) - starts.begin() - 1;
+      const int64_t pos = t - starts[s], len = starts[s + 1] - starts[s];
+      const int64_t padded = (len + kPanel - 1) / kPanel * kPanel;
+      const T* k = qkv + t * row_len + num_heads * head_dim;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        float* panel = keys.data() + panel_base[s] + (h * padded + pos / kPanel * kPanel) * dim + pos % kPanel;
+        float* value = values.data() + value_base[s] + (h * len + pos) * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          panel[d * kPanel] = to_float(k[h * dim + d]);
+          value[d] = to_float(k[kv_dim + h * dim + d]);
+        }
+      }
+    }
+  });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> q(rows_per_task * dim), scores(rows_per_task * widest), o(rows_per_task * dim);
+    std::vector<float> inverse_sum(rows_per_task);
+    for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
+      const Task& task = tasks[i];
+      const int64_t len = starts[task.seq + 1] - starts[task.seq], padded = (len + kPanel - 1) / kPanel * kPanel;
+      const int64_t positions = std::min(kPositions, len - task.first), rows = positions * group;
+      const T* first_row = qkv + (starts[task.seq] + task.first) * row_len;
+      for (int64_t r = 0; r < rows; ++r) {  // row r: position r / group, query head task.head * group + r % group
+        const T* src = first_row + r / group * row_len + (task.head * group + r % group) * dim;
+        for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = to_float(src[d]) * scale;
+      }
+      const float* k_panels = keys.data() + panel_base[task.seq] + task.head * padded * dim;
+      const float* v_rows = values.data() + value_base[task.seq] + task.head * len * dim;
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+        const int64_t tile_rows = std::min(kTileRows, rows - r0);
+        const int64_t last = task.first + (r0 + tile_rows - 1) / group;  // the tile's last position
+        float* s = scores.data() + r0 * widest;
+        for (int64_t p = 0; p <= last / kPanel; ++p) {
+          panel_tile_rows(tile_rows, q.data() + r0 * dim, dim, k_panels + p * kPanel * dim, kPanel, dim,
+                          s + p * kPanel, widest, kPanel);
+        }
+        for (int64_t r = r0; r < r0 + tile_rows; ++r) {
+          const int64_t pos = task.first + r / group;
+          float* row = scores.data() + r * widest;
+          inverse_sum[r] = 1.f / exp_sum(row, pos + 1);
+          std::fill(row + pos + 1, row + last + 1, 0.f);
+        }
+        for (int64_t c = 0; c < dim; c += kPanel) {
+          panel_tile_rows(tile_rows, s, widest, v_rows + c, dim, last + 1, o.data() + r0 * dim + c, dim, kPanel);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        T* dst = out + (starts[task.seq] + task.first + r / group) * num_heads * dim + (task.head * group + r % group) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(o[r * dim + d] * inverse_sum[r]);
+      }
+    }
+  });
+}
+#endif
+
 constexpr int64_t kPrefillChunk = 128;
+template <typename T>
 void prefill_attention(const at::Tensor& qkv, at::Tensor& out, const std::vector<int64_t>& starts, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, double scale) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (head_dim % 16 == 0 && num_heads % num_kv_heads == 0) {
+    causal_attention_avx2<T>(qkv.data_ptr<T>(), out.data_ptr<T>(), starts, num_heads, num_kv_heads, head_dim,
+                             static_cast<float>(scale));
+    return;
+  }
+#endif
   const int64_t qd = num_heads * head_dim, kd = num_kv_heads * head_dim;
   for (size_t s = 0; s + 1 < starts.size(); ++s) {
     const int64_t begin = starts[s], len = starts[s + 1] - starts[s];
@@ -463,7 +628,7 @@ at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& s
                           block_tables.size(1), block_size, num_heads, num_kv_heads, head_dim,
                           static_cast<float>(scale));
     } else {
-      prefill_attention(qkv, attn, prefill_starts, num_heads, num_kv_heads, head_dim, scale);
+      prefill_attention<T>(qkv, attn, prefill_starts, num_heads, num_kv_heads, head_dim, scale);
     }
     delta = linear(attn, linears[4 * l + 1], group_size, policy).contiguous();
     add_rms_norm<T>(residual.data_ptr<T>(), delta.data_ptr<T>(), norms[2 * l + 1].data_ptr<T>(),
@@ -700,33 +865,6 @@ inline void transposed_panel(const int8_t* codes, const float* scales, int64_t k
   }
 }
 
-// out[r * ldo + c] = x[r] . panel column c, for R rows of x and the first `cols` columns.
-template <int R>
-inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* out, int64_t ldo,
-                       int64_t cols) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
-    const __m256 w0 = _mm256_loadu_ps(panel + i * kPanelWidth), w1 = _mm256_loadu_ps(panel + i * kPanelWidth + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
-      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    if (cols == kPanelWidth) {
-      _mm256_storeu_ps(out + r * ldo, acc[r][0]);
-      _mm256_storeu_ps(out + r * ldo + 8, acc[r][1]);
-    } else {
-      float lanes[kPanelWidth];
-      _mm256_storeu_ps(lanes, acc[r][0]);
-      _mm256_storeu_ps(lanes + 8, acc[r][1]);
-      std::memcpy(out + r * ldo, lanes, cols * sizeof(float));
-    }
-  }
-}
-
 void int8_group_matmul_panels(const float* xf, const int8_t* codes, const float* scales, float* out, int64_t m,
                               int64_t k, int64_t v) {
   constexpr int R = 6;
@@ -737,16 +875,8 @@ void int8_group_matmul_panels(const float* xf, const int8_t* codes, const float*
       const int64_t row0 = p * kPanelWidth, cols = std::min(kPanelWidth, v - row0);
       transposed_panel(codes + row0 * k, scales + row0 * groups, k, cols, panel.data());
       for (int64_t r = 0; r < m; r += R) {
-        const float* xr = xf + r * k;
-        float* o = out + r * v + row0;
-        switch (std::min<int64_t>(R, m - r)) {
-#define KVSERVE_ROWS(T)                                      \
-  case T:                                                    \
-    panel_tile<T>(xr, k, panel.data(), k, o, v, cols); \
-    break;
-          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
-#undef KVSERVE_ROWS
-        }
+        panel_tile_rows(std::min<int64_t>(R, m - r), xf + r * k, k, panel.data(), kPanelWidth, k, out + r * v + row0,
+                        v, cols);
       }
     }
   });
