@@ -76,6 +76,31 @@ def test_greedy_and_degenerate_filters_pick_the_argmax():
         assert tokens == argmax, params
 
 
+def test_the_greedy_kernel_picks_what_torch_argmax_picks():
+    """The C++ argmax that greedy rows take on the CPU: the first of tied maxima, NaN as the largest,
+    rows of -inf, and a vocabulary that is not a multiple of the vector width."""
+    import shutil
+
+    from kvserve.layers import fused_decode
+
+    extension = fused_decode.load_extension()
+    if extension is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: greedy rows take torch.argmax")
+    assert extension is not None, fused_decode._error
+    logits = torch.randn(9, 49157, generator=torch.Generator().manual_seed(4))
+    logits[1, [100, 3000]] = 50.0  # a tie in the vector part: the first wins
+    logits[2, [49155, 49156]] = 50.0  # a tie in the leftover lanes
+    logits[3, 20] = 50.0
+    logits[3, 49156] = 50.0  # a tie across both
+    logits[4] = float("-inf")
+    logits[5, 7] = float("nan")
+    logits[6, 49156] = float("nan")  # NaN in the leftover lanes
+    logits[7, 12] = float("inf")
+    logits[8, [11, 500]] = float("nan")  # the first NaN
+    assert torch.equal(extension.argmax_rows(logits), logits.argmax(-1))
+    assert torch.equal(extension.argmax_rows(logits[:, :5]), logits[:, :5].argmax(-1))  # under one vector
+
+
 def test_seeded_rows_are_independent_of_batch_position():
     logits = logits_batch(1, seed=3).repeat(4, 1)
     sampler = Sampler()
@@ -113,8 +138,10 @@ def test_min_tokens_masks_stop_tokens():
     logits = torch.zeros(1, VOCAB)
     logits[0, 0] = 10.0  # token 0 is the stop token of `row`
     params = SamplingParams(temperature=0, min_tokens=2, max_tokens=4)
+    before = logits.clone()
     tokens, _ = Sampler()(logits, [row(params, output=[5])])
     assert tokens[0] != 0
+    assert torch.equal(logits, before)  # masked in a copy: the caller's logits are left as they were
     tokens, _ = Sampler()(logits, [row(params, output=[5, 6])])
     assert tokens[0] == 0
 

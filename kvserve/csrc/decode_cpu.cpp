@@ -1445,10 +1445,57 @@ at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int6
   return out;
 }
 
+// ----- greedy sampling ---------------------------------------------------------------------------
+// The index of each row's largest value, the first where several tie, as torch.argmax (which takes
+// about 3.5 ms for 64 rows of the bundled model's 49152 logits here, scalar, against well under
+// one for this). NaN counts as the largest, as there: a row holding one takes the scalar loop.
+at::Tensor argmax_rows(at::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "argmax_rows: float32 [B, V] logits");
+  logits = logits.contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0, "argmax_rows: empty rows");
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * vocab;
+      float best = -INFINITY;
+      bool nan = false;
+      int64_t i = 0;
+#if defined(__AVX2__)
+      __m256 peak = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+      for (; i + 8 <= vocab; i += 8) {
+        const __m256 v = _mm256_loadu_ps(row + i);
+        peak = _mm256_max_ps(peak, v);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      float lanes[8];
+      _mm256_storeu_ps(lanes, peak);
+      for (float lane : lanes) best = std::max(best, lane);
+      nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+      for (; i < vocab; ++i) {
+        nan |= std::isnan(row[i]);
+        best = std::max(best, row[i]);
+      }
+      int64_t index = 0;
+      if (nan) {
+        while (!std::isnan(row[index])) ++index;
+      } else {
+        while (row[index] != best) ++index;
+      }
+      o[r] = index;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int8_groups", &dequantize_int8_groups, "rows of an int8-groups weight, [rows, K]");
   m.def("int8_group_matmul", &int8_group_matmul, "x @ (codes * group scales).T in float32, [M, V]");
   m.def("decode_forward", &decode_forward, "one decode step (or fresh prompts' prefill) of a Llama model");
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (NaN largest), [B] int64");
   m.def("int8_activations", [] { return kInt8Activations; }, "whether int4_mm can quantize activations to int8");
   m.def("int4_mm", &int4_mm, "x @ W.T for an Int4Linear's packed weight, for a few rows");
   m.def("dequantize_int4", &dequantize_int4, "an Int4Linear's transposed weight in its compute dtype, [K, N]");
