@@ -18,7 +18,8 @@ Before those runs a throwaway kvserve engine starts in the fresh process and is 
 process's one-time costs (torch's lazily loaded libraries and kernels, some 300 MB of RSS here), which
 would otherwise be charged to whichever engine came first. Its figures are reported as the cold start.
 kvserve runs once per --kvserve-weights value (LLM's `weights` keyword; "+int8" adds
-activations="int8", e.g. auto+int8) with one thread per streaming request; its per-step timings (ModelRunner) and `llm.stats()` are recorded too.
+activations="int8", "+f16kv" kv_cache_dtype="float16", e.g. auto+int8+f16kv) with one thread per
+streaming request; its per-step timings (ModelRunner) and `llm.stats()` are recorded too.
 
 How each peer is measured:
   transformers: AutoModelForCausalLM.from_pretrained(gguf_file=..., dtype=--dtype), greedy generate;
@@ -103,6 +104,8 @@ MB = 1e6
 LLAMACPP_CONCURRENT_NOTE = "not measured in-process (llama.cpp's server with slots is the peer; see issue table)"
 FLOAT_WEIGHTS = {"bf16": "bfloat16", "f32": "float32"}  # LLM(weights=...) values that fix the compute dtype
 VLLM_KV_SPACE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless set
+# Options after a --kvserve-weights value, each "+tag": LLM keywords
+KVSERVE_TAGS = {"int8": {"activations": "int8"}, "f16kv": {"kv_cache_dtype": "float16"}}
 
 
 @dataclass(frozen=True)
@@ -243,9 +246,14 @@ def accepts_weights() -> bool:
 
 def start_kvserve(weights: str | None, s: Settings, prompts: Prompts) -> tuple[LLM, dict[str, Any]]:
     """A kvserve engine sized for the workload, up to its first token; `weights` is LLM's `weights`
-    keyword, None where the installed LLM lacks it, with "+int8" for activations="int8" (e.g.
-    "auto+int8"). Returns the engine and start_engine's record."""
-    weights, _, activations = (weights or "").partition("+")
+    keyword, None where the installed LLM lacks it, with KVSERVE_TAGS' options after it (e.g.
+    "auto+int8+f16kv"). Returns the engine and start_engine's record."""
+    weights, *tags = (weights or "").split("+")
+    unknown = set(tags) - set(KVSERVE_TAGS)
+    if unknown:
+        raise SystemExit(
+            f"--kvserve-weights: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(KVSERVE_TAGS)}"
+        )
     kwargs: dict[str, Any] = {
         "model": None,
         # Float weights are kept in the compute dtype, and LLM refuses a dtype that disagrees.
@@ -258,14 +266,15 @@ def start_kvserve(weights: str | None, s: Settings, prompts: Prompts) -> tuple[L
     }
     if weights:
         kwargs["weights"] = weights
-    if activations:
-        kwargs["activations"] = activations
+    for tag in tags:
+        kwargs.update(KVSERVE_TAGS[tag])
 
     def first_token(llm: LLM) -> float:
         return stream_times(llm, prompts.short(), greedy(1))[1][0]
 
     def kv_bytes(llm: LLM) -> int:
-        return kv_cache_bytes_per_token(llm.model.config, llm.dtype) * llm.config.kv_cache_tokens
+        kv_dtype = getattr(llm, "kv_cache_dtype", llm.dtype)
+        return kv_cache_bytes_per_token(llm.model.config, kv_dtype) * llm.config.kv_cache_tokens
 
     return start_engine(lambda: LLM(**kwargs), first_token, kv_bytes)
 
@@ -713,8 +722,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
     parser.add_argument(
         "--kvserve-weights",
         default="auto",
-        help="comma-separated values of LLM(weights=...): auto, q4, q8, bf16, f32, each optionally +int8 for "
-        "LLM(activations='int8'), e.g. auto,auto+int8; one kvserve run each (default auto)",
+        help="comma-separated values of LLM(weights=...): auto, q4, q8, bf16, f32, each optionally followed by "
+        "+int8 for LLM(activations='int8') and +f16kv for LLM(kv_cache_dtype='float16'), e.g. "
+        "auto,auto+int8+f16kv; one kvserve run each (default auto)",
     )
     parser.add_argument(
         "--device",

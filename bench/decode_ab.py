@@ -11,7 +11,7 @@ kvserve's median over llama.cpp's median from the two adjacent processes; the re
 round's figures, the median of the rates and the median, min and max of the round ratios.
 
 Both engines run on 2 threads (--threads) on the same GGUF: kvserve with `LLM(weights=--kvserve-weights)`
-(compare.py's values: auto+int8 adds activations="int8"), llama.cpp in-process through llama-cpp-python's
+(compare.py's values: auto+int8 adds activations="int8", +f16kv a float16 KV cache), llama.cpp in-process through llama-cpp-python's
 low-level loop (compare.llamacpp_stream). Writes JSON (--out, default results/decode_ab.json) and prints a
 Markdown table.
 

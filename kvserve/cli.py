@@ -34,7 +34,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from kvserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    with LLM(args.model, dtype=args.dtype, weights=args.weights, activations=args.activations, max_num_seqs=1) as llm:
+    with LLM(
+        args.model,
+        dtype=args.dtype,
+        weights=args.weights,
+        activations=args.activations,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_num_seqs=1,
+    ) as llm:
         if args.raw or llm.tokenizer.chat_template is None:
             chunks = llm.stream(args.prompt, params)
         else:
@@ -59,6 +66,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
         kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
         dtype=args.dtype,
         weights=args.weights,
         activations=args.activations,
@@ -95,6 +103,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         weights=args.weights,
         activations=args.activations,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=1,
         session_db=False,
     ) as llm:
@@ -163,6 +172,15 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "on an AVX2 CPU, as llama.cpp does: about 1.5x faster matmuls, logits within about 0.5 of float's)",
         "float",
         choices=("float", "int8"),
+    )
+    _flag(
+        p,
+        "--kv-cache-dtype",
+        "element type of the KV cache: auto (the compute dtype), float32, bfloat16, or float16 (half the "
+        "memory per token, so twice the tokens in the same pool, and less for attention to read, as "
+        "llama.cpp's default f16 cache; keys and values are rounded when stored)",
+        "auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
     )
 
 

@@ -43,6 +43,11 @@ Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": None}
+# The KV pool's element type; auto: the compute dtype. float16 halves the pool's bytes per token (twice
+# the tokens in the same memory) and what decode attention reads, as llama.cpp's default f16 cache and
+# vLLM's --kv-cache-dtype do; keys and values are rounded to it when written, and attention computes in
+# float32 either way.
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _AsyncSink:
@@ -84,6 +89,7 @@ class LLM:
         activations: str = "float",
         device: str | torch.device | None = None,
         kv_cache_tokens: int | None = None,
+        kv_cache_dtype: str = "auto",
         block_size: int = 16,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
@@ -102,11 +108,16 @@ class LLM:
         weight_mode, dtype = resolve_weights(weights, dtype, self.device)
         activations = resolve_activations(activations, self.device)
         self.dtype = dtype or default_dtype(self.device)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}.", "kv_cache_dtype"
+            )
+        self.kv_cache_dtype: torch.dtype = KV_CACHE_DTYPES[kv_cache_dtype] or self.dtype
         self.model_path: Path = resolve_model(model)
         model_config = load_config(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
         if kv_cache_tokens is None:
-            kv_cache_tokens = DEFAULT_KV_CACHE_BYTES // kv_cache_bytes_per_token(model_config, self.dtype)
+            kv_cache_tokens = DEFAULT_KV_CACHE_BYTES // kv_cache_bytes_per_token(model_config, self.kv_cache_dtype)
         num_blocks = max(1, kv_cache_tokens // block_size)
         # A request must fit in the pool on its own, or preemption could never make room for it.
         max_model_len = min(
@@ -139,7 +150,7 @@ class LLM:
                 weights=weight_mode,
                 activations=activations,
             )
-            return ModelRunner(loaded, num_blocks, block_size, self.tokenizer.stop_token_ids)
+            return ModelRunner(loaded, num_blocks, block_size, self.tokenizer.stop_token_ids, self.kv_cache_dtype)
 
         # Sessions need the prefix cache (their pinned blocks are found through it) and a store:
         # $KVSERVE_HOME/sessions.db by default, a path, or False for none.
@@ -168,13 +179,15 @@ class LLM:
         summary = weight_summary(self.model)
         self.weights: dict[str, Any] = {"choice": weights, "mode": weight_mode, "activations": activations, **summary}
         logger.info(
-            "weights=%s activations=%s on %s: %s, %.1f MB, compute dtype %s",
+            "weights=%s activations=%s on %s: %s, %.1f MB, compute dtype %s, KV cache %s x %d tokens",
             weights,
             activations,
             self.device.type,
             ", ".join(f"{n} {form}" for form, n in summary["layers"].items()),
             summary["bytes"] / 1e6,
             str(self.dtype).removeprefix("torch."),
+            str(self.kv_cache_dtype).removeprefix("torch."),
+            num_blocks * block_size,
         )
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]

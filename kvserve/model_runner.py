@@ -54,12 +54,16 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         stop_token_ids: tuple[int, ...] = (),
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
+        # the KV pool in the compute dtype unless told (LLM's kv_cache_dtype)
+        self.kv_caches = allocate_kv_cache(
+            model.config, num_blocks, block_size, kv_cache_dtype or self.dtype, self.device
+        )
         model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler()
         self.stop_token_ids = stop_token_ids

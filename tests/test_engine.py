@@ -241,6 +241,9 @@ def test_invalid_input_is_a_typed_error_naming_the_field(llm):
         llm.generate("")
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         llm.generate("hi", SamplingParams(max_tokens=5000))
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of") as err:
+        LLM(llm.model_path, kv_cache_dtype="int4", progress=False)
+    assert err.value.param == "kv_cache_dtype"
 
 
 def test_a_failing_step_fails_only_its_requests(llm):

@@ -115,6 +115,28 @@ def test_int8_activations_batched_requests_equal_their_solo_runs(bundled_gguf):
         assert max(gaps) <= 1e-4
 
 
+def test_float16_kv_cache_answers_like_float32(bundled_gguf, llm):
+    """kv_cache_dtype=float16: the pool holds float16 (half the bytes per token), prompts and replies
+    pass through it (a chat's prefill, the fused decode steps, a second turn reading the first's
+    cached blocks), and greedy tokens agree with the float32 pool's under the first-divergence rule."""
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=5, ignore_eos=True)
+    expected = llm.chat(FRANCE, params)
+    with LLM(str(bundled_gguf), dtype="float32", kv_cache_dtype="float16", kv_cache_tokens=2048, progress=False) as f16:
+        assert f16.kv_cache_dtype == torch.float16 and f16.dtype == torch.float32
+        assert all(k.dtype == v.dtype == torch.float16 for k, v in f16.engine.runner.kv_caches)
+        got = f16.chat(FRANCE, params)
+        history = [*FRANCE, {"role": "assistant", "content": got.text}, {"role": "user", "content": "And of Italy?"}]
+        assert f16.chat(history, SamplingParams(max_tokens=8, temperature=0)).usage.cached_tokens >= 32
+        assert f16.runner_timings()["fused_steps"] > 0
+        wait_idle_and_check(f16)
+    pairs = list(zip(got.token_ids, expected.token_ids, strict=True))
+    divergence = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    if divergence is not None:
+        ours, theirs = got.logprobs[divergence], expected.logprobs[divergence]
+        assert expected.token_ids[divergence] in [t for t, _ in ours.top], (divergence, ours, theirs)
+        assert got.token_ids[divergence] in [t for t, _ in theirs.top], (divergence, ours, theirs)
+
+
 def test_bfloat16_engine_answers_like_float32(bundled_gguf, llm):
     """Greedy tokens agree under the first-divergence rule (DESIGN.md), with each engine's own top-5."""
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=5, ignore_eos=True)

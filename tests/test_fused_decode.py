@@ -29,6 +29,20 @@ VARIANTS = {
     # head_dim 80: attention's vector path (64 dimensions at a time on AVX2) and its leftover dimensions
     "gqa-head-dim-80-float": (dict(head_dim=80), "float"),
     "gqa-head-dim-80-float-bf16": (dict(head_dim=80), "float", torch.bfloat16),
+    # KV caches of another dtype than the compute's (LLM's kv_cache_dtype)
+    "gqa-q4-float16-cache": (
+        dict(hidden_size=64, intermediate_size=128, vocab_size=320),
+        "q4",
+        torch.float32,
+        torch.float16,
+    ),
+    "mha-tied-float-bfloat16-cache": (
+        dict(num_key_value_heads=4, tie_word_embeddings=True),
+        "float",
+        torch.float32,
+        torch.bfloat16,
+    ),
+    "gqa-head-dim-80-bf16-float16-cache": (dict(head_dim=80), "float", torch.bfloat16, torch.float16),
 }
 BLOCK_SIZE = 4
 
@@ -42,9 +56,16 @@ def extension():
     return ext
 
 
-def _prefilled(model, lengths, tables, seed, dtype=torch.float32):
+def _variant(name):
+    """(config overrides, weights, compute dtype, KV cache dtype) of VARIANTS[name]."""
+    overrides, weights, *dtypes = VARIANTS[name]
+    dtype = dtypes[0] if dtypes else torch.float32
+    return overrides, weights, dtype, dtypes[1] if len(dtypes) > 1 else dtype
+
+
+def _prefilled(model, lengths, tables, seed, kv_dtype=torch.float32):
     """Prefill random prompts of `lengths` through the Python forward; return the KV pool."""
-    kv = allocate_kv_cache(model.config, 64, BLOCK_SIZE, dtype, "cpu")
+    kv = allocate_kv_cache(model.config, 64, BLOCK_SIZE, kv_dtype, "cpu")
     model.bind_kv_cache(kv)
     g = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
@@ -57,7 +78,7 @@ def _prefilled(model, lengths, tables, seed, dtype=torch.float32):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, variant, monkeypatch):
     pytest.importorskip("transformers")
-    overrides, weights, dtype = (*VARIANTS[variant], torch.float32)[:3]
+    overrides, weights, dtype, kv_dtype = _variant(variant)
     if variant.endswith("dequantized-gemm"):  # int4 layers as for a batch of many rows, float inputs
         monkeypatch.setattr(quantized, "INT4_FEW_ROWS", 0)
     activations = "int8" if variant.endswith("int8-activations") else "float"
@@ -68,7 +89,7 @@ def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, varian
     assert FusedDecoder.supports(model)
     lengths = [9, 1, 30, 17]  # different contexts; blocks scattered and interleaved below
     tables = [[3, 40, 7], [12], [5, 20, 21, 22, 23, 24, 60, 61], [30, 31, 2, 33, 34]]
-    kv = _prefilled(model, lengths, tables, seed=1, dtype=dtype)
+    kv = _prefilled(model, lengths, tables, seed=1, kv_dtype=kv_dtype)
     # Garbage where no sequence has a token (past each length in its blocks, and unused blocks):
     # the fused loop reads each sequence's own keys only, so the result stays finite.
     for k_cache, v_cache in kv:
@@ -120,7 +141,8 @@ def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, varian
 
 
 @pytest.mark.parametrize(
-    "variant", ["gqa-q4", "gqa-q4-dequantized-gemm", "mqa-bias-float", "gqa-head-dim-80-float-bf16"]
+    "variant",
+    ["gqa-q4", "gqa-q4-dequantized-gemm", "mqa-bias-float", "gqa-head-dim-80-float-bf16", "gqa-q4-float16-cache"],
 )
 def test_fused_prefill_of_fresh_prompts_equals_the_python_forward(tmp_path, extension, variant, monkeypatch):
     """Whole prompts of fresh sequences through the C++ layer loop: the hidden states and the K/V
@@ -128,7 +150,7 @@ def test_fused_prefill_of_fresh_prompts_equals_the_python_forward(tmp_path, exte
     one, keys in panels of 16 and a partial one (head_dim 16 and 80; 24 takes the SDPA fallback);
     a one-token prompt; blocks scattered."""
     pytest.importorskip("transformers")
-    overrides, weights, dtype = (*VARIANTS[variant], torch.float32)[:3]
+    overrides, weights, dtype, kv_dtype = _variant(variant)
     if variant.endswith("dequantized-gemm"):
         monkeypatch.setattr(quantized, "INT4_FEW_ROWS", 0)
     make_tiny_llama(tmp_path, seed=32, **overrides)
@@ -139,7 +161,7 @@ def test_fused_prefill_of_fresh_prompts_equals_the_python_forward(tmp_path, exte
     positions, metadata = build_batch(tables, [0, 0, 0], lengths, BLOCK_SIZE)
     results = []
     for fused in (True, False):
-        kv = allocate_kv_cache(model.config, 200, BLOCK_SIZE, dtype, "cpu")
+        kv = allocate_kv_cache(model.config, 200, BLOCK_SIZE, kv_dtype, "cpu")
         model.bind_kv_cache(kv)
         with torch.inference_mode():
             if fused:
@@ -151,6 +173,10 @@ def test_fused_prefill_of_fresh_prompts_equals_the_python_forward(tmp_path, exte
         results.append((hidden, kv))
     (got, got_kv), (expected, expected_kv) = results
     relative = 1e-5 if dtype == torch.float32 else 0.02
+    if kv_dtype != dtype:
+        # Prompts attend over their own K/V as computed, but the Python path reads the one-token
+        # prompt's back from the cache (a decode group), rounded to float16 (2^-11 relative).
+        relative = max(relative, 1e-3)
     assert (got - expected).float().abs().max().item() <= max(1e-4, relative * expected.float().abs().max().item())
     for (k, v), (k_ref, v_ref) in zip(got_kv, expected_kv, strict=True):
         for new, ref in ((k, k_ref), (v, v_ref)):

@@ -51,6 +51,8 @@ template <>
 inline float from_float<float>(float x) { return x; }
 template <>
 inline c10::BFloat16 from_float<c10::BFloat16>(float x) { return c10::BFloat16(x); }  // round to nearest even
+template <>
+inline c10::Half from_float<c10::Half>(float x) { return c10::Half(x); }  // round to nearest even
 
 // Round-to-nearest-even float -> T without a NaN branch, so that loops over weights vectorize
 // (weights are finite; activations use from_float, which keeps NaN handling).
@@ -304,8 +306,8 @@ void add_rms_norm(T* residual, const T* delta, const T* weight, T* out, int64_t 
 
 // Rotate q and k (the first num_heads + num_kv_heads heads of each qkv row) in place, then write
 // k and v into the caches at each token's slot.
-template <typename T>
-void rope_and_cache(T* qkv, const T* cos, const T* sin_signed, const int64_t* slots, T* k_cache, T* v_cache,
+template <typename T, typename C>  // C: the KV cache's element type
+void rope_and_cache(T* qkv, const T* cos, const T* sin_signed, const int64_t* slots, C* k_cache, C* v_cache,
                     int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   const int64_t half = head_dim / 2;
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
@@ -325,8 +327,15 @@ void rope_and_cache(T* qkv, const T* cos, const T* sin_signed, const int64_t* sl
         for (int64_t i = 0; i < head_dim; ++i) x[i] = from_float<T>(tmp[i]);
       }
       const T* k = qkv + t * row + num_heads * head_dim;
-      std::memcpy(k_cache + slots[t] * kv_row, k, kv_row * sizeof(T));
-      std::memcpy(v_cache + slots[t] * kv_row, k + kv_row, kv_row * sizeof(T));
+      if constexpr (std::is_same_v<T, C>) {
+        std::memcpy(k_cache + slots[t] * kv_row, k, kv_row * sizeof(T));
+        std::memcpy(v_cache + slots[t] * kv_row, k + kv_row, kv_row * sizeof(T));
+      } else {  // rounded to the cache's type, as the Python path's copy into it does
+        for (int64_t i = 0; i < kv_row; ++i) {
+          k_cache[slots[t] * kv_row + i] = from_float<C>(to_float(k[i]));
+          v_cache[slots[t] * kv_row + i] = from_float<C>(to_float(k[kv_row + i]));
+        }
+      }
     }
   });
 }
@@ -342,8 +351,8 @@ void rope_and_cache(T* qkv, const T* cos, const T* sin_signed, const int64_t* sl
 // lm_head from 79-81 to 74-79 ms (two builds alternating in one process, 4 runs). What is left is
 // mostly reading the float32 cache: about 1.5 KB per token per layer, some 260 MB per step at 64
 // streams.
-template <typename T>
-void decode_attention(const T* qkv, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+template <typename T, typename C>  // C: the KV cache's element type
+void decode_attention(const T* qkv, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                       const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t max_blocks, int64_t block_size,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {
   constexpr int kDimVecs = kLanes < 64 ? 64 / kLanes : 1, kKeys = 4;  // 64 dimensions at a time
@@ -358,8 +367,8 @@ void decode_attention(const T* qkv, const T* k_cache, const T* v_cache, const in
       const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t len = seq_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
-      const T* keys = k_cache + kvh * head_dim;
-      const T* values = v_cache + kvh * head_dim;
+      const C* keys = k_cache + kvh * head_dim;
+      const C* values = v_cache + kvh * head_dim;
       slots.resize(len);
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t first = table[start / block_size] * block_size;
@@ -376,7 +385,7 @@ void decode_attention(const T* qkv, const T* k_cache, const T* v_cache, const in
         // (horizontal adds and one swap of halves) into one vector of scores.
         for (; vectors && j + 8 <= len; j += 8) {
           __m256 acc[8];
-          const T* key[8];
+          const C* key[8];
           for (int i = 0; i < 8; ++i) {
             acc[i] = _mm256_setzero_ps();
             key[i] = keys + slots[j + i] * kv_row;
@@ -403,7 +412,7 @@ void decode_attention(const T* qkv, const T* k_cache, const T* v_cache, const in
           for (int i = 0; i < kKeys; ++i) sg[j + i] = sum_lanes(acc[i]) * scale;
         }
         for (; j < len; ++j) {
-          const T* key = keys + slots[j] * kv_row;
+          const C* key = keys + slots[j] * kv_row;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t i = 0; i < head_dim; ++i) dot += qg[i] * to_float(key[i]);
@@ -419,7 +428,7 @@ void decode_attention(const T* qkv, const T* k_cache, const T* v_cache, const in
         for (; d0 + kDimVecs * kLanes <= head_dim; d0 += kDimVecs * kLanes) {
           Vec acc[kDimVecs] = {};
           for (int64_t j = 0; j < len; ++j) {
-            const T* value = values + slots[j] * kv_row + d0;
+            const C* value = values + slots[j] * kv_row + d0;
             for (int v = 0; v < kDimVecs; ++v) acc[v] += sg[j] * load_floats(value + v * kLanes);
           }
           float lanes[kDimVecs * kLanes];
@@ -429,7 +438,7 @@ void decode_attention(const T* qkv, const T* k_cache, const T* v_cache, const in
         if (d0 < head_dim) {  // the dimensions left over (head_dim not a multiple of kDimVecs vectors)
           std::vector<float> acc(head_dim - d0, 0.f);
           for (int64_t j = 0; j < len; ++j) {
-            const T* value = values + slots[j] * kv_row + d0;
+            const C* value = values + slots[j] * kv_row + d0;
             for (int64_t i = 0; i < head_dim - d0; ++i) acc[i] += sg[j] * to_float(value[i]);
           }
           for (int64_t i = 0; i < head_dim - d0; ++i) o[g * head_dim + d0 + i] = from_float<T>(acc[i]);
@@ -599,7 +608,7 @@ void prefill_attention(const at::Tensor& qkv, at::Tensor& out, const std::vector
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin_signed,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         const std::vector<at::Tensor>& norms, const std::vector<Linear>& linears,
@@ -619,11 +628,11 @@ at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& s
     add_rms_norm<T>(residual.data_ptr<T>(), delta.defined() ? delta.data_ptr<T>() : nullptr,
                     norms[2 * l].data_ptr<T>(), normed.data_ptr<T>(), tokens, hidden, static_cast<float>(eps));
     at::Tensor qkv = linear(normed, linears[4 * l], group_size, policy).contiguous();
-    rope_and_cache<T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin_signed.data_ptr<T>(), slot_mapping.data_ptr<int64_t>(),
-                      k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>(), tokens, num_heads, num_kv_heads,
+    rope_and_cache<T, C>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin_signed.data_ptr<T>(),
+                         slot_mapping.data_ptr<int64_t>(), k_caches[l].data_ptr<C>(), v_caches[l].data_ptr<C>(), tokens, num_heads, num_kv_heads,
                       head_dim);
     if (prefill_starts.empty()) {
-      decode_attention<T>(qkv.data_ptr<T>(), k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>(),
+      decode_attention<T, C>(qkv.data_ptr<T>(), k_caches[l].data_ptr<C>(), v_caches[l].data_ptr<C>(),
                           block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), attn.data_ptr<T>(), tokens,
                           block_tables.size(1), block_size, num_heads, num_kv_heads, head_dim,
                           static_cast<float>(scale));
@@ -670,15 +679,27 @@ at::Tensor decode_forward(at::Tensor x, at::Tensor cos, at::Tensor sin_signed, a
   }
   c10::InferenceMode guard;
   const Int4Policy policy{int4_few_rows, int4_block_n, int8_activations};
-  if (x.scalar_type() == at::kBFloat16) {
-    return forward_impl<c10::BFloat16>(x, cos, sin_signed, slot_mapping, block_tables, seq_lens, norms, linears,
-                                       k_caches, v_caches, num_heads, num_kv_heads, head_dim, intermediate, eps,
-                                       scale, group_size, policy, prefill_starts);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "decode_forward runs in float32 or bfloat16");
+  const at::ScalarType cache = k_caches[0].scalar_type();
+  for (size_t l = 0; l < k_caches.size(); ++l) {
+    TORCH_CHECK(k_caches[l].scalar_type() == cache && v_caches[l].scalar_type() == cache &&
+                    k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
+                "the KV caches must be contiguous and of one dtype");
   }
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "decode_forward runs in float32 or bfloat16");
-  return forward_impl<float>(x, cos, sin_signed, slot_mapping, block_tables, seq_lens, norms, linears, k_caches,
-                             v_caches, num_heads, num_kv_heads, head_dim, intermediate, eps, scale, group_size, policy,
-                             prefill_starts);
+  TORCH_CHECK(cache == at::kFloat || cache == at::kBFloat16 || cache == at::kHalf,
+              "the KV cache is float32, bfloat16 or float16");
+  auto run = [&](auto compute, auto stored) {  // the compute type and the cache's element type
+    return forward_impl<decltype(compute), decltype(stored)>(
+        x, cos, sin_signed, slot_mapping, block_tables, seq_lens, norms, linears, k_caches, v_caches, num_heads,
+        num_kv_heads, head_dim, intermediate, eps, scale, group_size, policy, prefill_starts);
+  };
+  auto with_cache = [&](auto compute) {
+    if (cache == at::kFloat) return run(compute, float{});
+    if (cache == at::kBFloat16) return run(compute, c10::BFloat16{});
+    return run(compute, c10::Half{});
+  };
+  return x.scalar_type() == at::kBFloat16 ? with_cache(c10::BFloat16{}) : with_cache(float{});
 }
 
 // ----- dequantization, for matmuls over many rows (prefill, large batches) ----------------------

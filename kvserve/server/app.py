@@ -53,6 +53,7 @@ class ServerSettings:
     max_queue: int = 256
     request_timeout: float = 600.0
     kv_cache_tokens: int | None = None
+    kv_cache_dtype: str = "auto"
     dtype: str | None = None
     weights: str = "auto"
     activations: str = "float"
@@ -113,6 +114,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
                             weights=settings.weights,
                             activations=settings.activations,
                             kv_cache_tokens=settings.kv_cache_tokens,
+                            kv_cache_dtype=settings.kv_cache_dtype,
                             max_num_seqs=settings.max_num_seqs,
                             max_sessions=settings.max_sessions,
                             session_ttl=settings.session_ttl,
