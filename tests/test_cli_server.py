@@ -16,7 +16,13 @@ from tests.server_harness import free_port
 
 def test_serve_reports_loading_then_ready_and_exits_cleanly_on_sigterm(tiny_model_dir):
     port = free_port()
-    env = {**os.environ, "KVSERVE_PORT": str(port), "KVSERVE_SERVED_MODEL_NAME": "tiny", "KVSERVE_DTYPE": "float32"}
+    env = {
+        **os.environ,
+        "KVSERVE_PORT": str(port),
+        "KVSERVE_SERVED_MODEL_NAME": "tiny",
+        "KVSERVE_DTYPE": "float32",
+        "KVSERVE_KV_CACHE_DTYPE": "float16",  # flows through ServerSettings into LLM (a bad one fails the load)
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir), "--log-level", "warning"],
         env=env,
