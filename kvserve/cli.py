@@ -29,19 +29,26 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def _terminal_llm(args: argparse.Namespace, **kwargs):
+    """The LLM of `generate` and `chat`: the model flags, one sequence at a time."""
     from kvserve.llm import LLM
-    from kvserve.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    with LLM(
+    return LLM(
         args.model,
         dtype=args.dtype,
         weights=args.weights,
         activations=args.activations,
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=1,
-    ) as llm:
+        **kwargs,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    with _terminal_llm(args) as llm:
         if args.raw or llm.tokenizer.chat_template is None:
             chunks = llm.stream(args.prompt, params)
         else:
@@ -94,19 +101,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from kvserve.llm import LLM
     from kvserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    with LLM(
-        args.model,
-        dtype=args.dtype,
-        weights=args.weights,
-        activations=args.activations,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=1,
-        session_db=False,
-    ) as llm:
+    with _terminal_llm(args, session_db=False) as llm:
         if llm.tokenizer.chat_template is None:
             print("kvserve: error: this model has no chat template; use `kvserve generate --raw`.", file=sys.stderr)
             return 2

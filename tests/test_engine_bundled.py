@@ -115,6 +115,17 @@ def test_int8_activations_batched_requests_equal_their_solo_runs(bundled_gguf):
         assert max(gaps) <= 1e-4
 
 
+def assert_first_divergence_agrees(got, expected):
+    """Greedy tokens equal, or at their first difference each engine's token is in the other's top
+    logprobs (the first-divergence rule, DESIGN.md)."""
+    pairs = list(zip(got.token_ids, expected.token_ids, strict=True))
+    divergence = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    if divergence is not None:
+        ours, theirs = got.logprobs[divergence], expected.logprobs[divergence]
+        assert expected.token_ids[divergence] in [t for t, _ in ours.top], (divergence, ours, theirs)
+        assert got.token_ids[divergence] in [t for t, _ in theirs.top], (divergence, ours, theirs)
+
+
 def test_float16_kv_cache_answers_like_float32(bundled_gguf, llm):
     """kv_cache_dtype=float16: the pool holds float16 (half the bytes per token), prompts and replies
     pass through it (a chat's prefill, the fused decode steps, a second turn reading the first's
@@ -129,12 +140,7 @@ def test_float16_kv_cache_answers_like_float32(bundled_gguf, llm):
         assert f16.chat(history, SamplingParams(max_tokens=8, temperature=0)).usage.cached_tokens >= 32
         assert f16.runner_timings()["fused_steps"] > 0
         wait_idle_and_check(f16)
-    pairs = list(zip(got.token_ids, expected.token_ids, strict=True))
-    divergence = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-    if divergence is not None:
-        ours, theirs = got.logprobs[divergence], expected.logprobs[divergence]
-        assert expected.token_ids[divergence] in [t for t, _ in ours.top], (divergence, ours, theirs)
-        assert got.token_ids[divergence] in [t for t, _ in theirs.top], (divergence, ours, theirs)
+    assert_first_divergence_agrees(got, expected)
 
 
 def test_bfloat16_engine_answers_like_float32(bundled_gguf, llm):
@@ -145,9 +151,4 @@ def test_bfloat16_engine_answers_like_float32(bundled_gguf, llm):
         assert bf16.dtype == torch.bfloat16 and bf16.model.norm.weight.dtype == torch.bfloat16
         got = bf16.chat(FRANCE, params)
         wait_idle_and_check(bf16)
-    pairs = list(zip(got.token_ids, expected.token_ids, strict=True))
-    divergence = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-    if divergence is not None:
-        ours, theirs = got.logprobs[divergence], expected.logprobs[divergence]
-        assert expected.token_ids[divergence] in [t for t, _ in ours.top], (divergence, ours, theirs)
-        assert got.token_ids[divergence] in [t for t, _ in theirs.top], (divergence, ours, theirs)
+    assert_first_divergence_agrees(got, expected)
