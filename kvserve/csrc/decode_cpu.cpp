@@ -571,7 +571,8 @@ void causal_attention_avx2(const T* qkv, T* out, const std::vector<int64_t>& sta
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        T* dst = out + (starts[task.seq] + task.first + r / group) * num_heads * dim + (task.head * group + r % group) * dim;
+        const int64_t token = starts[task.seq] + task.first + r / group;
+        T* dst = out + token * num_heads * dim + (task.head * group + r % group) * dim;
         for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(o[r * dim + d] * inverse_sum[r]);
       }
     }
@@ -629,13 +630,13 @@ at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& s
                     norms[2 * l].data_ptr<T>(), normed.data_ptr<T>(), tokens, hidden, static_cast<float>(eps));
     at::Tensor qkv = linear(normed, linears[4 * l], group_size, policy).contiguous();
     rope_and_cache<T, C>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin_signed.data_ptr<T>(),
-                         slot_mapping.data_ptr<int64_t>(), k_caches[l].data_ptr<C>(), v_caches[l].data_ptr<C>(), tokens, num_heads, num_kv_heads,
-                      head_dim);
+                         slot_mapping.data_ptr<int64_t>(), k_caches[l].data_ptr<C>(), v_caches[l].data_ptr<C>(),
+                         tokens, num_heads, num_kv_heads, head_dim);
     if (prefill_starts.empty()) {
       decode_attention<T, C>(qkv.data_ptr<T>(), k_caches[l].data_ptr<C>(), v_caches[l].data_ptr<C>(),
-                          block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), attn.data_ptr<T>(), tokens,
-                          block_tables.size(1), block_size, num_heads, num_kv_heads, head_dim,
-                          static_cast<float>(scale));
+                             block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), attn.data_ptr<T>(),
+                             tokens, block_tables.size(1), block_size, num_heads, num_kv_heads, head_dim,
+                             static_cast<float>(scale));
     } else {
       prefill_attention<T>(qkv, attn, prefill_starts, num_heads, num_kv_heads, head_dim, scale);
     }
@@ -656,7 +657,9 @@ at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& s
 // One decode step (one new token per sequence) through every layer and the final norm.
 // x: [B, hidden] embeddings; cos, sin_signed: [B, head_dim]; slot_mapping, seq_lens: [B] int64;
 // block_tables: [B, max_blocks] int64; norms: 2 per layer + the final one; linears: 4 per layer
-// (qkv, o, gate_up, down) as (kind, weight, scales, bias) with undefined tensors where unused.
+// (qkv, o, gate_up, down) as (kind, weight, scales, bias) with undefined tensors where unused;
+// k_caches, v_caches: one per layer, all float32, bfloat16 or float16 (the KV cache dtype, which may
+// differ from the compute dtype: keys and values are rounded to it when written).
 // With prefill_starts (S + 1 row offsets), the rows are instead the whole prompts of S fresh
 // sequences (no earlier context; block_tables and seq_lens unused): a prefill step, whose
 // attention is prefill_attention's.
