@@ -137,6 +137,32 @@ inline float sum_lanes(Vec v) {
   return total;
 }
 
+// The largest of s[0, n), eight at a time with AVX2; with `nan`, whether any of them is NaN (the
+// maximum is then meaningless: the vector max keeps NaN or drops it by operand order).
+inline float row_peak(const float* s, int64_t n, bool* nan = nullptr) {
+  int64_t i = 0;
+  float peak = -INFINITY;
+  bool unordered = false;
+#if defined(__AVX2__)
+  __m256 peaks = _mm256_set1_ps(-INFINITY), flags = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(s + i);
+    peaks = _mm256_max_ps(peaks, v);
+    if (nan) flags = _mm256_or_ps(flags, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, peaks);
+  for (float lane : lanes) peak = std::max(peak, lane);
+  unordered = _mm256_movemask_ps(flags) != 0;
+#endif
+  for (; i < n; ++i) {
+    unordered |= std::isnan(s[i]);
+    peak = std::max(peak, s[i]);
+  }
+  if (nan) *nan = unordered;
+  return peak;
+}
+
 // s[i] = exp(s[i] - max(s)) for i < n (softmax's numerators); returns their sum. With AVX2, eight
 // at a time through exp8: Cephes' expf, a degree-6 polynomial after the reduction by ln 2. Against
 // std::exp at every 1e-4 from -87.3 to 0, at most 1 unit in the last place apart; below about
@@ -167,17 +193,9 @@ inline __m256 exp8(__m256 x) {
 #endif
 
 inline float exp_sum(float* s, int64_t n) {
+  const float peak = row_peak(s, n);
+  float total = 0.f;
   int64_t i = 0;
-  float peak = -INFINITY, total = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 peaks = _mm256_set1_ps(-INFINITY);
-  for (; i + 8 <= n; i += 8) peaks = _mm256_max_ps(peaks, _mm256_loadu_ps(s + i));
-  float lane_peaks[8];
-  _mm256_storeu_ps(lane_peaks, peaks);
-  for (float lane : lane_peaks) peak = std::max(peak, lane);
-#endif
-  for (; i < n; ++i) peak = std::max(peak, s[i]);
-  i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 sum = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
@@ -1484,25 +1502,8 @@ at::Tensor argmax_rows(at::Tensor logits) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x + r * vocab;
-      float best = -INFINITY;
       bool nan = false;
-      int64_t i = 0;
-#if defined(__AVX2__)
-      __m256 peak = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
-      for (; i + 8 <= vocab; i += 8) {
-        const __m256 v = _mm256_loadu_ps(row + i);
-        peak = _mm256_max_ps(peak, v);
-        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      }
-      float lanes[8];
-      _mm256_storeu_ps(lanes, peak);
-      for (float lane : lanes) best = std::max(best, lane);
-      nan = _mm256_movemask_ps(unordered) != 0;
-#endif
-      for (; i < vocab; ++i) {
-        nan |= std::isnan(row[i]);
-        best = std::max(best, row[i]);
-      }
+      const float best = row_peak(row, vocab, &nan);
       int64_t index = 0;
       if (nan) {
         while (!std::isnan(row[index])) ++index;
