@@ -1312,9 +1312,9 @@ inline void q8_block_one(const int8_t* xq, const float* xd, const float* xs, con
   for (int64_t j = 0; j < NV * 8; ++j) out[n0 + j] = from_float<O>(lanes[j]);
 }
 
-// q8_tile for its main tile, 5 rows x 2 vectors, written out in assembly. GCC keeps 4 of the 10
-// int16 accumulators on the stack and copies the others between registers every step (20 extra
-// instructions per 10 vpmaddubsw), though they, the 2 code vectors, the broadcast input and 2
+// q8_tile for its main tile, 5 rows x 2 vectors, written out in assembly. GCC (12, -O3) keeps 4 of
+// the 10 int16 accumulators on the stack and copies the others between registers every step (20
+// extra instructions per 10 vpmaddubsw), though they, the 2 code vectors, the broadcast input and 2
 // products fit AVX2's 16 registers. Here the accumulators stay in ymm0-9: per quad of inputs, 2
 // code loads, 5 broadcasts, 10 vpmaddubsw and 10 vpaddw; then the group's float step (group_step's
 // arithmetic in the same order, so the results are the same bit for bit). For the bundled model's

@@ -38,7 +38,8 @@ INT4_FEW_ROWS = 64
 # multiplied into them in integers (vpmaddubsw: 32 products per instruction against a float FMA's 8),
 # as llama.cpp's CPU backend does. Measured on the bundled model's four projections of a layer
 # (2-core AVX2 CPU, in turn in one process): 0.073 / 0.47 / 1.7 / 13 ms for 1 / 16 / 64 / 512 rows,
-# against 0.125 / 0.89 / 3.1 ms for the float int4_mm and 22 ms for dequantize + GEMM at 512. A row's
+# against 0.125 / 0.89 / 3.1 ms for the float int4_mm and 22 ms for dequantize + GEMM at 512 (the
+# assembly tile in kvserve/csrc later took 0.78-0.90 of the int8 times at 16-512 rows). A row's
 # result does not depend on the rows batched with it. The inputs' rounding moved the bundled model's
 # top logits for a chat prompt's first token by about 0.5 (llama.cpp's by about as much), enough to
 # flip near-ties: an option, off by default. Until the C++ kernels are loaded, inputs stay float.
