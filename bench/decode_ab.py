@@ -14,8 +14,8 @@ the rates and the median, min and max of the round ratios.
 
 Both engines run on 2 threads (--threads) on the same GGUF: kvserve with `LLM(weights=--kvserve-weights)`
 (compare.py's values: auto+int8 adds activations="int8", +f16kv a float16 KV cache), llama.cpp
-in-process through llama-cpp-python's low-level loop (compare.llamacpp_stream). Writes JSON (--out, default results/decode_ab.json) and prints a
-Markdown table.
+in-process through llama-cpp-python's low-level loop (compare.llamacpp_stream). Writes JSON (--out,
+default results/decode_ab.json) and prints a Markdown table.
 
     python bench/decode_ab.py                     # 6 rounds, 128 tokens, 3 decodes per process
     python bench/decode_ab.py --rounds 2 --max-tokens 32 --prompt-len 64 --out /tmp/ab.json   # smoke test

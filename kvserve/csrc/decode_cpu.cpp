@@ -1312,10 +1312,10 @@ inline void q8_block_one(const int8_t* xq, const float* xd, const float* xs, con
   for (int64_t j = 0; j < NV * 8; ++j) out[n0 + j] = from_float<O>(lanes[j]);
 }
 
-// q8_tile for its main tile, 5 rows x 2 vectors, written out in assembly. GCC (12, -O3) keeps 4 of
-// the 10 int16 accumulators on the stack and copies the others between registers every step (20
-// extra instructions per 10 vpmaddubsw), though they, the 2 code vectors, the broadcast input and 2
-// products fit AVX2's 16 registers. Here the accumulators stay in ymm0-9: per quad of inputs, 2
+// q8_tile (below) for its main tile, 5 rows x 2 vectors, written out in assembly. GCC (12, -O3)
+// keeps 4 of the 10 int16 accumulators on the stack and copies the others between registers every
+// step (20 extra instructions per 10 vpmaddubsw), though they, the 2 code vectors, the broadcast
+// input and 2 products fit AVX2's 16 registers. Here the accumulators stay in ymm0-9: per quad of inputs, 2
 // code loads, 5 broadcasts, 10 vpmaddubsw and 10 vpaddw; then the group's float step (group_step's
 // arithmetic in the same order, so the results are the same bit for bit). For the bundled model's
 // four projections of a layer, against the intrinsics alternating in one process: 0.83-0.86 /
@@ -1393,10 +1393,6 @@ inline void q8_tile_5x2(const int8_t* xq, int64_t k_len, const float* xd, const 
 template <int R, int NT, int NV>
 inline void q8_tile(const int8_t* xq, int64_t k_len, const float* xd, const float* xs, int64_t groups,
                     const __m256i* codes, const __m256* scale, const __m256* min, __m256* total) {
-  if constexpr (R == 5 && NT == 2) {
-    q8_tile_5x2<NV * 32>(xq, k_len, xd, xs, groups, codes, scale, min, total);
-    return;
-  }
   __m256i acc[R][NT];
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
@@ -1428,8 +1424,14 @@ inline void q8_rows(const int8_t* xq, const float* xd, const float* xs, int64_t 
   __m256 total[R * NT];
   for (int i = 0; i < R * NT; ++i) total[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    q8_tile<R, NT, NV>(xq + r * k_len + g * kQ8Group, k_len, xd + r * groups + g, xs + r * groups + g, groups,
-                       codes + g * (kQ8Group / 4) * NV + v, scale + g * NV + v, min + g * NV + v, total);
+    const int8_t* xg = xq + r * k_len + g * kQ8Group;
+    const float *dg = xd + r * groups + g, *sg = xs + r * groups + g;
+    const __m256i* cg = codes + g * (kQ8Group / 4) * NV + v;
+    if constexpr (R == 5 && NT == 2) {  // the full tile in assembly
+      q8_tile_5x2<NV * 32>(xg, k_len, dg, sg, groups, cg, scale + g * NV + v, min + g * NV + v, total);
+    } else {
+      q8_tile<R, NT, NV>(xg, k_len, dg, sg, groups, cg, scale + g * NV + v, min + g * NV + v, total);
+    }
   }
   for (int i = 0; i < R; ++i) {
     float lanes[NT * 8];
