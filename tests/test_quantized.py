@@ -108,6 +108,21 @@ def test_int8_group_linear_equals_the_dequantized_matmul(rows, compiled, monkeyp
     assert (bf16 - expected).abs().max().item() <= 0.02 * expected.abs().max().item()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 17, 40, 64], ids=lambda n: f"{n}-rows")
+def test_int8_group_linear_sums_bfloat16_inputs_in_float32(rows):
+    """bfloat16 inputs times int8 codes: every product is exact in float32 (8-bit significands), so
+    whichever kernel serves (AMX tiles from 4 rows where the CPU has them, the float kernels else),
+    the result is the float64 product of the same bfloat16 inputs up to float32 summation. 83 code
+    rows and 40 input rows end in partial blocks of 16; 32 groups of inputs."""
+    codes, scales = int8_groups_from_float(torch.randn(83, 1024, generator=torch.Generator().manual_seed(3)))
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    weight = (codes.view(83, 32, 32).double() * scales.double()[..., None]).view(83, 1024)
+    expected = x.double() @ weight.T
+    got = Int8GroupLinear(codes, scales, torch.bfloat16)(x)
+    assert got.dtype == torch.float32
+    assert (got.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
 def test_int4_from_float_round_trips_within_half_a_step():
     weight = torch.randn(32, 64)
     groups = Int4Groups.from_float(weight)

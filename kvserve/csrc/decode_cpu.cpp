@@ -20,6 +20,10 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -466,8 +470,31 @@ void decode_attention(const T* qkv, const C* k_cache, const C* v_cache, const in
   });
 }
 
-// out = T(silu(gate)) * up, rounded like F.silu(gate) * up. In float32 with AVX2, eight at a time
-// through exp8 (std::exp one at a time was 6% of a 512-token prefill).
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight bfloat16 values widened to float32 (exact), and float32 rounded to bfloat16 as c10::BFloat16
+// rounds (to nearest even; NaN to 0x7FC0), kept in a float whose low 16 bits are zero.
+inline __m256 load8_bf16(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 round8_bf16(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+                                           _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                          _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+inline void store8_bf16(c10::BFloat16* p, __m256 rounded) {  // rounded: round8_bf16's output
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+#endif
+
+// out = T(silu(gate)) * up, rounded like F.silu(gate) * up. With AVX2, eight at a time through exp8
+// (std::exp one at a time was 6% of a 512-token prefill in float32, and in bfloat16 6.5% of a
+// 64-stream decode step, where it took 5.6 ms of 86).
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -482,6 +509,12 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
           const __m256 x = _mm256_loadu_ps(g + i);
           const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(-x)));
           _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        for (; i + 8 <= inter; i += 8) {
+          const __m256 x = load8_bf16(g + i);
+          const __m256 silu = round8_bf16(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(-x))));
+          store8_bf16(o + i, round8_bf16(_mm256_mul_ps(silu, load8_bf16(u + i))));
         }
       }
 #endif
@@ -995,11 +1028,152 @@ void int8_group_matmul_impl(const T* x, const int8_t* codes, const float* scales
   });
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// ----- the lm_head on AMX (bfloat16 inputs) -------------------------------------------------------
+// Where the CPU has AMX and x is bfloat16, a tile multiply (TDPBF16PS: a 16 x 32 by 32 x 16 bfloat16
+// product summed in float32, per instruction) computes each group of 32 inputs for 16 vocabulary
+// rows and 16 rows of x. The int8 codes are exact in bfloat16 (8-bit significands), so are x's
+// bfloat16 values, and their products are exact in float32: the group's sum is float32 as in
+// int8_group_dot, only summed in another order. Each group's sums are then scaled by the code rows'
+// scales into float32 totals, as the float kernels do. Per block of 16 vocabulary rows the codes are
+// widened to bfloat16 once (16 rows x 32 inputs per tile, row-major as stored: tile A); x is laid
+// out once per call as the pairs of inputs that tile B wants ([group][input pair][16 rows of x]).
+// The tiles' results are 16 vocabulary rows x 16 rows of x, transposed into out when written.
+constexpr int64_t kAmxMinRows = 4;
+
+bool amx_usable() {
+  static const bool usable = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // Linux: ask for the tile state
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0 and 3 (C: 16 x 16 float32, alternating by group), 1 (A: 16 x 32 bfloat16) and 2 (B: 16
+// input pairs x 16 x 2 bfloat16).
+inline void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 4; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// total[r] += scale(r) * c[r] for 16 rows of 16 floats.
+inline void scale_rows(__m512* total, const float* c, const float* scales, int64_t stride, int64_t rows) {
+  for (int r = 0; r < 16; ++r) {
+    const __m512 scale = _mm512_set1_ps(r < rows ? scales[r * stride] : 0.f);
+    total[r] = _mm512_fmadd_ps(scale, _mm512_load_ps(c + r * 16), total[r]);
+  }
+}
+
+// Group g of a block: its multiply into C tile 0 or 3 (by g's parity), then the previous group's
+// products stored from the other C tile, then those of the group before it scaled into total. A tile
+// store waits for its multiply to finish and a load of stored products waits for the store (tens of
+// cycles each), so each waits on work issued an iteration earlier.
+// (GCC's tile intrinsics paste the tile number into the instruction: literals only, hence a macro.)
+#define KVSERVE_AMX_GROUP_STEP(TILE, OTHER)                                                  \
+  inline void amx_group_step_##TILE(int64_t g, const __m512i* a, const uint32_t* xb, float(*c)[256], \
+                                    __m512* total, const float* scales, int64_t groups, int64_t rows) { \
+    _tile_zero(TILE);                                                                        \
+    _tile_loadd(1, a + g * 16, 64);                                                          \
+    _tile_loadd(2, xb + g * 256, 64);                                                        \
+    _tile_dpbf16ps(TILE, 1, 2);                                                              \
+    if (g >= 1) _tile_stored(OTHER, c[(g - 1) & 1], 64);                                     \
+    if (g >= 2) scale_rows(total, c[g & 1], scales + g - 2, groups, rows);                   \
+  }
+KVSERVE_AMX_GROUP_STEP(0, 3)
+KVSERVE_AMX_GROUP_STEP(3, 0)
+#undef KVSERVE_AMX_GROUP_STEP
+
+void int8_group_matmul_amx(const c10::BFloat16* x, const int8_t* codes, const float* scales, float* out, int64_t m,
+                           int64_t k, int64_t v) {
+  const int64_t groups = k / 32, row_blocks = (m + 15) / 16;
+  // xb[((b * groups + g) * 16 + p) * 16 + i]: inputs 2p, 2p + 1 of group g of x's row 16 b + i (zero past m)
+  std::vector<uint32_t> xb(row_blocks * groups * 256, 0);
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < k / 2; ++j) xb[((r / 16 * groups + j / 16) * 16 + j % 16) * 16 + r % 16] = pairs[r * k / 2 + j];
+  }
+  at::parallel_for(0, (v + 15) / 16, 8, [&](int64_t begin, int64_t end) {
+    load_tile_config();
+    std::vector<__m512i> a(groups * 16);  // [group][16 code rows] of 32 bfloat16
+    alignas(64) float c[2][256];          // two groups' products, see amx_group_step
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t v0 = block * 16, rows = std::min<int64_t>(16, v - v0);
+      for (int64_t r = 0; r < 16; ++r) {
+        for (int64_t g = 0; g < groups; ++g) {
+          if (r >= rows) {
+            a[g * 16 + r] = _mm512_setzero_si512();
+            continue;
+          }
+          const int8_t* src = codes + (v0 + r) * k + g * 32;
+          const __m512 low =
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+          const __m512 high =
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+          a[g * 16 + r] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+        }
+      }
+      const float* block_scales = scales + v0 * groups;
+      for (int64_t b = 0; b < row_blocks; ++b) {
+        __m512 total[16];
+        for (int r = 0; r < 16; ++r) total[r] = _mm512_setzero_ps();
+        const uint32_t* xblock = xb.data() + b * groups * 256;
+        for (int64_t g = 0; g < groups; ++g) {
+          if (g & 1) {
+            amx_group_step_3(g, a.data(), xblock, c, total, block_scales, groups, rows);
+          } else {
+            amx_group_step_0(g, a.data(), xblock, c, total, block_scales, groups, rows);
+          }
+        }
+        // the last group's products, then the last two groups' scaling
+        if (groups & 1) {
+          _tile_stored(0, c[(groups - 1) & 1], 64);
+        } else {
+          _tile_stored(3, c[(groups - 1) & 1], 64);
+        }
+        if (groups >= 2) scale_rows(total, c[groups & 1], block_scales + groups - 2, groups, rows);
+        scale_rows(total, c[(groups - 1) & 1], block_scales + groups - 1, groups, rows);
+        alignas(64) float t[256];  // [vocabulary row][16 rows of x]
+        for (int r = 0; r < 16; ++r) _mm512_store_ps(t + r * 16, total[r]);
+        const int64_t xrows = std::min<int64_t>(16, m - b * 16);
+        const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                                           10, 11, 12, 13, 14, 15));
+        for (int64_t i = 0; i < xrows; ++i) {
+          float* o = out + (b * 16 + i) * v + v0;
+          if (rows == 16) {
+            _mm512_storeu_ps(o, _mm512_i32gather_ps(column, t + i, 4));  // t[r * 16 + i] for r < 16
+          } else {
+            for (int64_t r = 0; r < rows; ++r) o[r] = t[r * 16 + i];
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 at::Tensor int8_group_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1) && codes.size(1) % 32 == 0,
               "int8_group_matmul: x [M, K], codes [V, K] with K a multiple of 32");
   x = x.contiguous();
   at::Tensor out = at::empty({x.size(0), codes.size(0)}, x.options().dtype(at::kFloat));
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) >= kAmxMinRows && amx_usable()) {
+    int8_group_matmul_amx(x.data_ptr<c10::BFloat16>(), codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                          out.data_ptr<float>(), x.size(0), x.size(1), codes.size(0));
+    return out;
+  }
+#endif
   if (x.scalar_type() == at::kBFloat16) {
     int8_group_matmul_impl<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), codes.data_ptr<int8_t>(),
                                           scales.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
@@ -1440,6 +1614,62 @@ inline void q8_rows(const int8_t* xq, const float* xd, const float* xs, int64_t 
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// With AVX512-VNNI, q8_rows's tile for many rows: vpdpbusd multiplies 64 code bytes by 64 input
+// bytes and adds each lane's four products into its int32 sum in one instruction, where AVX2 needs
+// vpmaddubsw + vpaddw for half as many (and a vpmaddwd per group). The codes are q8_block_many's
+// rearrangement read 16 columns (two of its AVX2 vectors) at a time; the integer sums are exact
+// and the float step per group is group_step's arithmetic in the same order, so the results are
+// those of the AVX2 kernels bit for bit. R rows x NT vectors of 16 columns: R * NT int32 sums and as
+// many float totals, NT code vectors and the broadcast input fit AVX-512's 32 registers for 6 x 2.
+constexpr bool kVnni = true;
+template <int R, int NT, int NV, typename O>
+inline void q8_rows_vnni(const int8_t* xq, const float* xd, const float* xs, int64_t r, int v, int64_t k_len,
+                         const __m256i* codes, const __m256* scale, const __m256* min, O* out, int64_t n,
+                         int64_t n0) {
+  const int64_t groups = k_len / kQ8Group;
+  __m512 total[R][NT];
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < NT; ++t) total[i][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[R][NT];
+    for (int i = 0; i < R; ++i)
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_si512();
+    const int8_t* xg = xq + r * k_len + g * kQ8Group;
+    for (int q = 0; q < kQ8Group / 4; ++q) {
+      const __m256i* cq = codes + (g * (kQ8Group / 4) + q) * NV + v;  // v: the AVX2 vector of the tile's first column
+      __m512i c[NT];
+      for (int t = 0; t < NT; ++t) c[t] = _mm512_loadu_si512(cq + 2 * t);
+      for (int i = 0; i < R; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xg + i * k_len + 4 * q, 4);
+        const __m512i xb = _mm512_set1_epi32(quad);
+        for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], c[t], xb);
+      }
+    }
+    __m512 sc[NT], mn[NT];
+    for (int t = 0; t < NT; ++t) {
+      sc[t] = _mm512_loadu_ps(scale + g * NV + v + 2 * t);
+      mn[t] = _mm512_loadu_ps(min + g * NV + v + 2 * t);
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512 d = _mm512_set1_ps(xd[(r + i) * groups + g]), s = _mm512_set1_ps(xs[(r + i) * groups + g]);
+      for (int t = 0; t < NT; ++t) {
+        total[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(sc[t], d), _mm512_cvtepi32_ps(acc[i][t]), total[i][t]);
+        total[i][t] = _mm512_fmadd_ps(s, mn[t], total[i][t]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    float lanes[NT * 16];
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(lanes + 16 * t, total[i][t]);
+    for (int64_t j = 0; j < NT * 16; ++j) out[(r + i) * n + n0 + 8 * v + j] = from_float<O>(lanes[j]);
+  }
+}
+#else
+constexpr bool kVnni = false;
+#endif
+
 // Many rows times one block of NV * 8 columns. The block's codes are rearranged once into a
 // buffer, four consecutive inputs of a column per int32 lane and 8 columns per vector, so that one
 // vpmaddubsw + vpmaddwd gives 8 columns' sums over 4 inputs, and its scales and mins widened to
@@ -1480,6 +1710,26 @@ void q8_block_many(const int8_t* xq, const float* xd, const float* xs, int64_t m
       min[g * NV + v] = load8(scales_mins + (2 * g + 1) * n + n0 + 8 * v);
     }
   }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if constexpr (NV % 4 == 0) {
+    constexpr int kVnniRows = 6, kVnniVecs = 2;  // vectors of 16 columns
+    for (int64_t r = 0; r < m; r += kVnniRows) {
+      for (int v = 0; v < NV; v += 2 * kVnniVecs) {
+        switch (std::min<int64_t>(kVnniRows, m - r)) {
+#define KVSERVE_ROWS(R)                                                                                       \
+  case R:                                                                                                     \
+    q8_rows_vnni<R, kVnniVecs, NV>(xq, xd, xs, r, v, k_len, codes.data(), scale, min, out, n, n0); \
+    break;
+          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+#undef KVSERVE_ROWS
+          default:
+            TORCH_CHECK(false, "int4_mm: bad row tile");
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t r = 0; r < m; r += kTileRows) {
     for (int v = 0; v < NV; v += kTileVecs) {
       switch (std::min<int64_t>(kTileRows, m - r)) {
