@@ -220,6 +220,7 @@ def test_int4_paths_equal_the_dequantized_reference(extension, dtype, half_scale
         paths = {}
         for few_rows in (10**9, 0):
             monkeypatch.setattr(quantized, "INT4_FEW_ROWS", few_rows)
+            monkeypatch.setattr(quantized, "INT4_FEW_ROWS_AMX_BF16", few_rows)
             paths[f"few_rows={few_rows}"] = layer(x).float()
         monkeypatch.setattr(quantized, "_int4_block", 0)  # an unknown layout: PyTorch's kernel
         paths["int4 kernel"] = layer(x).float()

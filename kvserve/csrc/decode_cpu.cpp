@@ -1920,6 +1920,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_forward", &decode_forward, "one decode step (or fresh prompts' prefill) of a Llama model");
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (NaN largest), [B] int64");
   m.def("int8_activations", [] { return kInt8Activations; }, "whether int4_mm can quantize activations to int8");
+  m.def(
+      "amx",
+      [] {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+        return amx_usable();
+#else
+        return false;
+#endif
+      },
+      "whether this build runs AMX tiles (bfloat16 GEMMs then favour more rows)");
   m.def("int4_mm", &int4_mm, "x @ W.T for an Int4Linear's packed weight, for a few rows");
   m.def("dequantize_int4", &dequantize_int4, "an Int4Linear's transposed weight in its compute dtype, [K, N]");
 }

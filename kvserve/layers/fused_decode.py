@@ -196,7 +196,7 @@ class FusedDecoder:
             self.eps,
             self.scale,
             self.group_size,
-            quantized.INT4_FEW_ROWS,
+            quantized.int4_few_rows(x.dtype),
             quantized.int4_block_rows() or 0,
             self.int8_activations,
             prefill_starts or [],

@@ -33,6 +33,11 @@ CHUNK_ROWS = 4096
 # model's 3072 x 576 gate/up projection (2-core AVX2 CPU, float32): int4_mm takes 0.11 / 0.80 / 2.6 ms
 # for 1 / 16 / 64 rows; PyTorch's int4 kernel 2.1 / 30 / 120 ms; dequantize + GEMM 0.7 / 1.4 / 3.1 ms.
 INT4_FEW_ROWS = 64
+# Where PyTorch's bfloat16 GEMM runs on AMX tiles (oneDNN, Sapphire Rapids and later), the dequantized
+# GEMM wins from fewer rows: the bundled model decoding in bfloat16 on a 2-core Sapphire Rapids VM gave
+# 559-574 / 617-652 / 707-716 tok/s at 16 / 32 / 64 streams through int4_mm, against 379-389 / 629-651
+# / 825-922 through the GEMM. For bfloat16 inputs on such a CPU, rows past this take the GEMM.
+INT4_FEW_ROWS_AMX_BF16 = 32
 # activations="int8" (an Int4Linear's int8_activations): its inputs quantized to int8 per group of 32
 # (x ~ d * q, d = max|x| / 127) for every batch size, where the C++ kernels run on AVX2, and the codes
 # multiplied into them in integers (vpmaddubsw: 32 products per instruction against a float FMA's 8),
@@ -84,6 +89,15 @@ def int4_block_rows() -> int | None:
             0,
         )
     return _int4_block or None
+
+
+def int4_few_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows an Int4Linear with float inputs of `dtype` multiplies through int4_mm
+    (more rows: a GEMM over the dequantized weight); see INT4_FEW_ROWS."""
+    extension = _extension()
+    if dtype == torch.bfloat16 and extension is not None and extension.amx():
+        return min(INT4_FEW_ROWS, INT4_FEW_ROWS_AMX_BF16)
+    return INT4_FEW_ROWS
 
 
 def set_activations(model: nn.Module, activations: str) -> None:
@@ -214,7 +228,7 @@ class Int4Linear(nn.Module):
             extension = _extension()
             args = (self.weight_packed, self.scales_mins)
             int8 = self.takes_int8(extension)
-            if int8 or x2.shape[0] <= INT4_FEW_ROWS:
+            if int8 or x2.shape[0] <= int4_few_rows(x2.dtype):
                 out = extension.int4_mm(x2, *args, self.out_features, self.group_size, block, int8)
             else:  # a float GEMM over the dequantized weight: weight_t [K, N]
                 weight_t = extension.dequantize_int4(
