@@ -1104,7 +1104,8 @@ void int8_group_matmul_impl(const T* x, const int8_t* codes, const float* scales
 // int8_group_dot, only summed in another order. Each group's sums are then scaled by the code rows'
 // scales into float32 totals, as the float kernels do. Per block of 16 vocabulary rows the codes are
 // widened to bfloat16 once (16 rows x 32 inputs per tile, row-major as stored: tile A); x is laid
-// out once per call as the pairs of inputs that tile B wants ([group][input pair][16 rows of x]).
+// out once per call as the pairs of inputs that tile B wants ([block of 16 rows][group][input
+// pair][row of the block]).
 // The tiles' results are 16 vocabulary rows x 16 rows of x, transposed into out when written.
 constexpr int64_t kAmxMinRows = 4;
 
@@ -1689,7 +1690,6 @@ inline void q8_rows(const int8_t* xq, const float* xd, const float* xs, int64_t 
 // and the float step per group is group_step's arithmetic in the same order, so the results are
 // those of the AVX2 kernels bit for bit. R rows x NT vectors of 16 columns: R * NT int32 sums and as
 // many float totals, NT code vectors and the broadcast input fit AVX-512's 32 registers for 6 x 2.
-constexpr bool kVnni = true;
 template <int R, int NT, int NV, typename O>
 inline void q8_rows_vnni(const int8_t* xq, const float* xd, const float* xs, int64_t r, int v, int64_t k_len,
                          const __m256i* codes, const __m256* scale, const __m256* min, O* out, int64_t n,
@@ -1733,8 +1733,6 @@ inline void q8_rows_vnni(const int8_t* xq, const float* xd, const float* xs, int
     for (int64_t j = 0; j < NT * 16; ++j) out[(r + i) * n + n0 + 8 * v + j] = from_float<O>(lanes[j]);
   }
 }
-#else
-constexpr bool kVnni = false;
 #endif
 
 // Many rows times one block of NV * 8 columns. The block's codes are rearranged once into a
