@@ -141,24 +141,46 @@ inline float sum_lanes(Vec v) {
   return total;
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// r[i] = the sum of v[i]'s lanes, for kLanes vectors at once (decode attention's scores of kLanes
+// keys): pairs of vectors are interleaved and added, halving the count each time, instead of kLanes
+// separate reductions.
+inline Vec sum_lanes_each(const Vec* v) {
 #if defined(__AVX512F__)
-// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairs of vectors are interleaved and
-// added (within 128-bit lanes, then across them), four halvings instead of 16 separate reductions.
-inline __m512 sum_lanes16(const __m512* v) {
+  const __m512* z = reinterpret_cast<const __m512*>(v);
   __m512 s1[8], s2[4], s3[2];
   for (int i = 0; i < 8; ++i) {  // lane L: [2i part, 2i+1 part, 2i part, 2i+1 part]
-    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(z[2 * i], z[2 * i + 1]), _mm512_unpackhi_ps(z[2 * i], z[2 * i + 1]));
   }
-  for (int i = 0; i < 4; ++i) {  // lane L: keys 4i .. 4i+3, each summed over lane L of its vector
+  for (int i = 0; i < 4; ++i) {  // lane L: vectors 4i .. 4i+3, each summed over its lane L
     const __m512d a = _mm512_castps_pd(s1[2 * i]), b = _mm512_castps_pd(s1[2 * i + 1]);
     s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
-  for (int i = 0; i < 2; ++i) {  // lanes 0-1: keys 8i .. 8i+3 (two halves), lanes 2-3: keys 8i+4 .. 8i+7
+  for (int i = 0; i < 2; ++i) {  // lanes 0-1: vectors 8i .. 8i+3 (two halves), lanes 2-3: 8i+4 .. 8i+7
     s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                           _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return reinterpret_cast<Vec>(_mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                             _mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1))));
+#else
+  // horizontal adds, then one swap of halves
+  const __m256* y = reinterpret_cast<const __m256*>(v);
+  const __m256 h01 = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+  const __m256 h45 = _mm256_hadd_ps(_mm256_hadd_ps(y[4], y[5]), _mm256_hadd_ps(y[6], y[7]));
+  return reinterpret_cast<Vec>(
+      _mm256_add_ps(_mm256_permute2f128_ps(h01, h45, 0x20), _mm256_permute2f128_ps(h01, h45, 0x31)));
+#endif
+}
+
+// c + a * b in one rounding (FMA).
+inline Vec fused_multiply_add(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(
+      _mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), reinterpret_cast<__m512>(c)));
+#else
+  return reinterpret_cast<Vec>(
+      _mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b), reinterpret_cast<__m256>(c)));
+#endif
 }
 #endif
 
@@ -399,7 +421,7 @@ void decode_attention(const T* qkv, const C* k_cache, const C* v_cache, const in
                       const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t max_blocks, int64_t block_size,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {
   constexpr int kDimVecs = kLanes < 64 ? 64 / kLanes : 1, kKeys = 4;  // 64 dimensions at a time
-  constexpr int64_t kMaxGroup = 4;  // query heads per KV head summed over values together
+  constexpr int kHeadsPerPass = kLanes == 16 ? 4 : 1;  // query heads summed over the values together
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t kv_row = num_kv_heads * head_dim;
@@ -424,48 +446,25 @@ void decode_attention(const T* qkv, const C* k_cache, const C* v_cache, const in
         const float* qg = q.data() + g * head_dim;
         float* sg = scores.data() + g * len;
         int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-        // Eight keys at a time where the vectors are AVX2's: their eight sums reduced together
-        // (horizontal adds and one swap of halves) into one vector of scores.
-        for (; vectors && j + 8 <= len; j += 8) {
-          __m256 acc[8];
-          const C* key[8];
-          for (int i = 0; i < 8; ++i) {
-            acc[i] = _mm256_setzero_ps();
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+        // kLanes keys at a time (8 on AVX2, 16 on AVX-512): their sums reduced together into one
+        // vector of scores (sum_lanes_each). On AVX-512, four keys at a time with a scalar sum of each
+        // key's 16 lanes took about 23% of a 64-stream decode step of the bundled model (bfloat16
+        // cache, int8 activations); with this and the values' shared loads below, 18% of a step that
+        // took 0.9 of the time (perf, same machine).
+        for (; vectors && j + kLanes <= len; j += kLanes) {
+          Vec acc[kLanes];
+          const C* key[kLanes];
+          for (int i = 0; i < kLanes; ++i) {
+            acc[i] = Vec{};
             key[i] = keys + slots[j + i] * kv_row;
           }
-          for (int64_t d = 0; d < head_dim; d += 8) {
-            const __m256 qv = reinterpret_cast<__m256>(load_floats(qg + d));
-            for (int i = 0; i < 8; ++i) {
-              acc[i] = _mm256_fmadd_ps(qv, reinterpret_cast<__m256>(load_floats(key[i] + d)), acc[i]);
-            }
+          for (int64_t d = 0; d < head_dim; d += kLanes) {
+            const Vec qv = load_floats(qg + d);
+            for (int i = 0; i < kLanes; ++i) acc[i] = fused_multiply_add(qv, load_floats(key[i] + d), acc[i]);
           }
-          const __m256 h01 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-          const __m256 h45 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-          const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h01, h45, 0x20),
-                                            _mm256_permute2f128_ps(h01, h45, 0x31));
-          _mm256_storeu_ps(sg + j, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
-        }
-#endif
-#if defined(__AVX512F__)
-        // Sixteen keys at a time with AVX-512: their 16 sums reduced together (sum_lanes16) into one
-        // vector of scores, where four keys at a time with a scalar sum of each key's lanes took about
-        // 23% of a 64-stream decode step of the bundled model (bfloat16 cache, int8 activations). With
-        // this and the values below, 18% of a step that took 0.9 of the time (perf, same machine).
-        for (; vectors && j + 16 <= len; j += 16) {
-          __m512 acc[16];
-          const C* key[16];
-          for (int i = 0; i < 16; ++i) {
-            acc[i] = _mm512_setzero_ps();
-            key[i] = keys + slots[j + i] * kv_row;
-          }
-          for (int64_t d = 0; d < head_dim; d += 16) {
-            const __m512 qv = reinterpret_cast<__m512>(load_floats(qg + d));
-            for (int i = 0; i < 16; ++i) {
-              acc[i] = _mm512_fmadd_ps(qv, reinterpret_cast<__m512>(load_floats(key[i] + d)), acc[i]);
-            }
-          }
-          _mm512_storeu_ps(sg + j, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
+          const Vec scaled = sum_lanes_each(acc) * scale;
+          std::memcpy(sg + j, &scaled, sizeof(scaled));
         }
 #endif
         for (; vectors && j + kKeys <= len; j += kKeys) {
@@ -487,44 +486,33 @@ void decode_attention(const T* qkv, const C* k_cache, const C* v_cache, const in
         for (j = 0; j < len; ++j) sg[j] *= inv;
       }
       T* o = out + b * num_heads * head_dim + kvh * group * head_dim;
-      int64_t first_dim = 0;  // dimensions before it are done for every query head of the group
-      if (kLanes == 16 && group <= kMaxGroup) {
-        // AVX-512: up to kMaxGroup query heads of a KV head share each value vector's load and
-        // widening (their 4 x 4 accumulators fit its 32 registers; AVX2's 16 hold one head's 8).
-        for (; first_dim + kDimVecs * kLanes <= head_dim; first_dim += kDimVecs * kLanes) {
-          Vec acc[kMaxGroup][kDimVecs] = {};
+      // kHeadsPerPass query heads at a time share each value vector's load and widening (on AVX-512
+      // their 4 x 4 accumulators fit its 32 registers; AVX2's 16 hold one head's 8).
+      for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+        const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g0);
+        int64_t d0 = 0;
+        for (; d0 + kDimVecs * kLanes <= head_dim; d0 += kDimVecs * kLanes) {
+          Vec acc[kHeadsPerPass][kDimVecs] = {};
           for (int64_t j = 0; j < len; ++j) {
-            const C* value = values + slots[j] * kv_row + first_dim;
+            const C* value = values + slots[j] * kv_row + d0;
             Vec vv[kDimVecs];
             for (int v = 0; v < kDimVecs; ++v) vv[v] = load_floats(value + v * kLanes);
-            for (int g = 0; g < kMaxGroup; ++g) {
-              if (g < group) {
-                const float p = scores[g * len + j];
-                for (int v = 0; v < kDimVecs; ++v) acc[g][v] += p * vv[v];
+            for (int h = 0; h < kHeadsPerPass; ++h) {
+              if (h < heads) {
+                const float p = scores[(g0 + h) * len + j];
+                for (int v = 0; v < kDimVecs; ++v) acc[h][v] += p * vv[v];
               }
             }
           }
-          for (int64_t g = 0; g < group; ++g) {
+          for (int64_t h = 0; h < heads; ++h) {
             float lanes[kDimVecs * kLanes];
-            std::memcpy(lanes, acc[g], sizeof(lanes));
-            for (int64_t i = 0; i < kDimVecs * kLanes; ++i) o[g * head_dim + first_dim + i] = from_float<T>(lanes[i]);
+            std::memcpy(lanes, acc[h], sizeof(lanes));
+            for (int64_t i = 0; i < kDimVecs * kLanes; ++i) o[(g0 + h) * head_dim + d0 + i] = from_float<T>(lanes[i]);
           }
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const float* sg = scores.data() + g * len;
-        int64_t d0 = first_dim;
-        for (; d0 + kDimVecs * kLanes <= head_dim; d0 += kDimVecs * kLanes) {
-          Vec acc[kDimVecs] = {};
-          for (int64_t j = 0; j < len; ++j) {
-            const C* value = values + slots[j] * kv_row + d0;
-            for (int v = 0; v < kDimVecs; ++v) acc[v] += sg[j] * load_floats(value + v * kLanes);
-          }
-          float lanes[kDimVecs * kLanes];
-          std::memcpy(lanes, acc, sizeof(lanes));
-          for (int64_t i = 0; i < kDimVecs * kLanes; ++i) o[g * head_dim + d0 + i] = from_float<T>(lanes[i]);
-        }
-        if (d0 < head_dim) {  // the dimensions left over (head_dim not a multiple of kDimVecs vectors)
+        for (int64_t g = g0; g < g0 + heads && d0 < head_dim; ++g) {
+          // the dimensions left over (head_dim not a multiple of kDimVecs vectors)
+          const float* sg = scores.data() + g * len;
           std::vector<float> acc(head_dim - d0, 0.f);
           for (int64_t j = 0; j < len; ++j) {
             const C* value = values + slots[j] * kv_row + d0;
