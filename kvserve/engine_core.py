@@ -20,10 +20,10 @@ from typing import Any, Protocol
 
 from kvserve.block_pool import BlockPool
 from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError
-from kvserve.model_runner import ModelRunner
+from kvserve.model_runner import ModelRunner, RunnerOutput
 from kvserve.output_processor import RequestTextState
 from kvserve.request import Request, RequestStatus
-from kvserve.scheduler import Scheduler
+from kvserve.scheduler import Scheduler, SchedulerOutput
 from kvserve.sessions import SessionManager
 from kvserve.tokenizer import Tokenizer
 
@@ -75,6 +75,7 @@ class EngineCore:
         self.num_failed_total = 0
         self.steps_total = 0
         self.is_closed = False
+        self.death: str | None = None  # why the engine thread stopped, if it did not stop on request
         self.sessions = make_sessions(self) if make_sessions is not None else None
         if self.sessions is not None:
             scheduler.reclaim = self.sessions.reclaim
@@ -113,6 +114,14 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         return dict(self._stats)  # a snapshot the engine thread replaces after every step
+
+    def problem(self) -> str | None:
+        """Why this engine cannot serve (its thread died or was shut down), or None while it can."""
+        if self.death is not None:
+            return self.death
+        if self.is_closed or not self.thread.is_alive():
+            return "the engine is closed"
+        return None
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         if self.thread.is_alive():
@@ -157,8 +166,9 @@ class EngineCore:
                 if self.scheduler.has_work:
                     self._step()
                 self._publish_stats()
-        except BaseException:  # a bug in the engine itself: fail everyone loudly, never hang them
+        except BaseException as exc:  # a bug in the engine itself: fail everyone loudly, never hang them
             logger.exception("engine thread died")
+            self.death = f"the engine thread died: {exc!r}"
             self._fail(list(self.states), EngineError("The engine thread died:\n" + traceback.format_exc()))
             raise
         finally:
@@ -191,15 +201,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.is_empty:
             return
-        try:
-            result = self.runner.execute(out)
-        except Exception as exc:  # fail only this step's requests; the engine keeps serving
-            logger.exception("step failed")
-            ids = [s.request_id for s in out.scheduled]
-            self._fail(ids, EngineError(f"The model failed on this request's step: {exc!r}"))
-            return
-        finally:
-            self.steps_total += 1
+        result = self._execute_confined(out)
+        self.steps_total += 1
         updated = self.scheduler.update_from_output(out, result.sampled)
         finished = []
         for request in updated:
@@ -207,7 +210,15 @@ class EngineCore:
                 self._on_finished(request)
                 continue
             state, sink = self.states[request.request_id]
-            state.add_token(request.output_token_ids[-1], is_last=request.is_finished)
+            try:  # detokenizing and stop strings: a failure here, too, ends only this request
+                state.add_token(request.output_token_ids[-1], is_last=request.is_finished)
+            except Exception as exc:
+                logger.exception("request %s failed while detokenizing", request.request_id)
+                if request.is_finished:  # already out of the scheduler: record it as failed for its session
+                    request.status = RequestStatus.FINISHED_ERROR
+                    self._on_finished(request)
+                self._fail([request.request_id], EngineError(f"Detokenizing this request's output failed: {exc!r}"))
+                continue
             if state.stopped_by_string is not None and not request.is_finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             logprobs = result.logprobs.get(request.request_id)
@@ -216,6 +227,34 @@ class EngineCore:
                 finished.append(request.request_id)
                 self._on_finished(request, state.text)
         self._forget(finished)
+
+    def _execute_confined(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the step; if it fails, run each request's share alone and fail only those that still
+        fail, so one request's bad input never ends the requests batched with it. Writing a
+        position's K/V twice is harmless (same slot, same values), and nothing in the scheduler has
+        advanced before `update_from_output`."""
+        try:
+            return self.runner.execute(out)
+        except Exception as exc:
+            if len(out.scheduled) == 1:
+                failures = {out.scheduled[0].request_id: exc}
+                result = RunnerOutput()
+            else:
+                logger.warning("a step of %d requests failed (%r); running them one by one", len(out.scheduled), exc)
+                result, failures = RunnerOutput(), {}
+                for item in out.scheduled:
+                    try:
+                        alone = self.runner.execute(SchedulerOutput(scheduled=[item]))
+                    except Exception as item_exc:
+                        failures[item.request_id] = item_exc
+                        continue
+                    result.sampled.update(alone.sampled)
+                    result.logprobs.update(alone.logprobs)
+        for request_id, exc in failures.items():
+            logger.error("request %s failed in the model step", request_id, exc_info=exc)
+            self._fail([request_id], EngineError(f"The model failed on this request's step: {exc!r}"))
+        out.scheduled = [s for s in out.scheduled if s.request_id not in failures]
+        return result
 
     def abort_now(self, request_ids: list[str]) -> None:
         """Abort on the engine thread (sessions use it for interrupts and closes)."""

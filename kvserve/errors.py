@@ -35,3 +35,18 @@ class EngineError(KVServeError):
 
 class EngineClosedError(KVServeError):
     """The engine was closed; create a new LLM to submit more requests."""
+
+
+def check_text(text: str, param: str | None = None) -> str:
+    """Return `text` if it is valid Unicode (encodable as UTF-8); a lone UTF-16 surrogate, which JSON
+    can carry as an escape, raises InvalidRequestError naming `param`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise InvalidRequestError(
+            f"{param or 'The text'} contains a lone UTF-16 surrogate (U+{ord(bad):04X}) at character {exc.start}, "
+            "which is not valid Unicode; send well-formed UTF-8 text.",
+            param,
+        ) from None
+    return text

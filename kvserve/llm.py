@@ -23,7 +23,7 @@ import torch
 from kvserve.block_pool import BlockPool
 from kvserve.config import EngineConfig
 from kvserve.engine_core import EngineCore
-from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.errors import InvalidRequestError, KVServeError, check_text
 from kvserve.kv_cache import kv_cache_bytes_per_token
 from kvserve.model_files import kvserve_home, resolve_model
 from kvserve.model_runner import ModelRunner
@@ -96,6 +96,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         max_sessions: int = 1024,
+        max_sessions_per_owner: int | None = None,
         session_ttl: float | None = 3600.0,
         session_db: str | os.PathLike[str] | bool | None = None,
         progress: bool = True,
@@ -172,6 +173,7 @@ class LLM:
                 max_sessions,
                 session_ttl,
                 self.config.max_model_len,
+                max_sessions_per_owner,
             )
 
         self.engine = EngineCore(scheduler, build_runner, self.tokenizer, make_sessions)
@@ -193,16 +195,21 @@ class LLM:
         self._id_prefix = uuid.uuid4().hex[:8]
 
     # ----- requests -------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: text is encoded, token ids are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        prompt_ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            shown = bad if bad.bit_length() <= 64 else f"of {bad.bit_length()} bits"
+            raise InvalidRequestError(f"Token id {shown} is outside the vocabulary (0..{vocab - 1}).", "prompt")
+        return prompt_ids
+
     def _make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Request:
         params = params or SamplingParams()
-        if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_ids = [int(t) for t in prompt]
-            vocab = self.model.config.vocab_size
-            bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(f"Token id {bad} is outside the vocabulary (0..{vocab - 1}).", "prompt")
+        prompt_ids = self.encode_prompt(prompt)
         if not prompt_ids:
             raise InvalidRequestError("The prompt is empty; send at least one token of text.", "prompt")
         limit = self.config.max_model_len
@@ -342,7 +349,7 @@ class LLM:
         if id is not None:
             self._session_call(lambda m: m.get(id, owner))
             return Session(self, id, owner)
-        initial = [{"role": "system", "content": system}] if system else []
+        initial = [{"role": "system", "content": check_text(system, "system")}] if system else []
         for i, message in enumerate(messages or []):
             if message.get("role") not in ("system", "user", "assistant") or not isinstance(
                 message.get("content"), str
@@ -350,7 +357,7 @@ class LLM:
                 raise InvalidRequestError(
                     f"messages[{i}] needs a role (system/user/assistant) and text content.", "messages"
                 )
-            initial.append({"role": message["role"], "content": message["content"]})
+            initial.append({"role": message["role"], "content": check_text(message["content"], f"messages[{i}].content")})
         state = self._session_call(lambda m: m.create(owner, initial, ttl))
         return Session(self, state.session_id, owner)
 
@@ -369,6 +376,14 @@ class LLM:
     # ----- introspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def problem(self) -> str | None:
+        """Why this LLM cannot serve right now (its engine thread stopped, its session store fails
+        to write), or None when it can. A failed store is probed with a real write each time."""
+        reason = self.engine.problem()
+        if reason is None and self.session_store is not None:
+            reason = self.session_store.probe()
+        return reason
 
     def check_integrity(self) -> dict[str, Any]:
         """On the engine thread: assert the block pool's invariants; return the pool's counts and the

@@ -127,7 +127,14 @@ class ModelRunner:
         if ends:
             logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
             t2 = time.perf_counter()
-            tokens, logprobs = self.sampler(logits, rows)
+            # A failed step is re-run (EngineCore confines failures): a draw must not advance twice.
+            seeded = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
+            try:
+                tokens, logprobs = self.sampler(logits, rows)
+            except Exception:
+                for generator, state in seeded:
+                    generator.set_state(state)
+                raise
             result.sampled = dict(zip(ids, tokens, strict=True))
             result.logprobs = {i: lp for i, lp in zip(ids, logprobs, strict=True) if lp is not None}
         else:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import InvalidRequestError, check_text
 
 MAX_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1  # top_k and the token counts: the engine's counters and tensors are int32-safe
+MAX_SEED = 2**63 - 1  # a seed is a signed 64-bit integer, as OpenAI's and torch's generators take it
 
 
 @dataclass(frozen=True)
@@ -37,14 +39,21 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def fail(name: str, rule: str) -> None:
-            raise InvalidRequestError(f"{name} {rule}, got {getattr(self, name)!r}.", param=name)
+            value = getattr(self, name)
+            too_long = isinstance(value, int) and value.bit_length() > 64  # repr() refuses past 4,300 digits
+            shown = f"an integer of {value.bit_length()} bits" if too_long else repr(value)[:80]
+            raise InvalidRequestError(f"{name} {rule}, got {shown}.", param=name)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            fail("max_tokens", "must be an integer >= 1")
+        def is_int(name: str, low: int, high: int) -> bool:
+            value = getattr(self, name)
+            return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+        if not is_int("max_tokens", 1, MAX_INT32):
+            fail("max_tokens", f"must be an integer from 1 to {MAX_INT32}")
         if not 0.0 <= self.temperature <= 100.0:
             fail("temperature", "must be between 0 and 100 (0 is greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            fail("top_k", "must be -1, 0 (no limit) or a positive integer")
+        if not is_int("top_k", -1, MAX_INT32):
+            fail("top_k", f"must be -1, 0 (no limit) or a positive integer up to {MAX_INT32}")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", "must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
@@ -55,17 +64,19 @@ class SamplingParams:
             fail("presence_penalty", "must be between -2 and 2")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail("frequency_penalty", "must be between -2 and 2")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            fail("seed", "must be a non-negative integer")
+        if self.seed is not None and not is_int("seed", 0, MAX_SEED):
+            fail("seed", f"must be an integer from 0 to {MAX_SEED}")
         if not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "must be non-negative integers")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail("min_tokens", "must be a non-negative integer")
+        for s in self.stop:
+            check_text(s, "stop")
+        if not all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            fail("stop_token_ids", f"must be integers from 0 to {MAX_INT32}")
+        if not is_int("min_tokens", 0, MAX_INT32):
+            fail("min_tokens", f"must be an integer from 0 to {MAX_INT32}")
         if self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and not is_int("logprobs", 0, MAX_LOGPROBS):
             fail("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
 
     @property

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import InvalidRequestError, check_text
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.sampling_params import SamplingParams
 from kvserve.sessions import SessionManager, SessionState, Turn
@@ -41,11 +41,13 @@ class Session:
     def add_message(self, role: str, content: str) -> None:
         if role not in ROLES:
             raise InvalidRequestError(f"role must be one of {', '.join(ROLES)}, got {role!r}.", "role")
-        self._call(lambda m, s: m.add_message(s, role, str(content)))
+        content = check_text(str(content), "content")
+        self._call(lambda m, s: m.add_message(s, role, content))
 
     def append(self, text: str) -> None:
         """Streaming input: joins the open user message (or opens one after an assistant turn)."""
-        self._call(lambda m, s: m.append(s, str(text)))
+        text = check_text(str(text), "text")
+        self._call(lambda m, s: m.append(s, text))
 
     def _start_turn(self, params: SamplingParams | None, interrupt: bool, request_id: str | None):
         params = params or SamplingParams(max_tokens=256)

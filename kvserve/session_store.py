@@ -3,23 +3,32 @@
 One row per session, one row per message. A completed turn is one transaction (its new user
 messages and the assistant reply together), so a crash mid-turn loses at most that turn. WAL mode
 keeps readers and the writer apart and survives a killed process without corruption.
+
+The file carries its schema version (table `kvserve_schema`); opening checks it and migrates an
+older kvserve store, and refuses any other database with SessionStoreError. Every SQLite or disk
+failure surfaces as SessionStoreError; `error` keeps the last one until a write succeeds again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import sqlite3
 import threading
 import time
 from pathlib import Path
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
+from kvserve.errors import KVServeError
+
+SCHEMA_VERSION = 2  # 1: before the version table (owners stored as given); 2: owners are key hashes
+TABLES = """
+CREATE TABLE sessions (
     id TEXT PRIMARY KEY,
     owner TEXT,
     created REAL NOT NULL,
     ttl REAL
 );
-CREATE TABLE IF NOT EXISTS messages (
+CREATE TABLE messages (
     session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
     seq INTEGER NOT NULL,
     role TEXT NOT NULL,
@@ -27,51 +36,140 @@ CREATE TABLE IF NOT EXISTS messages (
     PRIMARY KEY (session_id, seq)
 );
 """
+COLUMNS = {"sessions": ["id", "owner", "created", "ttl"], "messages": ["session_id", "seq", "role", "content"]}
+
+
+class SessionStoreError(KVServeError):
+    """The session store cannot be opened, read or written (a foreign file, a full or read-only disk)."""
+
+
+def key_owner(api_key: str) -> str:
+    """What a session stores as the owner of an API key: a hash, never the key itself."""
+    return "sha256:" + hashlib.sha256(api_key.encode()).hexdigest()
 
 
 class SessionStore:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.error: str | None = None  # the last failure, until a write succeeds
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(SCHEMA)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:
+            raise SessionStoreError(f"Cannot open the session store {self.path}: {exc}.") from exc
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._open_schema()
+        except SessionStoreError:
+            self._db.close()
+            raise
+        except sqlite3.Error as exc:
+            self._db.close()
+            raise SessionStoreError(
+                f"{self.path} is not a usable kvserve session store ({exc}); point --session-db "
+                "(KVSERVE_SESSION_DB) at another file or move this one away."
+            ) from exc
 
-    def create(self, session_id: str, owner: str | None, ttl: float | None, messages: list[dict]) -> None:
-        with self._lock, self._db:
+    def _open_schema(self) -> None:
+        """Create the schema in an empty file, migrate an older kvserve store, refuse anything else."""
+        tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            with self._db:
+                self._db.execute("BEGIN")
+                for statement in TABLES.split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+                self._db.execute("CREATE TABLE kvserve_schema (version INTEGER NOT NULL)")
+                self._db.execute("INSERT INTO kvserve_schema VALUES (?)", (SCHEMA_VERSION,))
+            return
+        layout = {name: [c[1] for c in self._db.execute(f"PRAGMA table_info({name})")] for name in COLUMNS}
+        if layout != COLUMNS or not tables <= {*COLUMNS, "kvserve_schema"}:
+            raise SessionStoreError(
+                f"{self.path} is an SQLite database but not a kvserve session store (tables: "
+                f"{', '.join(sorted(tables))}); point --session-db (KVSERVE_SESSION_DB) at another file or move "
+                "this one away."
+            )
+        version = 1
+        if "kvserve_schema" in tables:
+            row = self._db.execute("SELECT version FROM kvserve_schema").fetchone()
+            version = row[0] if row else 1
+        if version > SCHEMA_VERSION:
+            raise SessionStoreError(
+                f"{self.path} was written by a newer kvserve (schema {version}, this one reads up to "
+                f"{SCHEMA_VERSION}); upgrade kvserve or use another --session-db."
+            )
+        if version < SCHEMA_VERSION:
+            self._migrate_from_v1()
+
+    def _migrate_from_v1(self) -> None:
+        """Version 1 stored the API key itself as a session's owner; version 2 stores its hash."""
+        with self._db:
             self._db.execute("BEGIN")
+            owners = self._db.execute("SELECT id, owner FROM sessions WHERE owner IS NOT NULL").fetchall()
+            self._db.executemany("UPDATE sessions SET owner = ? WHERE id = ?", [(key_owner(o), i) for i, o in owners])
+            self._db.execute("CREATE TABLE IF NOT EXISTS kvserve_schema (version INTEGER NOT NULL)")
+            self._db.execute("DELETE FROM kvserve_schema")
+            self._db.execute("INSERT INTO kvserve_schema VALUES (?)", (SCHEMA_VERSION,))
+
+    # ----- operations (each raises SessionStoreError on failure) --------------------------
+    def create(self, session_id: str, owner: str | None, ttl: float | None, messages: list[dict]) -> None:
+        def write() -> None:
             self._db.execute(
                 "INSERT INTO sessions (id, owner, created, ttl) VALUES (?, ?, ?, ?)",
                 (session_id, owner, time.time(), ttl),
             )
             self._insert(session_id, 0, messages)
 
+        self._write("create the session", write)
+
     def append_turn(self, session_id: str, first_seq: int, messages: list[dict]) -> None:
         """Store messages[first_seq:] of a completed turn, atomically."""
-        with self._lock, self._db:
-            self._db.execute("BEGIN")
-            self._insert(session_id, first_seq, messages)
+        self._write("store the turn", lambda: self._insert(session_id, first_seq, messages))
 
     def load(self, session_id: str) -> tuple[str | None, float | None, list[dict]] | None:
-        with self._lock:
-            row = self._db.execute("SELECT owner, ttl FROM sessions WHERE id = ?", (session_id,)).fetchone()
-            if row is None:
-                return None
-            rows = self._db.execute(
-                "SELECT role, content FROM messages WHERE session_id = ? ORDER BY seq", (session_id,)
-            ).fetchall()
+        try:
+            with self._lock:
+                row = self._db.execute("SELECT owner, ttl FROM sessions WHERE id = ?", (session_id,)).fetchone()
+                if row is None:
+                    return None
+                rows = self._db.execute(
+                    "SELECT role, content FROM messages WHERE session_id = ? ORDER BY seq", (session_id,)
+                ).fetchall()
+        except sqlite3.Error as exc:
+            raise self._failed("read the session", exc) from exc
         return row[0], row[1], [{"role": r, "content": c} for r, c in rows]
 
     def delete(self, session_id: str) -> None:
-        with self._lock, self._db:
-            self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+        self._write("delete the session", lambda: self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,)))
+
+    def probe(self) -> str | None:
+        """After a failure: try a real write (one row rewritten) and return the error that remains, if any."""
+        if self.error is not None:
+            with contextlib.suppress(SessionStoreError):  # it sets `error` again if it fails
+                self._write("write", lambda: self._db.execute("UPDATE kvserve_schema SET version = version"))
+        return self.error
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    # ----- internals ----------------------------------------------------------------------
+    def _write(self, what: str, write) -> None:
+        """One transaction; a failure rolls it back and is kept in `error`."""
+        try:
+            with self._lock, self._db:
+                self._db.execute("BEGIN")
+                write()
+        except (sqlite3.Error, OSError) as exc:
+            raise self._failed(what, exc) from exc
+        self.error = None
+
+    def _failed(self, what: str, exc: Exception) -> SessionStoreError:
+        self.error = f"the session store {self.path} failed to {what}: {exc}"
+        return SessionStoreError(f"The session store could not {what} ({exc}); the server's disk needs attention.")
 
     def _insert(self, session_id: str, first_seq: int, messages: list[dict]) -> None:
         self._db.executemany(

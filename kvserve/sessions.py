@@ -11,6 +11,7 @@ next turn simply recomputes. Operations arriving while a turn runs wait behind i
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import deque
@@ -22,11 +23,12 @@ from kvserve.block_pool import BlockPool
 from kvserve.errors import EngineClosedError, InvalidRequestError, KVServeError
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.session_store import SessionStore
+from kvserve.session_store import SessionStore, SessionStoreError
 from kvserve.tokenizer import Tokenizer
 
 EAGER_HOLDBACK_TOKENS = 3  # tokens at the open end of streamed input that may still re-tokenize
 _SENTINEL = "\u2063kvserve-open-end\u2063"
+logger = logging.getLogger("kvserve.sessions")
 
 
 class SessionNotFoundError(KVServeError):
@@ -89,8 +91,10 @@ class SessionManager:
         max_sessions: int,
         default_ttl: float | None,
         max_model_len: int,
+        max_sessions_per_owner: int | None = None,
     ) -> None:
         self.pool = pool
+        self.max_sessions_per_owner = max_sessions_per_owner
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.submit = submit  # hands a Request (and its sink) to the scheduler
@@ -103,7 +107,8 @@ class SessionManager:
 
     # ----- lifecycle ------------------------------------------------------------------------
     def create(self, owner: str | None, messages: list[dict[str, str]], ttl: float | None) -> SessionState:
-        self._check_room()
+        """A new session; raises SessionLimitError when full, SessionStoreError when it cannot be stored."""
+        self._check_room(owner)
         session_id = f"sess-{uuid.uuid4().hex}"
         state = SessionState(session_id, owner, ttl if ttl is not None else self.default_ttl, list(messages))
         if self.store is not None:
@@ -119,7 +124,7 @@ class SessionManager:
             if loaded is not None:
                 stored_owner, ttl, messages = loaded
                 if stored_owner == owner:
-                    self._check_room()
+                    self._check_room(owner)
                     state = SessionState(session_id, stored_owner, ttl, messages, num_persisted=len(messages))
                     self.sessions[session_id] = state
         if state is None or state.owner != owner:
@@ -127,10 +132,15 @@ class SessionManager:
         state.last_used = time.monotonic()
         return state
 
-    def _check_room(self) -> None:
+    def _check_room(self, owner: str | None) -> None:
         if len(self.sessions) >= self.max_sessions:
             raise SessionLimitError(
                 f"There are already {self.max_sessions} sessions; close some (or raise max_sessions) first."
+            )
+        limit = self.max_sessions_per_owner
+        if owner is not None and limit is not None and sum(s.owner == owner for s in self.sessions.values()) >= limit:
+            raise SessionLimitError(
+                f"This API key already has {limit} open sessions (the most one key may hold); close some first."
             )
 
     def close(self, state: SessionState) -> None:
@@ -142,7 +152,7 @@ class SessionManager:
         for turn in waiting:
             turn.sink.put(SessionNotFoundError(f"Session {state.session_id!r} was closed."))
         self._unpin(state)
-        if self.store is not None:
+        if self.store is not None:  # a failure leaves the closed session's transcript behind: say so
             self.store.delete(state.session_id)
 
     def shutdown(self) -> None:
@@ -227,9 +237,7 @@ class SessionManager:
         if reason in ("stop", "length"):
             state.messages.append({"role": "assistant", "content": text})
             state.num_turns += 1
-            if self.store is not None:
-                self.store.append_turn(state.session_id, state.num_persisted, state.messages[state.num_persisted :])
-                state.num_persisted = len(state.messages)
+            self._persist(state)
             self._pin(state, request)
         self._drain(state)
 
@@ -256,7 +264,10 @@ class SessionManager:
     def expire(self, now: float) -> None:
         for state in list(self.sessions.values()):
             if state.ttl is not None and not state.is_generating and now - state.last_used > state.ttl:
-                self.close(state)
+                try:
+                    self.close(state)
+                except SessionStoreError as exc:  # closed in memory; the store reports itself unhealthy
+                    logger.error("session %s expired but %s", state.session_id, exc)
 
     def info(self, state: SessionState) -> dict[str, Any]:
         messages = self._projected_messages(state)
@@ -294,6 +305,18 @@ class SessionManager:
         return sum(len(s.pinned_block_ids) for s in self.sessions.values())
 
     # ----- internals ------------------------------------------------------------------------
+    def _persist(self, state: SessionState) -> None:
+        """Write the messages not yet stored. A store failure fails only this write: the turn's text
+        has reached its caller, the session keeps them in memory and the next turn writes them again."""
+        if self.store is None:
+            return
+        try:
+            self.store.append_turn(state.session_id, state.num_persisted, state.messages[state.num_persisted :])
+        except SessionStoreError as exc:
+            logger.error("session %s: %s", state.session_id, exc)
+            return
+        state.num_persisted = len(state.messages)
+
     def _drain(self, state: SessionState) -> None:
         """Apply what waited behind the turn, in order, until the next turn starts."""
         while state.pending and not state.is_busy:

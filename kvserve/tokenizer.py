@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as Backend
 
 from kvserve.chat_template import ChatTemplate
-from kvserve.errors import UnsupportedModelError
+from kvserve.errors import UnsupportedModelError, check_text
 from kvserve.weights.gguf_file import GGUFFile, open_gguf
 
 # How text is split before BPE, by GGUF `tokenizer.ggml.pre`. These are the published split
@@ -192,7 +192,7 @@ class Tokenizer:
 
     # ----- use ----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode(check_text(text, "prompt"), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -102,3 +102,36 @@ def wait_idle_and_check(llm, timeout: float = 30.0, pinned: int = 0) -> dict:
         counts = llm.check_integrity()
     assert counts["used"] == pinned, f"KV blocks leaked: {counts} (sessions pin {pinned})"
     return counts
+
+
+class StepGate:
+    """Holds an engine's model steps at a known point: while closed, every step waits before it runs.
+
+    `entered` is set once a step waits at the gate, so "the request is still running" is a fact the
+    test established, not a bet on the machine's speed.
+    """
+
+    def __init__(self, llm) -> None:
+        import threading
+
+        self.runner = llm.engine.runner
+        self.entered = threading.Event()
+        self._open = threading.Event()
+
+    def __enter__(self) -> StepGate:
+        execute = type(self.runner).execute.__get__(self.runner)
+
+        def gated(out):
+            self.entered.set()
+            assert self._open.wait(120), "a test left its step gate closed"
+            return execute(out)
+
+        self.runner.execute = gated
+        return self
+
+    def open(self) -> None:
+        self._open.set()
+
+    def __exit__(self, *exc) -> None:
+        self.open()
+        del self.runner.execute  # the class's method again

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 import time
 
@@ -14,7 +15,7 @@ import pytest
 
 from kvserve import LLM
 from kvserve.server.app import ServerSettings
-from tests.conftest import wait_idle_and_check
+from tests.conftest import StepGate, wait_idle_and_check
 from tests.server_harness import running_server
 
 MODEL = "tiny"
@@ -184,11 +185,21 @@ def test_closing_a_stream_frees_everything_within_a_second(client, base_url, llm
 
 def test_non_streaming_disconnect_aborts(base_url, llm):
     aborted = llm.stats()["num_aborted_total"]
-    body = {"model": MODEL, "prompt": "slow", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{base_url}/v1/completions", json=body, timeout=0.3)
+    body = json.dumps({"model": MODEL, "prompt": "slow", "max_tokens": 900, "temperature": 0, "ignore_eos": True})
+    host, port = base_url.removeprefix("http://").split(":")
+    with StepGate(llm) as gate:
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+            )
+            assert gate.entered.wait(30)  # its first step is held: the request cannot have finished
+        # The client is gone; the server must abort the request (its message reaches the engine's inbox).
+        deadline = time.monotonic() + 30
+        while llm.engine.inbox.qsize() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
     wait_idle_and_check(llm)
-    assert llm.stats()["num_aborted_total"] == aborted + 1
+    assert llm.engine.call(lambda: llm.engine.num_aborted_total) == aborted + 1  # not a snapshot: exact
 
 
 def test_hundred_disconnects_leave_the_server_healthy(client, base_url, llm):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,11 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, KVServeError
+from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, KVServeError, check_text
 from kvserve.llm import LLM
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.sampler import TokenLogprobs
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import MAX_SEED, SamplingParams
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -39,9 +41,11 @@ from kvserve.server.protocol import (
     usage_dict,
 )
 from kvserve.session_handle import Session
+from kvserve.session_store import SessionStoreError, key_owner
 from kvserve.sessions import SessionLimitError, SessionNotFoundError
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+logger = logging.getLogger("kvserve.server")
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,9 @@ class ServerSettings:
     activations: str = "float"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_sessions: int = 1024
+    max_sessions_per_key: int | None = 256
     session_ttl: float | None = 3600.0
+    session_db: str | None = None  # None: $KVSERVE_HOME/sessions.db
 
 
 class APIError(Exception):
@@ -75,9 +81,9 @@ class ServerState:
     llm: LLM | None = None
     load_error: str | None = None
     model_name: str = "kvserve"
-    num_inflight: int = 0
-    # response id or client X-Request-Id -> engine request ids
-    requests: dict[str, list[str]] = field(default_factory=dict)
+    num_inflight: int = 0  # engine requests (prompts x n of every admitted body) not yet over
+    # (owner, response id or client X-Request-Id) -> engine request ids: only their owner may abort them
+    requests: dict[tuple[str | None, str], list[str]] = field(default_factory=dict)
     metrics: ServerMetrics | None = None
 
     def ready_llm(self) -> LLM:
@@ -117,7 +123,9 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
                             kv_cache_dtype=settings.kv_cache_dtype,
                             max_num_seqs=settings.max_num_seqs,
                             max_sessions=settings.max_sessions,
+                            max_sessions_per_owner=settings.max_sessions_per_key,
                             session_ttl=settings.session_ttl,
+                            session_db=settings.session_db,
                         )
                     )
                 except Exception as exc:  # reported by /health and every route
@@ -135,26 +143,35 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(_BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
 
+    key_bytes = [key.encode() for key in settings.api_keys]
+
     def authorize(request: Request) -> str | None:
-        """The caller's API key (None without auth); it also owns the sessions the caller creates."""
+        """The caller's owner id, a hash of its API key (None without auth): it owns the requests and
+        sessions the caller creates. Keys are compared in constant time, each of them every time."""
         if not settings.api_keys:
             return None
         header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else None
-        if token not in settings.api_keys:
+        token = header[7:].encode(errors="surrogateescape") if header.lower().startswith("bearer ") else b""
+        matched = False
+        for key in key_bytes:
+            matched |= hmac.compare_digest(token, key)
+        if not matched:
             raise APIError(
                 401,
                 "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
                 "authentication_error",
                 code="invalid_api_key",
             )
-        return token
+        return key_owner(token.decode())
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if state.llm is None:
             status = "error" if state.load_error else "loading"
             return JSONResponse({"status": status, "detail": state.load_error}, status_code=503)
+        problem = await asyncio.to_thread(state.llm.problem)  # a failed store is probed with a write
+        if problem is not None:
+            return JSONResponse({"status": "error", "detail": problem, "model": state.model_name}, status_code=503)
         return JSONResponse({"status": "ok", "model": state.model_name})
 
     @app.get("/metrics")
@@ -169,24 +186,25 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
             "data": [{"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvserve"}],
         }
 
-    @app.delete("/v1/requests/{request_id}", dependencies=[Depends(authorize)])
-    async def abort(request_id: str) -> dict:
-        engine_ids = state.requests.get(request_id)
-        if engine_ids is None:
+    @app.delete("/v1/requests/{request_id}")
+    async def abort(request_id: str, owner: str | None = Depends(authorize)) -> dict:
+        engine_ids = state.requests.get((owner, request_id))
+        if engine_ids is None:  # also another key's request: it is not this caller's to see
             raise APIError(404, f"No running request with id {request_id!r}.", "not_found_error", "request_id")
         state.ready_llm().abort(engine_ids)
         return {"id": request_id, "object": "request.abort", "aborted": True}
 
-    async def handle(request: Request, body_type, prepare, id_prefix: str, kind: str, chat: bool) -> Response:
-        """Admit, parse and check the body, build the choices' (prompt index, prompt, params) jobs, run."""
-        llm, release = _admit(state)
+    async def handle(request: Request, owner, body_type, prepare, id_prefix: str, kind: str, chat: bool) -> Response:
+        """Parse and check the body, admit its engine requests, build the choices' jobs, run."""
+        llm = state.ready_llm()
+        body = body_type.model_validate(await _json(request))
+        body.check_supported()
+        _check_model(state, body.model)
+        release = _admit(state, body.num_requests())
         try:
-            body = body_type.model_validate(await _json(request))
-            body.check_supported()
-            _check_model(state, body.model)
             jobs = prepare(llm, body)
             response_id = f"{id_prefix}-{uuid.uuid4().hex}"
-            return await _run(state, llm, request, response_id, kind, body, jobs, chat, release)
+            return await _run(state, llm, request, owner, response_id, kind, body, jobs, chat, release)
         except BaseException:
             release()
             raise
@@ -197,7 +215,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
         params = body.sampling_params(body.max_tokens, body.logprobs, 16)
         jobs = []
         for p_index, prompt in enumerate(body.prompts()):
-            echo = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt)) if body.echo else None
+            echo = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(llm.encode_prompt(prompt))) if body.echo else None
             for i in range(body.n):
                 jobs.append(_Job(p_index, _llm_stream(llm, prompt, _with_seed(params, body.seed, i)), echo))
         return jobs
@@ -209,13 +227,13 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
         params = body.sampling_params(max_tokens, body.chat_logprobs(), default_max)
         return [_Job(0, _llm_stream(llm, prompt_ids, _with_seed(params, body.seed, i))) for i in range(body.n)]
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(request: Request) -> Response:
-        return await handle(request, CompletionRequest, completion_jobs, "cmpl", "text_completion", chat=False)
+    @app.post("/v1/completions")
+    async def completions(request: Request, owner: str | None = Depends(authorize)) -> Response:
+        return await handle(request, owner, CompletionRequest, completion_jobs, "cmpl", "text_completion", chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat_completions(request: Request) -> Response:
-        return await handle(request, ChatCompletionRequest, chat_jobs, "chatcmpl", "chat.completion", chat=True)
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, owner: str | None = Depends(authorize)) -> Response:
+        return await handle(request, owner, ChatCompletionRequest, chat_jobs, "chatcmpl", "chat.completion", chat=True)
 
     # ----- sessions ---------------------------------------------------------------------------
     async def session_of(session_id: str, owner: str | None) -> Session:
@@ -276,44 +294,46 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
             params = body.sampling_params(max_tokens, body.chat_logprobs(), 512)
             return [_Job(0, lambda rid: session.astream(params, interrupt=body.interrupt, request_id=rid))]
 
-        return await handle(request, SessionCompletionRequest, jobs, "chatcmpl", "chat.completion", chat=True)
+        return await handle(request, owner, SessionCompletionRequest, jobs, "chatcmpl", "chat.completion", chat=True)
 
     return app
 
 
 # ----- request execution ----------------------------------------------------------------------
-def _admit(state: ServerState) -> tuple[LLM, Callable[[], None]]:
-    """Admission control: beyond max_num_seqs + max_queue in flight, answer 429 before any work.
+def _admit(state: ServerState, num_requests: int) -> Callable[[], None]:
+    """Admission control over engine requests (a body's prompts x n): beyond max_num_seqs +
+    max_queue in flight, answer 429 with Retry-After before any engine work.
 
-    Returns the engine and an idempotent `release` to call when the request is over.
+    Returns an idempotent `release` to call when the body's requests are over.
     """
-    llm = state.ready_llm()
     limit = state.settings.max_num_seqs + state.settings.max_queue
-    if state.num_inflight >= limit:
+    if state.num_inflight + num_requests > limit:
         state.metrics.rejected.inc()
-        error = APIError(
-            429,
-            f"The server is at capacity ({limit} requests in flight); retry shortly.",
-            "rate_limit_error",
-            code="server_overloaded",
-        )
+        if num_requests > limit:
+            message = (
+                f"This request creates {num_requests} engine requests (prompts x n), more than the server admits "
+                f"at once ({limit}); split it into smaller requests."
+            )
+        else:
+            message = f"The server is at capacity ({limit} engine requests in flight); retry shortly."
+        error = APIError(429, message, "rate_limit_error", code="server_overloaded")
         error.headers["Retry-After"] = "1"
         raise error
-    state.num_inflight += 1
+    state.num_inflight += num_requests
     released = False
 
     def release() -> None:
         nonlocal released
         if not released:
             released = True
-            state.num_inflight -= 1
+            state.num_inflight -= num_requests
 
-    return llm, release
+    return release
 
 
 def _with_seed(params: SamplingParams, seed: int | None, index: int) -> SamplingParams:
     """Choice i of n samples with seed + i, so n choices differ but the response is reproducible."""
-    return params if seed is None or index == 0 else dataclasses.replace(params, seed=seed + index)
+    return params if seed is None or index == 0 else dataclasses.replace(params, seed=(seed + index) % (MAX_SEED + 1))
 
 
 @dataclasses.dataclass
@@ -329,17 +349,17 @@ def _llm_stream(llm: LLM, prompt, params: SamplingParams) -> Callable[[str], Asy
     return lambda request_id: llm.astream(prompt, params, request_id=request_id)
 
 
-async def _run(state, llm, request, response_id, kind, body, jobs: list[_Job], chat: bool, release) -> Response:
+async def _run(state, llm, request, owner, response_id, kind, body, jobs: list[_Job], chat: bool, release) -> Response:
     """Start the engine requests of all choices; answer as one JSON body or as an SSE stream."""
     created = int(time.time())
     engine_ids = [f"{response_id}-{k}" for k in range(len(jobs))]
     # Validate every prompt before any work starts (raises InvalidRequestError -> 400).
     streams = [job.start(rid) for job, rid in zip(jobs, engine_ids, strict=True)]
     prompt_indices = [job.prompt_index for job in jobs]
-    aliases = [response_id]
+    aliases = [(owner, response_id)]
     client_id = request.headers.get("x-request-id")
     if client_id:
-        aliases.append(client_id)
+        aliases.append((owner, client_id))
     for alias in aliases:
         state.requests[alias] = engine_ids
     arrival = time.monotonic()
@@ -598,11 +618,31 @@ class _Formatter:
 
 # ----- errors, limits, helpers -----------------------------------------------------------------
 async def _json(request: Request) -> Any:
+    """The body as JSON whose every string is valid Unicode (else InvalidRequestError naming the field)."""
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"The request body is not valid JSON: {exc}.") from exc
+        body = json.loads(raw)
+    except RecursionError:
+        raise InvalidRequestError("The request body nests JSON too deeply; send a flat request.") from None
+    except ValueError as exc:  # bad JSON or UTF-8, and integers longer than Python converts (4,300 digits)
+        raise InvalidRequestError(f"The request body is not valid JSON: {exc}.") from None
+    _check_strings(body)
+    return body
+
+
+def _check_strings(body: Any) -> None:
+    """Refuse lone UTF-16 surrogates (a JSON escape can carry them) anywhere in the body, by field."""
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            check_text(value, path or "body")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                check_text(key, f"{path}.{key!a}" if path else "field name")
+                stack.append((item, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -638,6 +678,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(KVServeError)
     async def kvserve_error(_: Request, exc: KVServeError) -> JSONResponse:
+        if isinstance(exc, SessionStoreError):
+            return respond(503, error_body(str(exc), "service_unavailable", code="session_store_error"))
         if isinstance(exc, EngineClosedError):
             return respond(503, error_body(str(exc), "service_unavailable", code=503))
         if isinstance(exc, EngineError):
@@ -653,6 +695,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValidationError)
     async def pydantic_validation(_: Request, exc: ValidationError) -> JSONResponse:
         return respond(400, _validation_body(exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the client's mistake; still an OpenAI-shaped body, and the engine keeps serving.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        message = f"The server failed on this request ({type(exc).__name__}); other requests are unaffected."
+        return respond(500, error_body(message, "server_error", code=500))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -63,6 +63,10 @@ class _Base(BaseModel):
                 extra[0],
             )
 
+    def num_requests(self) -> int:
+        """The engine requests this body creates (what admission counts)."""
+        return self.n
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -87,6 +91,9 @@ class CompletionRequest(_Base):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+
+    def num_requests(self) -> int:
+        return len(self.prompts()) * self.n
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
