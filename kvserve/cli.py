@@ -79,8 +79,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         activations=args.activations,
         max_body_bytes=args.max_body_bytes,
         max_sessions=args.max_sessions,
+        max_sessions_per_key=args.max_sessions_per_key or None,
         session_ttl=args.session_ttl,
+        session_db=args.session_db,
     )
+    # A session store that is not kvserve's (or cannot be opened) stops the server before it starts.
+    from kvserve.model_files import kvserve_home
+    from kvserve.session_store import SessionStore
+
+    SessionStore(args.session_db or kvserve_home() / "sessions.db").close()
     config = uvicorn.Config(
         create_app(settings),
         host=args.host,
@@ -236,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "--kv-cache-tokens", "size of the KV pool in tokens; none means 1 GiB worth", None, int)
     _flag(p, "--max-body-bytes", "largest request body accepted; larger gets 413", 4 << 20, int)
     _flag(p, "--max-sessions", "most open sessions; more get 429", 1024, int)
+    _flag(p, "--max-sessions-per-key", "most open sessions one API key may hold; more get 429 (0: no limit)", 256, int)
+    _flag(p, "--session-db", "SQLite file that keeps sessions' transcripts; none means $KVSERVE_HOME/sessions.db")
     _flag(p, "--session-ttl", "seconds an idle session lives before it is closed and deleted", 3600.0, float)
     _flag(
         p,

@@ -357,7 +357,9 @@ class LLM:
                 raise InvalidRequestError(
                     f"messages[{i}] needs a role (system/user/assistant) and text content.", "messages"
                 )
-            initial.append({"role": message["role"], "content": check_text(message["content"], f"messages[{i}].content")})
+            initial.append(
+                {"role": message["role"], "content": check_text(message["content"], f"messages[{i}].content")}
+            )
         state = self._session_call(lambda m: m.create(owner, initial, ttl))
         return Session(self, state.session_id, owner)
 

@@ -108,12 +108,14 @@ class StepGate:
     """Holds an engine's model steps at a known point: while closed, every step waits before it runs.
 
     `entered` is set once a step waits at the gate, so "the request is still running" is a fact the
-    test established, not a bet on the machine's speed.
+    test established, not a bet on the machine's speed. `fault(out)`, if given, runs before every
+    step past the gate (a test injects a failure there).
     """
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, fault=None) -> None:
         import threading
 
+        self.fault = fault
         self.runner = llm.engine.runner
         self.entered = threading.Event()
         self._open = threading.Event()
@@ -124,6 +126,8 @@ class StepGate:
         def gated(out):
             self.entered.set()
             assert self._open.wait(120), "a test left its step gate closed"
+            if self.fault is not None:
+                self.fault(out)
             return execute(out)
 
         self.runner.execute = gated

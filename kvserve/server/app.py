@@ -215,7 +215,11 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
         params = body.sampling_params(body.max_tokens, body.logprobs, 16)
         jobs = []
         for p_index, prompt in enumerate(body.prompts()):
-            echo = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(llm.encode_prompt(prompt))) if body.echo else None
+            echo = (
+                (prompt if isinstance(prompt, str) else llm.tokenizer.decode(llm.encode_prompt(prompt)))
+                if body.echo
+                else None
+            )
             for i in range(body.n):
                 jobs.append(_Job(p_index, _llm_stream(llm, prompt, _with_seed(params, body.seed, i)), echo))
         return jobs
