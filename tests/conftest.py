@@ -108,8 +108,9 @@ class StepGate:
     """Holds an engine's model steps at a known point: while closed, every step waits before it runs.
 
     `entered` is set once a step waits at the gate, so "the request is still running" is a fact the
-    test established, not a bet on the machine's speed. `fault(out)`, if given, runs before every
-    step past the gate (a test injects a failure there).
+    test established, not a bet on the machine's speed. `allow(n)` lets n more steps through,
+    `open()` all of them. `fault(out)`, if given, runs before every step past the gate (a test
+    injects a failure there).
     """
 
     def __init__(self, llm, fault=None) -> None:
@@ -118,14 +119,17 @@ class StepGate:
         self.fault = fault
         self.runner = llm.engine.runner
         self.entered = threading.Event()
-        self._open = threading.Event()
+        self._passes = 0.0
+        self._changed = threading.Condition()
 
     def __enter__(self) -> StepGate:
         execute = type(self.runner).execute.__get__(self.runner)
 
         def gated(out):
             self.entered.set()
-            assert self._open.wait(120), "a test left its step gate closed"
+            with self._changed:
+                assert self._changed.wait_for(lambda: self._passes > 0, 120), "a test left its step gate closed"
+                self._passes -= 1
             if self.fault is not None:
                 self.fault(out)
             return execute(out)
@@ -133,8 +137,13 @@ class StepGate:
         self.runner.execute = gated
         return self
 
+    def allow(self, num_steps: int) -> None:
+        with self._changed:
+            self._passes += num_steps
+            self._changed.notify_all()
+
     def open(self) -> None:
-        self._open.set()
+        self.allow(float("inf"))
 
     def __exit__(self, *exc) -> None:
         self.open()

@@ -10,7 +10,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.sessions import SessionLimitError, SessionNotFoundError
-from tests.conftest import wait_idle_and_check
+from tests.conftest import StepGate, wait_idle_and_check
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -143,11 +143,22 @@ def test_aborted_turn_leaves_history_and_interrupt(llm):
     def long_turn() -> None:
         results["long"] = list(s.stream(SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)))
 
-    thread = threading.Thread(target=long_turn)
-    thread.start()
-    time.sleep(0.3)
-    quick = s.generate(GREEDY, interrupt=True)
-    thread.join(60)
+    def quick_turn() -> None:
+        results["quick"] = s.generate(GREEDY, interrupt=True)
+
+    with StepGate(llm) as gate:
+        long = threading.Thread(target=long_turn)
+        long.start()
+        assert gate.entered.wait(30)  # the long turn is held in its first step: it is surely running
+        quick = threading.Thread(target=quick_turn)
+        quick.start()
+        deadline = time.monotonic() + 30
+        while llm.engine.inbox.qsize() == 0 and time.monotonic() < deadline:  # the interrupting turn
+            time.sleep(0.01)
+        gate.open()
+        long.join(60)
+        quick.join(60)
+    quick = results["quick"]
     assert results["long"][-1].finish_reason == "abort"
     assert quick.finish_reason == "length"
     assert s.info()["messages"][-1] == {"role": "assistant", "content": quick.text}
