@@ -220,7 +220,7 @@ def test_limits_owner_and_ttl(tiny_model_dir):
         kv_cache_tokens=1024,
         session_db=False,
         max_sessions=2,
-        session_ttl=0.5,
+        session_ttl=60.0,  # longer than any test takes: only the moved clock below expires them
         progress=False,
     ) as llm:
         a = llm.session(owner="alice")
@@ -229,7 +229,8 @@ def test_limits_owner_and_ttl(tiny_model_dir):
             llm.session()
         with pytest.raises(SessionNotFoundError):
             llm.session(id=a.id, owner="mallory")
-        time.sleep(2.0)
+        # The clock moves past the TTL (no sleep): the engine expires idle sessions at that time.
+        llm.engine.call(lambda: llm.engine.sessions.expire(time.monotonic() + 61.0))
         with pytest.raises(SessionNotFoundError):
             a.info()  # expired
         assert llm.stats()["num_sessions"] == 0
