@@ -44,20 +44,25 @@ def test_serve_reports_loading_then_ready_and_exits_cleanly_on_sigterm(tiny_mode
             time.sleep(0.01)
         assert statuses and statuses[-1] == 200
         assert set(statuses) <= {200, 503}
-        result = {}
+        result = {"lines": []}
+        streaming = threading.Event()
 
         def stream() -> None:
-            body = {"model": "tiny", "prompt": "x", "max_tokens": 60, "stream": True, "ignore_eos": True}
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 900, "stream": True, "ignore_eos": True}
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
-                result["lines"] = [line for line in r.iter_lines() if line]
+                for line in r.iter_lines():
+                    streaming.set()
+                    if line:
+                        result["lines"].append(line)
 
         thread = threading.Thread(target=stream)
         thread.start()
-        time.sleep(0.3)
+        assert streaming.wait(60)  # the stream is in flight: its first event has arrived
         proc.send_signal(signal.SIGTERM)
         thread.join(60)
         assert proc.wait(60) == 0
         assert result["lines"][-1] == "data: [DONE]"  # the in-flight stream was finished, not cut
+        assert len(result["lines"]) == 901  # all 900 tokens, then [DONE]
     finally:
         if proc.poll() is None:
             proc.kill()
