@@ -9,6 +9,12 @@ import os
 # milliseconds at most, then they sleep) keeps them awake through a step. Takes effect only when
 # kvserve is imported before torch; an explicit GOMP_SPINCOUNT wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+# oneDNN (under PyTorch's CPU GEMMs) caches a GEMM's set-up per exact shape in two LRU caches of 1024
+# entries (ideep's and its primitive cache, ~0.25 MB each): a server sees a new row count with
+# every new mix of prompts, so both fill to ~0.5 GB of native heap that looks like a leak
+# (docs/reliability.md). 128 entries keep the shapes a steady load repeats. An explicit value wins.
+os.environ.setdefault("LRU_CACHE_CAPACITY", "128")
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
 
 from kvserve.errors import (
     EngineClosedError,
