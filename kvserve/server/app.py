@@ -145,7 +145,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
 
     key_bytes = [key.encode() for key in settings.api_keys]
 
-    def authorize(request: Request) -> str | None:
+    async def authorize(request: Request) -> str | None:  # async: no thread-pool hop per request
         """The caller's owner id, a hash of its API key (None without auth): it owns the requests and
         sessions the caller creates. Keys are compared in constant time, each of them every time."""
         if not settings.api_keys:
