@@ -316,17 +316,18 @@ class Int8GroupLinear(nn.Module):
         is_grouped = self.scales.shape[1] * GROUP_SIZE == self.in_features
         if extension is not None and is_grouped and x2.shape[0] <= self.FEW_ROWS:
             return extension.int8_group_matmul(x2, self.codes, self.scales).view(*x.shape[:-1], self.out_features)
-        # Many rows: dequantize CHUNK_ROWS output rows at a time into the compute dtype and run a GEMM
-        # on each, so the temporary stays a few MB whatever the vocabulary.
+        # Many rows: dequantize CHUNK_ROWS output rows at a time and run a GEMM on each, so the
+        # temporary stays a few MB whatever the vocabulary. In float32 whatever the compute dtype:
+        # logits rounded to bfloat16 (steps of 1/8 near 10) turn near-ties into different tokens.
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x2.device)
-        x2 = x2.to(self.dtype)
+        x2 = x2.float()
         for start in range(0, self.out_features, CHUNK_ROWS):
             end = min(start + CHUNK_ROWS, self.out_features)
             if extension is not None and is_grouped:
-                weight = extension.dequantize_int8_groups(self.codes, self.scales, start, end, self.dtype)
+                weight = extension.dequantize_int8_groups(self.codes, self.scales, start, end, torch.float32)
             else:
                 groups = self.codes[start:end].view(end - start, self.scales.shape[1], -1)
-                weight = (groups * self.scales[start:end].unsqueeze(-1)).view(end - start, -1).to(self.dtype)
+                weight = (groups * self.scales[start:end].unsqueeze(-1)).view(end - start, -1)
             out[:, start:end] = F.linear(x2, weight)
         return out.view(*x.shape[:-1], self.out_features)
 
