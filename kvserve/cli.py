@@ -38,6 +38,7 @@ def _terminal_llm(args: argparse.Namespace, **kwargs):
         dtype=args.dtype,
         weights=args.weights,
         activations=args.activations,
+        batch_invariant=args.batch_invariant == "on",
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=1,
         **kwargs,
@@ -77,6 +78,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         weights=args.weights,
         activations=args.activations,
+        batch_invariant=args.batch_invariant == "on",
         max_body_bytes=args.max_body_bytes,
         max_sessions=args.max_sessions,
         max_sessions_per_key=args.max_sessions_per_key or None,
@@ -177,6 +179,16 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "on an AVX2 CPU, as llama.cpp does: about 1.5x faster matmuls, logits within about 0.5 of float's)",
         "float",
         choices=("float", "int8"),
+    )
+    _flag(
+        p,
+        "--batch-invariant",
+        "on: a request's tokens are the same bits whatever it is batched with, after preemption, a "
+        "prefix-cache hit or chunking (every row through one arithmetic); off: large batches and fresh "
+        "prompts take faster kernels (a GEMM over dequantized weights, a blocked causal attention) whose "
+        "rounding depends on the batch",
+        "on",
+        choices=("on", "off"),
     )
     _flag(
         p,

@@ -87,6 +87,7 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         weights: str = "auto",
         activations: str = "float",
+        batch_invariant: bool = True,
         device: str | torch.device | None = None,
         kv_cache_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
@@ -151,7 +152,9 @@ class LLM:
                 weights=weight_mode,
                 activations=activations,
             )
-            return ModelRunner(loaded, num_blocks, block_size, self.tokenizer.stop_token_ids, self.kv_cache_dtype)
+            return ModelRunner(
+                loaded, num_blocks, block_size, self.tokenizer.stop_token_ids, self.kv_cache_dtype, batch_invariant
+            )
 
         # Sessions need the prefix cache (their pinned blocks are found through it) and a store:
         # $KVSERVE_HOME/sessions.db by default, a path, or False for none.
@@ -179,7 +182,13 @@ class LLM:
         self.engine = EngineCore(scheduler, build_runner, self.tokenizer, make_sessions)
         self.model = self.engine.runner.model
         summary = weight_summary(self.model)
-        self.weights: dict[str, Any] = {"choice": weights, "mode": weight_mode, "activations": activations, **summary}
+        self.weights: dict[str, Any] = {
+            "choice": weights,
+            "mode": weight_mode,
+            "activations": activations,
+            "batch_invariant": batch_invariant,
+            **summary,
+        }
         logger.info(
             "weights=%s activations=%s on %s: %s, %.1f MB, compute dtype %s, KV cache %s x %d tokens",
             weights,

@@ -1,6 +1,13 @@
 """ModelRunner: owns the model and the KV pool tensors; turns a SchedulerOutput into token ids.
 
 One forward over the flattened batch per step; logits only for the rows that sample.
+
+On the CPU every step (decode, prefill, chunks, prefix hits, mixed) runs through the C++ layer
+loop, each token attending to its own sequence's cache up to its own position: a token's
+arithmetic is the same in every kind of step and beside any other tokens (batch invariance, on by
+default). With batch_invariant=False, steps of fresh prompts take the faster causal prefill
+attention and large batches the GEMM over dequantized weights. The model's Python forward serves
+where the C++ loop cannot (no compiler, KVSERVE_FUSED_DECODE=0, CUDA).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from kvserve.kv_cache import allocate_kv_cache
 from kvserve.layers import fused_decode
 from kvserve.layers.attention import build_batch
 from kvserve.layers.fused_decode import FusedDecoder
+from kvserve.layers.quantized import set_batch_invariant
 from kvserve.sampler import Sampler, SamplingRow, TokenLogprobs
 from kvserve.scheduler import SchedulerOutput
 
@@ -55,8 +63,11 @@ class ModelRunner:
         block_size: int,
         stop_token_ids: tuple[int, ...] = (),
         kv_cache_dtype: torch.dtype | None = None,
+        batch_invariant: bool = True,
     ) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
+        set_batch_invariant(model, batch_invariant)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
@@ -69,11 +80,14 @@ class ModelRunner:
         self.stop_token_ids = stop_token_ids
         self.generators: dict[str, torch.Generator] = {}
         self.timings = RunnerTimings()
-        # Decode-only steps on the CPU go through the fused C++ layer loop once it is built
-        # (in the background: the Python forward serves until then, and wherever it does not apply).
+        # Steps on the CPU go through the fused C++ layer loop. Batch-invariant, the engine waits for
+        # its build (once per machine), so that no step's path depends on when the build finished;
+        # otherwise it builds in the background and the Python forward serves until then.
         self.fused: FusedDecoder | None = None
         self.wants_fused = FusedDecoder.supports(model) and fused_decode.is_enabled()
-        if self.wants_fused:
+        if self.wants_fused and batch_invariant:
+            fused_decode.load_extension()
+        elif self.wants_fused:
             fused_decode.start_loading()
 
     def _fused_decoder(self) -> FusedDecoder | None:
@@ -85,15 +99,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         items = out.scheduled
-        fused = self._fused_decoder() if all(len(s.token_ids) == 1 for s in items) else None
-        # Fresh prompts (no earlier context) also go through the C++ layer loop, its attention causal
-        # over each prompt's own tokens.
-        fresh = fused is None and not any(s.num_computed_tokens for s in items)
-        prefill = self._fused_decoder() if fresh else None
-        if fused is not None:
-            inputs = self._decode_inputs(items)
+        fused = self._fused_decoder()
+        input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.long).to(self.device)
+        # Fresh prompts only (no earlier context), unless batch-invariant: the causal prefill attention.
+        fresh = fused is not None and not self.batch_invariant and not any(s.num_computed_tokens for s in items)
+        if fused is not None and not fresh:
+            inputs = self._token_inputs(items)
         else:
-            input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.long).to(self.device)
             positions, metadata = build_batch(
                 [s.block_ids for s in items],
                 [s.num_computed_tokens for s in items],
@@ -114,12 +126,12 @@ class ModelRunner:
                     )
                 )
         t1 = time.perf_counter()
-        if fused is not None:
-            hidden = fused.forward(*inputs)
+        if fused is not None and not fresh:
+            hidden = fused.forward(input_ids, *inputs)
             self.timings.fused_steps += 1
-        elif prefill is not None:
+        elif fused is not None:
             starts = [0, *itertools.accumulate(len(s.token_ids) for s in items)]
-            hidden = prefill.prefill(input_ids, positions, metadata.slot_mapping, starts)
+            hidden = fused.prefill(input_ids, positions, metadata.slot_mapping, starts)
             self.timings.fused_prefills += 1
         else:
             hidden = self.model(input_ids, positions, metadata)
@@ -146,21 +158,25 @@ class ModelRunner:
         self.timings.steps += 1
         return result
 
-    def _decode_inputs(self, items: list) -> tuple[torch.Tensor, ...]:
-        """(input_ids, positions, slot_mapping, block_tables, seq_lens) of a decode-only step."""
+    def _token_inputs(self, items: list) -> tuple[torch.Tensor, ...]:
+        """(positions, slot_mapping, block_tables, seq_lens) per token of a step for the C++ loop: each
+        token's row of block_tables is its sequence's table, and it attends to seq_lens = position + 1
+        keys, its own included."""
         size = self.block_size
-        positions = [s.num_computed_tokens for s in items]
-        slots = [s.block_ids[p // size] * size + p % size for s, p in zip(items, positions, strict=True)]
+        positions: list[int] = []
+        slots: list[int] = []
+        for s in items:
+            first = s.num_computed_tokens
+            span = range(first, first + len(s.token_ids))
+            positions.extend(span)
+            slots.extend(s.block_ids[p // size] * size + p % size for p in span)
         width = max(len(s.block_ids) for s in items)
-        tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in items]
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-        return (
-            as_tensor([s.token_ids[0] for s in items]),
-            as_tensor(positions),
-            as_tensor(slots),
-            as_tensor(tables),
-            as_tensor([p + 1 for p in positions]),
-        )
+        tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in items], dtype=torch.long)
+        if len(positions) > len(items):  # some sequence adds several tokens: one table row per token
+            counts = torch.tensor([len(s.token_ids) for s in items])
+            tables = tables.repeat_interleave(counts, dim=0)
+        position_tensor = torch.tensor(positions, dtype=torch.long)
+        return position_tensor, torch.tensor(slots, dtype=torch.long), tables, position_tensor + 1
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state (generators) of finished requests."""

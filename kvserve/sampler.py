@@ -115,13 +115,16 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """top-k, top-p and min-p masking (to -inf) on temperature-scaled logits [b, V]."""
+    """top-k, top-p and min-p masking (to -inf) on temperature-scaled logits [b, V]. Each filter runs
+    only on the rows that ask for it, so that a row's result never depends on its neighbours' settings."""
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
-    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    logits = logits.clone()
+    ranked = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+    if ranked:
+        sub = logits[ranked]
+        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in ranked], device=logits.device)
+        top_p = torch.tensor([params[i].top_p for i in ranked], dtype=logits.dtype, device=logits.device)
+        sorted_logits, order = sub.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         remove = ranks >= top_k[:, None]
         sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
@@ -129,9 +132,12 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         remove |= mass_before >= top_p[:, None]
         remove[:, 0] = False
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
-    if bool((min_p > 0).any()):
-        probs = torch.softmax(logits, dim=-1)
+        logits[ranked] = sub.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    floored = [i for i, p in enumerate(params) if p.min_p > 0]
+    if floored:
+        sub = logits[floored]
+        min_p = torch.tensor([params[i].min_p for i in floored], dtype=logits.dtype, device=logits.device)
+        probs = torch.softmax(sub, dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
+        logits[floored] = sub.masked_fill(probs < threshold, float("-inf"))
     return logits

@@ -172,17 +172,33 @@ inline Vec sum_lanes_each(const Vec* v) {
 #endif
 }
 
-// c + a * b in one rounding (FMA).
+#endif
+
+// c + a * b in one rounding where the CPU has FMA (spelled out, so that every kernel that must give
+// the same bits as another does not depend on where the compiler contracts a * b + c).
 inline Vec fused_multiply_add(Vec a, Vec b, Vec c) {
 #if defined(__AVX512F__)
   return reinterpret_cast<Vec>(
       _mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), reinterpret_cast<__m512>(c)));
-#else
+#elif defined(__AVX2__) && defined(__FMA__)
   return reinterpret_cast<Vec>(
       _mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b), reinterpret_cast<__m256>(c)));
+#else
+  return a * b + c;
 #endif
 }
+inline Vec splat(float a) { return Vec{} + a; }
+
+// out[i] = the sum of v[i]'s lanes for kLanes vectors, by one fixed tree per lane whatever else is
+// summed beside it (sum_lanes_each where the CPU has it, else sum_lanes).
+inline void reduce_lanes_each(const Vec* v, float* out) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const Vec sums = sum_lanes_each(v);
+  std::memcpy(out, &sums, sizeof(sums));
+#else
+  for (int64_t i = 0; i < kLanes; ++i) out[i] = sum_lanes(v[i]);
 #endif
+}
 
 // The largest of s[0, n), eight at a time with AVX2; with `nan`, whether any of them is NaN (the
 // maximum is then meaningless: the vector max keeps NaN or drops it by operand order).
@@ -877,10 +893,8 @@ at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_mins, int64_t n,
 }
 
 // ----- int8 with a scale per group of 32 (GGML's Q8_0 layout): the tied lm_head -------------------
-// out[m, v] = sum_k x[m, k] * codes[v, k] * scales[v, k / 32], float32 out. Each code is widened
-// and scaled once per call: for a few rows of x it is multiplied into up to four of them from
-// registers; for many rows (kPanelMinRows and more), panels of code rows are widened into a float
-// buffer that every tile of rows then reads, as a GEMM packs its operands.
+// out[m, v] = sum_k x[m, k] * codes[v, k] * scales[v, k / 32], float32 out.
+constexpr int64_t kAmxMinRows = 4;  // where the AMX tiles (below) overtake the float kernel
 
 // One row of k codes times its scales (one per 32 codes), as T.
 template <typename T>
@@ -892,195 +906,108 @@ inline void dequantize_int8_row(const int8_t* codes, const float* scales, int64_
   }
 }
 
-// out[r * ldo] = x[r] . (codes * scales) for R rows of x (float [R, ldx]) and one row of codes.
-template <int R>
-inline void int8_group_dot(const float* x, int64_t ldx, const int8_t* codes, const float* scales, int64_t groups,
-                           float* out, int64_t ldo) {
-  constexpr int64_t kGroup = 32;
-  // Independent chains per row, so consecutive multiply-adds do not wait on each other: one row
-  // alone needs four to keep the FMA units busy; more rows bring their own.
-  constexpr int kChains = R == 1 ? 4 : 2;
-  Vec acc[R][kChains];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kChains; ++c) acc[r][c] = Vec{};
-  for (int64_t g = 0; g < groups; ++g) {
-    const float scale = scales[g];
-    for (int64_t j = 0; j < kGroup / kLanes; ++j) {
-      const int64_t k = g * kGroup + j * kLanes;
-      const Vec w = scale * __builtin_convertvector(widen_bytes(codes + k), Vec);
-      for (int r = 0; r < R; ++r) {
-        Vec xv;
-        std::memcpy(&xv, x + r * ldx + k, sizeof(xv));
-        acc[r][(g * (kGroup / kLanes) + j) % kChains] += xv * w;
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    Vec sum = acc[r][0];
-    for (int c = 1; c < kChains; ++c) sum += acc[r][c];
-    out[r * ldo] = sum_lanes(sum);
+// The same product with one arithmetic for every row whatever the number of rows (batch
+// invariance): out[r, c] is one chain of multiply-adds over k, kLanes inputs at a time in order
+// (each code widened and scaled in registers, w = scale * code), its lanes then summed by
+// reduce_lanes_each's tree. A tile is R rows x kLanes / R code rows: kLanes accumulators, reduced
+// together, and each code vector widened once per tile of rows.
+constexpr int kLmRows = kLanes / 4;  // 4 on AVX-512, 2 on AVX2
+
+// kLanes weights of a code row from input i: scale * code, the one rounding every path shares;
+// float32 or bfloat16 weights (a float lm_head, no scales) as they are.
+template <typename W>
+inline Vec widened_codes(const W* code_row, const float* scale_row, int64_t i) {
+  if constexpr (std::is_same_v<W, int8_t>) {
+    return splat(scale_row[i / 32]) * __builtin_convertvector(widen_bytes(code_row + i), Vec);
+  } else {
+    return load_floats(code_row + i);
   }
 }
 
-// out[r * ldo + c] = x[r] . w[c] for R rows of x (float [R, ldx]) and C rows of a widened panel
-// (float [C, k], k a multiple of kLanes): R * C independent accumulators, none waiting on another.
-template <int R, int C>
-inline void panel_dot(const float* x, int64_t ldx, const float* w, int64_t k, float* out, int64_t ldo) {
-  Vec acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = Vec{};
+// R rows of x times C = kLanes / R code rows, widened here, or read from `panel` ([C, k] floats
+// widened_codes wrote, where many tiles of rows share the code rows).
+template <int R, typename W>
+inline void int8_group_tile(const float* x, int64_t k, const W* codes, const float* scales, const float* panel,
+                            float* out, int64_t ldo, int64_t cols) {
+  constexpr int C = kLanes / R;
+  const int64_t groups = k / 32;
+  const W* code_rows[C];
+  const float* scale_rows[C];
+  for (int c = 0; c < C; ++c) {  // past the last code row: the last one again, not written out
+    code_rows[c] = codes + std::min<int64_t>(c, cols - 1) * k;
+    scale_rows[c] = scales == nullptr ? nullptr : scales + std::min<int64_t>(c, cols - 1) * groups;
+  }
+  Vec acc[kLanes];
+  for (int i = 0; i < kLanes; ++i) acc[i] = Vec{};
   for (int64_t i = 0; i < k; i += kLanes) {
-    Vec wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load_floats(w + c * k + i);
-    for (int r = 0; r < R; ++r) {
-      const Vec xv = load_floats(x + r * ldx + i);
-      for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
+    Vec xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = load_floats(x + r * k + i);
+    for (int c = 0; c < C; ++c) {
+      const Vec w = panel != nullptr ? load_floats(panel + c * k + i) : widened_codes(code_rows[c], scale_rows[c], i);
+      for (int r = 0; r < R; ++r) acc[r * C + c] = fused_multiply_add(xv[r], w, acc[r * C + c]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = sum_lanes(acc[r][c]);
+  float sums[kLanes];
+  reduce_lanes_each(acc, sums);
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * ldo, sums + r * C, cols * sizeof(float));
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// With AVX2, as a GEMM does: 16 code rows at a time are widened, scaled and transposed into a
-// panel [k][16] (8 x 8 blocks through registers), then tiles of 6 rows of x x 16 columns take one
-// broadcast input per row and two panel vectors per step, 12 accumulators that end as the output
-// itself (no horizontal sums). For the bundled model's 49152 x 576 table, a standalone copy of the
-// kernels timed in turn in one process (2-core AVX2 CPU): 8.6-8.9 / 22.8-23.1 ms against 9.6-10.9 /
-// 37.7 ms for 16 / 64 rows (the earlier dot products of row-major panels for 64 rows, as kept below
-// for CPUs without AVX2; int8_group_dot per four rows for 16). In a 16-stream decode step of the
-// bundled model the two measured even (35.1-36.1 against 34.9-36.2 ms per step).
-constexpr int64_t kPanelWidth = 16;
-
-inline void transpose8(__m256* r) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-
-// panel[i * 16 + c] = codes[c, i] * scales[c, i / 32] for the first `rows` (<= 16) code rows; zero
-// for the rest.
-inline void transposed_panel(const int8_t* codes, const float* scales, int64_t k, int64_t rows, float* panel) {
-  const int64_t groups = k / 32;
-  for (int64_t half = 0; half < kPanelWidth / 8; ++half) {
-    const int64_t first = half * 8, have = std::clamp<int64_t>(rows - first, 0, 8);
-    for (int64_t g = 0; g < groups; ++g) {
-      float lane_scales[8] = {};
-      for (int64_t j = 0; j < have; ++j) lane_scales[j] = scales[(first + j) * groups + g];
-      const __m256 scale = _mm256_loadu_ps(lane_scales);
-      for (int64_t k0 = g * 32; k0 < g * 32 + 32; k0 += 8) {
-        __m256 r[8];
-        for (int64_t j = 0; j < 8; ++j) {
-          r[j] = j < have ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                reinterpret_cast<const __m128i*>(codes + (first + j) * k + k0))))
-                          : _mm256_setzero_ps();
+// Rows [0, m) of x times code rows [0, cols) in tiles of R rows (fewer for the last rows) x
+// kLanes / R code rows; the code rows outermost, widened once into `panel` where several tiles of
+// rows read them.
+template <int R, typename W>
+inline void int8_group_rows(int64_t m, const float* x, int64_t k, const W* codes, const float* scales,
+                            float* out, int64_t ldo, int64_t cols, std::vector<float>& panel) {
+  const int64_t groups = k / 32, whole = m / R * R;
+  constexpr int C = kLanes / R;
+  for (int64_t c = 0; whole > 0 && c < cols; c += C) {
+    const int64_t tile_cols = std::min<int64_t>(C, cols - c);
+    const float* shared = nullptr;
+    if (whole > R) {
+      panel.resize(C * k);
+      for (int64_t j = 0; j < C; ++j) {
+        const int64_t row = c + std::min<int64_t>(j, tile_cols - 1);
+        for (int64_t i = 0; i < k; i += kLanes) {
+          const Vec w = widened_codes(codes + row * k, scales == nullptr ? nullptr : scales + row * groups, i);
+          std::memcpy(panel.data() + j * k + i, &w, sizeof(w));
         }
-        transpose8(r);
-        for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(panel + (k0 + j) * kPanelWidth + first, r[j] * scale);
       }
+      shared = panel.data();
+    }
+    for (int64_t r = 0; r < whole; r += R) {
+      int8_group_tile<R>(x + r * k, k, codes + c * k, scales == nullptr ? nullptr : scales + c * groups, shared,
+                         out + r * ldo + c, ldo, tile_cols);
+    }
+  }
+  if constexpr (R > 1) {
+    if (whole < m) {
+      int8_group_rows<R / 2>(m - whole, x + whole * k, k, codes, scales, out + whole * ldo, ldo, cols, panel);
     }
   }
 }
 
-void int8_group_matmul_panels(const float* xf, const int8_t* codes, const float* scales, float* out, int64_t m,
-                              int64_t k, int64_t v) {
-  constexpr int R = 6;
+// scales: one per 32 codes for int8 codes, nullptr for float32 / bfloat16 weights.
+template <typename W>
+void int8_group_matmul_rows(const float* xf, const W* codes, const float* scales, float* out, int64_t m, int64_t k,
+                            int64_t v) {
   const int64_t groups = k / 32;
-  at::parallel_for(0, (v + kPanelWidth - 1) / kPanelWidth, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> panel(kPanelWidth * k);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t row0 = p * kPanelWidth, cols = std::min(kPanelWidth, v - row0);
-      transposed_panel(codes + row0 * k, scales + row0 * groups, k, cols, panel.data());
-      for (int64_t r = 0; r < m; r += R) {
-        panel_tile_rows(std::min<int64_t>(R, m - r), xf + r * k, k, panel.data(), kPanelWidth, k, out + r * v + row0,
-                        v, cols);
-      }
+  constexpr int64_t kVocabBlock = 4 * kLanes;  // code rows per task: 36 KB of codes for 576 inputs on AVX-512
+  at::parallel_for(0, (v + kVocabBlock - 1) / kVocabBlock, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t c = b * kVocabBlock;
+      int8_group_rows<kLmRows>(m, xf, k, codes + c * k, scales == nullptr ? nullptr : scales + c * groups, out + c,
+                               v, std::min(kVocabBlock, v - c), panel);
     }
   });
 }
-#else
-// Without AVX2: panels of 32 code rows widened row by row, and tiles of 6 rows x 2 code rows of dot
-// products (12 accumulators).
-void int8_group_matmul_panels(const float* xf, const int8_t* codes, const float* scales, float* out, int64_t m,
-                              int64_t k, int64_t v) {
-  constexpr int64_t kPanelRows = 32;
-  constexpr int R = 6, C = 2;
-  const int64_t groups = k / 32;
-  at::parallel_for(0, (v + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> panel(kPanelRows * k);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t row0 = p * kPanelRows, rows = std::min(kPanelRows, v - row0);
-      for (int64_t c = 0; c < rows; ++c) {
-        dequantize_int8_row(codes + (row0 + c) * k, scales + (row0 + c) * groups, k, panel.data() + c * k);
-      }
-      for (int64_t r = 0; r < m; r += R) {
-        const float* xr = xf + r * k;
-        float* o = out + r * v + row0;
-        const int64_t tile = std::min<int64_t>(R, m - r);
-        const float* w = panel.data();
-        int64_t c = 0;
-        for (; c + C <= rows; c += C) {
-          switch (tile) {
-#define KVSERVE_ROWS(T)                                \
-  case T:                                              \
-    panel_dot<T, C>(xr, k, w + c * k, k, o + c, v); \
-    break;
-            KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
-#undef KVSERVE_ROWS
-          }
-        }
-        for (; c < rows; ++c) {
-          for (int64_t i = 0; i < tile; ++i) panel_dot<1, 1>(xr + i * k, k, w + c * k, k, o + i * v + c, v);
-        }
-      }
-    }
-  });
-}
-#endif
 
-// From 16 rows on the panels win: per row, 0.77-0.86 ms for 16 rows against 0.85-0.95 for 15 rows
-// through int8_group_dot, alternating in one process; 0.67 against 0.52 for 12 against 11.
-constexpr int64_t kPanelMinRows = 16;
 template <typename T>
 void int8_group_matmul_impl(const T* x, const int8_t* codes, const float* scales, float* out, int64_t m, int64_t k,
                             int64_t v) {
-  constexpr int64_t kGroup = 32;
-  const int64_t groups = k / kGroup;
   std::vector<float> xf(m * k);
   for (int64_t i = 0; i < m * k; ++i) xf[i] = to_float(x[i]);
-  if (m >= kPanelMinRows) {
-    int8_group_matmul_panels(xf.data(), codes, scales, out, m, k, v);
-    return;
-  }
-  at::parallel_for(0, v, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int8_t* c = codes + row * k;
-      const float* s = scales + row * groups;
-      for (int64_t r = 0; r < m; r += 4) {
-        const float* xr = xf.data() + r * k;
-        float* o = out + r * v + row;
-        switch (std::min<int64_t>(4, m - r)) {
-          case 1: int8_group_dot<1>(xr, k, c, s, groups, o, v); break;
-          case 2: int8_group_dot<2>(xr, k, c, s, groups, o, v); break;
-          case 3: int8_group_dot<3>(xr, k, c, s, groups, o, v); break;
-          default: int8_group_dot<4>(xr, k, c, s, groups, o, v); break;
-        }
-      }
-    }
-  });
+  int8_group_matmul_rows(xf.data(), codes, scales, out, m, k, v);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -1095,7 +1022,6 @@ void int8_group_matmul_impl(const T* x, const int8_t* codes, const float* scales
 // out once per call as the pairs of inputs that tile B wants ([block of 16 rows][group][input
 // pair][row of the block]).
 // The tiles' results are 16 vocabulary rows x 16 rows of x, transposed into out when written.
-constexpr int64_t kAmxMinRows = 4;
 
 bool amx_usable() {
   static const bool usable = [] {
@@ -1218,13 +1144,16 @@ void int8_group_matmul_amx(const c10::BFloat16* x, const int8_t* codes, const fl
 }
 #endif
 
-at::Tensor int8_group_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales) {
+// With AMX, bfloat16 inputs from amx_min_rows rows go through the tiles: 1 for batch invariance
+// (a row's sums then never depend on how many rows came with it), kAmxMinRows where the float
+// kernel is faster for fewer rows.
+at::Tensor int8_group_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t amx_min_rows) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1) && codes.size(1) % 32 == 0,
               "int8_group_matmul: x [M, K], codes [V, K] with K a multiple of 32");
   x = x.contiguous();
   at::Tensor out = at::empty({x.size(0), codes.size(0)}, x.options().dtype(at::kFloat));
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (x.scalar_type() == at::kBFloat16 && x.size(0) >= kAmxMinRows && amx_usable()) {
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) >= std::max<int64_t>(1, amx_min_rows) && amx_usable()) {
     int8_group_matmul_amx(x.data_ptr<c10::BFloat16>(), codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
                           out.data_ptr<float>(), x.size(0), x.size(1), codes.size(0));
     return out;
@@ -1238,6 +1167,25 @@ at::Tensor int8_group_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales) 
     TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_group_matmul runs in float32 or bfloat16");
     int8_group_matmul_impl<float>(x.data_ptr<float>(), codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
                                   out.data_ptr<float>(), x.size(0), x.size(1), codes.size(0));
+  }
+  return out;
+}
+
+// x @ weight.T in float32 for a float32 or bfloat16 weight [V, K] (a float lm_head): the logits in
+// float32 whatever the compute dtype, with int8_group_matmul's arithmetic for every row.
+at::Tensor float32_matmul(at::Tensor x, at::Tensor weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && weight.size(1) % 32 == 0,
+              "float32_matmul: x [M, K], weight [V, K] with K a multiple of 32");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  weight = weight.contiguous();
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
+  if (weight.scalar_type() == at::kBFloat16) {
+    int8_group_matmul_rows(xf.data_ptr<float>(), weight.data_ptr<c10::BFloat16>(), nullptr, out.data_ptr<float>(),
+                           x.size(0), x.size(1), weight.size(0));
+  } else {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat, "float32_matmul takes float32 or bfloat16 weights");
+    int8_group_matmul_rows(xf.data_ptr<float>(), weight.data_ptr<float>(), nullptr, out.data_ptr<float>(), x.size(0),
+                           x.size(1), weight.size(0));
   }
   return out;
 }
@@ -1291,8 +1239,16 @@ inline void group_scale_min(const S* scales_mins, int64_t g, int64_t n, int64_t 
   }
 }
 
+// A group's contribution to a row's totals: total + (scale * sum(x * codes) + sum(x) * min). Every
+// int4 kernel below ends a group through this, and sums x * codes in two chains (even and odd
+// inputs, added at the end), so that a row's result is the same bits whatever rows are beside it.
+inline Vec int4_group_total(Vec total, Vec scale, Vec even, Vec odd, float xsum, Vec min) {
+  return total + fused_multiply_add(scale, even + odd, splat(xsum) * min);
+}
+
 // Rows [0, R) of x times one block of block_n = NV * kLanes output columns; x float [R, ldx],
 // xsum [R, ldxs] (the sums of x over each group); out [R, ldo] at the block's first column.
+// The two chains per row also keep one row's consecutive multiply-adds from waiting on each other.
 template <int NV, int R, typename S, typename O>
 inline void int4_block(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* block,
                        const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, int64_t group_size,
@@ -1302,38 +1258,28 @@ inline void int4_block(const float* x, int64_t ldx, const float* xsum, int64_t l
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NV; ++v) total[r][v] = Vec{};
   }
-  // One row: two accumulator sets (even and odd inputs), so that consecutive inputs' multiply-adds
-  // into the same columns do not wait on each other (group_size is even, see int4_mm). Measured in
-  // one process, one layer's four projections for one row: 0.205-0.219 ms against 0.249-0.256 ms
-  // with one set.
-  constexpr int kSets = R == 1 ? 2 : 1;
   for (int64_t g = 0; g < k_len / group_size; ++g) {
-    Vec acc[kSets][R][NV];
-    for (int s = 0; s < kSets; ++s) {
+    Vec acc[2][R][NV];
+    for (int s = 0; s < 2; ++s) {
       for (int r = 0; r < R; ++r) {
         for (int v = 0; v < NV; ++v) acc[s][r][v] = Vec{};
       }
     }
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kSets) {
-      for (int s = 0; s < kSets; ++s) {
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 2) {
+      for (int s = 0; s < 2; ++s) {
         Vec codes[NV];
         unpack_codes<NV>(block + (k + s) * half, codes);
         for (int r = 0; r < R; ++r) {
-          const float a = x[r * ldx + k + s];
-          for (int v = 0; v < NV; ++v) acc[s][r][v] += a * codes[v];
+          const Vec a = splat(x[r * ldx + k + s]);
+          for (int v = 0; v < NV; ++v) acc[s][r][v] = fused_multiply_add(a, codes[v], acc[s][r][v]);
         }
-      }
-    }
-    for (int s = 1; s < kSets; ++s) {
-      for (int r = 0; r < R; ++r) {
-        for (int v = 0; v < NV; ++v) acc[0][r][v] += acc[s][r][v];
       }
     }
     Vec scale[NV], min[NV];
     group_scale_min<NV>(scales_mins, g, n, n0, scale, min);
     for (int r = 0; r < R; ++r) {
       const float xs = xsum[r * ldxs + g];
-      for (int v = 0; v < NV; ++v) total[r][v] += scale[v] * acc[0][r][v] + xs * min[v];
+      for (int v = 0; v < NV; ++v) total[r][v] = int4_group_total(total[r][v], scale[v], acc[0][r][v], acc[1][r][v], xs, min[v]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -1345,42 +1291,44 @@ inline void int4_block(const float* x, int64_t ldx, const float* xsum, int64_t l
 
 // One group of R rows times NT of a block's NV vectors of columns: codes float [group_size, NV
 // vectors] (unpacked once for every tile of rows), from the tile's first vector, as are scale, min
-// and total [R, NV vectors]; then total[r] += scale * (x[r] . codes) + sum(x[r]) * min.
+// and total [R, NV vectors]; the same arithmetic as int4_block's.
 template <int NV, int NT, int R>
 inline void int4_group_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const Vec* codes,
                             int64_t group_size, const Vec* scale, const Vec* min, Vec* total) {
-  Vec acc[R][NT];
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < NT; ++v) acc[r][v] = Vec{};
-  }
-  for (int64_t k = 0; k < group_size; ++k) {
-    Vec b[NT];
-    for (int v = 0; v < NT; ++v) b[v] = codes[k * NV + v];
+  Vec acc[2][R][NT];
+  for (int s = 0; s < 2; ++s) {
     for (int r = 0; r < R; ++r) {
-      const float a = x[r * ldx + k];
-      for (int v = 0; v < NT; ++v) acc[r][v] += a * b[v];
+      for (int v = 0; v < NT; ++v) acc[s][r][v] = Vec{};
+    }
+  }
+  for (int64_t k = 0; k < group_size; k += 2) {
+    for (int s = 0; s < 2; ++s) {
+      Vec b[NT];
+      for (int v = 0; v < NT; ++v) b[v] = codes[(k + s) * NV + v];
+      for (int r = 0; r < R; ++r) {
+        const Vec a = splat(x[r * ldx + k + s]);
+        for (int v = 0; v < NT; ++v) acc[s][r][v] = fused_multiply_add(a, b[v], acc[s][r][v]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
     const float xs = xsum[r * ldxs];
-    for (int v = 0; v < NT; ++v) total[r * NV + v] += scale[v] * acc[r][v] + xs * min[v];
+    for (int v = 0; v < NT; ++v) {
+      total[r * NV + v] = int4_group_total(total[r * NV + v], scale[v], acc[0][r][v], acc[1][r][v], xs, min[v]);
+    }
   }
 }
 
 // int4_block for more rows than one register tile holds: each group's codes are unpacked once into
-// a small buffer (4 KB on AVX2) and every tile of rows multiplies them from there. A tile is 6 rows
-// x 2 vectors of columns: its 12 accumulators, 2 code vectors and the broadcast row value fit in
-// AVX2's 16 registers, so each code vector is loaded once per 6 rows. (3 rows x 4 vectors needs
-// 17, and the compiler then reads the codes from memory for every row: 15 loads per 12
-// multiply-adds instead of 8. For the bundled model's gate/up and down projections together, timed
-// in turn in separate processes: 0.76 / 2.70-2.73 ms with 6 x 2 tiles, 0.81-0.85 / 2.88-3.32 ms with
-// 3 x 4, for 16 / 64 rows.)
+// a small buffer (4 KB on AVX2) and every tile of rows multiplies them from there. A tile is R rows
+// x 2 vectors of columns in two chains: 6 rows on AVX-512 (24 accumulators of its 32 registers), 3
+// on AVX2 (12 of 16), so each code vector is loaded once per tile of rows.
 template <int NV, typename S, typename O>
 void int4_block_many(const float* x, int64_t m, const float* xsum, const uint8_t* block, const S* scales_mins,
                      int64_t n, int64_t n0, int64_t k_len, int64_t group_size, O* out, std::vector<Vec>& codes,
                      std::vector<Vec>& total) {
   constexpr int64_t half = NV * kLanes / 2;
-  constexpr int kTileVecs = NV < 2 ? NV : 2, kTileRows = 6;
+  constexpr int kTileVecs = NV < 2 ? NV : 2, kTileRows = kLanes == 16 ? 6 : 3;
   const int64_t groups = k_len / group_size;
   codes.resize(group_size * NV);
   total.assign(m * NV, Vec{});
@@ -1418,7 +1366,8 @@ template <int NV, typename S, typename O>
 void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, const uint8_t* packed,
                   const S* scales_mins, int64_t n, int64_t group_size, O* out) {
   constexpr int64_t block_n = NV * kLanes;
-  constexpr int kRows = 12 / NV > 0 ? 12 / NV : 1;  // rows per register tile: about 12 accumulators
+  // rows per register tile: about 24 accumulators (two chains) on AVX-512, 12 on AVX2
+  constexpr int kRows = std::max(1, (kLanes == 16 ? 12 : 6) / NV);
   const int64_t groups = k_len / group_size;
   at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
     std::vector<Vec> codes, total;
@@ -1839,7 +1788,16 @@ at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int6
   at::Tensor xf = x.to(at::kFloat).contiguous();
   const bool int8 = kInt8Activations && int8_activations && group_size == kQ8Group && (block_n == 32 || block_n == 64);
   at::Tensor xsum;  // [M, K / g], the float kernels' group sums
-  if (!int8) xsum = xf.view({m, groups, group_size}).sum(-1).contiguous();
+  if (!int8) {  // summed in order here: a reduction's order in ATen may depend on the tensor's shape
+    xsum = at::empty({m, groups}, xf.options());
+    const float* xp = xf.data_ptr<float>();
+    float* sums = xsum.data_ptr<float>();
+    for (int64_t i = 0; i < m * groups; ++i) {
+      float total = 0.f;
+      for (int64_t j = 0; j < group_size; ++j) total += xp[i * group_size + j];
+      sums[i] = total;
+    }
+  }
   at::Tensor out = at::empty({m, n}, x.options());
   auto run = [&](auto* sz, auto* o) {
     const uint8_t* w = packed.data_ptr<uint8_t>();
@@ -1903,6 +1861,8 @@ at::Tensor argmax_rows(at::Tensor logits) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int8_groups", &dequantize_int8_groups, "rows of an int8-groups weight, [rows, K]");
   m.def("int8_group_matmul", &int8_group_matmul, "x @ (codes * group scales).T in float32, [M, V]");
+  m.def("float32_matmul", &float32_matmul, "x @ weight.T in float32 for a float or bfloat16 weight, [M, V]");
+  m.def("amx_min_rows", [] { return kAmxMinRows; }, "rows from which the lm_head's AMX tiles are fastest");
   m.def("decode_forward", &decode_forward, "one decode step (or fresh prompts' prefill) of a Llama model");
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (NaN largest), [B] int64");
   m.def("int8_activations", [] { return kInt8Activations; }, "whether int4_mm can quantize activations to int8");

@@ -1,9 +1,9 @@
-"""The fused CPU decode step (kvserve/csrc/decode_cpu.cpp) and when it is used.
+"""The fused CPU layer loop (kvserve/csrc/decode_cpu.cpp) and when it is used.
 
-A decode-only step (one new token per sequence) of a Llama model on the CPU runs its whole layer
-loop in one C++ call, and so does a step of fresh prompts only (no earlier context: `prefill`);
-the model's Python forward remains the reference and serves everything else (prefill chunks after
-the first, prompts with a cached prefix, mixed steps, CUDA). The extension is compiled on first
+A step of a Llama model on the CPU runs its whole layer loop in one C++ call: any mix of decode
+tokens, prompts, chunks and prompts behind a cached prefix (`forward`), or, faster but not batch
+invariant, fresh prompts only (`prefill`). The model's Python forward remains the reference and
+serves where the extension cannot (CUDA, no compiler). The extension is compiled on first
 use with the machine's C++ compiler (about a minute, once; cached under $TORCH_EXTENSIONS_DIR,
 default ~/.cache/torch_extensions). Without a compiler, or with KVSERVE_FUSED_DECODE=0, the Python path
 serves every step and nothing else changes.
@@ -98,7 +98,7 @@ def _cpu_identity() -> str:
 
 
 class FusedDecoder:
-    """Runs decode-only steps of one LlamaForCausalLM through the C++ layer loop.
+    """Runs steps of one LlamaForCausalLM through the C++ layer loop.
 
     Holds references to the model's tensors (no copies). `supports(model)` tells whether the
     model's layers are all of a kind the C++ loop knows.
@@ -129,6 +129,9 @@ class FusedDecoder:
         if int4 and all(m.int8_activations for m in int4) and not extension.int8_activations():
             logger.warning("activations=int8 needs a CPU with AVX2, F16C and FMA; the int4 layers take float inputs")
         self.int8_activations = bool(int4) and all(m.takes_int8(extension) for m in int4)
+        # Batch invariance (quantized.set_batch_invariant, before this is made): int4_mm for every
+        # number of rows, never the GEMM over the dequantized weight.
+        self.batch_invariant = all(m.batch_invariant for m in int4)
 
     def _add(self, linear: nn.Module) -> None:
         if isinstance(linear, Int4Linear):
@@ -167,9 +170,10 @@ class FusedDecoder:
         seq_lens: torch.Tensor,
         prefill_starts: list[int] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [B, hidden] after the final norm, for B sequences adding one token each
-        (see `prefill` for prefill_starts). Writes each layer's K/V at `slot_mapping`, as the model's
-        forward would."""
+        """Hidden states [T, hidden] after the final norm for T tokens, each at its position with its
+        sequence's block table (block_tables [T, max_blocks]) attending to its first seq_lens keys
+        (see `prefill` for prefill_starts). Writes each layer's K/V at `slot_mapping` before any
+        attention reads it, as the model's forward would."""
         model = self.model
         x = model.embed_tokens(input_ids)  # [B, hidden]
         cos, sin_signed = model.rotary.table(positions, x.dtype)  # each [B, 1, D]
@@ -196,7 +200,7 @@ class FusedDecoder:
             self.eps,
             self.scale,
             self.group_size,
-            quantized.int4_few_rows(x.dtype),
+            2**62 if self.batch_invariant else quantized.int4_few_rows(x.dtype),
             quantized.int4_block_rows() or 0,
             self.int8_activations,
             prefill_starts or [],

@@ -107,6 +107,16 @@ def set_activations(model: nn.Module, activations: str) -> None:
             module.int8_activations = activations == "int8"
 
 
+def set_batch_invariant(model: nn.Module, on: bool) -> None:
+    """With `on` (the default), every Int4Linear and Int8GroupLinear of `model` computes each row
+    with one arithmetic whatever the number of rows: the C++ kernels for every batch size, never
+    the GEMM over a dequantized weight that is faster for many rows, so that a request's tokens do
+    not depend on the requests batched with it."""
+    for module in model.modules():
+        if isinstance(module, (Int4Linear, Int8GroupLinear)):
+            module.batch_invariant = on
+
+
 @dataclass
 class Int4Groups:
     """A weight as 4-bit codes: w[n, k] = scales[n, k // g] * codes[n, k] + mins[n, k // g]."""
@@ -204,6 +214,7 @@ class Int4Linear(nn.Module):
         if torch.equal(as_half.float(), scales_mins):
             scales_mins = as_half
         self.dtype = dtype
+        self.batch_invariant = True  # see set_batch_invariant
         self.register_buffer("weight_packed", packed)
         self.register_buffer("scales_mins", scales_mins)
         self.bias = _bias(bias, dtype)
@@ -228,7 +239,7 @@ class Int4Linear(nn.Module):
             extension = _extension()
             args = (self.weight_packed, self.scales_mins)
             int8 = self.takes_int8(extension)
-            if int8 or x2.shape[0] <= int4_few_rows(x2.dtype):
+            if int8 or self.batch_invariant or x2.shape[0] <= int4_few_rows(x2.dtype):
                 out = extension.int4_mm(x2, *args, self.out_features, self.group_size, block, int8)
             else:  # a float GEMM over the dequantized weight: weight_t [K, N]
                 weight_t = extension.dequantize_int4(
@@ -306,6 +317,7 @@ class Int8GroupLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.dtype = dtype
+        self.batch_invariant = True  # see set_batch_invariant: the C++ kernel for every batch size
         self.register_buffer("codes", codes)  # [N, K] int8
         self.register_buffer("scales", scales)  # [N, K / 32] float32
 
@@ -314,8 +326,10 @@ class Int8GroupLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         extension = _extension() if x2.device.type == "cpu" else None
         is_grouped = self.scales.shape[1] * GROUP_SIZE == self.in_features
-        if extension is not None and is_grouped and x2.shape[0] <= self.FEW_ROWS:
-            return extension.int8_group_matmul(x2, self.codes, self.scales).view(*x.shape[:-1], self.out_features)
+        if extension is not None and is_grouped and (self.batch_invariant or x2.shape[0] <= self.FEW_ROWS):
+            amx_min_rows = 1 if self.batch_invariant else extension.amx_min_rows()
+            out = extension.int8_group_matmul(x2, self.codes, self.scales, amx_min_rows)
+            return out.view(*x.shape[:-1], self.out_features)
         # Many rows: dequantize CHUNK_ROWS output rows at a time and run a GEMM on each, so the
         # temporary stays a few MB whatever the vocabulary. In float32 whatever the compute dtype:
         # logits rounded to bfloat16 (steps of 1/8 near 10) turn near-ties into different tokens.
@@ -333,6 +347,25 @@ class Int8GroupLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def float32_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """linear(x) in float32 for a float (or bfloat16) layer: a bfloat16 lm_head's logits rounded to
+    bfloat16 are 1/8 apart near 10, and near-ties then turn into different tokens. On the CPU the C++
+    kernel (the same arithmetic for every row); elsewhere a float32 GEMM over CHUNK_ROWS rows of the
+    weight at a time, so the float32 copy stays a few MB."""
+    x2 = x.reshape(-1, linear.in_features)
+    extension = _extension() if x2.device.type == "cpu" else None
+    if extension is not None and linear.in_features % GROUP_SIZE == 0 and linear.bias is None:
+        out = extension.float32_matmul(x2, linear.weight)
+    else:
+        out = torch.empty(x2.shape[0], linear.out_features, dtype=torch.float32, device=x2.device)
+        x2 = x2.float()
+        for start in range(0, linear.out_features, CHUNK_ROWS):
+            end = min(start + CHUNK_ROWS, linear.out_features)
+            bias = None if linear.bias is None else linear.bias[start:end].float()
+            out[:, start:end] = F.linear(x2, linear.weight[start:end].float(), bias)
+    return out.view(*x.shape[:-1], linear.out_features)
 
 
 class Int8Embedding(nn.Module):

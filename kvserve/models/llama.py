@@ -13,6 +13,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.layers.attention import AttentionMetadata, paged_attention
 from kvserve.layers.norm import RMSNorm
+from kvserve.layers.quantized import float32_linear
 from kvserve.layers.rotary import RotaryEmbedding, rotate
 
 
@@ -99,5 +100,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden_size] -> float32 logits [N, vocab_size]."""
+        """[N, hidden_size] -> float32 logits [N, vocab_size], multiplied in float32 whatever the compute dtype."""
+        if isinstance(self.lm_head, nn.Linear):
+            return float32_linear(hidden_states, self.lm_head)
         return self.lm_head(hidden_states).float()

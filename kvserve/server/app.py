@@ -61,6 +61,7 @@ class ServerSettings:
     dtype: str | None = None
     weights: str = "auto"
     activations: str = "float"
+    batch_invariant: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_sessions: int = 1024
     max_sessions_per_key: int | None = 256
@@ -119,6 +120,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
                             dtype=settings.dtype,
                             weights=settings.weights,
                             activations=settings.activations,
+                            batch_invariant=settings.batch_invariant,
                             kv_cache_tokens=settings.kv_cache_tokens,
                             kv_cache_dtype=settings.kv_cache_dtype,
                             max_num_seqs=settings.max_num_seqs,
