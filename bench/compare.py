@@ -18,7 +18,8 @@ Before those runs a throwaway kvserve engine starts in the fresh process and is 
 process's one-time costs (torch's lazily loaded libraries and kernels, some 300 MB of RSS here), which
 would otherwise be charged to whichever engine came first. Its figures are reported as the cold start.
 kvserve runs once per --kvserve-weights value (LLM's `weights` keyword; "+int8" adds
-activations="int8", "+f16kv" kv_cache_dtype="float16", e.g. auto+int8+f16kv) with one thread per
+activations="int8", "+f16kv" kv_cache_dtype="float16", "+bioff" batch_invariant=False, e.g.
+auto+int8+f16kv) with one thread per
 streaming request; its per-step timings (ModelRunner) and `llm.stats()` are recorded too.
 
 How each peer is measured:
@@ -105,7 +106,11 @@ LLAMACPP_CONCURRENT_NOTE = "not measured in-process (llama.cpp's server with slo
 FLOAT_WEIGHTS = {"bf16": "bfloat16", "f32": "float32"}  # LLM(weights=...) values that fix the compute dtype
 VLLM_KV_SPACE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless set
 # Options after a --kvserve-weights value, each "+tag": LLM keywords
-KVSERVE_TAGS = {"int8": {"activations": "int8"}, "f16kv": {"kv_cache_dtype": "float16"}}
+KVSERVE_TAGS = {
+    "int8": {"activations": "int8"},
+    "f16kv": {"kv_cache_dtype": "float16"},
+    "bioff": {"batch_invariant": False},
+}
 
 
 @dataclass(frozen=True)
@@ -723,7 +728,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
         "--kvserve-weights",
         default="auto",
         help="comma-separated values of LLM(weights=...): auto, q4, q8, bf16, f32, each optionally followed by "
-        "+int8 for LLM(activations='int8') and +f16kv for LLM(kv_cache_dtype='float16'), e.g. "
+        "+int8 for LLM(activations='int8'), +f16kv for LLM(kv_cache_dtype='float16') and +bioff for "
+        "LLM(batch_invariant=False), e.g. "
         "auto,auto+int8+f16kv; one kvserve run each (default auto)",
     )
     parser.add_argument(

@@ -88,9 +88,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return path
 
 
-def wait_idle_and_check(llm, timeout: float = 30.0, pinned: int = 0) -> dict:
-    """Wait until the engine has nothing running or waiting; assert no KV block is in use beyond
-    `pinned` (blocks that live sessions hold between turns)."""
+def wait_idle(llm, timeout: float = 30.0) -> dict:
+    """Wait until the engine has nothing running or waiting; return the pool's counts then."""
     import time
 
     # Asked on the engine thread, not from the stats snapshot: the snapshot is published after a
@@ -100,6 +99,13 @@ def wait_idle_and_check(llm, timeout: float = 30.0, pinned: int = 0) -> dict:
     while (counts["running"] or counts["waiting"]) and time.monotonic() < deadline:
         time.sleep(0.01)
         counts = llm.check_integrity()
+    return counts
+
+
+def wait_idle_and_check(llm, timeout: float = 30.0, pinned: int = 0) -> dict:
+    """wait_idle, then assert no KV block is in use beyond `pinned` (blocks that live sessions hold
+    between turns)."""
+    counts = wait_idle(llm, timeout)
     assert counts["used"] == pinned, f"KV blocks leaked: {counts} (sessions pin {pinned})"
     return counts
 

@@ -86,6 +86,7 @@ def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, varian
         pytest.skip("int8 activations need AVX2 with F16C and FMA")
     make_tiny_llama(tmp_path, seed=31, **overrides)
     model = load_model(tmp_path, dtype, progress=False, weights=weights, activations=activations)
+    quantized.set_batch_invariant(model, not variant.endswith("dequantized-gemm"))
     assert FusedDecoder.supports(model)
     lengths = [9, 1, 30, 17]  # different contexts; blocks scattered and interleaved below
     tables = [[3, 40, 7], [12], [5, 20, 21, 22, 23, 24, 60, 61], [30, 31, 2, 33, 34]]
@@ -155,6 +156,7 @@ def test_fused_prefill_of_fresh_prompts_equals_the_python_forward(tmp_path, exte
         monkeypatch.setattr(quantized, "INT4_FEW_ROWS", 0)
     make_tiny_llama(tmp_path, seed=32, **overrides)
     model = load_model(tmp_path, dtype, progress=False, weights=weights)
+    quantized.set_batch_invariant(model, not variant.endswith("dequantized-gemm"))
     lengths = [300, 1, 37]
     tables = [list(range(100, 175)), [3], [40, 7, 12, 90, 91, 92, 93, 94, 95, 96]]
     ids = torch.randint(0, 300, (sum(lengths),), generator=torch.Generator().manual_seed(3))
@@ -183,6 +185,49 @@ def test_fused_prefill_of_fresh_prompts_equals_the_python_forward(tmp_path, exte
             assert (new - ref).float().abs().max().item() <= max(1e-5, relative * ref.float().abs().max().item())
 
 
+@pytest.mark.parametrize("variant", ["gqa-q4", "gqa-q4-int8-activations", "gqa-head-dim-80-float-bf16"])
+def test_a_mixed_step_through_the_layer_loop_equals_the_python_forward(tmp_path, extension, variant):
+    """One step of a decode token, a chunk continuing a prompt and a fresh prompt, each token with
+    its sequence's block table and attending up to its own position (the batch-invariant path every
+    CPU step takes): hidden states and the K/V written equal the Python forward's."""
+    pytest.importorskip("transformers")
+    overrides, weights, dtype, kv_dtype = _variant(variant)
+    activations = "int8" if variant.endswith("int8-activations") else "float"
+    if activations == "int8" and not extension.int8_activations():
+        pytest.skip("int8 activations need AVX2 with F16C and FMA")
+    make_tiny_llama(tmp_path, seed=33, **overrides)
+    model = load_model(tmp_path, dtype, progress=False, weights=weights, activations=activations)
+    tables = [[3, 40, 7], [12, 5, 20, 21], [30, 31]]
+    computed, new = [9, 8, 0], [1, 5, 6]
+    prefilled = _prefilled(model, computed[:2], tables[:2], seed=2, kv_dtype=kv_dtype)
+    ids = torch.randint(0, 300, (sum(new),), generator=torch.Generator().manual_seed(4))
+    positions, metadata = build_batch(tables, computed, new, BLOCK_SIZE)
+    width = max(len(t) for t in tables)
+    token_tables = torch.tensor(
+        [t + [0] * (width - len(t)) for t, n in zip(tables, new, strict=True) for _ in range(n)]
+    )
+    results = []
+    for fused in (True, False):
+        kv = [(k.clone(), v.clone()) for k, v in prefilled]
+        model.bind_kv_cache(kv)
+        with torch.inference_mode():
+            if fused:
+                hidden = FusedDecoder(model, extension).forward(
+                    ids, positions, metadata.slot_mapping, token_tables, positions + 1
+                )
+            else:
+                hidden = model(ids, positions, metadata)
+        results.append((hidden, kv))
+    (got, got_kv), (expected, expected_kv) = results
+    relative = 1e-5 if dtype == torch.float32 else 0.02
+    if activations == "int8":  # an input moved across an int8 rounding boundary (see the decode test above)
+        relative = 0.1
+    assert (got - expected).float().abs().max().item() <= max(1e-4, relative * expected.float().abs().max().item())
+    for (k, v), (k_ref, v_ref) in zip(got_kv, expected_kv, strict=True):
+        for written, ref in ((k, k_ref), (v, v_ref)):
+            assert (written - ref).float().abs().max().item() <= max(1e-5, relative * ref.float().abs().max().item())
+
+
 def test_the_engine_decodes_through_the_fused_step(tiny_model_dir, extension, monkeypatch):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = ["Hello there", "A longer prompt with more words in it, so its context differs", "x"]
@@ -202,7 +247,8 @@ def test_the_engine_decodes_through_the_fused_step(tiny_model_dir, extension, mo
 @pytest.mark.parametrize("half_scales", [True, False], ids=["float16-scales", "float32-scales"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_int4_paths_equal_the_dequantized_reference(extension, dtype, half_scales, monkeypatch):
-    """int4_mm (few rows), dequantize + GEMM (many rows) and PyTorch's int4 kernel (layout unknown)
+    """int4_mm (every row count, batch-invariant), dequantize + GEMM (many rows, batch invariance off)
+    and PyTorch's int4 kernel (layout unknown)
     all give x @ W.T + b of the float weight the int4 groups stand for, with the scales and mins
     kept as float16 (exact, as GGUF's Q4_1 stores them) or as float32 (not exact in float16)."""
     groups = Int4Groups.from_float(torch.randn(192, 96, generator=torch.Generator().manual_seed(5)))
@@ -217,14 +263,15 @@ def test_int4_paths_equal_the_dequantized_reference(extension, dtype, half_scale
     for rows in (1, 5, 13, 40, 100):  # register tiles of every size, and both sides of INT4_FEW_ROWS
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
         expected = x.float() @ weight.T + bias.to(dtype).float()
-        paths = {}
-        for few_rows in (10**9, 0):
-            monkeypatch.setattr(quantized, "INT4_FEW_ROWS", few_rows)
-            monkeypatch.setattr(quantized, "INT4_FEW_ROWS_AMX_BF16", few_rows)
-            paths[f"few_rows={few_rows}"] = layer(x).float()
+        paths = {"int4_mm": layer(x).float()}  # batch-invariant: int4_mm for every row count
+        layer.batch_invariant = False  # the GEMM over the dequantized weight past INT4_FEW_ROWS rows
+        monkeypatch.setattr(quantized, "INT4_FEW_ROWS", 0)
+        monkeypatch.setattr(quantized, "INT4_FEW_ROWS_AMX_BF16", 0)
+        paths["dequantize + GEMM"] = layer(x).float()
         monkeypatch.setattr(quantized, "_int4_block", 0)  # an unknown layout: PyTorch's kernel
         paths["int4 kernel"] = layer(x).float()
         monkeypatch.undo()
+        layer.batch_invariant = True
         tolerance = 1e-4 if dtype == torch.float32 else 0.02 * float(expected.abs().max())
         for name, got in paths.items():
             assert (got - expected).abs().max().item() <= tolerance, (rows, name)

@@ -10,7 +10,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.sessions import SessionLimitError, SessionNotFoundError
-from tests.conftest import StepGate, wait_idle_and_check
+from tests.conftest import StepGate, wait_idle, wait_idle_and_check
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -101,7 +101,8 @@ def test_streamed_input_is_prefilled_eagerly(llm):
     text = "".join(f"word{i} " for i in range(60))
     for start in range(0, len(text), 20):
         s.append(text[start : start + 20])
-    time.sleep(0.5)  # let the engine prefill while "the user is still typing"
+    counts = wait_idle(llm)  # the engine prefilled while "the user was still typing": nothing left to run
+    assert not counts["running"] and not counts["waiting"]
     out = s.generate(GREEDY)
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": text}])
     assert out.text == llm.chat([{"role": "user", "content": text}], GREEDY).text

@@ -187,7 +187,18 @@ inline Vec fused_multiply_add(Vec a, Vec b, Vec c) {
   return a * b + c;
 #endif
 }
-inline Vec splat(float a) { return Vec{} + a; }
+// a in every lane (a broadcast: Vec{} + a would cost an add, and turn -0 into +0).
+inline Vec splat(float a) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(_mm512_set1_ps(a));
+#elif defined(__AVX__)
+  return reinterpret_cast<Vec>(_mm256_set1_ps(a));
+#else
+  Vec v;
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = a;
+  return v;
+#endif
+}
 
 // out[i] = the sum of v[i]'s lanes for kLanes vectors, by one fixed tree per lane whatever else is
 // summed beside it (sum_lanes_each where the CPU has it, else sum_lanes).
@@ -909,9 +920,9 @@ inline void dequantize_int8_row(const int8_t* codes, const float* scales, int64_
 // The same product with one arithmetic for every row whatever the number of rows (batch
 // invariance): out[r, c] is one chain of multiply-adds over k, kLanes inputs at a time in order
 // (each code widened and scaled in registers, w = scale * code), its lanes then summed by
-// reduce_lanes_each's tree. A tile is R rows x kLanes / R code rows: kLanes accumulators, reduced
-// together, and each code vector widened once per tile of rows.
-constexpr int kLmRows = kLanes / 4;  // 4 on AVX-512, 2 on AVX2
+// reduce_lanes_each's tree. A tile is R rows x 4 code rows, its accumulators reduced together, and
+// each code vector widened once per tile of rows.
+constexpr int kLmRows = kLanes / 4;  // rows per tile: 4 on AVX-512, 2 on AVX2
 
 // kLanes weights of a code row from input i: scale * code, the one rounding every path shares;
 // float32 or bfloat16 weights (a float lm_head, no scales) as they are.
@@ -924,26 +935,44 @@ inline Vec widened_codes(const W* code_row, const float* scale_row, int64_t i) {
   }
 }
 
-// R rows of x times C = kLanes / R code rows, widened here, or read from `panel` ([C, k] floats
-// widened_codes wrote, where many tiles of rows share the code rows).
-template <int R, typename W>
+// R rows of x times C = 4 code rows, widened here, or read from `panel` ([C, k] floats
+// widened_codes wrote, where many tiles of rows share the code rows). The loops over rows and code
+// rows are unrolled so that the accumulators stay in registers (and the 2 C row pointers in
+// general registers).
+constexpr int kLmCols = 4;
+template <int R, bool kFromPanel, typename W>
 inline void int8_group_tile(const float* x, int64_t k, const W* codes, const float* scales, const float* panel,
                             float* out, int64_t ldo, int64_t cols) {
-  constexpr int C = kLanes / R;
+  constexpr int C = kLmCols;
   const int64_t groups = k / 32;
   const W* code_rows[C];
   const float* scale_rows[C];
+#pragma GCC unroll 16
   for (int c = 0; c < C; ++c) {  // past the last code row: the last one again, not written out
     code_rows[c] = codes + std::min<int64_t>(c, cols - 1) * k;
     scale_rows[c] = scales == nullptr ? nullptr : scales + std::min<int64_t>(c, cols - 1) * groups;
   }
-  Vec acc[kLanes];
+  Vec acc[kLanes];  // R * C used; the rest stay zero for the reduction
+#pragma GCC unroll 16
   for (int i = 0; i < kLanes; ++i) acc[i] = Vec{};
   for (int64_t i = 0; i < k; i += kLanes) {
     Vec xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = load_floats(x + r * k + i);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      xv[r] = load_floats(x + r * k + i);
+    }
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
-      const Vec w = panel != nullptr ? load_floats(panel + c * k + i) : widened_codes(code_rows[c], scale_rows[c], i);
+      Vec w;
+      if constexpr (kFromPanel) {
+        w = load_floats(panel + c * k + i);
+#if defined(__x86_64__) && (defined(__AVX512F__) || defined(__AVX__))
+        asm("" : "+v"(w));  // one load into a register: GCC would otherwise load it again for every row
+#endif
+      } else {
+        w = widened_codes(code_rows[c], scale_rows[c], i);
+      }
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) acc[r * C + c] = fused_multiply_add(xv[r], w, acc[r * C + c]);
     }
   }
@@ -953,13 +982,13 @@ inline void int8_group_tile(const float* x, int64_t k, const W* codes, const flo
 }
 
 // Rows [0, m) of x times code rows [0, cols) in tiles of R rows (fewer for the last rows) x
-// kLanes / R code rows; the code rows outermost, widened once into `panel` where several tiles of
+// kLmCols code rows; the code rows outermost, widened once into `panel` where several tiles of
 // rows read them.
 template <int R, typename W>
 inline void int8_group_rows(int64_t m, const float* x, int64_t k, const W* codes, const float* scales,
                             float* out, int64_t ldo, int64_t cols, std::vector<float>& panel) {
   const int64_t groups = k / 32, whole = m / R * R;
-  constexpr int C = kLanes / R;
+  constexpr int C = kLmCols;
   for (int64_t c = 0; whole > 0 && c < cols; c += C) {
     const int64_t tile_cols = std::min<int64_t>(C, cols - c);
     const float* shared = nullptr;
@@ -974,9 +1003,13 @@ inline void int8_group_rows(int64_t m, const float* x, int64_t k, const W* codes
       }
       shared = panel.data();
     }
+    const float* tile_scales = scales == nullptr ? nullptr : scales + c * groups;
     for (int64_t r = 0; r < whole; r += R) {
-      int8_group_tile<R>(x + r * k, k, codes + c * k, scales == nullptr ? nullptr : scales + c * groups, shared,
-                         out + r * ldo + c, ldo, tile_cols);
+      if (shared != nullptr) {
+        int8_group_tile<R, true>(x + r * k, k, codes + c * k, tile_scales, shared, out + r * ldo + c, ldo, tile_cols);
+      } else {
+        int8_group_tile<R, false>(x + r * k, k, codes + c * k, tile_scales, shared, out + r * ldo + c, ldo, tile_cols);
+      }
     }
   }
   if constexpr (R > 1) {
