@@ -118,8 +118,10 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """top-k, top-p and min-p masking (to -inf) on temperature-scaled logits [b, V]. Each filter runs
     only on the rows that ask for it, so that a row's result never depends on its neighbours' settings."""
     vocab = logits.shape[-1]
-    logits = logits.clone()
     ranked = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+    floored = [i for i, p in enumerate(params) if p.min_p > 0]
+    if ranked or floored:  # the caller's logits stay as they are
+        logits = logits.clone()
     if ranked:
         sub = logits[ranked]
         top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in ranked], device=logits.device)
@@ -133,7 +135,6 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         remove |= mass_before >= top_p[:, None]
         remove[:, 0] = False
         logits[ranked] = sub.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
-    floored = [i for i, p in enumerate(params) if p.min_p > 0]
     if floored:
         sub = logits[floored]
         min_p = torch.tensor([params[i].min_p for i in floored], dtype=logits.dtype, device=logits.device)

@@ -301,14 +301,11 @@ def int8_groups_from_float(weight: torch.Tensor, group_size: int = GROUP_SIZE) -
 class Int8GroupLinear(nn.Module):
     """y = x @ W.T with W as int8 and a scale per group of 32 inputs (GGML's Q8_0, kept exact).
 
-    Serves a tied lm_head from the embedding's own tensors (no second copy). Up to FEW_ROWS rows go
-    through the C++ kernel (kvserve/csrc), which widens each code once per call; more rows, or no
-    compiled kernel, dequantize the weight and run a float GEMM. Measured for the bundled model's
-    49152 x 576 table (2-core AVX2 CPU, float32; this machine's speed moves by tens of percent
-    between runs): about 1.1-1.5 / 9-11 / 24-36 / 65 / 113 ms for 1 / 16 / 64 / 128 / 256 rows in
-    C++, 94 / 149 ms dequantized for 128 / 256. With AMX and bfloat16 inputs, from 4 rows the kernel
-    multiplies tiles (exact bfloat16 codes, float32 sums per group): 1.8 / 7-8 ms for 16 / 64 rows
-    against 6.5-7.7 / 20-22 for the float kernel on the same 2-core Sapphire Rapids VM.
+    Serves a tied lm_head from the embedding's own tensors (no second copy). Batch-invariant (the
+    default), every row count goes through the C++ kernel (kvserve/csrc), one arithmetic per row;
+    otherwise up to FEW_ROWS rows do, and more dequantize the weight for a float GEMM, as without a
+    compiled kernel. With AMX and bfloat16 inputs the kernel multiplies tiles (exact bfloat16 codes,
+    float32 sums per group).
     """
 
     FEW_ROWS = 256
