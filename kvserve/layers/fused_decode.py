@@ -64,6 +64,8 @@ def _build_or_load(name: str) -> Any:
 
     build_dir = Path(_get_build_directory(name, verbose=False))
     build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"{name}.so").exists():  # said at warning level: the first start pauses here
+        logger.warning("Compiling kvserve's C++ kernels for this CPU (once per machine, about a minute)...")
     with open(build_dir / "kvserve.flock", "w") as holder:
         fcntl.flock(holder, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
