@@ -222,10 +222,10 @@ class EngineCore:
             if state.stopped_by_string is not None and not request.is_finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             logprobs = result.logprobs.get(request.request_id)
-            sink.put(state.chunk([logprobs] if logprobs is not None else None))
-            if request.is_finished:
+            if request.is_finished:  # a session turn is recorded (and stored) before its caller hears the end
                 finished.append(request.request_id)
                 self._on_finished(request, state.text)
+            sink.put(state.chunk([logprobs] if logprobs is not None else None))
         self._forget(finished)
 
     def _execute_confined(self, out: SchedulerOutput) -> RunnerOutput:

@@ -307,7 +307,7 @@ class SessionManager:
     # ----- internals ------------------------------------------------------------------------
     def _persist(self, state: SessionState) -> None:
         """Write the messages not yet stored. A store failure fails only this write: the turn's text
-        has reached its caller, the session keeps them in memory and the next turn writes them again."""
+        still reaches its caller, the session keeps them in memory and the next turn writes them again."""
         if self.store is None:
             return
         try:
