@@ -457,7 +457,11 @@ void decode_attention(const T* qkv, const C* k_cache, const C* v_cache, const in
     std::vector<float> scores, q(group * head_dim);
     std::vector<int64_t> slots;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
+      // Rows taken from both ends in turn (0, n-1, 1, n-2, ...): parallel_for gives each thread a
+      // contiguous range of tasks, and a prompt's rows attend over 1 to n keys, so each range then
+      // holds as many long rows as short ones.
+      const int64_t i = task / num_kv_heads, kvh = task % num_kv_heads;
+      const int64_t b = i % 2 == 0 ? i / 2 : num_seqs - 1 - i / 2;
       const int64_t len = seq_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
       const C* keys = k_cache + kvh * head_dim;
