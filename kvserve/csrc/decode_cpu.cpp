@@ -432,8 +432,8 @@ void rope_and_cache(T* qkv, const T* cos, const T* sin_signed, const int64_t* sl
   });
 }
 
-// out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] over the sequence's own seq_lens[b] keys.
-// Each (sequence, kv head) is one task. Its positions' cache rows are listed once (walking the
+// out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] over row b's own seq_lens[b] keys, through its
+// own block table (a row is a decode token or one token of a prompt). Each (row, kv head) is one task. Its positions' cache rows are listed once (walking the
 // block table a block at a time). Where head_dim is a multiple of the vector width, keys' dot
 // products run side by side (independent chains, one load of q for all): eight at a time on AVX2,
 // their sums reduced together into one vector of scores, else four. The softmax's exponentials go
@@ -791,7 +791,9 @@ at::Tensor forward_impl(at::Tensor x, const at::Tensor& cos, const at::Tensor& s
 
 }  // namespace
 
-// One decode step (one new token per sequence) through every layer and the final norm.
+// One step through every layer and the final norm, for B tokens of any sequences (decode tokens,
+// prompts, chunks): row b is a token at its position with its sequence's block table, attending to
+// its first seq_lens[b] keys (its own included), whose K/V are written before attention reads them.
 // x: [B, hidden] embeddings; cos, sin_signed: [B, head_dim]; slot_mapping, seq_lens: [B] int64;
 // block_tables: [B, max_blocks] int64; norms: 2 per layer + the final one; linears: 4 per layer
 // (qkv, o, gate_up, down) as (kind, weight, scales, bias) with undefined tensors where unused;
@@ -928,6 +930,11 @@ inline void dequantize_int8_row(const int8_t* codes, const float* scales, int64_
 // each code vector widened once per tile of rows.
 constexpr int kLmRows = kLanes / 4;  // rows per tile: 4 on AVX-512, 2 on AVX2
 
+// Code row `row`'s scales (one per 32 codes), or nullptr for float weights, which have none.
+inline const float* scales_of_row(const float* scales, int64_t row, int64_t groups) {
+  return scales == nullptr ? nullptr : scales + row * groups;
+}
+
 // kLanes weights of a code row from input i: scale * code, the one rounding every path shares;
 // float32 or bfloat16 weights (a float lm_head, no scales) as they are.
 template <typename W>
@@ -954,7 +961,7 @@ inline void int8_group_tile(const float* x, int64_t k, const W* codes, const flo
 #pragma GCC unroll 16
   for (int c = 0; c < C; ++c) {  // past the last code row: the last one again, not written out
     code_rows[c] = codes + std::min<int64_t>(c, cols - 1) * k;
-    scale_rows[c] = scales == nullptr ? nullptr : scales + std::min<int64_t>(c, cols - 1) * groups;
+    scale_rows[c] = scales_of_row(scales, std::min<int64_t>(c, cols - 1), groups);
   }
   Vec acc[kLanes];  // R * C used; the rest stay zero for the reduction
 #pragma GCC unroll 16
@@ -1001,13 +1008,13 @@ inline void int8_group_rows(int64_t m, const float* x, int64_t k, const W* codes
       for (int64_t j = 0; j < C; ++j) {
         const int64_t row = c + std::min<int64_t>(j, tile_cols - 1);
         for (int64_t i = 0; i < k; i += kLanes) {
-          const Vec w = widened_codes(codes + row * k, scales == nullptr ? nullptr : scales + row * groups, i);
+          const Vec w = widened_codes(codes + row * k, scales_of_row(scales, row, groups), i);
           std::memcpy(panel.data() + j * k + i, &w, sizeof(w));
         }
       }
       shared = panel.data();
     }
-    const float* tile_scales = scales == nullptr ? nullptr : scales + c * groups;
+    const float* tile_scales = scales_of_row(scales, c, groups);
     for (int64_t r = 0; r < whole; r += R) {
       if (shared != nullptr) {
         int8_group_tile<R, true>(x + r * k, k, codes + c * k, tile_scales, shared, out + r * ldo + c, ldo, tile_cols);
@@ -1033,8 +1040,8 @@ void int8_group_matmul_rows(const float* xf, const W* codes, const float* scales
     std::vector<float> panel;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t c = b * kVocabBlock;
-      int8_group_rows<kLmRows>(m, xf, k, codes + c * k, scales == nullptr ? nullptr : scales + c * groups, out + c,
-                               v, std::min(kVocabBlock, v - c), panel);
+      int8_group_rows<kLmRows>(m, xf, k, codes + c * k, scales_of_row(scales, c, groups), out + c, v,
+                               std::min(kVocabBlock, v - c), panel);
     }
   });
 }
