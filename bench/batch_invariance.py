@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from kvserve import LLM, SamplingParams
-from kvserve.model_files import DEFAULT_MODEL, pull
+from kvserve.weights.registry import DEFAULT_MODEL, pull
 
 PROMPTS = [
     "The capital of France is",

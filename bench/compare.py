@@ -92,11 +92,11 @@ from throughput import (
 )
 
 from kvserve import LLM, SamplingParams
-from kvserve.kv_cache import kv_cache_bytes_per_token
-from kvserve.layers import fused_decode
+from kvserve.engine.kv_cache import kv_cache_bytes_per_token
+from kvserve.kernels import build
 from kvserve.llm import default_dtype
-from kvserve.model_files import resolve_model
 from kvserve.weights.loader import load_config
+from kvserve.weights.registry import resolve_model
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_OUT = RESULTS / "compare.json"
@@ -300,7 +300,7 @@ def bench_kvserve(weights: str | None, s: Settings) -> dict[str, Any]:
     try:
         # The fused decode step loads in the background (built on first use, then cached); measure with
         # it in place, as a server is a few seconds after its start.
-        out["fused_decode_loaded"] = fused_decode.load_extension() is not None
+        out["fused_decode_loaded"] = build.load() is not None
         out["config"] = {
             "weights": weights,
             "dtype": str(llm.dtype),

@@ -38,8 +38,8 @@ import compare
 import torch
 from throughput import WARMUP_TOKENS, Prompts, kvserve_decode, kvserve_prefill, machine_info, stream_times
 
-from kvserve.layers import fused_decode
-from kvserve.model_files import resolve_model
+from kvserve.kernels import build
+from kvserve.weights.registry import resolve_model
 
 DEFAULT_OUT = compare.RESULTS / "decode_ab.json"
 ENGINES = ("kvserve", "llama.cpp")
@@ -68,7 +68,7 @@ def measure(engine: str, s: compare.Settings, prefill: bool) -> dict[str, Any]:
     if engine == "kvserve":
         llm, _ = compare.start_kvserve(s.kvserve_weights[0], s, prompts)
         try:
-            fused_decode.load_extension()  # measured with the fused step in place, as compare.py does
+            build.load()  # measured with the fused step in place, as compare.py does
             stream_times(llm, prompts.short(), compare.greedy(WARMUP_TOKENS))
             out["decode"], _ = kvserve_decode(llm, prompts, s.for_throughput())
             if prefill:

@@ -55,13 +55,13 @@ def main() -> int:
     args = parser.parse_args()
 
     from kvserve import LLM
-    from kvserve.layers import fused_decode
+    from kvserve.kernels import build
     from kvserve.server.app import ServerSettings
     from tests.conftest import wait_idle_and_check
     from tests.fuzz_strategies import BODY_LIMIT, KEYS, MODEL, fuzz
     from tests.server_harness import running_server
 
-    fused_decode.load_extension()  # as the tests do: decode steps through the fused step from the start
+    build.load()  # as the tests do: decode steps through the fused step from the start
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(tiny_model(Path(tmp) / "tiny-llama"))
         dtype = args.dtype or ("float32" if args.model is None else None)

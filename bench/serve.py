@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 from common import WORDS, free_port, percentile
 
-from kvserve.model_files import resolve_model
+from kvserve.weights.registry import resolve_model
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "serve.json"
 

@@ -35,7 +35,7 @@ import torch
 from common import percentile
 
 from kvserve import LLM, SamplingParams
-from kvserve.model_files import resolve_model
+from kvserve.weights.registry import resolve_model
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "throughput.json"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -27,12 +27,12 @@ from kvserve.errors import (
     UnsupportedTensorTypeError,
 )
 from kvserve.llm import LLM
-from kvserve.model_files import pull, resolve_model
 from kvserve.outputs import RequestOutput, StreamChunk, Usage
 from kvserve.sampling_params import SamplingParams
-from kvserve.session_handle import Session
-from kvserve.sessions import SessionLimitError, SessionNotFoundError
-from kvserve.tokenizer import Tokenizer
+from kvserve.sessions.manager import SessionLimitError, SessionNotFoundError
+from kvserve.sessions.session import Session
+from kvserve.text.tokenizer import Tokenizer
+from kvserve.weights.registry import pull, resolve_model
 
 __version__ = "0.1.0"
 

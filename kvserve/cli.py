@@ -8,7 +8,7 @@ import os
 import sys
 
 from kvserve.errors import KVServeError
-from kvserve.model_files import DEFAULT_MODEL, REGISTRY, is_pulled, kvserve_home, pull
+from kvserve.weights.registry import DEFAULT_MODEL, REGISTRY, is_pulled, kvserve_home, pull
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -86,8 +86,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         session_db=args.session_db,
     )
     # A session store that is not kvserve's (or cannot be opened) stops the server before it starts.
-    from kvserve.model_files import kvserve_home
-    from kvserve.session_store import SessionStore
+    from kvserve.sessions.store import SessionStore
+    from kvserve.weights.registry import kvserve_home
 
     SessionStore(args.session_db or kvserve_home() / "sessions.db").close()
     config = uvicorn.Config(

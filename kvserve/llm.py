@@ -20,23 +20,23 @@ from typing import Any
 
 import torch
 
-from kvserve.block_pool import BlockPool
-from kvserve.config import EngineConfig
-from kvserve.engine_core import EngineCore
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.core import EngineCore
+from kvserve.engine.kv_cache import kv_cache_bytes_per_token
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import InvalidRequestError, KVServeError, check_text
-from kvserve.kv_cache import kv_cache_bytes_per_token
-from kvserve.model_files import kvserve_home, resolve_model
-from kvserve.model_runner import ModelRunner
 from kvserve.outputs import RequestOutput, StreamChunk
-from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import Scheduler
-from kvserve.session_handle import Session
-from kvserve.session_store import SessionStore
-from kvserve.sessions import SessionManager
-from kvserve.tokenizer import Tokenizer
+from kvserve.sessions.manager import SessionManager
+from kvserve.sessions.session import Session
+from kvserve.sessions.store import SessionStore
+from kvserve.text.tokenizer import Tokenizer
 from kvserve.weights.loader import load_config, load_model, weight_summary
 from kvserve.weights.plan import resolve_activations, resolve_weights
+from kvserve.weights.registry import kvserve_home, resolve_model
 
 logger = logging.getLogger("kvserve.weights")
 Prompt = str | Sequence[int]

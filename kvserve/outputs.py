@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.sampler import TokenLogprobs
+from kvserve.engine.sampler import TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.model_files import DEFAULT_MODEL, pull
+from kvserve.weights.registry import DEFAULT_MODEL, pull
 
 TINY_LLAMA = dict(
     vocab_size=300,
@@ -28,9 +28,9 @@ TINY_LLAMA = dict(
 def fused_decode_extension():
     """Build the fused CPU decode step once, before any engine starts, so that every engine test
     runs its decode steps through it from the first step (not from whenever a build finishes)."""
-    from kvserve.layers import fused_decode
+    from kvserve.kernels import build
 
-    return fused_decode.load_extension()
+    return build.load()
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +67,7 @@ def write_byte_tokenizer(path: Path) -> None:
 
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from kvserve.tokenizer import _byte_alphabet
+    from kvserve.text.tokenizer import _byte_alphabet
 
     vocab = {char: byte for byte, char in _byte_alphabet().items()}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.layers import fused_decode
+from kvserve.kernels import build
 from kvserve.layers.quantized import Int4Groups, Int4Linear, Int8GroupLinear, float32_linear, int8_groups_from_float
 from kvserve.llm import default_dtype
 from tests.conftest import wait_idle_and_check
@@ -25,7 +25,7 @@ ROWS = (1, 2, 5, 16, 33, 64, 512)
 
 @pytest.fixture(scope="module")
 def extension():
-    ext = fused_decode.load_extension()
+    ext = build.load()
     if ext is None:
         pytest.skip("no C++ compiler: the Python path serves, and its batch invariance is not claimed")
     return ext

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvserve.block_pool import BlockPool, hash_full_blocks
+from kvserve.engine.block_pool import BlockPool, hash_full_blocks
 
 
 def test_allocate_takes_from_the_front_and_free_appends_tail_first():

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.simple_generate import prompt_logits, stream_token_ids
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 from kvserve.weights.loader import load_model
+from tests.simple_generate import prompt_logits, stream_token_ids
 
 pytestmark = pytest.mark.bundled
 transformers = pytest.importorskip("transformers")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.simple_generate import prompt_logits, stream_token_ids
 from kvserve.weights.loader import load_model
 from tests.conftest import wait_idle_and_check
+from tests.simple_generate import prompt_logits, stream_token_ids
 
 pytestmark = pytest.mark.bundled
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.kv_cache import allocate_kv_cache
-from kvserve.layers import fused_decode, quantized
+from kvserve.engine.kv_cache import allocate_kv_cache
+from kvserve.kernels import build
+from kvserve.layers import quantized
 from kvserve.layers.attention import _partition, build_batch
 from kvserve.layers.fused_decode import FusedDecoder
 from kvserve.layers.quantized import Int4Groups, Int4Linear
@@ -49,10 +50,10 @@ BLOCK_SIZE = 4
 
 @pytest.fixture(scope="module")
 def extension():
-    ext = fused_decode.load_extension()
+    ext = build.load()
     if ext is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler: the Python decode path serves (it is what the other tests check)")
-    assert ext is not None, f"the fused decode extension failed to build: {fused_decode._error}"
+    assert ext is not None, f"the fused decode extension failed to build: {build.error()}"
     return ext
 
 
@@ -103,7 +104,7 @@ def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, varian
     snapshot = [(k.clone(), v.clone()) for k, v in kv]
     ids = torch.tensor([5, 77, 123, 250])
     positions, metadata = build_batch(tables, lengths, [1, 1, 1, 1], BLOCK_SIZE)
-    fused = FusedDecoder(model, extension)
+    fused = FusedDecoder(model)
     assert fused.int8_activations == (activations == "int8")
     width = max(len(t) for t in tables)
     with torch.inference_mode():
@@ -167,9 +168,7 @@ def test_fused_prefill_of_fresh_prompts_equals_the_python_forward(tmp_path, exte
         model.bind_kv_cache(kv)
         with torch.inference_mode():
             if fused:
-                hidden = FusedDecoder(model, extension).prefill(
-                    ids, positions, metadata.slot_mapping, [0, 300, 301, 338]
-                )
+                hidden = FusedDecoder(model).prefill(ids, positions, metadata.slot_mapping, [0, 300, 301, 338])
             else:
                 hidden = model(ids, positions, metadata)
         results.append((hidden, kv))
@@ -212,9 +211,7 @@ def test_a_mixed_step_through_the_layer_loop_equals_the_python_forward(tmp_path,
         model.bind_kv_cache(kv)
         with torch.inference_mode():
             if fused:
-                hidden = FusedDecoder(model, extension).forward(
-                    ids, positions, metadata.slot_mapping, token_tables, positions + 1
-                )
+                hidden = FusedDecoder(model).forward(ids, positions, metadata.slot_mapping, token_tables, positions + 1)
             else:
                 hidden = model(ids, positions, metadata)
         results.append((hidden, kv))

@@ -7,8 +7,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
+from kvserve.engine.kv_cache import allocate_kv_cache
 from kvserve.errors import UnsupportedModelError, UnsupportedTensorTypeError
-from kvserve.kv_cache import allocate_kv_cache
 from kvserve.layers.attention import build_batch
 from kvserve.weights.dequant import SUPPORTED_TYPES, dequantize
 from kvserve.weights.loader import load_model

@@ -19,7 +19,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.errors import EngineError, InvalidRequestError
 from kvserve.server.app import ServerSettings
-from kvserve.session_store import SessionStore, SessionStoreError, key_owner
+from kvserve.sessions.store import SessionStore, SessionStoreError, key_owner
 from tests.conftest import StepGate, wait_idle_and_check
 from tests.server_harness import running_server
 

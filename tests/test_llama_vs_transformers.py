@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.kv_cache import allocate_kv_cache
+from kvserve.engine.kv_cache import allocate_kv_cache
 from kvserve.layers.attention import build_batch
 from kvserve.weights.loader import load_model
 from tests.conftest import make_tiny_llama

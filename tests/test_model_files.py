@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.errors import ModelFetchError, ModelNotFoundError
-from kvserve.model_files import (
+from kvserve.weights.registry import (
     DEFAULT_MODEL,
     REGISTRY,
     RegisteredModel,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.engine.sampler import Sampler, SamplingRow, _apply_penalties, _filter
 from kvserve.errors import InvalidRequestError
-from kvserve.sampler import Sampler, SamplingRow, _apply_penalties, _filter
 from kvserve.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -81,12 +81,12 @@ def test_the_greedy_kernel_picks_what_torch_argmax_picks():
     rows of -inf, and a vocabulary that is not a multiple of the vector width."""
     import shutil
 
-    from kvserve.layers import fused_decode
+    from kvserve.kernels import build, ops
 
-    extension = fused_decode.load_extension()
+    extension = build.load()
     if extension is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler: greedy rows take torch.argmax")
-    assert extension is not None, fused_decode._error
+    assert extension is not None, build.error()
     logits = torch.randn(9, 49157, generator=torch.Generator().manual_seed(4))
     logits[1, [100, 3000]] = 50.0  # a tie in the vector part: the first wins
     logits[2, [49155, 49156]] = 50.0  # a tie in the leftover lanes
@@ -97,7 +97,7 @@ def test_the_greedy_kernel_picks_what_torch_argmax_picks():
     logits[6, 49156] = float("nan")  # NaN in the leftover lanes
     logits[7, 12] = float("inf")
     logits[8, [11, 500]] = float("nan")  # the first NaN
-    assert torch.equal(extension.argmax_rows(logits), logits.argmax(-1))
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(-1))
     assert torch.equal(extension.argmax_rows(logits[:, :5]), logits[:, :5].argmax(-1))  # under one vector
 
 

@@ -1,9 +1,9 @@
 """Scheduler with toy sizes: continuous batching, chunked prefill, prefix hits, preemption."""
 
-from kvserve.block_pool import BlockPool
-from kvserve.request import Request, RequestStatus
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import Scheduler
 
 
 def make(num_blocks=8, block_size=4, max_num_seqs=4, budget=64, max_model_len=64):

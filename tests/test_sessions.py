@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.sessions import SessionLimitError, SessionNotFoundError
+from kvserve.sessions.manager import SessionLimitError, SessionNotFoundError
 from tests.conftest import StepGate, wait_idle, wait_idle_and_check
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.chat_template import ChatTemplateError
-from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.errors import UnsupportedModelError
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.chat_template import ChatTemplateError
+from kvserve.text.detokenizer import IncrementalDetokenizer
+from kvserve.text.tokenizer import Tokenizer
 from tests.tokenizer_corpus import corpus
 
 pytestmark = pytest.mark.bundled

@@ -1,102 +1,24 @@
-"""The fused CPU layer loop (kvserve/csrc/decode_cpu.cpp) and when it is used.
+"""FusedDecoder: a Llama model's step through the C++ layer loop (kvserve/kernels/csrc).
 
 A step of a Llama model on the CPU runs its whole layer loop in one C++ call: any mix of decode
 tokens, prompts, chunks and prompts behind a cached prefix (`forward`), or, faster but not batch
 invariant, fresh prompts only (`prefill`). The model's Python forward remains the reference and
-serves where the extension cannot (CUDA, no compiler). The extension is compiled on first
-use with the machine's C++ compiler (about a minute, once; cached under $TORCH_EXTENSIONS_DIR,
-default ~/.cache/torch_extensions). Without a compiler, or with KVSERVE_FUSED_DECODE=0, the Python path
-serves every step and nothing else changes.
+serves where the C++ kernels cannot (CUDA, no compiler, KVSERVE_FUSED_DECODE=0; see
+kvserve.kernels.build).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
-import threading
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
+from kvserve.kernels import build, ops
 from kvserve.layers import quantized
 from kvserve.layers.quantized import Int4Linear, Int8Linear
 
 logger = logging.getLogger("kvserve.fused_decode")
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "decode_cpu.cpp"
-_lock = threading.Lock()
-_extension: Any = None
-_error: str | None = None
-
-
-def is_enabled() -> bool:
-    return os.environ.get("KVSERVE_FUSED_DECODE", "1") not in ("0", "false", "no")
-
-
-def load_extension() -> Any:
-    """The compiled module, or None (with the reason logged once) when it cannot be built."""
-    global _extension, _error
-    with _lock:
-        if _extension is None and _error is None:
-            try:
-                # -march=native: the build is specific to this CPU, so its name carries the CPU's identity.
-                key = f"{SOURCE.read_bytes()!r}{_cpu_identity()}{torch.__version__}".encode()
-                name = "kvserve_decode_cpu_" + hashlib.sha256(key).hexdigest()[:12]
-                _extension = _build_or_load(name)
-            except Exception as exc:  # no compiler, no headers: the Python path serves
-                _error = f"{type(exc).__name__}: {exc}"
-                logger.warning("fused CPU decode step unavailable, using the Python path: %s", _error)
-        return _extension
-
-
-def _build_or_load(name: str) -> Any:
-    """torch's `load`, serialized across processes by an flock that dies with its holder.
-
-    torch's own lock is a plain file: a build killed midway leaves it behind and every later
-    build waits on it forever. Holding the flock, no live process is building, so any such file
-    is stale and is removed first."""
-    import fcntl
-
-    from torch.utils.cpp_extension import _get_build_directory, load
-
-    build_dir = Path(_get_build_directory(name, verbose=False))
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not (build_dir / f"{name}.so").exists():  # said at warning level: the first start pauses here
-        logger.warning("Compiling kvserve's C++ kernels for this CPU (once per machine, about a minute)...")
-    with open(build_dir / "kvserve.flock", "w") as holder:
-        fcntl.flock(holder, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        return load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-
-
-def start_loading() -> None:
-    """Build (or load the cached build of) the extension in a background thread. Compiling runs in
-    a compiler subprocess, so the engine thread keeps serving on the Python path meanwhile."""
-    if is_enabled() and _extension is None and _error is None:
-        threading.Thread(target=load_extension, name="kvserve-build-decode", daemon=True).start()
-
-
-def loaded_extension() -> Any:
-    """The extension if it is loaded by now, without waiting; else None."""
-    return _extension
-
-
-def _cpu_identity() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        return next((line for line in info.splitlines() if line.startswith("flags")), platform.processor())
-    except OSError:
-        return platform.processor()
 
 
 class FusedDecoder:
@@ -106,8 +28,8 @@ class FusedDecoder:
     model's layers are all of a kind the C++ loop knows.
     """
 
-    def __init__(self, model: nn.Module, extension: Any) -> None:
-        self.model, self.extension = model, extension
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
         config = model.config
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.intermediate = config.head_dim, config.intermediate_size
@@ -128,9 +50,9 @@ class FusedDecoder:
         groups = {m.group_size for m in int4}
         self.group_size = groups.pop() if groups else 32
         # The C++ loop takes one setting for all its int4 layers (set_activations sets them together).
-        if int4 and all(m.int8_activations for m in int4) and not extension.int8_activations():
+        if int4 and all(m.int8_activations for m in int4) and not ops.int8_activations():
             logger.warning("activations=int8 needs a CPU with AVX2, F16C and FMA; the int4 layers take float inputs")
-        self.int8_activations = bool(int4) and all(m.takes_int8(extension) for m in int4)
+        self.int8_activations = bool(int4) and all(m.takes_int8() for m in int4)
         # Batch invariance (quantized.set_batch_invariant, before this is made): int4_mm for every
         # number of rows, never the GEMM over the dequantized weight.
         self.batch_invariant = all(m.batch_invariant for m in int4)
@@ -181,7 +103,7 @@ class FusedDecoder:
         cos, sin_signed = model.rotary.table(positions, x.dtype)  # each [B, 1, D]
         k_caches = [layer.self_attn.k_cache for layer in model.layers]
         v_caches = [layer.self_attn.v_cache for layer in model.layers]
-        return self.extension.decode_forward(
+        return ops.decode_forward(
             x.contiguous(),
             cos.reshape(len(positions), -1).contiguous(),
             sin_signed.reshape(len(positions), -1).contiguous(),
@@ -219,9 +141,10 @@ class FusedDecoder:
 
 
 def make_fused_decoder(model: nn.Module, wait: bool = True) -> FusedDecoder | None:
-    """A FusedDecoder for `model` when enabled, supported and built (waiting for the build, or,
-    with wait=False, only if it is loaded already); else None."""
-    if not is_enabled() or not FusedDecoder.supports(model):
+    """A FusedDecoder for `model` when the kernels are enabled, the model supported and the
+    extension built (waiting for the build, or, with wait=False, only if it is loaded already);
+    else None."""
+    if not build.is_enabled() or not FusedDecoder.supports(model):
         return None
-    extension = load_extension() if wait else loaded_extension()
-    return None if extension is None else FusedDecoder(model, extension)
+    extension = build.load() if wait else build.loaded()
+    return None if extension is None else FusedDecoder(model)

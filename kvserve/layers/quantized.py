@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels import ops
+
 GROUP_SIZE = 32
 # Rows converted per step while quantizing or packing a weight, so that the temporaries (float
 # groups, int32 codes) stay a few MB even for a 49152-row lm_head. A multiple of 64: the CPU int4
@@ -54,13 +56,6 @@ ACTIVATION_CHOICES = ("float", "int8")
 _int4_block: int | None = None  # rows per block of PyTorch's int4 packing; 0: unknown
 
 
-def _extension():
-    """The compiled C++ kernels if loaded by now (never waits for the build), else None."""
-    from kvserve.layers import fused_decode
-
-    return fused_decode.loaded_extension()
-
-
 def int4_block_rows() -> int | None:
     """Rows per block of `aten._convert_weight_to_int4pack_for_cpu`'s layout (64 where PyTorch's
     kernel runs AVX-512, 32 on AVX2), found by checking the C++ dequantizer against the op itself
@@ -68,8 +63,7 @@ def int4_block_rows() -> int | None:
     int4 kernel then serves every batch size)."""
     global _int4_block
     if _int4_block is None:
-        extension = _extension()
-        if extension is None:
+        if not ops.available():
             return None
         groups = Int4Groups.from_float(torch.randn(128, 64, generator=torch.Generator().manual_seed(0)))
         probe = Int4Linear(groups, torch.float32)
@@ -79,7 +73,7 @@ def int4_block_rows() -> int | None:
                 rows
                 for rows in (64, 32)
                 if torch.allclose(
-                    extension.dequantize_int4(
+                    ops.dequantize_int4(
                         probe.weight_packed, probe.scales_mins, 128, 64, GROUP_SIZE, rows, torch.float32
                     ).T,
                     expected,
@@ -94,8 +88,7 @@ def int4_block_rows() -> int | None:
 def int4_few_rows(dtype: torch.dtype) -> int:
     """Up to how many rows an Int4Linear with float inputs of `dtype` multiplies through int4_mm
     (more rows: a GEMM over the dequantized weight); see INT4_FEW_ROWS."""
-    extension = _extension()
-    if dtype == torch.bfloat16 and extension is not None and extension.amx():
+    if dtype == torch.bfloat16 and ops.available() and ops.amx():
         return min(INT4_FEW_ROWS, INT4_FEW_ROWS_AMX_BF16)
     return INT4_FEW_ROWS
 
@@ -236,13 +229,12 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         block = int4_block_rows() if x2.device.type == "cpu" else None
         if block is not None and self.out_features % block == 0:
-            extension = _extension()
             args = (self.weight_packed, self.scales_mins)
-            int8 = self.takes_int8(extension)
+            int8 = self.takes_int8()
             if int8 or self.batch_invariant or x2.shape[0] <= int4_few_rows(x2.dtype):
-                out = extension.int4_mm(x2, *args, self.out_features, self.group_size, block, int8)
+                out = ops.int4_mm(x2, *args, self.out_features, self.group_size, block, int8)
             else:  # a float GEMM over the dequantized weight: weight_t [K, N]
-                weight_t = extension.dequantize_int4(
+                weight_t = ops.dequantize_int4(
                     *args, self.out_features, self.in_features, self.group_size, block, x2.dtype
                 )
                 out = torch.mm(x2, weight_t)
@@ -254,10 +246,10 @@ class Int4Linear(nn.Module):
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
-    def takes_int8(self, extension) -> bool:
-        """Whether the C++ kernels of `extension` quantize this layer's inputs to int8: asked for
+    def takes_int8(self) -> bool:
+        """Whether the C++ kernels quantize this layer's inputs to int8: asked for
         (int8_activations), groups of 32, and a CPU with the instructions."""
-        return self.int8_activations and self.group_size == GROUP_SIZE and extension.int8_activations()
+        return self.int8_activations and self.group_size == GROUP_SIZE and ops.int8_activations()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}" + (
@@ -321,11 +313,11 @@ class Int8GroupLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N] in float32 (this layer produces logits)
         x2 = x.reshape(-1, self.in_features)
-        extension = _extension() if x2.device.type == "cpu" else None
+        kernels = x2.device.type == "cpu" and ops.available()
         is_grouped = self.scales.shape[1] * GROUP_SIZE == self.in_features
-        if extension is not None and is_grouped and (self.batch_invariant or x2.shape[0] <= self.FEW_ROWS):
-            amx_min_rows = 1 if self.batch_invariant else extension.amx_min_rows()
-            out = extension.int8_group_matmul(x2, self.codes, self.scales, amx_min_rows)
+        if kernels and is_grouped and (self.batch_invariant or x2.shape[0] <= self.FEW_ROWS):
+            amx_min_rows = 1 if self.batch_invariant else ops.amx_min_rows()
+            out = ops.int8_group_matmul(x2, self.codes, self.scales, amx_min_rows)
             return out.view(*x.shape[:-1], self.out_features)
         # Many rows: dequantize CHUNK_ROWS output rows at a time and run a GEMM on each, so the
         # temporary stays a few MB whatever the vocabulary. In float32 whatever the compute dtype:
@@ -334,8 +326,8 @@ class Int8GroupLinear(nn.Module):
         x2 = x2.float()
         for start in range(0, self.out_features, CHUNK_ROWS):
             end = min(start + CHUNK_ROWS, self.out_features)
-            if extension is not None and is_grouped:
-                weight = extension.dequantize_int8_groups(self.codes, self.scales, start, end, torch.float32)
+            if kernels and is_grouped:
+                weight = ops.dequantize_int8_groups(self.codes, self.scales, start, end, torch.float32)
             else:
                 groups = self.codes[start:end].view(end - start, self.scales.shape[1], -1)
                 weight = (groups * self.scales[start:end].unsqueeze(-1)).view(end - start, -1)
@@ -352,9 +344,8 @@ def float32_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     kernel (the same arithmetic for every row); elsewhere a float32 GEMM over CHUNK_ROWS rows of the
     weight at a time, so the float32 copy stays a few MB."""
     x2 = x.reshape(-1, linear.in_features)
-    extension = _extension() if x2.device.type == "cpu" else None
-    if extension is not None and linear.in_features % GROUP_SIZE == 0 and linear.bias is None:
-        out = extension.float32_matmul(x2, linear.weight)
+    if x2.device.type == "cpu" and ops.available() and linear.in_features % GROUP_SIZE == 0 and linear.bias is None:
+        out = ops.float32_matmul(x2, linear.weight)
     else:
         out = torch.empty(x2.shape[0], linear.out_features, dtype=torch.float32, device=x2.device)
         x2 = x2.float()

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from kvserve.config import ModelConfig
+from kvserve.models.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:

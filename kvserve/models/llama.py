@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.config import ModelConfig
 from kvserve.layers.attention import AttentionMetadata, paged_attention
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import float32_linear
 from kvserve.layers.rotary import RotaryEmbedding, rotate
+from kvserve.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):

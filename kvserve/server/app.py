@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.engine.sampler import TokenLogprobs
 from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, KVServeError, check_text
 from kvserve.llm import LLM
 from kvserve.outputs import RequestOutput, StreamChunk
-from kvserve.sampler import TokenLogprobs
 from kvserve.sampling_params import MAX_SEED, SamplingParams
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
@@ -40,9 +40,9 @@ from kvserve.server.protocol import (
     error_body,
     usage_dict,
 )
-from kvserve.session_handle import Session
-from kvserve.session_store import SessionStoreError, key_owner
-from kvserve.sessions import SessionLimitError, SessionNotFoundError
+from kvserve.sessions.manager import SessionLimitError, SessionNotFoundError
+from kvserve.sessions.session import Session
+from kvserve.sessions.store import SessionStoreError, key_owner
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 logger = logging.getLogger("kvserve.server")

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-from kvserve.config import ModelConfig
 from kvserve.errors import UnsupportedModelError
 from kvserve.layers.quantized import Int4Groups
+from kvserve.models.config import ModelConfig
 from kvserve.weights.dequant import INT4_GROUP_READERS, dequantize, int4_groups, q8_0_groups
 from kvserve.weights.names import WeightTarget
 from kvserve.weights.source import SourceTensor

@@ -16,7 +16,6 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
-from kvserve.config import ModelConfig
 from kvserve.errors import UnsupportedModelError
 from kvserve.layers.quantized import (
     GROUP_SIZE,
@@ -28,6 +27,7 @@ from kvserve.layers.quantized import (
     set_activations,
 )
 from kvserve.models import MODEL_CLASSES
+from kvserve.models.config import ModelConfig
 from kvserve.weights.gguf_file import GGUFFile, open_gguf
 from kvserve.weights.names import shard_offsets
 from kvserve.weights.plan import WeightPlan

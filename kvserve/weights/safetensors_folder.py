@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvserve.config import ModelConfig
 from kvserve.errors import UnsupportedModelError
+from kvserve.models.config import ModelConfig
 from kvserve.weights.names import WeightTarget
 from kvserve.weights.source import SourceTensor
 

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kv_cache import allocate_kv_cache
+from kvserve.engine.kv_cache import allocate_kv_cache
+from kvserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.kernels import build
 from kvserve.layers import fused_decode
 from kvserve.layers.attention import build_batch
 from kvserve.layers.fused_decode import FusedDecoder
 from kvserve.layers.quantized import set_batch_invariant
-from kvserve.sampler import Sampler, SamplingRow, TokenLogprobs
-from kvserve.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -84,14 +85,14 @@ class ModelRunner:
         # its build (once per machine), so that no step's path depends on when the build finished;
         # otherwise it builds in the background and the Python forward serves until then.
         self.fused: FusedDecoder | None = None
-        self.wants_fused = FusedDecoder.supports(model) and fused_decode.is_enabled()
+        self.wants_fused = FusedDecoder.supports(model) and build.is_enabled()
         if self.wants_fused and batch_invariant:
-            fused_decode.load_extension()
+            build.load()
         elif self.wants_fused:
-            fused_decode.start_loading()
+            build.start_loading()
 
     def _fused_decoder(self) -> FusedDecoder | None:
-        if self.fused is None and self.wants_fused and fused_decode.loaded_extension() is not None:
+        if self.fused is None and self.wants_fused and build.loaded() is not None:
             self.fused = fused_decode.make_fused_decoder(self.model, wait=False)
         return self.fused
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 

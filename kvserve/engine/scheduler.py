@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvserve.block_pool import BlockPool, hash_full_blocks
-from kvserve.request import Request, RequestStatus
+from kvserve.engine.block_pool import BlockPool, hash_full_blocks
+from kvserve.engine.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvserve.errors import InvalidRequestError, check_text
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.sampling_params import SamplingParams
-from kvserve.sessions import SessionManager, SessionState, Turn
+from kvserve.sessions.manager import SessionManager, SessionState, Turn
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM

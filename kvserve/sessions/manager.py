@@ -19,16 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.block_pool import BlockPool
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.request import Request
 from kvserve.errors import EngineClosedError, InvalidRequestError, KVServeError
-from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.session_store import SessionStore, SessionStoreError
-from kvserve.tokenizer import Tokenizer
+from kvserve.sessions.store import SessionStore, SessionStoreError
+from kvserve.text.tokenizer import Tokenizer
 
 EAGER_HOLDBACK_TOKENS = 3  # tokens at the open end of streamed input that may still re-tokenize
 _SENTINEL = "\u2063kvserve-open-end\u2063"
-logger = logging.getLogger("kvserve.sessions")
+logger = logging.getLogger("kvserve.sessions.manager")
 
 
 class SessionNotFoundError(KVServeError):

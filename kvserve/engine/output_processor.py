@@ -5,11 +5,11 @@ Runs on the engine thread so that a stop string finishes its request in the same
 
 from __future__ import annotations
 
-from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.engine.request import Request
+from kvserve.engine.sampler import TokenLogprobs
 from kvserve.outputs import StreamChunk, Usage
-from kvserve.request import Request
-from kvserve.sampler import TokenLogprobs
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.detokenizer import IncrementalDetokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 
 class RequestTextState:

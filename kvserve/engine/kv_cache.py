@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.config import ModelConfig
+from kvserve.models.config import ModelConfig
 
 
 def allocate_kv_cache(

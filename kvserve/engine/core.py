@@ -18,14 +18,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvserve.block_pool import BlockPool
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.model_runner import ModelRunner, RunnerOutput
+from kvserve.engine.output_processor import RequestTextState
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError
-from kvserve.model_runner import ModelRunner, RunnerOutput
-from kvserve.output_processor import RequestTextState
-from kvserve.request import Request, RequestStatus
-from kvserve.scheduler import Scheduler, SchedulerOutput
-from kvserve.sessions import SessionManager
-from kvserve.tokenizer import Tokenizer
+from kvserve.sessions.manager import SessionManager
+from kvserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvserve.engine")
 

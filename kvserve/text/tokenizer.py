@@ -15,8 +15,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from kvserve.chat_template import ChatTemplate
 from kvserve.errors import UnsupportedModelError, check_text
+from kvserve.text.chat_template import ChatTemplate
 from kvserve.weights.gguf_file import GGUFFile, open_gguf
 
 # How text is split before BPE, by GGUF `tokenizer.ggml.pre`. These are the published split

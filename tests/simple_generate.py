@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from kvserve.kv_cache import allocate_kv_cache
+from kvserve.engine.kv_cache import allocate_kv_cache
 from kvserve.layers.attention import build_batch
 
 BLOCK_SIZE = 16
