@@ -45,11 +45,24 @@ def _terminal_llm(args: argparse.Namespace, **kwargs):
     )
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from kvserve.sampling_params import SamplingParams
+# generate and chat sample as llama.cpp and Ollama do by default (a 135M model decoding greedily
+# loops); a model file's own recommended values come before these, the flags before both.
+SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+
+def _sampling_params(args: argparse.Namespace, model_path):
+    """SamplingParams from the flags, else the model file's recommended values, else SAMPLING_DEFAULTS."""
+    from kvserve.sampling_params import SamplingParams
+    from kvserve.weights.loader import recommended_sampling
+
+    values = {**SAMPLING_DEFAULTS, **recommended_sampling(model_path)}
+    values.update({name: getattr(args, name) for name in SAMPLING_DEFAULTS if getattr(args, name) is not None})
+    return SamplingParams(max_tokens=args.max_tokens, seed=args.seed, **values)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
     with _terminal_llm(args) as llm:
+        params = _sampling_params(args, llm.model_path)
         if args.raw or llm.tokenizer.chat_template is None:
             chunks = llm.stream(args.prompt, params)
         else:
@@ -110,10 +123,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from kvserve.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     with _terminal_llm(args, session_db=False) as llm:
+        params = _sampling_params(args, llm.model_path)
         if llm.tokenizer.chat_template is None:
             print("kvserve: error: this model has no chat template; use `kvserve generate --raw`.", file=sys.stderr)
             return 2
@@ -203,7 +214,22 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     _flag(p, "--max-tokens", "most tokens to generate per reply", max_tokens, int)
-    _flag(p, "--temperature", "sampling temperature, 0 for greedy", 0.0, float)
+    model_or = "; default: the model file's recommended value, else {}"
+    for flag, kind, help in (
+        ("--temperature", float, "sampling temperature, 0 for greedy (the most likely token each step)"),
+        ("--top-k", int, "sample among the k most likely tokens, 0 for no limit"),
+        ("--top-p", float, "sample among the most likely tokens whose probabilities add up to p, 1 for no limit"),
+        ("--min-p", float, "drop tokens less likely than min_p times the most likely one, 0 for none"),
+    ):
+        name = flag[2:].replace("-", "_")
+        env = "KVSERVE_" + name.upper()
+        value = os.environ.get(env)
+        p.add_argument(
+            flag,
+            type=kind,
+            default=kind(value) if value else None,
+            help=f"{help} (env {env}{model_or.format(SAMPLING_DEFAULTS[name])})",
+        )
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
 
 

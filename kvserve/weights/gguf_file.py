@@ -69,6 +69,9 @@ _SCALARS = {
 }
 _VERSIONS = (2, 3)
 
+# llama.cpp's general.sampling.* metadata keys -> SamplingParams' names
+_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p"}
+
 
 class _Tensor(NamedTuple):
     name: str
@@ -215,6 +218,16 @@ class GGUFFile:
     @property
     def num_tensors(self) -> int:
         return len(self._tensors)
+
+    def recommended_sampling(self) -> dict[str, float]:
+        """The sampling values the file's author recommends (llama.cpp's `general.sampling.*` keys),
+        under SamplingParams' names; empty when the file gives none."""
+        values = {name: self.get(f"general.sampling.{key}") for key, name in _SAMPLING_KEYS.items()}
+        return {
+            name: value
+            for name, value in values.items()
+            if isinstance(value, int | float) and not isinstance(value, bool)
+        }
 
     def model_config(self) -> ModelConfig:
         arch = self.architecture

@@ -312,3 +312,8 @@ def weight_summary(model: nn.Module) -> dict[str, object]:
 
 def load_config(path: str | Path) -> ModelConfig:
     return open_checkpoint(path).model_config()
+
+
+def recommended_sampling(path: str | Path) -> dict[str, float]:
+    """The sampling values a model file recommends (temperature, top_k, top_p, min_p), if any."""
+    return open_checkpoint(path).recommended_sampling()

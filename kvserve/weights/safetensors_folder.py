@@ -49,6 +49,18 @@ class SafetensorsFolder:
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_hf_dict(self.hf_config)
 
+    def recommended_sampling(self) -> dict[str, float]:
+        """The sampling values of generation_config.json (temperature, top_k, top_p, min_p), unless it
+        turns sampling off (`do_sample: false`); empty when there are none."""
+        path = self.path / "generation_config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        if config.get("do_sample") is False:
+            return {}
+        names = ("temperature", "top_k", "top_p", "min_p")
+        return {
+            n: config[n] for n in names if isinstance(config.get(n), int | float) and not isinstance(config[n], bool)
+        }
+
     def rope_freq_factors(self) -> torch.Tensor | None:
         return None
 
