@@ -34,6 +34,20 @@ def fused_decode_extension():
 
 
 @pytest.fixture(scope="session")
+def extension(fused_decode_extension):
+    """The loaded C++ kernels, for tests of them: skipped without a compiler, a failure when a
+    compiler is there and the build fails."""
+    import shutil
+
+    from kvserve.kernels import build
+
+    if fused_decode_extension is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the Python paths serve")
+    assert fused_decode_extension is not None, f"the C++ kernels failed to build: {build.error()}"
+    return fused_decode_extension
+
+
+@pytest.fixture(scope="session")
 def bundled_gguf() -> Path:
     """The default model's GGUF, fetched with `kvserve pull` semantics on first use."""
     return pull(DEFAULT_MODEL, progress=False)

@@ -15,20 +15,11 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.kernels import build
 from kvserve.layers.quantized import Int4Groups, Int4Linear, Int8GroupLinear, float32_linear, int8_groups_from_float
 from kvserve.llm import default_dtype
 from tests.conftest import wait_idle_and_check
 
 ROWS = (1, 2, 5, 16, 33, 64, 512)
-
-
-@pytest.fixture(scope="module")
-def extension():
-    ext = build.load()
-    if ext is None:
-        pytest.skip("no C++ compiler: the Python path serves, and its batch invariance is not claimed")
-    return ext
 
 
 def assert_rows_invariant(layer, dtype: torch.dtype, in_features: int) -> None:

@@ -4,6 +4,7 @@ packed), results [M, N]."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -89,6 +90,87 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return _ext().argmax_rows(logits)
 
 
-def decode_forward(*args: Any) -> torch.Tensor:
-    """The layer loop of a Llama model over T tokens (see layers/fused_decode.FusedDecoder)."""
-    return _ext().decode_forward(*args)
+def linear_kinds() -> Any:
+    """The C++ enum LinearKind: how a layer loop's linear weight is stored (Float, Int4, Int8)."""
+    return _ext().LinearKind
+
+
+@dataclass(frozen=True, eq=False)  # eq would compare tensors
+class Linear:
+    """A linear layer of the layer loop: weight [N, ...] as its `kind` stores it (Float: [N, K] in the
+    compute dtype; Int4: packed, with scales = scales_mins; Int8: [N, K] codes, with scales [N])."""
+
+    kind: Any  # a member of linear_kinds()
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """A Llama layer's sizes (Hugging Face config names) and its attention's softmax scale."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    scale: float
+
+
+@dataclass(frozen=True)
+class Int4Policy:
+    """How every int4 layer of the loop multiplies: up to `few_rows` rows int4_mm, more a float GEMM
+    over the dequantized weight; `block_rows` is the packing's rows per block (0: unknown, PyTorch's
+    int4 kernel); inputs quantized to int8 per group with `int8_activations`."""
+
+    group_size: int
+    few_rows: int
+    block_rows: int
+    int8_activations: bool
+
+
+class LayerStack:
+    """The C++ layer loop over a Llama model's layers, holding what does not change between steps:
+    norms (2 per layer and the final one), linears (qkv, o, gate_up, down per layer), the KV caches
+    (one [num_blocks, block_size, num_kv_heads, head_dim] K and V per layer, of one dtype, which may
+    differ from the compute dtype), sizes and the int4 policy. References, not copies: `forward`
+    writes the caches in place."""
+
+    def __init__(
+        self,
+        norms: list[torch.Tensor],
+        linears: list[Linear],
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        shape: LayerShape,
+        int4: Int4Policy,
+    ) -> None:
+        extension = _ext()
+        self._stack = extension.LayerStack(
+            norms,
+            [extension.Linear(m.kind, m.weight, m.scales, m.bias) for m in linears],
+            k_caches,
+            v_caches,
+            extension.LayerShape(**asdict(shape)),
+            extension.Int4Policy(**asdict(int4)),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        prefill_starts: list[int],
+    ) -> torch.Tensor:
+        """Hidden states [B, hidden] after every layer and the final norm for B rows: x [B, hidden]
+        embeddings in the norms' dtype, cos and sin_signed [B, head_dim]; row b writes its K/V at
+        slot_mapping[b] and attends to its first seq_lens[b] keys through block_tables[b] (int64, [B]
+        and [B, max_blocks]). With prefill_starts (S + 1 row offsets), the rows are instead the whole
+        prompts of S fresh sequences (block_tables and seq_lens unused). Raises RuntimeError once the
+        kernels are turned off (KVSERVE_FUSED_DECODE=0)."""
+        _ext()
+        return self._stack.forward(x, cos, sin_signed, slot_mapping, block_tables, seq_lens, prefill_starts)

@@ -24,31 +24,17 @@ logger = logging.getLogger("kvserve.fused_decode")
 class FusedDecoder:
     """Runs steps of one LlamaForCausalLM through the C++ layer loop.
 
-    Holds references to the model's tensors (no copies). `supports(model)` tells whether the
-    model's layers are all of a kind the C++ loop knows.
+    Holds references to the model's tensors (no copies), among them the KV caches bound to the model
+    when it is made (`bind_kv_cache` first; a model bound to other caches needs a new FusedDecoder).
+    Needs the C++ kernels loaded. `supports(model)` tells whether the model's layers are all of a kind
+    the C++ loop knows.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         config = model.config
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.intermediate = config.head_dim, config.intermediate_size
-        self.eps = config.rms_norm_eps
-        self.scale = config.head_dim**-0.5
-        self.norms: list[torch.Tensor] = []
-        self.kinds: list[int] = []
-        self.weights: list[torch.Tensor] = []
-        self.scales: list[torch.Tensor | None] = []
-        self.biases: list[torch.Tensor | None] = []
-        for layer in model.layers:
-            self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            attn, mlp = layer.self_attn, layer.mlp
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                self._add(linear)
-        self.norms.append(model.norm.weight)
         int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
         groups = {m.group_size for m in int4}
-        self.group_size = groups.pop() if groups else 32
         # The C++ loop takes one setting for all its int4 layers (set_activations sets them together).
         if int4 and all(m.int8_activations for m in int4) and not ops.int8_activations():
             logger.warning("activations=int8 needs a CPU with AVX2, F16C and FMA; the int4 layers take float inputs")
@@ -56,21 +42,38 @@ class FusedDecoder:
         # Batch invariance (quantized.set_batch_invariant, before this is made): int4_mm for every
         # number of rows, never the GEMM over the dequantized weight.
         self.batch_invariant = all(m.batch_invariant for m in int4)
-
-    def _add(self, linear: nn.Module) -> None:
-        if isinstance(linear, Int4Linear):
-            self.kinds.append(1)
-            self.weights.append(linear.weight_packed)
-            self.scales.append(linear.scales_mins)
-        elif isinstance(linear, Int8Linear):
-            self.kinds.append(2)
-            self.weights.append(linear.weight_int8)
-            self.scales.append(linear.scales)
-        else:
-            self.kinds.append(0)
-            self.weights.append(linear.weight)
-            self.scales.append(None)
-        self.biases.append(linear.bias)
+        dtype = model.norm.weight.dtype  # the compute dtype: the C++ loop takes x in its norms' dtype
+        int4_policy = ops.Int4Policy(
+            group_size=groups.pop() if groups else 32,
+            few_rows=2**62 if self.batch_invariant else quantized.int4_few_rows(dtype),
+            block_rows=quantized.int4_block_rows() or 0,
+            int8_activations=self.int8_activations,
+        )
+        norms: list[torch.Tensor] = []
+        self.linears: list[ops.Linear] = []
+        for layer in model.layers:
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            attn, mlp = layer.self_attn, layer.mlp
+            self.linears += [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        norms.append(model.norm.weight)
+        attention = model.layers[0].self_attn
+        self._k_cache = attention.k_cache  # to tell a later bind_kv_cache (which rebinds every layer)
+        shape = ops.LayerShape(
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=config.rms_norm_eps,
+            scale=attention.scale,
+        )
+        self.stack = ops.LayerStack(
+            norms,
+            self.linears,
+            [layer.self_attn.k_cache for layer in model.layers],
+            [layer.self_attn.v_cache for layer in model.layers],
+            shape,
+            int4_policy,
+        )
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -99,34 +102,17 @@ class FusedDecoder:
         (see `prefill` for prefill_starts). Writes each layer's K/V at `slot_mapping` before any
         attention reads it, as the model's forward would."""
         model = self.model
+        if model.layers[0].self_attn.k_cache is not self._k_cache:
+            raise RuntimeError("the model's KV caches were rebound after its FusedDecoder was made; make a new one")
         x = model.embed_tokens(input_ids)  # [B, hidden]
         cos, sin_signed = model.rotary.table(positions, x.dtype)  # each [B, 1, D]
-        k_caches = [layer.self_attn.k_cache for layer in model.layers]
-        v_caches = [layer.self_attn.v_cache for layer in model.layers]
-        return ops.decode_forward(
+        return self.stack.forward(
             x.contiguous(),
             cos.reshape(len(positions), -1).contiguous(),
             sin_signed.reshape(len(positions), -1).contiguous(),
             slot_mapping,
             block_tables,
             seq_lens,
-            self.norms,
-            self.kinds,
-            self.weights,
-            self.scales,
-            self.biases,
-            k_caches,
-            v_caches,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.intermediate,
-            self.eps,
-            self.scale,
-            self.group_size,
-            2**62 if self.batch_invariant else quantized.int4_few_rows(x.dtype),
-            quantized.int4_block_rows() or 0,
-            self.int8_activations,
             prefill_starts or [],
         )
 
@@ -138,6 +124,16 @@ class FusedDecoder:
         at `slot_mapping`, as the model's forward would."""
         empty = torch.empty(0, 0, dtype=torch.long)
         return self.forward(input_ids, positions, slot_mapping, empty, empty, starts)
+
+
+def _linear(linear: nn.Module) -> ops.Linear:
+    """The layer loop's view of a linear layer: its kind, weight and the scales its kind needs."""
+    kinds = ops.linear_kinds()
+    if isinstance(linear, Int4Linear):
+        return ops.Linear(kinds.Int4, linear.weight_packed, linear.scales_mins, linear.bias)
+    if isinstance(linear, Int8Linear):
+        return ops.Linear(kinds.Int8, linear.weight_int8, linear.scales, linear.bias)
+    return ops.Linear(kinds.Float, linear.weight, None, linear.bias)
 
 
 def make_fused_decoder(model: nn.Module, wait: bool = True) -> FusedDecoder | None:

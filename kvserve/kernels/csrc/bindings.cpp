@@ -1,0 +1,47 @@
+// The Python module: each family's entry points, and the layer loop's types (kernels.h).
+
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+
+namespace py = pybind11;
+using namespace kvserve;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_mm", &int4_mm, "x @ W.T for an Int4Linear's packed weight, for a few rows");
+  m.def("dequantize_int4", &dequantize_int4, "an Int4Linear's transposed weight in its compute dtype, [K, N]");
+  m.def("int8_activations", [] { return kInt8Activations; }, "whether int4_mm can quantize activations to int8");
+  m.def("int8_group_matmul", &int8_group_matmul, "x @ (codes * group scales).T in float32, [M, V]");
+  m.def("float32_matmul", &float32_matmul, "x @ weight.T in float32 for a float or bfloat16 weight, [M, V]");
+  m.def("dequantize_int8_groups", &dequantize_int8_groups, "rows of an int8-groups weight, [rows, K]");
+  m.def("amx", &amx_usable, "whether this build runs AMX tiles (bfloat16 GEMMs then favour more rows)");
+  m.def("amx_min_rows", [] { return kAmxMinRows; }, "rows from which the lm_head's AMX tiles are fastest");
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (NaN largest), [B] int64");
+
+  py::enum_<LinearKind>(m, "LinearKind", "how a linear layer's weight is stored")
+      .value("Float", LinearKind::Float)
+      .value("Int4", LinearKind::Int4)
+      .value("Int8", LinearKind::Int8);
+  py::class_<Linear>(m, "Linear", "a linear layer of the layer loop")
+      .def(py::init([](LinearKind kind, at::Tensor weight, std::optional<at::Tensor> scales,
+                       std::optional<at::Tensor> bias) {
+             return Linear{kind, std::move(weight), scales.value_or(at::Tensor()), bias.value_or(at::Tensor())};
+           }),
+           py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"))
+      .def_readonly("kind", &Linear::kind);
+  py::class_<LayerShape>(m, "LayerShape", "a Llama layer's sizes")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>(), py::kw_only(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"), py::arg("rms_norm_eps"),
+           py::arg("scale"));
+  py::class_<Int4Policy>(m, "Int4Policy", "how the int4 layers multiply")
+      .def(py::init<int64_t, int64_t, int64_t, bool>(), py::kw_only(), py::arg("group_size"), py::arg("few_rows"),
+           py::arg("block_rows"), py::arg("int8_activations"));
+  py::class_<LayerStack>(m, "LayerStack", "a Llama model's layers, and a step through them")
+      .def(py::init<std::vector<at::Tensor>, std::vector<Linear>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    LayerShape, Int4Policy>(),
+           py::arg("norms"), py::arg("linears"), py::arg("k_caches"), py::arg("v_caches"), py::arg("shape"),
+           py::arg("int4"))
+      .def("forward", &LayerStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin_signed"),
+           py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("prefill_starts"));
+}

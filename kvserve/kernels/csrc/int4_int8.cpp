@@ -1,0 +1,411 @@
+// int4 weights (int4_packing.h) times int8 activations. The float kernels (int4_mm.cpp) spend an
+// FMA per weight per row: near the CPU's float peak for many rows and bound on unpacking the codes
+// for one. Here, as llama.cpp does, each row's inputs are quantized per group of 32 to int8
+// (x ~ d * q, d = max|x| / 127, q rounded to nearest even), and AVX2's byte multiply-add
+// (vpmaddubsw: 32 code x input products, summed in pairs, per instruction) computes each group's
+// sum over code * q exactly in integers. Per group and column:
+//   out += (scale * d) * sum_k(code * q) + min * sum_k(x)
+// with sum_k(x) the float sum of the group's inputs, so only the products with the codes carry the
+// inputs' rounding. The integer sums are exact and the float steps per row are the same for one
+// row and for many, so a row's result does not depend on the rows batched with it.
+
+#include <vector>
+
+#include "int4_packing.h"
+#include "kernels.h"
+
+namespace kvserve {
+
+#if KVSERVE_HAS_INT8_ACTIVATIONS
+namespace {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// One group of 32 inputs: q (int8), d (the scale) and s (the float sum).
+inline void quantize_group(const float* x, int8_t* q, float* d, float* s) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax1 = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float scale = amax1 / 127.0f;
+  const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest even (MXCSR default)
+  // packs interleave the 128-bit lanes: (0-3, 8-11, 16-19, 24-27 | 4-7, ...); the permute restores order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d = scale;
+  *s = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+
+// Two consecutive inputs' code bytes for 16 columns of a block, side by side per column (lane 0:
+// columns c*16 .. +7, lane 1: +8 .. +15), still two nibbles per byte (see unpack_codes).
+inline __m256i code_pairs(const uint8_t* row, int64_t half, int64_t c) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + half + c * 16));
+  return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+}
+
+inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+
+// out += (scale * d) * float(isum) + s * min, the per-group float step (the same for every kernel).
+inline __m256 group_step(__m256 total, __m256i isum, __m256 scale, __m256 min, float d, float s) {
+  total = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(isum), total);
+  return _mm256_fmadd_ps(_mm256_set1_ps(s), min, total);
+}
+
+// One row times one block of NV * 8 columns (NV / 4 chunks of 16 code bytes per input). A pair of
+// inputs gives 16 products per column-lane of int16; 8 pairs stay below int16's range
+// (8 * 2 * 15 * 127 = 30480), then they are widened into int32 sums.
+template <int NV, typename S, typename O>
+inline void q8_block_one(const int8_t* xq, const float* xd, const float* xs, const uint8_t* block,
+                         const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, O* out) {
+  constexpr int64_t half = NV * 4, chunks = NV / 4;
+  __m256 total[NV];
+  for (int v = 0; v < NV; ++v) total[v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k_len / kInt8Group; ++g) {
+    __m256i isum[NV];
+    for (int v = 0; v < NV; ++v) isum[v] = _mm256_setzero_si256();
+    for (int64_t k0 = g * kInt8Group; k0 < (g + 1) * kInt8Group; k0 += 16) {
+      __m256i acc[2 * chunks];  // [low chunks..., high chunks...]
+      for (int a = 0; a < 2 * chunks; ++a) acc[a] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k0 + 16; k += 2) {
+        int16_t pair;
+        std::memcpy(&pair, xq + k, 2);
+        const __m256i xb = _mm256_set1_epi16(pair);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m256i p = code_pairs(block + k * half, half, c);
+          acc[c] = _mm256_add_epi16(acc[c], _mm256_maddubs_epi16(low_nibbles(p), xb));
+          acc[chunks + c] = _mm256_add_epi16(acc[chunks + c], _mm256_maddubs_epi16(high_nibbles(p), xb));
+        }
+      }
+      for (int a = 0; a < 2 * chunks; ++a) {  // acc a holds the columns of vectors 2a and 2a + 1
+        isum[2 * a] = _mm256_add_epi32(isum[2 * a], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[a])));
+        isum[2 * a + 1] = _mm256_add_epi32(isum[2 * a + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[a], 1)));
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m256 scale = load8(scales_mins + 2 * g * n + n0 + 8 * v);
+      const __m256 min = load8(scales_mins + (2 * g + 1) * n + n0 + 8 * v);
+      total[v] = group_step(total[v], isum[v], scale, min, xd[g], xs[g]);
+    }
+  }
+  float lanes[NV * 8];
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(lanes + 8 * v, total[v]);
+  for (int64_t j = 0; j < NV * 8; ++j) out[n0 + j] = from_float<O>(lanes[j]);
+}
+
+// q8_tile (below) for its main tile, 5 rows x 2 vectors, written out in assembly: GCC keeps some of
+// the 10 int16 accumulators on the stack and copies the others between registers every step,
+// though they, the 2 code vectors, the broadcast input and 2 products fit AVX2's 16 registers.
+// Here the accumulators stay in ymm0-9: per quad of inputs, 2 code loads, 5 broadcasts, 10
+// vpmaddubsw and 10 vpaddw; then the group's float step (group_step's arithmetic in the same
+// order, so the results are the same bit for bit).
+#define KVSERVE_Q8_ROW(XADDR, A0, A1)                                                        \
+  "vpbroadcastd " XADDR ", %%ymm12\n\t"                                                      \
+  "vpmaddubsw %%ymm12, %%ymm10, %%ymm13\n\t"                                                 \
+  "vpaddw %%ymm13, %%ymm" #A0 ", %%ymm" #A0 "\n\t"                                           \
+  "vpmaddubsw %%ymm12, %%ymm11, %%ymm14\n\t"                                                 \
+  "vpaddw %%ymm14, %%ymm" #A1 ", %%ymm" #A1 "\n\t"
+#define KVSERVE_Q8_QUAD(Q)                                                                   \
+  "vmovdqa " #Q "*%c[stride](%[c]), %%ymm10\n\t"                                             \
+  "vmovdqa " #Q "*%c[stride]+32(%[c]), %%ymm11\n\t"                                          \
+  KVSERVE_Q8_ROW(#Q "*4(%[x])", 0, 1)                                                        \
+  KVSERVE_Q8_ROW(#Q "*4(%[x],%[ld],1)", 2, 3)                                                \
+  KVSERVE_Q8_ROW(#Q "*4(%[x],%[ld],2)", 4, 5)                                                \
+  KVSERVE_Q8_ROW(#Q "*4(%[x3])", 6, 7)                                                       \
+  KVSERVE_Q8_ROW(#Q "*4(%[x],%[ld],4)", 8, 9)
+// Row r's float step: its d and s broadcast, scale * d for both vectors, then per vector
+// total = (scale * d) * float(isum) + total; total = s * min + total.
+#define KVSERVE_Q8_STEP(DADDR, SADDR, A0, A1, T0)                                            \
+  "vbroadcastss " DADDR ", %%ymm12\n\t"                                                      \
+  "vbroadcastss " SADDR ", %%ymm13\n\t"                                                      \
+  "vmulps (%[scale]), %%ymm12, %%ymm10\n\t"                                                  \
+  "vmulps 32(%[scale]), %%ymm12, %%ymm11\n\t"                                                \
+  "vpmaddwd %%ymm15, %%ymm" #A0 ", %%ymm" #A0 "\n\t"                                         \
+  "vpmaddwd %%ymm15, %%ymm" #A1 ", %%ymm" #A1 "\n\t"                                         \
+  "vcvtdq2ps %%ymm" #A0 ", %%ymm" #A0 "\n\t"                                                 \
+  "vcvtdq2ps %%ymm" #A1 ", %%ymm" #A1 "\n\t"                                                 \
+  "vfmadd213ps " #T0 "(%[total]), %%ymm10, %%ymm" #A0 "\n\t"                                 \
+  "vfmadd213ps " #T0 "+32(%[total]), %%ymm11, %%ymm" #A1 "\n\t"                              \
+  "vfmadd231ps (%[min]), %%ymm13, %%ymm" #A0 "\n\t"                                          \
+  "vfmadd231ps 32(%[min]), %%ymm13, %%ymm" #A1 "\n\t"                                        \
+  "vmovups %%ymm" #A0 ", " #T0 "(%[total])\n\t"                                              \
+  "vmovups %%ymm" #A1 ", " #T0 "+32(%[total])\n\t"
+template <int Stride>
+inline void q8_tile_5x2(const int8_t* xq, int64_t k_len, const float* xd, const float* xs, int64_t groups,
+                        const __m256i* codes, const __m256* scale, const __m256* min, __m256* total) {
+  static_assert(kInt8Group == 32, "8 quads per group");
+  const int64_t row_bytes = groups * static_cast<int64_t>(sizeof(float));
+  __asm__ volatile(
+      "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
+      "vpxor %%xmm1, %%xmm1, %%xmm1\n\t"
+      "vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
+      "vpxor %%xmm3, %%xmm3, %%xmm3\n\t"
+      "vpxor %%xmm4, %%xmm4, %%xmm4\n\t"
+      "vpxor %%xmm5, %%xmm5, %%xmm5\n\t"
+      "vpxor %%xmm6, %%xmm6, %%xmm6\n\t"
+      "vpxor %%xmm7, %%xmm7, %%xmm7\n\t"
+      "vpxor %%xmm8, %%xmm8, %%xmm8\n\t"
+      "vpxor %%xmm9, %%xmm9, %%xmm9\n\t"
+      KVSERVE_Q8_QUAD(0) KVSERVE_Q8_QUAD(1) KVSERVE_Q8_QUAD(2) KVSERVE_Q8_QUAD(3)
+      KVSERVE_Q8_QUAD(4) KVSERVE_Q8_QUAD(5) KVSERVE_Q8_QUAD(6) KVSERVE_Q8_QUAD(7)
+      "vpcmpeqw %%ymm15, %%ymm15, %%ymm15\n\t"
+      "vpsrlw $15, %%ymm15, %%ymm15\n\t"  // 16-bit ones
+      KVSERVE_Q8_STEP("(%[xd])", "(%[xs])", 0, 1, 0)
+      KVSERVE_Q8_STEP("(%[xd],%[rb],1)", "(%[xs],%[rb],1)", 2, 3, 64)
+      KVSERVE_Q8_STEP("(%[xd],%[rb],2)", "(%[xs],%[rb],2)", 4, 5, 128)
+      KVSERVE_Q8_STEP("(%[xd3])", "(%[xs3])", 6, 7, 192)
+      KVSERVE_Q8_STEP("(%[xd],%[rb],4)", "(%[xs],%[rb],4)", 8, 9, 256)
+      :
+      : [c] "r"(codes), [x] "r"(xq), [ld] "r"(k_len), [x3] "r"(xq + 3 * k_len), [stride] "i"(Stride),
+        [xd] "r"(xd), [xs] "r"(xs), [rb] "r"(row_bytes), [xd3] "r"(xd + 3 * groups), [xs3] "r"(xs + 3 * groups),
+        [scale] "r"(scale), [min] "r"(min), [total] "r"(total)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+        "xmm12", "xmm13", "xmm14", "xmm15", "memory");
+}
+#undef KVSERVE_Q8_STEP
+#undef KVSERVE_Q8_QUAD
+#undef KVSERVE_Q8_ROW
+
+// One group of R rows times NT vectors of columns: codes [8 quads][NV] (see q8_block_many) from
+// the tile's first vector, as are scale and min; xq at the group's first input of the tile's first
+// row; total [R][NT].
+template <int R, int NT, int NV>
+inline void q8_tile(const int8_t* xq, int64_t k_len, const float* xd, const float* xs, int64_t groups,
+                    const __m256i* codes, const __m256* scale, const __m256* min, __m256* total) {
+  __m256i acc[R][NT];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
+  }
+  for (int q = 0; q < kInt8Group / 4; ++q) {
+    __m256i c[NT];
+    for (int t = 0; t < NT; ++t) c[t] = codes[q * NV + t];
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, xq + r * k_len + 4 * q, 4);
+      const __m256i xb = _mm256_set1_epi32(quad);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_add_epi16(acc[r][t], _mm256_maddubs_epi16(c[t], xb));
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      total[r * NT + t] = group_step(total[r * NT + t], _mm256_madd_epi16(acc[r][t], ones), scale[t], min[t],
+                                     xd[r * groups], xs[r * groups]);
+    }
+  }
+}
+
+// R rows (from row r) times NT vectors of columns (from vector v) over every group, then out.
+template <int R, int NT, int NV, typename O>
+inline void q8_rows(const int8_t* xq, const float* xd, const float* xs, int64_t r, int v, int64_t k_len,
+                    const __m256i* codes, const __m256* scale, const __m256* min, O* out, int64_t n, int64_t n0) {
+  const int64_t groups = k_len / kInt8Group;
+  __m256 total[R * NT];
+  for (int i = 0; i < R * NT; ++i) total[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* xg = xq + r * k_len + g * kInt8Group;
+    const float *dg = xd + r * groups + g, *sg = xs + r * groups + g;
+    const __m256i* cg = codes + g * (kInt8Group / 4) * NV + v;
+    if constexpr (R == 5 && NT == 2) {  // the full tile in assembly
+      q8_tile_5x2<NV * 32>(xg, k_len, dg, sg, groups, cg, scale + g * NV + v, min + g * NV + v, total);
+    } else {
+      q8_tile<R, NT, NV>(xg, k_len, dg, sg, groups, cg, scale + g * NV + v, min + g * NV + v, total);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    float lanes[NT * 8];
+    for (int t = 0; t < NT; ++t) _mm256_storeu_ps(lanes + 8 * t, total[i * NT + t]);
+    for (int64_t j = 0; j < NT * 8; ++j) out[(r + i) * n + n0 + 8 * v + j] = from_float<O>(lanes[j]);
+  }
+}
+
+#if KVSERVE_HAS_VNNI512
+// With AVX512-VNNI, q8_rows's tile for many rows: vpdpbusd multiplies 64 code bytes by 64 input
+// bytes and adds each lane's four products into its int32 sum in one instruction, where AVX2 needs
+// vpmaddubsw + vpaddw for half as many (and a vpmaddwd per group). The codes are q8_block_many's
+// rearrangement read 16 columns (two of its AVX2 vectors) at a time; the integer sums are exact
+// and the float step per group is group_step's arithmetic in the same order, so the results are
+// those of the AVX2 kernels bit for bit. R rows x NT vectors of 16 columns: R * NT int32 sums and as
+// many float totals, NT code vectors and the broadcast input fit AVX-512's 32 registers for 6 x 2.
+template <int R, int NT, int NV, typename O>
+inline void q8_rows_vnni(const int8_t* xq, const float* xd, const float* xs, int64_t r, int v, int64_t k_len,
+                         const __m256i* codes, const __m256* scale, const __m256* min, O* out, int64_t n,
+                         int64_t n0) {
+  const int64_t groups = k_len / kInt8Group;
+  __m512 total[R][NT];
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < NT; ++t) total[i][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[R][NT];
+    for (int i = 0; i < R; ++i)
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_si512();
+    const int8_t* xg = xq + r * k_len + g * kInt8Group;
+    for (int q = 0; q < kInt8Group / 4; ++q) {
+      const __m256i* cq = codes + (g * (kInt8Group / 4) + q) * NV + v;  // v: the AVX2 vector of the tile's first column
+      __m512i c[NT];
+      for (int t = 0; t < NT; ++t) c[t] = _mm512_loadu_si512(cq + 2 * t);
+      for (int i = 0; i < R; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xg + i * k_len + 4 * q, 4);
+        const __m512i xb = _mm512_set1_epi32(quad);
+        for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], c[t], xb);
+      }
+    }
+    __m512 sc[NT], mn[NT];
+    for (int t = 0; t < NT; ++t) {
+      sc[t] = _mm512_loadu_ps(scale + g * NV + v + 2 * t);
+      mn[t] = _mm512_loadu_ps(min + g * NV + v + 2 * t);
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512 d = _mm512_set1_ps(xd[(r + i) * groups + g]), s = _mm512_set1_ps(xs[(r + i) * groups + g]);
+      for (int t = 0; t < NT; ++t) {
+        total[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(sc[t], d), _mm512_cvtepi32_ps(acc[i][t]), total[i][t]);
+        total[i][t] = _mm512_fmadd_ps(s, mn[t], total[i][t]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    float lanes[NT * 16];
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(lanes + 16 * t, total[i][t]);
+    for (int64_t j = 0; j < NT * 16; ++j) out[(r + i) * n + n0 + 8 * v + j] = from_float<O>(lanes[j]);
+  }
+}
+#endif
+
+// Many rows times one block of NV * 8 columns. The block's codes are rearranged once into a
+// buffer, four consecutive inputs of a column per int32 lane and 8 columns per vector, so that one
+// vpmaddubsw + vpmaddwd gives 8 columns' sums over 4 inputs, and its scales and mins widened to
+// float; every tile of rows reads them from there, its float totals kept over all groups. A
+// column's int16 lane adds 8 quads' pair sums, at most 8 * 2 * 15 * 127 = 30480: within range.
+template <int NV, typename S, typename O>
+void q8_block_many(const int8_t* xq, const float* xd, const float* xs, int64_t m, const uint8_t* block,
+                   const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, O* out, std::vector<__m256i>& codes,
+                   std::vector<__m256>& scale_min) {
+  constexpr int64_t half = NV * 4, chunks = NV / 4;
+  // 5 rows x 2 vectors: 10 int16 accumulators, 2 code vectors, the broadcast inputs and a product fit
+  // AVX2's 16 registers (3 x 4 needs 18: the compiler then spills accumulators and reloads codes).
+  constexpr int kTileRows = 5, kTileVecs = 2;
+  const int64_t groups = k_len / kInt8Group;
+  codes.resize(k_len / 4 * NV);
+  scale_min.resize(2 * groups * NV);
+  __m256 *scale = scale_min.data(), *min = scale_min.data() + groups * NV;
+  for (int64_t q = 0; q < k_len / 4; ++q) {
+    const uint8_t* rows = block + 4 * q * half;
+    __m256i* dst = codes.data() + q * NV;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256i p01 = code_pairs(rows, half, c), p23 = code_pairs(rows + 2 * half, half, c);
+      const __m256i lo = _mm256_unpacklo_epi16(p01, p23), hi = _mm256_unpackhi_epi16(p01, p23);
+      const __m256i first = _mm256_permute2x128_si256(lo, hi, 0x20);   // columns c*16 + 0..7
+      const __m256i second = _mm256_permute2x128_si256(lo, hi, 0x31);  // columns c*16 + 8..15
+      dst[2 * c] = low_nibbles(first);
+      dst[2 * c + 1] = low_nibbles(second);
+      dst[NV / 2 + 2 * c] = high_nibbles(first);
+      dst[NV / 2 + 2 * c + 1] = high_nibbles(second);
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int v = 0; v < NV; ++v) {
+      scale[g * NV + v] = load8(scales_mins + 2 * g * n + n0 + 8 * v);
+      min[g * NV + v] = load8(scales_mins + (2 * g + 1) * n + n0 + 8 * v);
+    }
+  }
+#if KVSERVE_HAS_VNNI512
+  if constexpr (NV % 4 == 0) {
+    constexpr int kVnniRows = 6, kVnniVecs = 2;  // vectors of 16 columns
+    for (int64_t r = 0; r < m; r += kVnniRows) {
+      for (int v = 0; v < NV; v += 2 * kVnniVecs) {
+        switch (std::min<int64_t>(kVnniRows, m - r)) {
+#define KVSERVE_ROWS(R)                                                                                       \
+  case R:                                                                                                     \
+    q8_rows_vnni<R, kVnniVecs, NV>(xq, xd, xs, r, v, k_len, codes.data(), scale, min, out, n, n0); \
+    break;
+          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+#undef KVSERVE_ROWS
+          default:
+            TORCH_CHECK(false, "int4_mm: bad row tile");
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < m; r += kTileRows) {
+    for (int v = 0; v < NV; v += kTileVecs) {
+      switch (std::min<int64_t>(kTileRows, m - r)) {
+#define KVSERVE_ROWS(R)                                                                                   \
+  case R:                                                                                                 \
+    q8_rows<R, kTileVecs, NV>(xq, xd, xs, r, v, k_len, codes.data(), scale, min, out, n, n0); \
+    break;
+        KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5)
+#undef KVSERVE_ROWS
+        default:
+          TORCH_CHECK(false, "int4_mm: bad row tile");
+      }
+    }
+  }
+}
+
+template <int NV, typename S, typename O>
+void q8_mm_impl(const float* x, int64_t m, int64_t k_len, const uint8_t* packed, const S* scales_mins, int64_t n,
+                O* out) {
+  const int64_t groups = k_len / kInt8Group;
+  std::vector<int8_t> xq(m * k_len);
+  std::vector<float> xd(m * groups), xs(m * groups);
+  at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      quantize_group(x + i * kInt8Group, xq.data() + i * kInt8Group, &xd[i], &xs[i]);
+    }
+  });
+  constexpr int64_t block_n = NV * 8;
+  at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m256i> codes;
+    std::vector<__m256> scale_min;
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = packed + b * (block_n / 2) * k_len;
+      if (m == 1) {
+        q8_block_one<NV>(xq.data(), xd.data(), xs.data(), block, scales_mins, n, b * block_n, k_len, out);
+      } else {
+        q8_block_many<NV>(xq.data(), xd.data(), xs.data(), m, block, scales_mins, n, b * block_n, k_len, out, codes,
+                          scale_min);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_mins, int64_t n,
+                  int64_t block_n, at::Tensor& out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kInt8Group == 0,
+              "int4_int8_mm: contiguous float32 x [M, K], whole groups");
+  TORCH_CHECK(block_n == 32 || block_n == 64, "int4_int8_mm: blocks of 32 or 64 rows");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  with_scales_mins(scales_mins, [&](auto* sm) {
+    with_compute_type(out.scalar_type(), [&](auto compute) {
+      using O = decltype(compute);
+      if (block_n == 32) {
+        q8_mm_impl<4>(x.data_ptr<float>(), x.size(0), x.size(1), w, sm, n, out.data_ptr<O>());
+      } else {
+        q8_mm_impl<8>(x.data_ptr<float>(), x.size(0), x.size(1), w, sm, n, out.data_ptr<O>());
+      }
+    });
+  });
+}
+#else
+void int4_int8_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, at::Tensor&) {
+  TORCH_CHECK(false, "int4_int8_mm: this build has no int8 activations (AVX2, F16C and FMA)");
+}
+#endif
+
+}  // namespace kvserve

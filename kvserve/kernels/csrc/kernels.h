@@ -1,0 +1,122 @@
+// The entry points of each kernel family, and the types the layer loop shares with Python.
+// Shapes: x [M, K] activations, weights [N, K] (or packed), results [M, N].
+#pragma once
+
+#include <vector>
+
+#include "common.h"
+
+namespace kvserve {
+
+// ----- int4_mm.cpp: int4 weights (int4_packing.h) times float inputs ----------------------------
+// x @ W.T, out [M, N] in x's dtype; with int8_activations (and kInt8Activations, groups of
+// kInt8Group), x's rows quantized to int8 per group (int4_int8_mm).
+at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int64_t n, int64_t group_size,
+                   int64_t block_n, bool int8_activations);
+// The transposed weight W.T [K, N] in `dtype` (float32 or bfloat16), for a GEMM over many rows.
+at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_mins, int64_t n, int64_t k, int64_t group_size,
+                           int64_t block_n, at::ScalarType dtype);
+
+// ----- int4_int8.cpp: int4 weights times int8-quantized activations -----------------------------
+constexpr bool kInt8Activations = KVSERVE_HAS_INT8_ACTIVATIONS;
+constexpr int64_t kInt8Group = 32;  // inputs per int8 scale, and the int4 group size this path takes
+// out = x @ W.T for float32 x [M, K], int4 groups of kInt8Group, block_n 32 or 64; out float32 or
+// bfloat16 [M, N]. Needs kInt8Activations.
+void int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_mins, int64_t n,
+                  int64_t block_n, at::Tensor& out);
+
+// ----- lm_head.cpp: int8 codes with a scale per group of 32 (GGML's Q8_0), and float weights -----
+constexpr int64_t kAmxMinRows = 4;  // where the AMX tiles overtake the float tiles
+// x @ (codes * scales).T in float32 [M, V]; bfloat16 x from amx_min_rows rows on AMX where usable.
+at::Tensor int8_group_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t amx_min_rows);
+// x @ weight.T in float32 for a float32 or bfloat16 weight [V, K], int8_group_matmul's arithmetic.
+at::Tensor float32_matmul(at::Tensor x, at::Tensor weight);
+// Rows [begin, end) of codes * scales, [end - begin, K] in `dtype`.
+at::Tensor dequantize_int8_groups(at::Tensor codes, at::Tensor scales, int64_t begin, int64_t end,
+                                  at::ScalarType dtype);
+
+// ----- lm_head_amx.cpp: int8_group_matmul on AMX tiles ------------------------------------------
+// Whether this build has AMX tiles and Linux grants this process their state.
+bool amx_usable();
+// out [m, v] = x [m, k] @ (codes * scales).T; only where amx_usable().
+void int8_group_matmul_amx(const c10::BFloat16* x, const int8_t* codes, const float* scales, float* out, int64_t m,
+                           int64_t k, int64_t v);
+
+// ----- the layer loop's types (layer_loop.cpp; built from Python by kvserve/kernels/ops.py) -------
+// How a linear layer's weight is stored, and so multiplied.
+enum class LinearKind : int64_t {
+  Float = 0,  // weight [N, K] in the compute dtype
+  Int4 = 1,   // int4 packed (int4_packing.h), scales = scales_mins
+  Int8 = 2,   // int8 [N, K] with a scale per row (scales [N])
+};
+
+struct Linear {
+  LinearKind kind;
+  at::Tensor weight, scales, bias;  // scales, bias: undefined where unused
+};
+
+// A Llama layer's sizes (Hugging Face config names) and its attention's softmax scale.
+struct LayerShape {
+  int64_t num_heads, num_kv_heads, head_dim, intermediate_size;
+  double rms_norm_eps, scale;
+};
+
+// How the int4 layers multiply: up to few_rows rows int4_mm, more a float GEMM over the
+// dequantized weight; block_rows is the packing's rows per block (0: unknown, PyTorch's kernel).
+// One setting for every int4 layer.
+struct Int4Policy {
+  int64_t group_size, few_rows, block_rows;
+  bool int8_activations;
+};
+
+// The layers of a Llama model (norms, linears, KV caches) held between steps, and a step through
+// them: see forward.
+class LayerStack {
+ public:
+  // norms: 2 per layer + the final one; linears: 4 per layer (qkv, o, gate_up, down); k_caches,
+  // v_caches: one [num_blocks, block_size, num_kv_heads, head_dim] per layer, all float32, bfloat16
+  // or float16 (the KV cache dtype, which may differ from the compute dtype: keys and values are
+  // rounded to it when written).
+  LayerStack(std::vector<at::Tensor> norms, std::vector<Linear> linears, std::vector<at::Tensor> k_caches,
+             std::vector<at::Tensor> v_caches, LayerShape shape, Int4Policy int4);
+
+  // Hidden states [B, hidden] after every layer and the final norm, for B tokens of any sequences
+  // (decode tokens, prompts, chunks): row b is a token at its position with its sequence's block
+  // table, attending to its first seq_lens[b] keys (its own included), whose K/V are written before
+  // attention reads them. x: [B, hidden] embeddings in the norms' dtype; cos, sin_signed:
+  // [B, head_dim]; slot_mapping, seq_lens: [B] int64; block_tables: [B, max_blocks] int64.
+  // With prefill_starts (S + 1 row offsets), the rows are instead the whole prompts of S fresh
+  // sequences (no earlier context; block_tables and seq_lens unused): prefill_attention's step.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const std::vector<int64_t>& prefill_starts) const;
+
+ private:
+  template <typename T, typename C>
+  at::Tensor forward_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const std::vector<int64_t>& prefill_starts) const;
+
+  std::vector<at::Tensor> norms_;
+  std::vector<Linear> linears_;
+  std::vector<at::Tensor> k_caches_, v_caches_;
+  LayerShape shape_;
+  Int4Policy int4_;
+};
+
+// ----- attention.cpp ------------------------------------------------------------------------------
+// out[b] = softmax(q[b] . K[b]^T * scale) V[b] over row b's own seq_lens[b] keys, read through its
+// own block table; qkv [B, (H + 2 Hkv) D] (the rotated q, k, v), out [B, H D].
+void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
+                      const LayerShape& shape);
+// Causal attention of fresh prompts: rows [starts[s], starts[s + 1]) of qkv are sequence s's tokens,
+// its keys and values their own.
+void prefill_attention(const at::Tensor& qkv, at::Tensor& out, const std::vector<int64_t>& starts,
+                       const LayerShape& shape);
+
+// ----- sampling.cpp -------------------------------------------------------------------------------
+// Each row's first index of its largest value (NaN counts as largest), [B] int64, as torch.argmax.
+at::Tensor argmax_rows(at::Tensor logits);
+
+}  // namespace kvserve

@@ -1,0 +1,268 @@
+// The layer loop of a Llama-family model on the CPU: a whole step in one call from Python.
+//
+// In eager PyTorch a step of a 30-layer model is over a thousand small operator calls, each paying
+// Python and dispatcher overhead: on a small model, more than the matmuls themselves. Here the
+// layer loop runs in C++: the matmuls are those the Python path uses (int4_mm or a GEMM over the
+// dequantized weight for int4, ATen's kernels for int8 and float), and the glue between them
+// (RMSNorm with the residual add, RoPE, the KV-cache write, attention, SiLU*up) is fused loops over
+// the batch.
+//
+// Numerics follow the Python path (kvserve/models/llama.py): activations are stored in the
+// compute dtype (bfloat16 or float32) between operations, arithmetic is done in float32.
+
+#include <vector>
+
+#include "kernels.h"
+
+namespace kvserve {
+namespace {
+
+// x @ W.T + bias by the layer's kind: int4 by the policy (int4_mm for up to few_rows rows, else a
+// float GEMM over the dequantized weight; PyTorch's int4 kernel for an unknown packing layout).
+at::Tensor linear(const at::Tensor& x, const Linear& l, const Int4Policy& int4) {
+  at::Tensor out;
+  const int64_t n = l.weight.size(0);  // every kind stores [N, ...]
+  switch (l.kind) {
+    case LinearKind::Int4:
+      if (int4.block_rows > 0 && n % int4.block_rows == 0) {
+        if (x.size(0) <= int4.few_rows || int4.int8_activations) {
+          out = int4_mm(x, l.weight, l.scales, n, int4.group_size, int4.block_rows, int4.int8_activations);
+        } else {
+          out = at::mm(x, dequantize_int4(l.weight, l.scales, n, x.size(1), int4.group_size, int4.block_rows,
+                                          x.scalar_type()));
+        }
+      } else {
+        // PyTorch's kernel computes (code - 8) * scale + zero: zero = min + 8 * scale (Int4Linear's
+        // kernel_scales_and_zeros).
+        const at::Tensor scales = l.scales.select(1, 0).to(at::kFloat), mins = l.scales.select(1, 1).to(at::kFloat);
+        out = at::_weight_int4pack_mm_for_cpu(x, l.weight, int4.group_size,
+                                              at::stack({scales, mins + 8 * scales}, -1).to(x.scalar_type()));
+      }
+      break;
+    case LinearKind::Int8:
+      out = at::_weight_int8pack_mm(x, l.weight, l.scales);
+      break;
+    case LinearKind::Float:
+      out = at::linear(x, l.weight);
+      break;
+  }
+  if (l.bias.defined()) out.add_(l.bias);
+  return out;
+}
+
+// residual += delta (rounded to T, as a T + T add does), then out = w * T(rms_norm(residual)).
+template <typename T>
+void add_rms_norm(T* residual, const T* delta, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* x = residual + r * dim;
+      float sum = 0.f;
+      if (delta != nullptr) {
+        const T* d = delta + r * dim;
+        for (int64_t i = 0; i < dim; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(d[i]));
+      }
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; ++i) {
+        float v = to_float(x[i]);
+        sum += v * v;
+      }
+      float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+      T* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        float normed = to_float(from_float<T>(to_float(x[i]) * inv));
+        o[i] = from_float<T>(to_float(weight[i]) * normed);
+      }
+    }
+  });
+}
+
+// Rotate q and k (the first num_heads + num_kv_heads heads of each qkv row) in place, then write
+// k and v into the caches at each token's slot.
+template <typename T, typename C>  // C: the KV cache's element type
+void rope_and_cache(T* qkv, const T* cos, const T* sin_signed, const int64_t* slots, C* k_cache, C* v_cache,
+                    int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
+  const int64_t kv_row = num_kv_heads * head_dim;
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * head_dim;
+      const T* s = sin_signed + t * head_dim;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        T* x = qkv + t * row + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) {
+          float rolled = to_float(x[i < half ? i + half : i - half]);
+          // x * cos (rounded, as the Python path's first multiply), + rolled * sin_signed
+          tmp[i] = to_float(from_float<T>(to_float(x[i]) * to_float(c[i]))) + rolled * to_float(s[i]);
+        }
+        for (int64_t i = 0; i < head_dim; ++i) x[i] = from_float<T>(tmp[i]);
+      }
+      const T* k = qkv + t * row + num_heads * head_dim;
+      if constexpr (std::is_same_v<T, C>) {
+        std::memcpy(k_cache + slots[t] * kv_row, k, kv_row * sizeof(T));
+        std::memcpy(v_cache + slots[t] * kv_row, k + kv_row, kv_row * sizeof(T));
+      } else {  // rounded to the cache's type, as the Python path's copy into it does
+        for (int64_t i = 0; i < kv_row; ++i) {
+          k_cache[slots[t] * kv_row + i] = from_float<C>(to_float(k[i]));
+          v_cache[slots[t] * kv_row + i] = from_float<C>(to_float(k[kv_row + i]));
+        }
+      }
+    }
+  });
+}
+
+#if KVSERVE_HAS_AVX2_FMA
+// Eight bfloat16 values widened to float32 (exact), and float32 rounded to bfloat16 as c10::BFloat16
+// rounds (to nearest even; NaN to 0x7FC0), kept in a float whose low 16 bits are zero.
+inline __m256 load8_bf16(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 round8_bf16(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+                                           _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                          _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+inline void store8_bf16(c10::BFloat16* p, __m256 rounded) {  // rounded: round8_bf16's output
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+#endif
+
+// out = T(silu(gate)) * up, rounded like F.silu(gate) * up. With AVX2, eight at a time through exp8
+// rather than std::exp one at a time, a visible share of a step.
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      int64_t i = 0;
+#if KVSERVE_HAS_AVX2_FMA
+      if constexpr (std::is_same_v<T, float>) {
+        for (; i + 8 <= inter; i += 8) {
+          const __m256 x = _mm256_loadu_ps(g + i);
+          const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(-x)));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        for (; i + 8 <= inter; i += 8) {
+          const __m256 x = load8_bf16(g + i);
+          const __m256 silu = round8_bf16(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(-x))));
+          store8_bf16(o + i, round8_bf16(_mm256_mul_ps(silu, load8_bf16(u + i))));
+        }
+      }
+#endif
+      for (; i < inter; ++i) {
+        float x = to_float(g[i]);
+        float s = to_float(from_float<T>(x / (1.f + std::exp(-x))));
+        o[i] = from_float<T>(s * to_float(u[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<Linear> linears, std::vector<at::Tensor> k_caches,
+                       std::vector<at::Tensor> v_caches, LayerShape shape, Int4Policy int4)
+    : norms_(std::move(norms)),
+      linears_(std::move(linears)),
+      k_caches_(std::move(k_caches)),
+      v_caches_(std::move(v_caches)),
+      shape_(shape),
+      int4_(int4) {
+  const size_t num_layers = k_caches_.size();
+  TORCH_CHECK(num_layers > 0 && v_caches_.size() == num_layers && linears_.size() == 4 * num_layers &&
+                  norms_.size() == 2 * num_layers + 1,
+              "LayerStack: 2 norms, 4 linears and a K and a V cache per layer, and the final norm");
+  const at::ScalarType dtype = norms_[0].scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "LayerStack: norms in float32 or bfloat16");
+  for (const at::Tensor& norm : norms_) {
+    TORCH_CHECK(norm.scalar_type() == dtype && norm.is_contiguous(), "LayerStack: contiguous norms of one dtype");
+  }
+  const at::Tensor& first = k_caches_[0];
+  TORCH_CHECK(first.dim() == 4 && first.size(2) == shape_.num_kv_heads && first.size(3) == shape_.head_dim,
+              "LayerStack: KV caches [num_blocks, block_size, num_kv_heads, head_dim]");
+  for (size_t l = 0; l < num_layers; ++l) {
+    for (const at::Tensor& cache : {k_caches_[l], v_caches_[l]}) {
+      TORCH_CHECK(cache.scalar_type() == first.scalar_type() && cache.sizes() == first.sizes() &&
+                      cache.is_contiguous(),
+                  "LayerStack: the KV caches must be contiguous and of one dtype and shape");
+    }
+  }
+  with_cache_type(first.scalar_type(), [](auto) {});  // checks the dtype
+  TORCH_CHECK(shape_.num_heads % shape_.num_kv_heads == 0, "LayerStack: num_heads a multiple of num_kv_heads");
+}
+
+template <typename T, typename C>  // T: the compute type, C: the KV cache's element type
+at::Tensor LayerStack::forward_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
+                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                    const at::Tensor& seq_lens, const std::vector<int64_t>& prefill_starts) const {
+  const LayerShape& s = shape_;
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  const int64_t num_layers = static_cast<int64_t>(k_caches_.size());
+  const float eps = static_cast<float>(s.rms_norm_eps);
+  at::Tensor residual = x.clone();
+  at::Tensor normed = at::empty_like(residual);
+  at::Tensor attn = at::empty({tokens, s.num_heads * s.head_dim}, x.options());
+  at::Tensor act = at::empty({tokens, s.intermediate_size}, x.options());
+  at::Tensor delta;  // the previous sub-layer's output, added to the residual by the next norm
+  for (int64_t l = 0; l < num_layers; ++l) {
+    add_rms_norm<T>(residual.data_ptr<T>(), delta.defined() ? delta.data_ptr<T>() : nullptr,
+                    norms_[2 * l].data_ptr<T>(), normed.data_ptr<T>(), tokens, hidden, eps);
+    at::Tensor qkv = linear(normed, linears_[4 * l], int4_).contiguous();  // [B, (H + 2 Hkv) D]
+    rope_and_cache<T, C>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin_signed.data_ptr<T>(),
+                         slot_mapping.data_ptr<int64_t>(), k_caches_[l].data_ptr<C>(), v_caches_[l].data_ptr<C>(),
+                         tokens, s.num_heads, s.num_kv_heads, s.head_dim);
+    if (prefill_starts.empty()) {
+      decode_attention(qkv, k_caches_[l], v_caches_[l], block_tables, seq_lens, attn, s);
+    } else {
+      prefill_attention(qkv, attn, prefill_starts, s);
+    }
+    delta = linear(attn, linears_[4 * l + 1], int4_).contiguous();
+    add_rms_norm<T>(residual.data_ptr<T>(), delta.data_ptr<T>(), norms_[2 * l + 1].data_ptr<T>(),
+                    normed.data_ptr<T>(), tokens, hidden, eps);
+    at::Tensor gate_up = linear(normed, linears_[4 * l + 2], int4_).contiguous();  // [B, 2 I]
+    silu_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), tokens, s.intermediate_size);
+    delta = linear(act, linears_[4 * l + 3], int4_).contiguous();
+  }
+  add_rms_norm<T>(residual.data_ptr<T>(), delta.data_ptr<T>(), norms_[2 * num_layers].data_ptr<T>(),
+                  normed.data_ptr<T>(), tokens, hidden, eps);
+  return normed;
+}
+
+at::Tensor LayerStack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
+                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const std::vector<int64_t>& prefill_starts) const {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [B, hidden] tensor");
+  TORCH_CHECK(x.scalar_type() == norms_[0].scalar_type(), "x must be in the norms' dtype");
+  const int64_t tokens = x.size(0);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == shape_.head_dim &&
+                  cos.sizes() == sin_signed.sizes() && cos.is_contiguous() && sin_signed.is_contiguous(),
+              "cos and sin_signed must be contiguous [B, head_dim] tensors");
+  TORCH_CHECK(slot_mapping.numel() == tokens && slot_mapping.is_contiguous(), "slot_mapping must hold a slot per row");
+  if (prefill_starts.empty()) {
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == tokens && block_tables.is_contiguous() &&
+                    seq_lens.numel() == tokens && seq_lens.is_contiguous(),
+                "block_tables must be a contiguous [B, max_blocks] and seq_lens a [B] tensor");
+  } else {
+    TORCH_CHECK(prefill_starts.front() == 0 && prefill_starts.back() == tokens,
+                "prefill_starts must run from 0 to the number of rows");
+  }
+  c10::InferenceMode guard;
+  return with_compute_type(x.scalar_type(), [&](auto compute) {
+    return with_cache_type(k_caches_[0].scalar_type(), [&](auto stored) {
+      return forward_impl<decltype(compute), decltype(stored)>(x, cos, sin_signed, slot_mapping, block_tables,
+                                                                seq_lens, prefill_starts);
+    });
+  });
+}
+
+}  // namespace kvserve
