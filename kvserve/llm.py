@@ -1,33 +1,32 @@
-"""LLM: the Python API over EngineCore. Every method may be called from any number of threads.
+"""LLM: the Python API. Every method may be called from any number of threads.
 
-Each call builds a Request, hands it to the engine thread through its inbox, and reads the
-request's own sink. Leaving a stream early (break, exception, garbage collection, task
-cancellation) aborts its request through the engine's one abort path.
+Building an LLM wires the engine (kvserve.engine) and, with the prefix cache on, sessions
+(kvserve.sessions). Each call builds a Request and hands it to the engine thread through the
+EngineClient, which reads the request's own sink; leaving a stream early aborts the request.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import logging
 import os
-import queue
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.client import EngineClient, chunks
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.kv_cache import kv_cache_bytes_per_token
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
-from kvserve.errors import InvalidRequestError, KVServeError, check_text
+from kvserve.errors import InvalidRequestError, check_text
+from kvserve.models.config import ModelConfig
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.sampling_params import SamplingParams
 from kvserve.sessions.manager import SessionManager
@@ -50,33 +49,66 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": None}
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class _AsyncSink:
-    """Delivers engine-thread items into an asyncio queue on its own loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def put(self, item: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-class _ThreadSink(queue.SimpleQueue):
-    pass
-
-
 def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 where the hardware computes it natively, else float32.
 
-    Measured on the bundled model on a 2-core AVX-512-BF16 CPU (bench/throughput.py): bfloat16
-    prefills about 2.2x and decodes about 1.9x faster than float32. Without native bf16 kernels,
-    bfloat16 is emulated and slower, so float32 is the default there.
+    Native bfloat16 halves the bytes a step reads and runs faster than float32 (bench/results/
+    throughput.json); without native bf16 kernels it is emulated and slower, so float32 is the
+    default there.
     """
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     mkldnn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return torch.bfloat16 if mkldnn_bf16 is not None and mkldnn_bf16() else torch.float32
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if not isinstance(dtype, str):
+        return dtype
+    if dtype not in DTYPES:
+        raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.", "dtype")
+    return DTYPES[dtype]
+
+
+def _kv_cache_dtype(name: str) -> torch.dtype | None:
+    if name not in KV_CACHE_DTYPES:
+        raise InvalidRequestError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}.", "kv_cache_dtype"
+        )
+    return KV_CACHE_DTYPES[name]
+
+
+def _engine_config(
+    model_config: ModelConfig,
+    kv_cache_dtype: torch.dtype,
+    kv_cache_tokens: int | None,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int | None,
+    max_num_batched_tokens: int | None,
+    enable_prefix_caching: bool,
+) -> EngineConfig:
+    """The engine's sizes: the KV pool (1 GiB worth of tokens unless told) and the limits."""
+    if kv_cache_tokens is None:
+        kv_cache_tokens = DEFAULT_KV_CACHE_BYTES // kv_cache_bytes_per_token(model_config, kv_cache_dtype)
+    num_blocks = max(1, kv_cache_tokens // block_size)
+    # A request must fit in the pool on its own, or preemption could never make room for it.
+    longest = model_config.max_position_embeddings
+    return EngineConfig(
+        num_kv_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
+        max_model_len=min(max_model_len or longest, longest, num_blocks * block_size),
+        enable_prefix_caching=enable_prefix_caching,
+    )
+
+
+def _open_store(session_db: str | os.PathLike[str] | bool | None) -> SessionStore | None:
+    """$KVSERVE_HOME/sessions.db by default (None or True), a path, or False for no store."""
+    if session_db is False:
+        return None
+    return SessionStore(kvserve_home() / "sessions.db" if session_db in (None, True) else Path(session_db))
 
 
 class LLM:
@@ -103,39 +135,24 @@ class LLM:
         progress: bool = True,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.", "dtype")
-            dtype = DTYPES[dtype]
-        weight_mode, dtype = resolve_weights(weights, dtype, self.device)
+        weight_mode, dtype = resolve_weights(weights, _dtype(dtype), self.device)
         activations = resolve_activations(activations, self.device)
         self.dtype = dtype or default_dtype(self.device)
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidRequestError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}.", "kv_cache_dtype"
-            )
-        self.kv_cache_dtype: torch.dtype = KV_CACHE_DTYPES[kv_cache_dtype] or self.dtype
+        self.kv_cache_dtype: torch.dtype = _kv_cache_dtype(kv_cache_dtype) or self.dtype
         self.model_path: Path = resolve_model(model)
         model_config = load_config(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
-        if kv_cache_tokens is None:
-            kv_cache_tokens = DEFAULT_KV_CACHE_BYTES // kv_cache_bytes_per_token(model_config, self.kv_cache_dtype)
-        num_blocks = max(1, kv_cache_tokens // block_size)
-        # A request must fit in the pool on its own, or preemption could never make room for it.
-        max_model_len = min(
-            max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-            num_blocks * block_size,
+        self.config = _engine_config(
+            model_config,
+            self.kv_cache_dtype,
+            kv_cache_tokens,
+            block_size,
+            max_num_seqs,
+            max_model_len,
+            max_num_batched_tokens,
+            enable_prefix_caching,
         )
-        self.config = EngineConfig(
-            num_kv_blocks=num_blocks,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-        )
-        pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        pool = BlockPool(self.config.num_kv_blocks, block_size, enable_prefix_caching)
         scheduler = Scheduler(
             pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
         )
@@ -153,55 +170,59 @@ class LLM:
                 activations=activations,
             )
             return ModelRunner(
-                loaded, num_blocks, block_size, self.tokenizer.stop_token_ids, self.kv_cache_dtype, batch_invariant
+                loaded,
+                self.config.num_kv_blocks,
+                block_size,
+                self.tokenizer.stop_token_ids,
+                self.kv_cache_dtype,
+                batch_invariant,
             )
 
-        # Sessions need the prefix cache (their pinned blocks are found through it) and a store:
-        # $KVSERVE_HOME/sessions.db by default, a path, or False for none.
-        store = None
-        if session_db is not False and enable_prefix_caching:
-            path = kvserve_home() / "sessions.db" if session_db in (None, True) else Path(session_db)
-            store = SessionStore(path)
-        self.session_store = store
+        # Sessions need the prefix cache (their pinned blocks are found through it) and a store.
+        self.session_store = _open_store(session_db) if enable_prefix_caching else None
+        self.sessions: SessionManager | None = None
 
-        def make_sessions(engine: EngineCore) -> SessionManager | None:
-            if not enable_prefix_caching:
-                return None
-            return SessionManager(
+        def make_sessions(engine: EngineCore) -> SessionManager:
+            self.sessions = SessionManager(
                 pool,
                 self.tokenizer,
                 engine.admit,
                 engine.abort_now,
-                store,
+                self.session_store,
                 max_sessions,
                 session_ttl,
                 self.config.max_model_len,
                 max_sessions_per_owner,
             )
+            return self.sessions
 
-        self.engine = EngineCore(scheduler, build_runner, self.tokenizer, make_sessions)
+        make_hooks = make_sessions if enable_prefix_caching else None
+        self.engine = EngineCore(scheduler, build_runner, self.tokenizer, make_hooks)
+        self.client = EngineClient(self.engine)
         self.model = self.engine.runner.model
-        summary = weight_summary(self.model)
         self.weights: dict[str, Any] = {
             "choice": weights,
             "mode": weight_mode,
             "activations": activations,
             "batch_invariant": batch_invariant,
-            **summary,
+            **weight_summary(self.model),
         }
-        logger.info(
-            "weights=%s activations=%s on %s: %s, %.1f MB, compute dtype %s, KV cache %s x %d tokens",
-            weights,
-            activations,
-            self.device.type,
-            ", ".join(f"{n} {form}" for form, n in summary["layers"].items()),
-            summary["bytes"] / 1e6,
-            str(self.dtype).removeprefix("torch."),
-            str(self.kv_cache_dtype).removeprefix("torch."),
-            num_blocks * block_size,
-        )
+        self._log_start()
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
+
+    def _log_start(self) -> None:
+        logger.info(
+            "weights=%s activations=%s on %s: %s, %.1f MB, compute dtype %s, KV cache %s x %d tokens",
+            self.weights["choice"],
+            self.weights["activations"],
+            self.device.type,
+            ", ".join(f"{n} {form}" for form, n in self.weights["layers"].items()),
+            self.weights["bytes"] / 1e6,
+            str(self.dtype).removeprefix("torch."),
+            str(self.kv_cache_dtype).removeprefix("torch."),
+            self.config.kv_cache_tokens,
+        )
 
     # ----- requests -------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -250,18 +271,14 @@ class LLM:
         is_batch = isinstance(prompts, list) and (not prompts or not isinstance(prompts[0], int))
         batch = prompts if is_batch else [prompts]
         requests = [self._make_request(p, params, None) for p in batch]
-        sinks = []
         try:
-            for request in requests:
-                sink = _ThreadSink()
-                self.engine.add(request, sink)
-                sinks.append(sink)
+            sinks = [self.client.submit(request) for request in requests]
             results = [
-                RequestOutput.from_chunks(list(_iter_sink(s)), r.prompt_token_ids)
+                RequestOutput.from_chunks(list(chunks(s)), r.prompt_token_ids)
                 for r, s in zip(requests, sinks, strict=False)
             ]
         except BaseException:
-            self.engine.abort([r.request_id for r in requests])
+            self.client.abort([r.request_id for r in requests])
             raise
         return results if is_batch else results[0]
 
@@ -269,27 +286,7 @@ class LLM:
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> Iterator[StreamChunk]:
         """Yield chunks as tokens are generated. Leaving the loop early aborts the request."""
-        request = self._make_request(prompt, params, request_id)
-        return self._stream(request)
-
-    def _stream(self, request: Request) -> Iterator[StreamChunk]:
-        return self._stream_with(request.request_id, lambda sink: self.engine.add(request, sink))
-
-    def _stream_with(self, request_id: str, start: Callable[[_ThreadSink], None]) -> Iterator[StreamChunk]:
-        """Yield a request's chunks; `start(sink)` submits it. Leaving early aborts `request_id`."""
-        sink = _ThreadSink()
-        start(sink)
-        finished = False
-        try:
-            for chunk in _iter_sink(sink):
-                finished = chunk.finish_reason is not None
-                yield chunk
-        except KVServeError:  # the engine already finished (or refused) this request
-            finished = True
-            raise
-        finally:
-            if not finished:
-                self.engine.abort([request_id])
+        return self.client.stream(self._make_request(prompt, params, request_id))
 
     def chat(self, messages: Messages, params: SamplingParams | None = None) -> RequestOutput:
         return self.generate(self._chat_ids(messages), params)
@@ -304,35 +301,13 @@ class LLM:
 
         The prompt is validated now (raising InvalidRequestError); the request starts on first iteration.
         """
-        return self._astream(self._make_request(prompt, params, request_id))
-
-    def _astream(self, request: Request) -> AsyncIterator[StreamChunk]:
-        return self._astream_with(request.request_id, lambda sink: self.engine.add(request, sink))
-
-    async def _astream_with(self, request_id: str, start: Callable[[Any], None]) -> AsyncIterator[StreamChunk]:
-        """asyncio twin of `_stream_with`: `start(sink)` submits; leaving early aborts `request_id`."""
-        sink = _AsyncSink(asyncio.get_running_loop())
-        start(sink)
-        finished = False
-        try:
-            while True:
-                item = await sink.queue.get()
-                if isinstance(item, BaseException):  # the engine already finished (or refused) it
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.engine.abort([request_id])
+        return self.client.astream(self._make_request(prompt, params, request_id))
 
     async def agenerate(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> RequestOutput:
         request = self._make_request(prompt, params, request_id)
-        chunks = [chunk async for chunk in self._astream(request)]
+        chunks = [chunk async for chunk in self.client.astream(request)]
         return RequestOutput.from_chunks(chunks, request.prompt_token_ids)
 
     def astream_chat(self, messages: Messages, params: SamplingParams | None = None) -> AsyncIterator[StreamChunk]:
@@ -353,11 +328,12 @@ class LLM:
     ) -> Session:
         """A new session (optionally with a system message or earlier messages), or, with `id`,
         an existing one: live, or reopened from the session store after a restart."""
-        if self.engine.sessions is None:
+        sessions = self.sessions
+        if sessions is None:
             raise InvalidRequestError("Sessions need the prefix cache; create the LLM with enable_prefix_caching=True.")
         if id is not None:
-            self._session_call(lambda m: m.get(id, owner))
-            return Session(self, id, owner)
+            self.client.call(lambda: sessions.get(id, owner))
+            return Session(self.client, sessions, id, owner)
         initial = [{"role": "system", "content": check_text(system, "system")}] if system else []
         for i, message in enumerate(messages or []):
             if message.get("role") not in ("system", "user", "assistant") or not isinstance(
@@ -369,24 +345,16 @@ class LLM:
             initial.append(
                 {"role": message["role"], "content": check_text(message["content"], f"messages[{i}].content")}
             )
-        state = self._session_call(lambda m: m.create(owner, initial, ttl))
-        return Session(self, state.session_id, owner)
-
-    def _session_call(self, fn: Callable[[SessionManager], Any]) -> Any:
-        return self.engine.call(lambda: fn(self.engine.sessions), timeout=600)
-
-    def _session_post(self, fn: Callable[[SessionManager], Any], sink: Any) -> None:
-        """Like _session_call without waiting: an error goes to `sink` (the caller's stream)."""
-        future = self.engine.post(lambda: fn(self.engine.sessions))
-        future.add_done_callback(lambda f: sink.put(f.exception()) if f.exception() is not None else None)
+        state = self.client.call(lambda: sessions.create(owner, initial, ttl))
+        return Session(self.client, sessions, state.session_id, owner)
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests by id (idempotent; unknown or finished ids are ignored)."""
-        self.engine.abort([request_id] if isinstance(request_id, str) else list(request_id))
+        self.client.abort([request_id] if isinstance(request_id, str) else list(request_id))
 
     # ----- introspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        return {"num_sessions": 0, "session_kv_blocks": 0, **self.engine.stats()}
 
     def problem(self) -> str | None:
         """Why this LLM cannot serve right now (its engine thread stopped, its session store fails
@@ -431,13 +399,3 @@ class LLM:
         engine = getattr(self, "engine", None)
         if engine is not None and not engine.is_closed:
             engine.shutdown(timeout=5)
-
-
-def _iter_sink(sink: _ThreadSink) -> Iterator[StreamChunk]:
-    while True:
-        item = sink.get()
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-        if item.finish_reason is not None:
-            return

@@ -69,7 +69,7 @@ def base(llm):
 @pytest.fixture(autouse=True)
 def no_leaks(llm):
     yield
-    sessions = llm.engine.call(lambda: llm.engine.sessions.num_pinned_blocks)
+    sessions = llm.engine.call(lambda: llm.sessions.num_pinned_blocks)
     wait_idle_and_check(llm, pinned=sessions)
 
 

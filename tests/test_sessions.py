@@ -231,7 +231,7 @@ def test_limits_owner_and_ttl(tiny_model_dir):
         with pytest.raises(SessionNotFoundError):
             llm.session(id=a.id, owner="mallory")
         # The clock moves past the TTL (no sleep): the engine expires idle sessions at that time.
-        llm.engine.call(lambda: llm.engine.sessions.expire(time.monotonic() + 61.0))
+        llm.engine.call(lambda: llm.sessions.tick(time.monotonic() + 61.0))
         with pytest.raises(SessionNotFoundError):
             a.info()  # expired
         assert llm.stats()["num_sessions"] == 0

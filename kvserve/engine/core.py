@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.hooks import EngineHooks
 from kvserve.engine.model_runner import ModelRunner, RunnerOutput
 from kvserve.engine.output_processor import RequestTextState
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError
-from kvserve.sessions.manager import SessionManager
 from kvserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvserve.engine")
@@ -63,7 +63,7 @@ class EngineCore:
         scheduler: Scheduler,
         build_runner: Callable[[], ModelRunner],
         tokenizer: Tokenizer,
-        make_sessions: Callable[[EngineCore], SessionManager] | None = None,
+        make_hooks: Callable[[EngineCore], EngineHooks] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.pool: BlockPool = scheduler.pool
@@ -76,9 +76,10 @@ class EngineCore:
         self.steps_total = 0
         self.is_closed = False
         self.death: str | None = None  # why the engine thread stopped, if it did not stop on request
-        self.sessions = make_sessions(self) if make_sessions is not None else None
-        if self.sessions is not None:
-            scheduler.reclaim = self.sessions.reclaim
+        # State kept across requests (sessions) rides on the engine only through these hooks.
+        self.hooks = make_hooks(self) if make_hooks is not None else None
+        if self.hooks is not None:
+            scheduler.reclaim = self.hooks.reclaim
         self._stats: dict[str, Any] = {}
         self._publish_stats()
         self._ready = threading.Event()
@@ -139,23 +140,23 @@ class EngineCore:
             self._ready.set()
             return
         self._ready.set()
-        next_expiry = 0.0  # TTL checks walk every session: at most once a second, not every step
+        next_tick = 0.0  # the hooks' periodic work (session expiry) at most once a second, not every step
         try:
             while True:
                 block = not self.scheduler.has_work
-                # Idle with sessions alive: wake up now and then to expire those past their TTL.
-                timeout = 1.0 if block and self.sessions is not None and self.sessions.sessions else None
+                # Idle: wake up now and then if the hooks have periodic work (sessions to expire).
+                timeout = 1.0 if block and self.hooks is not None and self.hooks.wants_ticks() else None
                 try:
                     message = self.inbox.get(block=block, timeout=timeout)
                 except queue.Empty:
                     message = None
-                if self.sessions is not None and time.monotonic() >= next_expiry:
-                    self.sessions.expire(time.monotonic())
-                    next_expiry = time.monotonic() + 1.0
+                if self.hooks is not None and time.monotonic() >= next_tick:
+                    self.hooks.tick(time.monotonic())
+                    next_tick = time.monotonic() + 1.0
                 while message is not None:
                     if isinstance(message, _Shutdown):
-                        if self.sessions is not None:
-                            self.sessions.shutdown()
+                        if self.hooks is not None:
+                            self.hooks.shutdown()
                         self._abort(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
                         return
                     self._apply(message)
@@ -214,7 +215,7 @@ class EngineCore:
                 state.add_token(request.output_token_ids[-1], is_last=request.is_finished)
             except Exception as exc:
                 logger.exception("request %s failed while detokenizing", request.request_id)
-                if request.is_finished:  # already out of the scheduler: record it as failed for its session
+                if request.is_finished:  # already out of the scheduler: the hooks hear it failed
                     request.status = RequestStatus.FINISHED_ERROR
                     self._on_finished(request)
                 self._fail([request.request_id], EngineError(f"Detokenizing this request's output failed: {exc!r}"))
@@ -222,7 +223,7 @@ class EngineCore:
             if state.stopped_by_string is not None and not request.is_finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             logprobs = result.logprobs.get(request.request_id)
-            if request.is_finished:  # a session turn is recorded (and stored) before its caller hears the end
+            if request.is_finished:  # the hooks (a session turn's record) hear the end before its caller
                 finished.append(request.request_id)
                 self._on_finished(request, state.text)
             sink.put(state.chunk([logprobs] if logprobs is not None else None))
@@ -257,7 +258,7 @@ class EngineCore:
         return result
 
     def abort_now(self, request_ids: list[str]) -> None:
-        """Abort on the engine thread (sessions use it for interrupts and closes)."""
+        """Abort on the engine thread (the hooks' owner uses it: session interrupts and closes)."""
         self._abort(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def _abort(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -268,13 +269,13 @@ class EngineCore:
                 entry[1].put(entry[0].chunk())
             self._on_finished(request)
         self.num_aborted_total += sum(1 for r in finished if not r.prefill_only)
-        if self.sessions is not None:  # a turn still waiting behind another one
-            self.sessions.drop_pending(set(request_ids) - {r.request_id for r in finished})
+        if self.hooks is not None:  # e.g. a session turn still waiting behind another one
+            self.hooks.drop_pending(set(request_ids) - {r.request_id for r in finished})
         self._forget([r.request_id for r in finished])
 
     def _on_finished(self, request: Request, text: str = "") -> None:
-        if self.sessions is not None:
-            self.sessions.on_finished(request, text)
+        if self.hooks is not None:
+            self.hooks.on_finished(request, text)
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR):
@@ -319,7 +320,6 @@ class EngineCore:
             "prefix_cache_hit_tokens_total": s.stats.prefix_cache_hit_tokens_total,
             "generation_tokens_total": s.stats.generation_tokens_total,
             "steps_total": self.steps_total,
-            "num_sessions": len(self.sessions.sessions) if self.sessions is not None else 0,
-            "session_kv_blocks": self.sessions.num_pinned_blocks if self.sessions is not None else 0,
             "is_closed": self.is_closed,
+            **(self.hooks.stats() if self.hooks is not None else {}),
         }

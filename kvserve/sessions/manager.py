@@ -216,6 +216,7 @@ class SessionManager:
         self.by_request[turn.request_id] = state.session_id
         self.submit(request, turn.sink)
 
+    # ----- engine hooks (kvserve.engine.hooks.EngineHooks) -------------------------------------
     def on_finished(self, request: Request, text: str = "") -> None:
         """A session's turn or prefill request finished (any reason); `text` is a completed turn's
         reply. Pin, record, run what waits."""
@@ -261,7 +262,11 @@ class SessionManager:
                 return
             self._unpin(state)
 
-    def expire(self, now: float) -> None:
+    def wants_ticks(self) -> bool:
+        return bool(self.sessions)  # sessions alive: expire them even while the engine is idle
+
+    def tick(self, now: float) -> None:
+        """Close the sessions idle for longer than their TTL."""
         for state in list(self.sessions.values()):
             if state.ttl is not None and not state.is_generating and now - state.last_used > state.ttl:
                 try:
@@ -269,6 +274,7 @@ class SessionManager:
                 except SessionStoreError as exc:  # closed in memory; the store reports itself unhealthy
                     logger.error("session %s expired but %s", state.session_id, exc)
 
+    # ----- queries --------------------------------------------------------------------------
     def info(self, state: SessionState) -> dict[str, Any]:
         messages = self._projected_messages(state)
         prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=False) if messages else []
@@ -303,6 +309,9 @@ class SessionManager:
     @property
     def num_pinned_blocks(self) -> int:
         return sum(len(s.pinned_block_ids) for s in self.sessions.values())
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_sessions": len(self.sessions), "session_kv_blocks": self.num_pinned_blocks}
 
     # ----- internals ------------------------------------------------------------------------
     def _persist(self, state: SessionState) -> None:

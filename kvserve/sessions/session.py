@@ -10,33 +10,30 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvserve.engine.client import EngineClient
 from kvserve.errors import InvalidRequestError, check_text
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.sampling_params import SamplingParams
 from kvserve.sessions.manager import SessionManager, SessionState, Turn
 
-if TYPE_CHECKING:
-    from kvserve.llm import LLM
-
 ROLES = ("system", "user", "assistant")
 
 
 class Session:
-    def __init__(self, llm: LLM, session_id: str, owner: str | None = None) -> None:
-        self.llm = llm
+    def __init__(
+        self, client: EngineClient, manager: SessionManager, session_id: str, owner: str | None = None
+    ) -> None:
+        self.client = client
+        self._manager = manager  # lives on the engine thread: only touched through client.call / post
         self.id = session_id
         self.owner = owner
 
     def _call(self, fn) -> Any:
         """Run fn(manager, state) on the engine thread, in order with this session's other calls."""
-        owner, sid = self.owner, self.id
-
-        def run(manager: SessionManager) -> Any:
-            return fn(manager, manager.get(sid, owner))
-
-        return self.llm._session_call(run)
+        manager, owner, sid = self._manager, self.owner, self.id
+        return self.client.call(lambda: fn(manager, manager.get(sid, owner)))
 
     def add_message(self, role: str, content: str) -> None:
         if role not in ROLES:
@@ -52,11 +49,11 @@ class Session:
     def _start_turn(self, params: SamplingParams | None, interrupt: bool, request_id: str | None):
         params = params or SamplingParams(max_tokens=256)
         request_id = request_id or f"{self.id}-turn-{uuid.uuid4().hex[:8]}"
-        owner, sid = self.owner, self.id
+        manager, owner, sid = self._manager, self.owner, self.id
 
         def start(sink) -> None:
             turn = Turn(request_id, params, sink, interrupt)
-            self.llm._session_post(lambda m: m.start_turn(m.get(sid, owner), turn), sink)
+            self.client.post(lambda: manager.start_turn(manager.get(sid, owner), turn), sink)
 
         return request_id, start
 
@@ -64,13 +61,13 @@ class Session:
         self, params: SamplingParams | None = None, *, interrupt: bool = False, request_id: str | None = None
     ) -> Iterator[StreamChunk]:
         """The assistant's turn, streamed; kept in the history when it completes. Leaving early aborts it."""
-        return self.llm._stream_with(*self._start_turn(params, interrupt, request_id))
+        return self.client.stream_with(*self._start_turn(params, interrupt, request_id))
 
     def astream(
         self, params: SamplingParams | None = None, *, interrupt: bool = False, request_id: str | None = None
     ) -> AsyncIterator[StreamChunk]:
         """asyncio twin of `stream`."""
-        return self.llm._astream_with(*self._start_turn(params, interrupt, request_id))
+        return self.client.astream_with(*self._start_turn(params, interrupt, request_id))
 
     def generate(self, params: SamplingParams | None = None, *, interrupt: bool = False) -> RequestOutput:
         return RequestOutput.from_chunks(list(self.stream(params, interrupt=interrupt)))
@@ -84,7 +81,7 @@ class Session:
 
     def fork(self) -> Session:
         child = self._call(lambda m, s: m.fork(s))
-        return Session(self.llm, child.session_id, self.owner)
+        return Session(self.client, self._manager, child.session_id, self.owner)
 
     def info(self) -> dict[str, Any]:
         return self._call(lambda m, s: m.info(s))

@@ -1,0 +1,113 @@
+"""EngineClient: how callers on other threads (LLM, Session) talk to the engine thread.
+
+A request is submitted with a sink of the caller's kind (a thread queue, or an asyncio queue on the
+caller's loop) and its chunks are read from that sink. Leaving a stream early (break, exception,
+garbage collection, task cancellation) aborts the request through the engine's one abort path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from kvserve.engine.core import EngineCore, Sink
+from kvserve.engine.request import Request
+from kvserve.errors import KVServeError
+from kvserve.outputs import StreamChunk
+
+Start = Callable[[Sink], None]  # submits a request whose chunks go to the given sink
+
+
+class ThreadSink(queue.SimpleQueue):
+    """A request's chunks for a reader thread."""
+
+
+class AsyncSink:
+    """A request's chunks delivered into an asyncio queue on the reader's own loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineClient:
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+
+    def submit(self, request: Request) -> ThreadSink:
+        """Start `request`; its chunks arrive in the returned sink (read them with `chunks`)."""
+        sink = ThreadSink()
+        self.engine.add(request, sink)
+        return sink
+
+    def stream(self, request: Request) -> Iterator[StreamChunk]:
+        return self.stream_with(request.request_id, lambda sink: self.engine.add(request, sink))
+
+    def stream_with(self, request_id: str, start: Start) -> Iterator[StreamChunk]:
+        """Yield a request's chunks; `start(sink)` submits it. Leaving early aborts `request_id`."""
+        sink = ThreadSink()
+        start(sink)
+        finished = False
+        try:
+            for chunk in chunks(sink):
+                finished = chunk.finish_reason is not None
+                yield chunk
+        except KVServeError:  # the engine already finished (or refused) this request
+            finished = True
+            raise
+        finally:
+            if not finished:
+                self.abort([request_id])
+
+    def astream(self, request: Request) -> AsyncIterator[StreamChunk]:
+        return self.astream_with(request.request_id, lambda sink: self.engine.add(request, sink))
+
+    async def astream_with(self, request_id: str, start: Start) -> AsyncIterator[StreamChunk]:
+        """asyncio twin of `stream_with`: `start(sink)` submits; leaving early aborts `request_id`."""
+        sink = AsyncSink(asyncio.get_running_loop())
+        start(sink)
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):  # the engine already finished (or refused) it
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort([request_id])
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = 600) -> Any:
+        """Run `fn` on the engine thread at the next step boundary and return its result."""
+        return self.engine.call(fn, timeout)
+
+    def post(self, fn: Callable[[], Any], sink: Sink) -> None:
+        """Run `fn` on the engine thread without waiting; an exception from it goes to `sink` (the
+        stream of the request it was to start)."""
+        future = self.engine.post(fn)
+        future.add_done_callback(lambda f: sink.put(f.exception()) if f.exception() is not None else None)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.engine.abort(request_ids)
+
+
+def chunks(sink: ThreadSink) -> Iterator[StreamChunk]:
+    """A request's chunks from its sink until the last one; an error in the sink is raised."""
+    while True:
+        item = sink.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finish_reason is not None:
+            return
