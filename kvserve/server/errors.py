@@ -1,0 +1,130 @@
+"""Every error leaves the server as an OpenAI error body {"error": {"message", "type", "param",
+"code"}}: a client's mistake is a 4xx, a bug a 500 that harms no other request. Bodies over the
+limit get a 413 before they are read whole."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, KVServeError
+from kvserve.server.protocol import error_body
+from kvserve.server.state import APIError
+from kvserve.sessions.manager import SessionLimitError, SessionNotFoundError
+from kvserve.sessions.store import SessionStoreError
+
+logger = logging.getLogger("kvserve.server")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    def respond(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return respond(exc.status, error_body(exc.message, exc.type, exc.param, exc.code), exc.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return respond(400, error_body(str(exc), "invalid_request_error", exc.param))
+
+    @app.exception_handler(SessionNotFoundError)
+    async def session_not_found(_: Request, exc: SessionNotFoundError) -> JSONResponse:
+        return respond(404, error_body(str(exc), "not_found_error", "session_id", "session_not_found"))
+
+    @app.exception_handler(SessionLimitError)
+    async def session_limit(_: Request, exc: SessionLimitError) -> JSONResponse:
+        return respond(429, error_body(str(exc), "rate_limit_error", code="too_many_sessions"), {"Retry-After": "10"})
+
+    @app.exception_handler(KVServeError)
+    async def kvserve_error(_: Request, exc: KVServeError) -> JSONResponse:
+        if isinstance(exc, SessionStoreError):
+            return respond(503, error_body(str(exc), "service_unavailable", code="session_store_error"))
+        if isinstance(exc, EngineClosedError):
+            return respond(503, error_body(str(exc), "service_unavailable", code=503))
+        if isinstance(exc, EngineError):
+            return respond(500, error_body(str(exc), "server_error"))
+        return respond(400, error_body(str(exc), "invalid_request_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(400, _validation_body(exc.errors()))
+
+    from pydantic import ValidationError
+
+    @app.exception_handler(ValidationError)
+    async def pydantic_validation(_: Request, exc: ValidationError) -> JSONResponse:
+        return respond(400, _validation_body(exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the client's mistake; still an OpenAI-shaped body, and the engine keeps serving.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        message = f"The server failed on this request ({type(exc).__name__}); other requests are unaffected."
+        return respond(500, error_body(message, "server_error", code=500))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return respond(exc.status_code, error_body(str(exc.detail), kind, code=exc.status_code))
+
+
+def _validation_body(errors: list[dict]) -> dict:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body",)]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return error_body(message, "invalid_request_error", param)
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over the limit, by Content-Length or by counting a streamed body."""
+
+    def __init__(self, app: Callable, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._reject(send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            return await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            return await self._reject(send)
+
+    async def _reject(self, send) -> None:
+        body = json.dumps(
+            error_body(f"The request body exceeds {self.max_bytes} bytes.", "invalid_request_error", code=413)
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass

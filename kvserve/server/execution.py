@@ -1,0 +1,227 @@
+"""Running a completion body: admission, one engine request per choice, and the answer as one
+JSON body or as a server-sent event stream. A client that disconnects, or a request past its time
+limit, aborts its engine requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from kvserve.errors import EngineError, KVServeError
+from kvserve.llm import LLM
+from kvserve.outputs import RequestOutput, StreamChunk
+from kvserve.sampling_params import MAX_SEED, SamplingParams
+from kvserve.server.formatting import Formatter, event
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import error_body
+from kvserve.server.state import APIError, ServerState, check_model, read_json, server_state
+
+
+async def handle(request: Request, owner, body_type, prepare, id_prefix: str, kind: str, chat: bool) -> Response:
+    """Parse and check the body, admit its engine requests, build the choices' jobs (`prepare`), run."""
+    state = server_state(request)
+    llm = state.ready_llm()
+    body = body_type.model_validate(await read_json(request))
+    body.check_supported()
+    check_model(state, body.model)
+    release = admit(state, body.num_requests())
+    try:
+        jobs = prepare(llm, body)
+        response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        return await run(state, llm, request, owner, response_id, kind, body, jobs, chat, release)
+    except BaseException:
+        release()
+        raise
+
+
+def admit(state: ServerState, num_requests: int) -> Callable[[], None]:
+    """Admission control over engine requests (a body's prompts x n): beyond max_num_seqs +
+    max_queue in flight, answer 429 with Retry-After before any engine work.
+
+    Returns an idempotent `release` to call when the body's requests are over.
+    """
+    limit = state.settings.max_num_seqs + state.settings.max_queue
+    if state.num_inflight + num_requests > limit:
+        state.metrics.rejected.inc()
+        if num_requests > limit:
+            message = (
+                f"This request creates {num_requests} engine requests (prompts x n), more than the server admits "
+                f"at once ({limit}); split it into smaller requests."
+            )
+        else:
+            message = f"The server is at capacity ({limit} engine requests in flight); retry shortly."
+        error = APIError(429, message, "rate_limit_error", code="server_overloaded")
+        error.headers["Retry-After"] = "1"
+        raise error
+    state.num_inflight += num_requests
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            state.num_inflight -= num_requests
+
+    return release
+
+
+def with_seed(params: SamplingParams, seed: int | None, index: int) -> SamplingParams:
+    """Choice i of n samples with seed + i, so n choices differ but the response is reproducible."""
+    return params if seed is None or index == 0 else dataclasses.replace(params, seed=(seed + index) % (MAX_SEED + 1))
+
+
+@dataclasses.dataclass
+class Job:
+    """One choice of a response: which prompt it answers, how to start its stream, echoed text."""
+
+    prompt_index: int
+    start: Callable[[str], AsyncIterator[StreamChunk]]  # engine request id -> stream (validates now)
+    echo: str | None = None
+
+
+def llm_stream(llm: LLM, prompt, params: SamplingParams) -> Callable[[str], AsyncIterator[StreamChunk]]:
+    return lambda request_id: llm.astream(prompt, params, request_id=request_id)
+
+
+async def run(state, llm, request, owner, response_id, kind, body, jobs: list[Job], chat: bool, release) -> Response:
+    """Start the engine requests of all choices; answer as one JSON body or as an SSE stream."""
+    created = int(time.time())
+    engine_ids = [f"{response_id}-{k}" for k in range(len(jobs))]
+    # Validate every prompt before any work starts (raises InvalidRequestError -> 400).
+    streams = [job.start(rid) for job, rid in zip(jobs, engine_ids, strict=True)]
+    prompt_indices = [job.prompt_index for job in jobs]
+    aliases = [(owner, response_id)]
+    client_id = request.headers.get("x-request-id")
+    if client_id:
+        aliases.append((owner, client_id))
+    for alias in aliases:
+        state.requests[alias] = engine_ids
+    arrival = time.monotonic()
+    formatter = Formatter(llm, response_id, created, state.model_name, kind, chat, [job.echo for job in jobs])
+
+    def cleanup() -> None:  # idempotent: the request is over for the server
+        for alias in aliases:
+            if state.requests.get(alias) is engine_ids:
+                del state.requests[alias]
+        release()
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(state, streams, formatter, arrival, include_usage, cleanup, prompt_indices),
+            media_type="text/event-stream",
+            headers={"X-Request-Id": response_id},
+            background=BackgroundTask(cleanup),  # also when the stream never started
+        )
+    try:
+        outputs = await _collect_or_abort(state, request, streams, arrival)
+    finally:
+        cleanup()
+    return JSONResponse(formatter.full_response(outputs, prompt_indices), headers={"X-Request-Id": response_id})
+
+
+async def _observed(stream: AsyncIterator[StreamChunk], metrics: ServerMetrics, arrival: float):
+    """Pass a choice's chunks through, observing its time to first token and end-to-end latency."""
+    first = True
+    async for chunk in stream:
+        if first and chunk.token_ids:
+            metrics.ttft.observe(time.monotonic() - arrival)
+            first = False
+        yield chunk
+    metrics.e2e.observe(time.monotonic() - arrival)
+
+
+async def _collect_or_abort(state, request, streams, arrival) -> list[RequestOutput]:
+    """Run all choices to the end; a client disconnect or the time limit cancels (= aborts) them."""
+
+    async def collect(stream) -> RequestOutput:
+        return RequestOutput.from_chunks([chunk async for chunk in _observed(stream, state.metrics, arrival)])
+
+    work = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in streams)))
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait(
+            {work, disconnect}, timeout=state.settings.request_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        disconnect.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, KVServeError):
+        await work
+    if disconnect in done:
+        raise APIError(499, "Client closed the request.", "client_closed_request")
+    raise APIError(
+        504,
+        f"The request exceeded its time limit of {state.settings.request_timeout:g} s and was aborted.",
+        "timeout_error",
+        code="request_timeout",
+    )
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _sse(state, streams, formatter, arrival, include_usage, cleanup, prompt_indices) -> AsyncIterator[str]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for chunk in _observed(stream, state.metrics, arrival):
+                await queue.put((index, chunk))
+        except BaseException as exc:
+            await queue.put((index, exc))
+            raise
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    finals: list[StreamChunk | None] = [None] * len(tasks)
+    try:
+        async with asyncio.timeout(state.settings.request_timeout):
+            if formatter.chat:
+                for i in range(len(tasks)):
+                    yield event(formatter.chunk_event(i, None, role=True))
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if formatter.echo_texts[index] is not None and formatter.first_chunk[index]:
+                    yield event(formatter.chunk_event(index, StreamChunk("", formatter.echo_texts[index], [])))
+                formatter.first_chunk[index] = False
+                yield event(formatter.chunk_event(index, item))
+                if item.finish_reason is not None:
+                    finals[index] = item
+                    remaining -= 1
+        if include_usage:
+            yield event(formatter.usage_event(finals, prompt_indices))
+    except TimeoutError:
+        yield event(
+            error_body(
+                f"The request exceeded its time limit of {state.settings.request_timeout:g} s and was aborted.",
+                "timeout_error",
+                code="request_timeout",
+            )
+        )
+    except KVServeError as exc:
+        yield event(error_body(str(exc), "server_error" if isinstance(exc, EngineError) else "invalid_request_error"))
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        cleanup()
+    yield "data: [DONE]\n\n"

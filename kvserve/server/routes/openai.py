@@ -1,0 +1,66 @@
+"""The OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions, and aborting a request."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from kvserve.errors import InvalidRequestError
+from kvserve.llm import LLM
+from kvserve.server.execution import Job, handle, llm_stream, with_seed
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.state import APIError, authorize, server_state
+
+router = APIRouter(prefix="/v1")
+
+
+@router.get("/models", dependencies=[Depends(authorize)])
+async def models(request: Request) -> dict:
+    state = server_state(request)
+    state.ready_llm()
+    return {
+        "object": "list",
+        "data": [{"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvserve"}],
+    }
+
+
+@router.delete("/requests/{request_id}")
+async def abort(request_id: str, request: Request, owner: str | None = Depends(authorize)) -> dict:
+    state = server_state(request)
+    engine_ids = state.requests.get((owner, request_id))
+    if engine_ids is None:  # also another key's request: it is not this caller's to see
+        raise APIError(404, f"No running request with id {request_id!r}.", "not_found_error", "request_id")
+    state.ready_llm().abort(engine_ids)
+    return {"id": request_id, "object": "request.abort", "aborted": True}
+
+
+@router.post("/completions")
+async def completions(request: Request, owner: str | None = Depends(authorize)) -> Response:
+    return await handle(request, owner, CompletionRequest, _completion_jobs, "cmpl", "text_completion", chat=False)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request, owner: str | None = Depends(authorize)) -> Response:
+    return await handle(request, owner, ChatCompletionRequest, _chat_jobs, "chatcmpl", "chat.completion", chat=True)
+
+
+def _completion_jobs(llm: LLM, body: CompletionRequest) -> list[Job]:
+    if body.echo and body.logprobs is not None:
+        raise InvalidRequestError("echo with logprobs is not supported (no prompt logprobs).", "echo")
+    params = body.sampling_params(body.max_tokens, body.logprobs, 16)
+    jobs = []
+    for p_index, prompt in enumerate(body.prompts()):
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else llm.tokenizer.decode(llm.encode_prompt(prompt))
+        for i in range(body.n):
+            jobs.append(Job(p_index, llm_stream(llm, prompt, with_seed(params, body.seed, i)), echo))
+    return jobs
+
+
+def _chat_jobs(llm: LLM, body: ChatCompletionRequest) -> list[Job]:
+    prompt_ids = llm.tokenizer.encode_chat(body.conversation())
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    default_max = max(1, llm.config.max_model_len - len(prompt_ids))  # as OpenAI: up to the context
+    params = body.sampling_params(max_tokens, body.chat_logprobs(), default_max)
+    return [Job(0, llm_stream(llm, prompt_ids, with_seed(params, body.seed, i))) for i in range(body.n)]
