@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -99,21 +100,55 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
-        items = out.scheduled
-        fused = self._fused_decoder()
+        forward = self._prepare_forward(out.scheduled)
+        ends, rows, ids = self._sampling_rows(out.scheduled)
+        t1 = time.perf_counter()
+        hidden = forward()
+        logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)]) if ends else None
+        t2 = time.perf_counter()
+        result = self._sample(logits, rows, ids) if logits is not None else RunnerOutput()
+        t3 = time.perf_counter()
+        self.timings.prepare += t1 - t0
+        self.timings.forward += t2 - t1
+        self.timings.sample += t3 - t2
+        self.timings.steps += 1
+        return result
+
+    def _prepare_forward(self, items: list) -> Callable[[], torch.Tensor]:
+        """The step's forward (hidden states [T, hidden] for its T tokens), its inputs built now, on
+        one of three paths: the C++ layer loop with each token's own block table (every CPU step by
+        default); the C++ loop's causal prefill for fresh prompts (batch invariance off); the
+        model's Python forward (CUDA, no compiler)."""
         input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.long).to(self.device)
-        # Fresh prompts only (no earlier context), unless batch-invariant: the causal prefill attention.
-        fresh = fused is not None and not self.batch_invariant and not any(s.num_computed_tokens for s in items)
-        if fused is not None and not fresh:
+        fused = self._fused_decoder()
+        if fused is not None and (self.batch_invariant or any(s.num_computed_tokens for s in items)):
             inputs = self._token_inputs(items)
-        else:
-            positions, metadata = build_batch(
-                [s.block_ids for s in items],
-                [s.num_computed_tokens for s in items],
-                [len(s.token_ids) for s in items],
-                self.block_size,
-                self.device,
-            )
+
+            def per_token() -> torch.Tensor:
+                self.timings.fused_steps += 1
+                return fused.forward(input_ids, *inputs)
+
+            return per_token
+        positions, metadata = build_batch(
+            [s.block_ids for s in items],
+            [s.num_computed_tokens for s in items],
+            [len(s.token_ids) for s in items],
+            self.block_size,
+            self.device,
+        )
+        if fused is not None:
+            starts = [0, *itertools.accumulate(len(s.token_ids) for s in items)]
+
+            def fresh_prompts() -> torch.Tensor:
+                self.timings.fused_prefills += 1
+                return fused.prefill(input_ids, positions, metadata.slot_mapping, starts)
+
+            return fresh_prompts
+        return lambda: self.model(input_ids, positions, metadata)
+
+    def _sampling_rows(self, items: list) -> tuple[list[int], list[SamplingRow], list[str]]:
+        """The rows that sample this step: each one's last token's index in the step, its sampling
+        state, its request id."""
         ends, rows, ids = [], [], []
         offset = 0
         for s in items:
@@ -121,43 +156,25 @@ class ModelRunner:
             if s.sample:
                 ends.append(offset - 1)
                 ids.append(s.request_id)
+                generator = self._generator(s)
                 rows.append(
-                    SamplingRow(
-                        s.params, s.prompt_token_ids, s.output_token_ids, self._generator(s), self.stop_token_ids
-                    )
+                    SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, generator, self.stop_token_ids)
                 )
-        t1 = time.perf_counter()
-        if fused is not None and not fresh:
-            hidden = fused.forward(input_ids, *inputs)
-            self.timings.fused_steps += 1
-        elif fused is not None:
-            starts = [0, *itertools.accumulate(len(s.token_ids) for s in items)]
-            hidden = fused.prefill(input_ids, positions, metadata.slot_mapping, starts)
-            self.timings.fused_prefills += 1
-        else:
-            hidden = self.model(input_ids, positions, metadata)
-        result = RunnerOutput()
-        if ends:
-            logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
-            t2 = time.perf_counter()
-            # A failed step is re-run (EngineCore confines failures): a draw must not advance twice.
-            seeded = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
-            try:
-                tokens, logprobs = self.sampler(logits, rows)
-            except Exception:
-                for generator, state in seeded:
-                    generator.set_state(state)
-                raise
-            result.sampled = dict(zip(ids, tokens, strict=True))
-            result.logprobs = {i: lp for i, lp in zip(ids, logprobs, strict=True) if lp is not None}
-        else:
-            t2 = time.perf_counter()
-        t3 = time.perf_counter()
-        self.timings.prepare += t1 - t0
-        self.timings.forward += t2 - t1
-        self.timings.sample += t3 - t2
-        self.timings.steps += 1
-        return result
+        return ends, rows, ids
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], ids: list[str]) -> RunnerOutput:
+        # A failed step is re-run (EngineCore confines failures): a draw must not advance twice.
+        seeded = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
+        try:
+            tokens, logprobs = self.sampler(logits, rows)
+        except Exception:
+            for generator, state in seeded:
+                generator.set_state(state)
+            raise
+        return RunnerOutput(
+            sampled=dict(zip(ids, tokens, strict=True)),
+            logprobs={i: lp for i, lp in zip(ids, logprobs, strict=True) if lp is not None},
+        )
 
     def _token_inputs(self, items: list) -> tuple[torch.Tensor, ...]:
         """(positions, slot_mapping, block_tables, seq_lens) per token of a step for the C++ loop: each
