@@ -4,9 +4,9 @@ import os
 
 # A decode step on the CPU is a few hundred short parallel regions. GNU OpenMP's worker threads
 # sleep after a short spin once a process has more OpenMP threads than cores (as soon as a second
-# thread has run parallel torch code), and waking them costs tens of microseconds per region:
-# about 4 ms of a 14 ms single-stream step on the bundled model (2 cores). A longer spin (a few
-# milliseconds at most, then they sleep) keeps them awake through a step. Takes effect only when
+# thread has run parallel torch code), and waking them costs tens of microseconds per region, a
+# large share of a small model's step. A longer spin (a few milliseconds at most, then they sleep)
+# keeps them awake through a step (docs/performance.md). Takes effect only when
 # kvserve is imported before torch; an explicit GOMP_SPINCOUNT wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 # oneDNN (under PyTorch's CPU GEMMs) caches a GEMM's set-up per exact shape in two LRU caches of 1024

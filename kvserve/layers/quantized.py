@@ -29,29 +29,16 @@ GROUP_SIZE = 32
 # groups, int32 codes) stay a few MB even for a 49152-row lm_head. A multiple of 64: the CPU int4
 # packing works in blocks of 64 rows, so packing in pieces gives the same bytes as packing whole.
 CHUNK_ROWS = 4096
-# How Int4Linear multiplies once the C++ kernels are loaded and the packing layout is known: up to
-# INT4_FEW_ROWS rows (decode steps), `int4_mm` (kvserve/csrc), which unpacks each code once per call;
-# more rows (prefill), a float GEMM over the weight dequantized in C++. Measured on the bundled
-# model's 3072 x 576 gate/up projection (2-core AVX2 CPU, float32): int4_mm takes 0.11 / 0.80 / 2.6 ms
-# for 1 / 16 / 64 rows; PyTorch's int4 kernel 2.1 / 30 / 120 ms; dequantize + GEMM 0.7 / 1.4 / 3.1 ms.
+# Without batch invariance, Int4Linear multiplies up to INT4_FEW_ROWS rows (decode steps) with the
+# C++ int4_mm, which unpacks each code once per call, and more rows (prefill) as a float GEMM over the
+# weight dequantized in C++, which wins once there are enough rows to share the unpacking.
 INT4_FEW_ROWS = 64
-# Where PyTorch's bfloat16 GEMM runs on AMX tiles (oneDNN, Sapphire Rapids and later), the dequantized
-# GEMM wins from fewer rows: the bundled model decoding in bfloat16 on a 2-core Sapphire Rapids VM gave
-# 559-574 / 617-652 / 707-716 tok/s at 16 / 32 / 64 streams through int4_mm, against 379-389 / 629-651
-# / 825-922 through the GEMM. For bfloat16 inputs on such a CPU, rows past this take the GEMM.
+# Where PyTorch's bfloat16 GEMM runs on AMX tiles (Sapphire Rapids and later) it wins from fewer rows.
 INT4_FEW_ROWS_AMX_BF16 = 32
-# activations="int8" (an Int4Linear's int8_activations): its inputs quantized to int8 per group of 32
-# (x ~ d * q, d = max|x| / 127) for every batch size, where the C++ kernels run on AVX2, and the codes
-# multiplied into them in integers (vpmaddubsw: 32 products per instruction against a float FMA's 8),
-# as llama.cpp's CPU backend does. Measured on the bundled model's four projections of a layer
-# (2-core AVX2 CPU, in turn in one process): 0.073 / 0.47 / 1.7 / 13 ms for 1 / 16 / 64 / 512 rows,
-# against 0.125 / 0.89 / 3.1 ms for the float int4_mm and 22 ms for dequantize + GEMM at 512 (the
-# assembly tile in kvserve/csrc later took 0.78-0.90 of the int8 times at 16-512 rows; on an
-# AVX512-VNNI CPU, the vpdpbusd tile took 0.27 / 0.84 / 6.0 ms for 16 / 64 / 512 rows against the AVX2
-# tile's 0.44 / 1.49 / 11.4 on the same machine, alternating in one process). A row's
-# result does not depend on the rows batched with it. The inputs' rounding moved the bundled model's
-# top logits for a chat prompt's first token by about 0.5 (llama.cpp's by about as much), enough to
-# flip near-ties: an option, off by default. Until the C++ kernels are loaded, inputs stay float.
+# activations="int8": Int4Linear's inputs quantized to int8 per group of 32 (x ~ d * q, d = max|x| / 127)
+# and multiplied into the codes in integers (32 products per AVX2 instruction against a float FMA's 8),
+# as llama.cpp's CPU backend does. The rounding moves logits by about 0.5, enough to flip near-ties, so
+# it is an option, off by default. Timings for all three: docs/performance.md.
 ACTIVATION_CHOICES = ("float", "int8")
 _int4_block: int | None = None  # rows per block of PyTorch's int4 packing; 0: unknown
 
