@@ -37,7 +37,7 @@ class RunnerTimings:
     forward: float = 0.0
     sample: float = 0.0
     steps: int = 0
-    fused_steps: int = 0  # decode-only steps run by the fused C++ layer loop
+    fused_steps: int = 0  # steps run by the C++ layer loop, each token with its own block table
     fused_prefills: int = 0  # steps of fresh prompts only, run by the same loop
 
     def as_dict(self) -> dict[str, float]:
