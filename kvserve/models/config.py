@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.errors import UnsupportedModelError
 
+logger = logging.getLogger("kvserve.models")
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -29,6 +31,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    # Attention over only the last `sliding_window` positions (Mistral). Not implemented yet: a
+    # model with one is served with max_position_embeddings capped to it, where both agree exactly.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -73,6 +78,8 @@ class ModelConfig:
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        max_positions = context_within_window(cfg.get("max_position_embeddings", 4096), window, model_type)
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
@@ -85,8 +92,25 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", False),
             mlp_bias=cfg.get("mlp_bias", False),
+            sliding_window=window or None,
         )
+
+
+def context_within_window(max_positions: int, window: int | None, name: str) -> int:
+    """The context kvserve serves for a model whose attention sees only the last `window` positions:
+    up to the window, where sliding-window and full attention agree exactly (a token's keys all
+    fall inside it), until sliding-window attention is implemented."""
+    if not window or window >= max_positions:
+        return max_positions
+    logger.warning(
+        "%s uses sliding-window attention over %d tokens, which kvserve does not implement yet: "
+        "serving contexts of up to %d tokens, where it equals full attention.",
+        name or "the model",
+        window,
+        window,
+    )
+    return window

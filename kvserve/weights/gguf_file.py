@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 
 from kvserve.errors import UnsupportedModelError
 from kvserve.layers.quantized import Int4Groups
-from kvserve.models.config import ModelConfig
+from kvserve.models.config import ModelConfig, context_within_window
 from kvserve.weights.dequant import INT4_GROUP_READERS, dequantize, int4_groups, q8_0_groups
 from kvserve.weights.names import WeightTarget
 from kvserve.weights.source import SourceTensor
@@ -248,6 +248,7 @@ class GGUFFile:
         elif scaling_type not in (None, "none"):
             raise UnsupportedModelError(f"RoPE scaling {scaling_type!r} in {self.path.name} is not supported.")
         num_kv_heads = key("attention.head_count_kv", num_heads)
+        window = key("attention.sliding_window")
         return ModelConfig(
             architecture=arch,
             vocab_size=key("vocab_size") or self.array_length("tokenizer.ggml.tokens"),
@@ -260,9 +261,10 @@ class GGUFFile:
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=key("rope.freq_base", 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=key("context_length", 4096),
+            max_position_embeddings=context_within_window(key("context_length", 4096), window, self.path.name),
             tie_word_embeddings="output.weight" not in self.tensor_names,
             attention_bias="blk.0.attn_q.bias" in self.tensor_names,
+            sliding_window=window or None,
         )
 
     def rope_freq_factors(self) -> torch.Tensor | None:
