@@ -20,6 +20,10 @@ HALF_OFFSETS = {
     T.Q8_0: [0],
     T.Q4_0: [0],
     T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
+    T.IQ4_NL: [0],
+    T.IQ4_XS: [0],
     T.Q4_K: [0, 2],
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
@@ -154,16 +158,17 @@ def test_gguf_written_like_llamacpp_matches_transformers(tmp_path):
     assert (_logits(model, tokens) - expected).abs().max().item() <= 1e-4
 
 
-def test_gguf_q8_0_weights_load_dequantized(tmp_path):
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
+def test_gguf_quantized_weights_load_dequantized(tmp_path, qtype):
     pytest.importorskip("transformers")
     hf_model = make_tiny_llama(tmp_path / "hf", seed=12, intermediate_size=128)
-    write_llama_gguf(tmp_path / "tiny-q8.gguf", hf_model, qtype=T.Q8_0)
-    model = load_model(tmp_path / "tiny-q8.gguf", progress=False)
+    write_llama_gguf(tmp_path / "tiny-q.gguf", hf_model, qtype=qtype)
+    model = load_model(tmp_path / "tiny-q.gguf", progress=False)
     embed = hf_model.model.embed_tokens.weight.detach().numpy()
-    expected = quants.dequantize(quants.quantize(embed, T.Q8_0), T.Q8_0)
+    expected = quants.dequantize(quants.quantize(embed, qtype), qtype)
     assert np.array_equal(model.embed_tokens.weight.numpy(), expected)
     down = hf_model.model.layers[1].mlp.down_proj.weight.detach().numpy()
-    expected = quants.dequantize(quants.quantize(down, T.Q8_0), T.Q8_0)
+    expected = quants.dequantize(quants.quantize(down, qtype), qtype)
     assert np.array_equal(model.layers[1].mlp.down_proj.weight.numpy(), expected)
 
 

@@ -24,7 +24,7 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[N, G, 32] packed bytes -> [N, G, 64]: 32 low nibbles, then 32 high nibbles."""
+    """[N, G, B] packed bytes -> [N, G, 2B]: the B low nibbles, then the B high nibbles."""
     return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
 
 
@@ -45,6 +45,50 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     m = _f16(blocks[:, 2:4])
     q = _nibbles(blocks[:, None, 4:])[:, 0].float()  # [N, 32]
     return d * q + m
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[N, 4] bytes of a little-endian uint32 -> [N, 32] its bits (bit j: value j's fifth bit)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device).view(1, 1, 8)
+    return ((qh[:, :, None] >> shifts) & 1).reshape(-1, 32)
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks[:, :2])
+    q = _nibbles(blocks[:, None, 6:])[:, 0] | (_fifth_bits(blocks[:, 2:6]) << 4)  # [N, 32] in 0..31
+    return d * (q.to(torch.int8) - 16).float()
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    q = _nibbles(blocks[:, None, 8:])[:, 0] | (_fifth_bits(blocks[:, 4:8]) << 4)
+    return d * q.float() + m
+
+
+# IQ4_NL / IQ4_XS: a 4-bit code indexes this non-linear table of int8 values (ggml-common.h).
+_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4(codes: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(_IQ4_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
+
+
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks[:, :2])
+    return d * _iq4(_nibbles(blocks[:, None, 2:])[:, 0])
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    scales_h = blocks[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [N, 1]
+    scales_l = blocks[:, 4:8].to(torch.int32)  # two 4-bit low parts per byte
+    low = torch.stack((scales_l & 0x0F, scales_l >> 4), dim=-1).reshape(n, 8)
+    high = (scales_h >> torch.arange(0, 16, 2, device=blocks.device).view(1, 8)) & 0x03
+    scales = ((low | (high << 4)) - 32).float()  # [N, 8] in -32..31
+    dl = (d * scales).view(n, 8, 1)
+    codes = _nibbles(blocks[:, 8:136].reshape(n, 8, 16))  # [N, 8, 32]: 16 low nibbles, then 16 high
+    return (dl * _iq4(codes)).reshape(n, QK_K)
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +141,10 @@ BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Te
     GGMLQuantizationType.Q8_0: _q8_0,
     GGMLQuantizationType.Q4_0: _q4_0,
     GGMLQuantizationType.Q4_1: _q4_1,
+    GGMLQuantizationType.Q5_0: _q5_0,
+    GGMLQuantizationType.Q5_1: _q5_1,
+    GGMLQuantizationType.IQ4_NL: _iq4_nl,
+    GGMLQuantizationType.IQ4_XS: _iq4_xs,
     GGMLQuantizationType.Q4_K: _q4_k,
     GGMLQuantizationType.Q5_K: _q5_k,
     GGMLQuantizationType.Q6_K: _q6_k,
