@@ -155,13 +155,22 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
 
 
-def _flag(p: argparse.ArgumentParser, flag: str, help: str, default=None, type=str, **kwargs) -> None:
-    """An option whose default comes from KVSERVE_<FLAG> when set; --help names the variable."""
+def _flag(
+    p: argparse.ArgumentParser,
+    flag: str,
+    help: str,
+    default=None,
+    type=str,
+    shown_default: str = "%(default)s",
+    **kwargs,
+) -> None:
+    """An option whose default comes from KVSERVE_<FLAG> when set; --help names the variable and
+    the default (`shown_default` where the default is decided later)."""
     env = "KVSERVE_" + flag.lstrip("-").replace("-", "_").upper()
     value = os.environ.get(env)
     if value not in (None, ""):
         default = type(value)
-    p.add_argument(flag, type=type, default=default, help=f"{help} (env {env}; default %(default)s)", **kwargs)
+    p.add_argument(flag, type=type, default=default, help=f"{help} (env {env}; default {shown_default})", **kwargs)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -214,22 +223,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     _flag(p, "--max-tokens", "most tokens to generate per reply", max_tokens, int)
-    model_or = "; default: the model file's recommended value, else {}"
     for flag, kind, help in (
         ("--temperature", float, "sampling temperature, 0 for greedy (the most likely token each step)"),
         ("--top-k", int, "sample among the k most likely tokens, 0 for no limit"),
         ("--top-p", float, "sample among the most likely tokens whose probabilities add up to p, 1 for no limit"),
         ("--min-p", float, "drop tokens less likely than min_p times the most likely one, 0 for none"),
     ):
-        name = flag[2:].replace("-", "_")
-        env = "KVSERVE_" + name.upper()
-        value = os.environ.get(env)
-        p.add_argument(
-            flag,
-            type=kind,
-            default=kind(value) if value else None,
-            help=f"{help} (env {env}{model_or.format(SAMPLING_DEFAULTS[name])})",
-        )
+        fallback = SAMPLING_DEFAULTS[flag[2:].replace("-", "_")]
+        _flag(p, flag, help, None, kind, shown_default=f"the model file's recommended value, else {fallback}")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
 
 
