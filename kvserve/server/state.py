@@ -56,6 +56,10 @@ class ServerState:
     # (owner, response id or client X-Request-Id) -> engine request ids: only their owner may abort them
     requests: dict[tuple[str | None, str], list[str]] = field(default_factory=dict)
     metrics: ServerMetrics | None = None
+    key_bytes: tuple[bytes, ...] = field(init=False)  # the API keys, encoded once for authorize
+
+    def __post_init__(self) -> None:
+        self.key_bytes = tuple(key.encode() for key in self.settings.api_keys)
 
     def set_llm(self, llm: LLM) -> None:
         self.model_name = self.settings.served_model_name or llm.model_path.stem
@@ -75,14 +79,14 @@ def server_state(request: Request) -> ServerState:
 async def authorize(request: Request) -> str | None:  # async: no thread-pool hop per request
     """The caller's owner id, a hash of its API key (None without auth): it owns the requests and
     sessions the caller creates. Keys are compared in constant time, each of them every time."""
-    settings = server_state(request).settings
-    if not settings.api_keys:
+    keys = server_state(request).key_bytes
+    if not keys:
         return None
     header = request.headers.get("authorization", "")
     token = header[7:].encode(errors="surrogateescape") if header.lower().startswith("bearer ") else b""
     matched = False
-    for key in settings.api_keys:
-        matched |= hmac.compare_digest(token, key.encode())
+    for key in keys:
+        matched |= hmac.compare_digest(token, key)
     if not matched:
         raise APIError(
             401,
