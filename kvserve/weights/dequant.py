@@ -3,7 +3,7 @@
 Each function takes raw blocks as a uint8 tensor `[num_blocks, type_size]` and returns
 `[num_blocks, block_elements]` float32, following the block layouts of ggml (ggml-common.h).
 The arithmetic is done in the same order as ggml's reference dequantizers, so results are
-bit-for-bit equal to the `gguf` package's numpy reference (tests/test_dequant.py checks it).
+bit-for-bit equal to the `gguf` package's numpy reference (tests/test_gguf.py checks it).
 """
 
 from __future__ import annotations
@@ -91,6 +91,37 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * _iq4(codes)).reshape(n, QK_K)
 
 
+def _crumbs(qs: torch.Tensor) -> torch.Tensor:
+    """[N, 64] bytes of Q2_K / Q3_K -> [N, 16, 16] 2-bit values: each 32-byte half gives 4 x 32
+    values, taking bits 0-1, 2-3, 4-5, then 6-7 of its bytes."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).view(1, 1, 4, 1)
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+
+
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    scales = blocks[:, 0:16]  # per sub-block of 16: scale in the low nibble, min in the high one
+    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    dl = (d * (scales & 0x0F).float()).view(n, 16, 1)
+    ml = (dmin * (scales >> 4).float()).view(n, 16, 1)
+    return (dl * _crumbs(blocks[:, 16:80]).float() - ml).reshape(n, QK_K)
+
+
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 108:110])
+    lo, hi = blocks[:, 96:104], blocks[:, None, 104:108]  # 6-bit scales: 4 low bits, then 2 high bits
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(1, 4, 1)
+    low = torch.cat((lo & 0x0F, lo >> 4), dim=1)
+    high = ((hi >> shifts) & 3).reshape(n, 16)
+    scales = ((low | (high << 4)).to(torch.int8) - 32).float()  # [N, 16] in -32..31
+    dl = (d * scales).view(n, 16, 1)
+    bits = torch.arange(8, dtype=torch.uint8, device=blocks.device).view(1, 8, 1)
+    hmask = ((blocks[:, None, 0:32] >> bits) & 1).reshape(n, 16, 16)  # value j: bit j // 32 of byte j % 32
+    q = _crumbs(blocks[:, 32:96]).to(torch.int8) - ((hmask ^ 1) << 2).to(torch.int8)  # a clear bit subtracts 4
+    return (dl * q.float()).reshape(n, QK_K)
+
+
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unpack the 12-byte, 6-bit scales and mins of Q4_K / Q5_K into two [N, 8] tensors."""
     s = scales.to(torch.int32)
@@ -145,6 +176,8 @@ BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Te
     GGMLQuantizationType.Q5_1: _q5_1,
     GGMLQuantizationType.IQ4_NL: _iq4_nl,
     GGMLQuantizationType.IQ4_XS: _iq4_xs,
+    GGMLQuantizationType.Q2_K: _q2_k,
+    GGMLQuantizationType.Q3_K: _q3_k,
     GGMLQuantizationType.Q4_K: _q4_k,
     GGMLQuantizationType.Q5_K: _q5_k,
     GGMLQuantizationType.Q6_K: _q6_k,
