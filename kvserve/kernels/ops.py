@@ -4,7 +4,7 @@ packed), results [M, N]."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -106,9 +106,16 @@ class Linear:
     bias: torch.Tensor | None = None
 
 
+def activations() -> Any:
+    """The C++ enum Activation: the MLP's gate (SiLU, GeluTanh)."""
+    return _ext().Activation
+
+
 @dataclass(frozen=True)
 class LayerShape:
-    """A Llama layer's sizes (Hugging Face config names) and its attention's softmax scale."""
+    """A decoder layer's sizes (Hugging Face config names), its attention's softmax scale and its
+    family's differences: the dimensions RoPE rotates, the gate's activation (an `activations()`
+    member), RMSNorms over each q and k head, norms on the sub-layers' outputs."""
 
     num_heads: int
     num_kv_heads: int
@@ -116,6 +123,10 @@ class LayerShape:
     intermediate_size: int
     rms_norm_eps: float
     scale: float
+    rotary_dim: int
+    activation: Any
+    qk_norm: bool = False
+    sandwich_norms: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,11 +142,13 @@ class Int4Policy:
 
 
 class LayerStack:
-    """The C++ layer loop over a Llama model's layers, holding what does not change between steps:
-    norms (2 per layer and the final one), linears (qkv, o, gate_up, down per layer), the KV caches
-    (one [num_blocks, block_size, num_kv_heads, head_dim] K and V per layer, of one dtype, which may
-    differ from the compute dtype), sizes and the int4 policy. References, not copies: `forward`
-    writes the caches in place."""
+    """The C++ layer loop over a decoder's layers, holding what does not change between steps:
+    norms (per layer: attention in, MLP in, then with `sandwich_norms` attention out and MLP out,
+    then with `qk_norm` the q and k head norms; the final norm last), linears (qkv, o, gate_up, down
+    per layer), the KV caches (one [num_blocks, block_size, num_kv_heads, head_dim] K and V per layer,
+    of one dtype, which may differ from the compute dtype), sizes, the int4 policy, and per layer its
+    attention window (0: every position) and RoPE table. References, not copies: `forward` writes
+    the caches in place."""
 
     def __init__(
         self,
@@ -145,6 +158,8 @@ class LayerStack:
         v_caches: list[torch.Tensor],
         shape: LayerShape,
         int4: Int4Policy,
+        windows: list[int],
+        rope_tables: list[int],
     ) -> None:
         extension = _ext()
         self._stack = extension.LayerStack(
@@ -152,8 +167,10 @@ class LayerStack:
             [extension.Linear(m.kind, m.weight, m.scales, m.bias) for m in linears],
             k_caches,
             v_caches,
-            extension.LayerShape(**asdict(shape)),
+            extension.LayerShape(**{f.name: getattr(shape, f.name) for f in fields(shape)}),
             extension.Int4Policy(**asdict(int4)),
+            windows,
+            rope_tables,
         )
 
     def forward(
@@ -167,7 +184,7 @@ class LayerStack:
         prefill_starts: list[int],
     ) -> torch.Tensor:
         """Hidden states [B, hidden] after every layer and the final norm for B rows: x [B, hidden]
-        embeddings in the norms' dtype, cos and sin_signed [B, head_dim]; row b writes its K/V at
+        embeddings in the norms' dtype, cos and sin_signed [tables, B, rotary_dim]; row b writes its K/V at
         slot_mapping[b] and attends to its first seq_lens[b] keys through block_tables[b] (int64, [B]
         and [B, max_blocks]). With prefill_starts (S + 1 row offsets), the rows are instead the whole
         prompts of S fresh sequences (block_tables and seq_lens unused). Raises RuntimeError once the

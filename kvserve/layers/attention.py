@@ -18,7 +18,7 @@ pays for a prefill's query length. The groups are built once per step and read b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +38,22 @@ class AttentionGroup:
     max_query_len: int
     max_seq_len: int
     is_fresh_prefill: bool  # one sequence, no earlier context: attend over the new K/V, causally
+    query_positions: torch.Tensor  # [G, Q] position of each (padded) query; decode: [G, 1]
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False)
 
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+    def mask(self, window: int) -> torch.Tensor:
+        """key_mask for layers that see only the last `window` positions (0: all), made once per step."""
+        if not window or self.max_seq_len <= window:
+            return self.key_mask
+        if window not in self.window_masks:
+            keys = torch.arange(self.max_seq_len, device=self.key_mask.device)
+            inside = keys[None, None, :] > self.query_positions[:, :, None] - window  # [G, Q, S]
+            self.window_masks[window] = self.key_mask & inside.unsqueeze(1)
+        return self.window_masks[window]
 
 
 @dataclass(frozen=True)
@@ -141,6 +153,7 @@ def _build_group(
     query_seq_idx = query_pos_in_seq = None
     if max_query_len == 1:
         key_mask = (keys[None, :] < seq_lens[:, None]).view(len(members), 1, 1, max_seq_len)
+        query_positions = (seq_lens - 1)[:, None]
     else:
         query_seq_idx = torch.repeat_interleave(torch.arange(len(members)), new)  # [Tg]
         query_pos_in_seq = torch.arange(int(new.sum())) - (torch.cumsum(new, 0) - new)[query_seq_idx]  # [Tg]
@@ -158,6 +171,7 @@ def _build_group(
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         is_fresh_prefill=len(members) == 1 and int(computed[0]) == 0 and max_query_len > 1,
+        query_positions=query_positions.to(device),
     )
 
 
@@ -169,8 +183,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Write the new K/V into the cache, then attend over each sequence's whole context.
+    """Write the new K/V into the cache, then attend over each sequence's whole context (each query
+    over the last `window` positions, its own included, where window > 0).
 
     q: [T, H, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
     (mutated in place at `slot_mapping`). Returns [T, H, D].
@@ -179,11 +195,11 @@ def paged_attention(
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))
     if len(metadata.groups) == 1 and metadata.groups[0].token_idx is None:
-        return _attend(q, k, v, k_cache, v_cache, metadata.groups[0], scale)
+        return _attend(q, k, v, k_cache, v_cache, metadata.groups[0], scale, window)
     out = torch.empty_like(q)
     for group in metadata.groups:
         idx = group.token_idx
-        out[idx] = _attend(q[idx], k[idx], v[idx], k_cache, v_cache, group, scale)
+        out[idx] = _attend(q[idx], k[idx], v[idx], k_cache, v_cache, group, scale, window)
     return out
 
 
@@ -195,15 +211,19 @@ def _attend(
     v_cache: torch.Tensor,
     group: AttentionGroup,
     scale: float,
+    window: int,
 ) -> torch.Tensor:
     """One group: q [Tg, H, D] (its members' new tokens, in member order) -> [Tg, H, D]."""
     is_gqa = q.shape[1] != k.shape[1]
+    key_mask = group.mask(window)
     if group.is_fresh_prefill:  # the new K/V are the whole context
+        causal = key_mask is group.key_mask
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            is_causal=True,
+            attn_mask=None if causal else key_mask,
+            is_causal=causal,
             scale=scale,
             enable_gqa=is_gqa,
         )  # [1, H, T, D]
@@ -211,7 +231,7 @@ def _attend(
     keys, values = _gather(k_cache, group), _gather(v_cache, group)  # [G, S, Hkv, D]
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     if group.is_decode:
-        return _decode_attention(q, keys, values, group.key_mask, scale)
+        return _decode_attention(q, keys, values, key_mask, scale)
     num_seqs = group.block_tables.shape[0]
     padded_q = q.new_zeros(num_seqs, group.max_query_len, q.shape[1], q.shape[2])  # [G, Q, H, D]
     padded_q[group.query_seq_idx, group.query_pos_in_seq] = q
@@ -219,7 +239,7 @@ def _attend(
         padded_q.transpose(1, 2),  # [G, H, Q, D]
         keys.transpose(1, 2),  # [G, Hkv, S, D]
         values.transpose(1, 2),
-        attn_mask=group.key_mask,
+        attn_mask=key_mask,
         scale=scale,
         enable_gqa=is_gqa,
     )  # [G, H, Q, D]

@@ -1,6 +1,6 @@
-"""FusedDecoder: a Llama model's step through the C++ layer loop (kvserve/kernels/csrc).
+"""FusedDecoder: a model's step through the C++ layer loop (kvserve/kernels/csrc).
 
-A step of a Llama model on the CPU runs its whole layer loop in one C++ call: any mix of decode
+A step of a model on the CPU runs its whole layer loop in one C++ call: any mix of decode
 tokens, prompts, chunks and prompts behind a cached prefix (`forward`), or, faster but not batch
 invariant, fresh prompts only (`prefill`). The model's Python forward remains the reference and
 serves where the C++ kernels cannot (CUDA, no compiler, KVSERVE_FUSED_DECODE=0; see
@@ -22,7 +22,7 @@ logger = logging.getLogger("kvserve.fused_decode")
 
 
 class FusedDecoder:
-    """Runs steps of one LlamaForCausalLM through the C++ layer loop.
+    """Runs steps of one DecoderForCausalLM (any supported family) through the C++ layer loop.
 
     Holds references to the model's tensors (no copies), among them the KV caches bound to the model
     when it is made (`bind_kv_cache` first; a model bound to other caches needs a new FusedDecoder).
@@ -52,19 +52,27 @@ class FusedDecoder:
         norms: list[torch.Tensor] = []
         self.linears: list[ops.Linear] = []
         for layer in model.layers:
-            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             attn, mlp = layer.self_attn, layer.mlp
+            norms += [layer.attn_norm.weight, layer.ffn_norm.weight]  # the LayerStack's order
+            if config.sandwich_norms:
+                norms += [layer.attn_out_norm.weight, layer.ffn_out_norm.weight]
+            if config.qk_norm:
+                norms += [attn.q_norm.weight, attn.k_norm.weight]
             self.linears += [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         norms.append(model.norm.weight)
-        attention = model.layers[0].self_attn
-        self._k_cache = attention.k_cache  # to tell a later bind_kv_cache (which rebinds every layer)
+        self._k_cache = model.layers[0].self_attn.k_cache  # to tell a later bind_kv_cache (which rebinds every layer)
+        activations = ops.activations()
         shape = ops.LayerShape(
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             intermediate_size=config.intermediate_size,
             rms_norm_eps=config.rms_norm_eps,
-            scale=attention.scale,
+            scale=config.attention_scale,
+            rotary_dim=config.rotary_dim,
+            activation=activations.GeluTanh if config.hidden_act == "gelu_tanh" else activations.SiLU,
+            qk_norm=config.qk_norm,
+            sandwich_norms=config.sandwich_norms,
         )
         self.stack = ops.LayerStack(
             norms,
@@ -73,6 +81,8 @@ class FusedDecoder:
             [layer.self_attn.v_cache for layer in model.layers],
             shape,
             int4_policy,
+            windows=[layer.self_attn.window for layer in model.layers],
+            rope_tables=[layer.self_attn.rope_table for layer in model.layers],
         )
 
     @staticmethod
@@ -104,12 +114,12 @@ class FusedDecoder:
         model = self.model
         if model.layers[0].self_attn.k_cache is not self._k_cache:
             raise RuntimeError("the model's KV caches were rebound after its FusedDecoder was made; make a new one")
-        x = model.embed_tokens(input_ids)  # [B, hidden]
-        cos, sin_signed = model.rotary.table(positions, x.dtype)  # each [B, 1, D]
+        x = model.embed(input_ids)  # [B, hidden]
+        cos, sin_signed = model.rotary.stacked(positions, x.dtype)  # each [tables, B, rotary_dim]
         return self.stack.forward(
             x.contiguous(),
-            cos.reshape(len(positions), -1).contiguous(),
-            sin_signed.reshape(len(positions), -1).contiguous(),
+            cos.contiguous(),
+            sin_signed.contiguous(),
             slot_mapping,
             block_tables,
             seq_lens,

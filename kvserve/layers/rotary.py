@@ -6,22 +6,28 @@ flattened positions of a step, so a batch of sequences at different offsets cost
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
+from kvserve.errors import UnsupportedModelError
 from kvserve.models.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    dim = config.head_dim
+def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim / 2], the factor cos and sin are multiplied by) of the model's
+    RoPE, its scaling applied."""
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if freq_factors is not None:  # llama.cpp stores llama3 scaling as per-frequency divisors
-        return inv_freq / freq_factors.float()
+        return inv_freq / freq_factors.float(), 1.0
     scaling = config.rope_scaling or {}
     if config.rope_type == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
+    if config.rope_type == "longrope":
+        return _longrope(config, scaling, inv_freq)
     if config.rope_type == "llama3":
         factor = scaling["factor"]
         low_freq_factor = scaling.get("low_freq_factor", 1.0)
@@ -34,38 +40,67 @@ def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None =
         smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    return inv_freq
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    return inv_freq, 1.0
+
+
+def _longrope(config: ModelConfig, scaling: dict, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-frequency divisors, the long ones where the model serves contexts past
+    its original one (as llama.cpp decides, by the context and not by each sequence's length: the
+    cached keys of a sequence then never change rotation as it grows), and cos/sin scaled by
+    sqrt(1 + ln(factor) / ln(original context))."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    long = config.max_position_embeddings > original
+    divisors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if divisors.shape != inv_freq.shape:
+        raise UnsupportedModelError(
+            f"LongRoPE factors have {divisors.numel()} entries; the model rotates {2 * inv_freq.numel()} dimensions "
+            "per head, which need half as many."
+        )
+    return inv_freq / divisors, attention_factor
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables of every position: the model's RoPE (table 0) and, for a model whose sliding
+    layers have their own base (Gemma 3), theirs (table 1)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.max_positions = config.max_position_embeddings
+        # [tables, 2 (cos, sin), P, rotary_dim / 2]: each half of rotate-half RoPE has the same values
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.freq_factors: torch.Tensor | None = None
 
     def build(self, device: torch.device, freq_factors: torch.Tensor | None = None) -> None:
         """Tabulate cos/sin on `device`. Called once after the weights are loaded."""
         self.freq_factors = freq_factors
-        inv_freq = inverse_frequencies(self.config, freq_factors).to(device)
-        t = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos_sin = torch.stack((emb.cos(), emb.sin()))  # [2, P, D]
+        tables = [inverse_frequencies(self.config, freq_factors)]
+        if self.config.local_rope_theta is not None:
+            local = dataclasses.replace(self.config, rope_theta=self.config.local_rope_theta, rope_scaling=None)
+            tables.append(inverse_frequencies(local))
+        t = torch.arange(self.max_positions, dtype=torch.float32)
+        rows = []
+        for inv_freq, factor in tables:
+            freqs = torch.outer(t, inv_freq)  # [P, rotary_dim / 2]
+            rows.append(torch.stack((freqs.cos() * factor, freqs.sin() * factor)))
+        self.cos_sin = torch.stack(rows).to(device)
 
-    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin_signed), each [T, 1, D] in `dtype`, for the flattened positions [T] of one step;
-        looked up once per step and shared by every layer."""
-        cos, sin = self.cos_sin[:, positions].to(dtype).unsqueeze(2)
-        half = sin.shape[-1] // 2
-        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    def stacked(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed), each [tables, T, rotary_dim] in `dtype`, for the flattened positions [T]
+        of one step (the C++ layer loop's operands)."""
+        cos, sin = self.cos_sin[:, :, positions].to(dtype).unbind(1)  # each [tables, T, rotary_dim / 2]
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
-        cos, sin_signed = self.table(positions, q.dtype)
-        return rotate(q, cos, sin_signed), rotate(k, cos, sin_signed)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per table, (cos, sin_signed) [T, 1, rotary_dim] in `dtype` for the flattened positions [T]
+        of one step; looked up once per step and shared by every layer."""
+        cos, sin_signed = self.stacked(positions, dtype)
+        return [(c.unsqueeze(1), s.unsqueeze(1)) for c, s in zip(cos, sin_signed, strict=True)]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""One file per architecture family. `MODEL_CLASSES` maps ModelConfig.architecture to the class."""
+"""The model code: one decoder (`decoder.py`) whose families' differences are named in `config.py`.
+`MODEL_CLASSES` maps ModelConfig.architecture to the class."""
 
-from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.config import SUPPORTED_ARCHITECTURES
+from kvserve.models.decoder import DecoderForCausalLM
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM}
+MODEL_CLASSES = dict.fromkeys(SUPPORTED_ARCHITECTURES, DecoderForCausalLM)

@@ -1,7 +1,11 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral-style GQA) over a flattened batch with paged KV.
+"""The decoder every supported family runs (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Phi-3), over a
+flattened batch with paged KV. The families' differences are named in ModelConfig
+(kvserve/models/config.py) and switched on here.
 
-Parameter names follow Hugging Face's, with q/k/v and gate/up fused into one projection each
-(`qkv_proj`, `gate_up_proj`) so that a layer makes four matmul calls instead of seven.
+q/k/v and gate/up are fused into one projection each (`qkv_proj`, `gate_up_proj`), so that a layer
+makes four matmul calls instead of seven. The norms are named by role, as GGUF names them:
+`attn_norm` and `ffn_norm` feed the attention and the MLP; `attn_out_norm` and `ffn_out_norm` (only
+with `sandwich_norms`) normalize their outputs before the residual add.
 """
 
 from __future__ import annotations
@@ -17,67 +21,87 @@ from kvserve.layers.rotary import RotaryEmbedding, rotate
 from kvserve.models.config import ModelConfig
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, window: int, rope_table: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.window = window  # positions a query sees, its own included; 0: all
+        self.rope_table = rope_table
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, metadata: AttentionMetadata
+        self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "bind_kv_cache() first"
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k are rotated together: [T, H + Hkv, D]
-        qk = rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k are rotated together, their first rotary_dim dimensions
+        rotated = rotate(qk[..., : self.rotary_dim], *ropes[self.rope_table])
+        qk = rotated if self.rotary_dim == self.head_dim else torch.cat((rotated, qk[..., self.rotary_dim :]), -1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, metadata, self.scale, self.window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
-class LlamaMLP(nn.Module):
+class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.gelu = config.hidden_act == "gelu_tanh"
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, window: int, rope_table: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, window, rope_table)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+        sandwich = config.sandwich_norms
+        self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
+        self.ffn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, metadata: AttentionMetadata
+        self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(ropes, self.attn_norm(x), metadata)
+        x = x + (attn if self.attn_out_norm is None else self.attn_out_norm(attn))
+        mlp = self.mlp(self.ffn_norm(x))
+        return x + (mlp if self.ffn_out_norm is None else self.ffn_out_norm(mlp))
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, window, table)
+            for window, table in zip(config.layer_windows, config.layer_rope_tables, strict=True)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -89,14 +113,21 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, hidden], times the family's multiplier (Gemma: sqrt(hidden),
+        rounded to the compute dtype as Gemma's own code rounds it)."""
+        x = self.embed_tokens(input_ids)
+        multiplier = self.config.embedding_multiplier
+        return x if multiplier == 1.0 else x * torch.tensor(multiplier, dtype=x.dtype)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions: [T] (a flattened batch). Returns hidden states [T, hidden_size]."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.table(positions, x.dtype)  # one lookup per step, shared by every layer
+        x = self.embed(input_ids)
+        ropes = self.rotary.tables(positions, x.dtype)  # one lookup per step, shared by every layer
         for layer in self.layers:
-            x = layer(rope, x, attn_metadata)
+            x = layer(ropes, x, attn_metadata)
         return self.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ decoded when asked for) and the tensor table, and reads a tensor's bytes when it
 
 from __future__ import annotations
 
+import itertools
+import math
 import mmap
 import os
 import re
@@ -24,9 +26,9 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 
 from kvserve.errors import UnsupportedModelError
 from kvserve.layers.quantized import Int4Groups
-from kvserve.models.config import ModelConfig, context_within_window
+from kvserve.models.config import ModelConfig
 from kvserve.weights.dequant import INT4_GROUP_READERS, dequantize, int4_groups, q8_0_groups
-from kvserve.weights.names import WeightTarget
+from kvserve.weights.names import WeightTarget, shard_offsets
 from kvserve.weights.source import SourceTensor
 
 # GGUF tensor name -> (kvserve parameter, shard of a fused parameter or None).
@@ -36,8 +38,12 @@ _GLOBAL_NAMES = {
     "output.weight": ("lm_head.weight", None),
 }
 _LAYER_NAMES = {
-    "attn_norm.weight": ("input_layernorm.weight", None),
-    "ffn_norm.weight": ("post_attention_layernorm.weight", None),
+    "attn_norm.weight": ("attn_norm.weight", None),
+    "ffn_norm.weight": ("ffn_norm.weight", None),
+    "post_attention_norm.weight": ("attn_out_norm.weight", None),
+    "post_ffw_norm.weight": ("ffn_out_norm.weight", None),
+    "attn_q_norm.weight": ("self_attn.q_norm.weight", None),
+    "attn_k_norm.weight": ("self_attn.k_norm.weight", None),
     "attn_q.weight": ("self_attn.qkv_proj.weight", 0),
     "attn_k.weight": ("self_attn.qkv_proj.weight", 1),
     "attn_v.weight": ("self_attn.qkv_proj.weight", 2),
@@ -45,12 +51,17 @@ _LAYER_NAMES = {
     "attn_k.bias": ("self_attn.qkv_proj.bias", 1),
     "attn_v.bias": ("self_attn.qkv_proj.bias", 2),
     "attn_output.weight": ("self_attn.o_proj.weight", None),
+    "attn_output.bias": ("self_attn.o_proj.bias", None),
     "ffn_gate.weight": ("mlp.gate_up_proj.weight", 0),
     "ffn_up.weight": ("mlp.gate_up_proj.weight", 1),
     "ffn_down.weight": ("mlp.down_proj.weight", None),
 }
+# Phi-3 stores q/k/v as one tensor, and gate and up as one ffn_up: split into the fused layer's shards.
+_STORED_FUSED = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
+GEMMA3_SLIDING_PATTERN = 6  # every 6th layer global, as llama.cpp sets for gemma3 (the file does not say)
 
 
 # struct codes of the fixed-size GGUF value types
@@ -68,6 +79,7 @@ _SCALARS = {
     GGUFValueType.FLOAT64: "d",
 }
 _VERSIONS = (2, 3)
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 
 # llama.cpp's general.sampling.* metadata keys -> SamplingParams' names
 _SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p"}
@@ -235,44 +247,81 @@ class GGUFFile:
         def key(name: str, default: Any = None) -> Any:
             return self.get(f"{arch}.{name}", default)
 
-        if arch != "llama":
+        if arch not in _GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"GGUF architecture {arch!r} ({self.path.name}) is not supported yet; kvserve runs llama."
+                f"GGUF architecture {arch!r} ({self.path.name}) is not supported yet; kvserve runs "
+                f"{', '.join(_GGUF_ARCHITECTURES)}."
             )
         num_heads = key("attention.head_count")
         hidden = key("embedding_length")
-        rope_scaling = None
-        scaling_type = key("rope.scaling.type")
-        if scaling_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
-        elif scaling_type not in (None, "none"):
-            raise UnsupportedModelError(f"RoPE scaling {scaling_type!r} in {self.path.name} is not supported.")
-        num_kv_heads = key("attention.head_count_kv", num_heads)
-        window = key("attention.sliding_window")
+        num_layers = key("block_count")
+        head_dim = key("attention.key_length") or hidden // num_heads
+        context = key("context_length", 4096)
+        names = self.tensor_names
+        family: dict[str, Any] = {}
+        if arch == "gemma3":
+            # attention.sliding_window_pattern: a period, or per layer True where it slides
+            pattern = key("attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+            sliding = pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(num_layers)]
+            scale = key("attention.scale")  # else llama.cpp's 1/sqrt(head_dim), for every size but 27B
+            family = dict(
+                layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+                local_rope_theta=10000.0,
+                sandwich_norms=True,
+                hidden_act="gelu_tanh",
+                embedding_multiplier=math.sqrt(hidden),
+                query_pre_attn_scalar=scale**-2 if scale else head_dim,
+            )
+        rotary_dims = key("rope.dimension_count")
         return ModelConfig(
             architecture=arch,
             vocab_size=key("vocab_size") or self.array_length("tokenizer.ggml.tokens"),
             hidden_size=hidden,
             intermediate_size=key("feed_forward_length"),
-            num_hidden_layers=key("block_count"),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=key("attention.key_length") or hidden // num_heads,
+            num_key_value_heads=key("attention.head_count_kv", num_heads),
+            head_dim=head_dim,
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=key("rope.freq_base", 10000.0),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=context_within_window(key("context_length", 4096), window, self.path.name),
-            tie_word_embeddings="output.weight" not in self.tensor_names,
-            attention_bias="blk.0.attn_q.bias" in self.tensor_names,
-            sliding_window=window or None,
+            rope_scaling=self._rope_scaling(arch, context),
+            max_position_embeddings=context,
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            attention_out_bias="blk.0.attn_output.bias" in names,
+            sliding_window=key("attention.sliding_window") or None,
+            partial_rotary_factor=rotary_dims / head_dim if rotary_dims else 1.0,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            **family,
         )
+
+    def _rope_scaling(self, arch: str, context: int) -> dict[str, Any] | None:
+        """rope_scaling as Hugging Face spells it, from the file's rope.scaling keys (and Phi-3's
+        LongRoPE factor tensors)."""
+        scaling_type = self.get(f"{arch}.rope.scaling.type")
+        if scaling_type == "linear":
+            return {"rope_type": "linear", "factor": self.get(f"{arch}.rope.scaling.factor")}
+        if LONGROPE_FACTORS[0] in self.tensor_names:
+            long, short = (self._small_tensor(name).tolist() for name in LONGROPE_FACTORS)
+            return {
+                "rope_type": "longrope",
+                "long_factor": long,
+                "short_factor": short,
+                "original_max_position_embeddings": self.get(f"{arch}.rope.scaling.original_context_length", context),
+                "attention_factor": self.get(f"{arch}.rope.scaling.attn_factor"),
+            }
+        if scaling_type not in (None, "none"):
+            raise UnsupportedModelError(f"RoPE scaling {scaling_type!r} in {self.path.name} is not supported.")
+        return None
+
+    def _small_tensor(self, name: str) -> torch.Tensor:
+        """A small tensor's values (RoPE factors), flattened, in float32."""
+        tensor = next(t for t in self._tensors if t.name == name)
+        return dequantize(self.read(tensor).reshape(1, -1), tensor.qtype, int(np.prod(tensor.shape))).flatten()
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """llama.cpp's per-frequency RoPE divisors (llama3-style scaling), if the file has them."""
-        for tensor in self._tensors:
-            if tensor.name == ROPE_FREQS:
-                return dequantize(self.read(tensor).reshape(1, -1), tensor.qtype, int(np.prod(tensor.shape))).flatten()
-        return None
+        return self._small_tensor(ROPE_FREQS) if ROPE_FREQS in self.tensor_names else None
 
     def tensors(self, config: ModelConfig) -> Iterator[tuple[WeightTarget, SourceTensor]]:
         """Every model tensor under kvserve's names, read lazily as float32 or (4-bit and Q8_0 types)
@@ -282,17 +331,25 @@ class GGUFFile:
         undone here so the weights match the rotate-half convention of the model code.
         """
         for tensor in self._tensors:
-            if tensor.name == ROPE_FREQS:
+            if tensor.name == ROPE_FREQS or tensor.name in LONGROPE_FACTORS:
                 continue
-            yield _target(tensor.name), self._source(tensor, config)
+            match = _LAYER_RE.match(tensor.name)
+            fused = _STORED_FUSED.get(match.group(2)) if match and config.architecture == "phi3" else None
+            if fused is None:
+                yield _target(tensor.name), self._source(tensor, config)
+                continue
+            source = self._source(tensor, config)
+            offsets = shard_offsets(fused, config.q_size, config.kv_size, config.intermediate_size)
+            for shard, (begin, end) in enumerate(itertools.pairwise(offsets)):
+                yield WeightTarget(f"layers.{match.group(1)}.{fused}", shard), source.rows(begin, end)
 
     def _source(self, tensor: _Tensor, config: ModelConfig) -> SourceTensor:
         shape, qtype = tensor.shape, tensor.qtype
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        order = None  # the row permutation to undo, as a gather index
-        if ".attn_q." in tensor.name:
+        order = None  # the row permutation to undo, as a gather index (llama's converter permutes Q/K)
+        if config.architecture == "llama" and ".attn_q." in tensor.name:
             order = _unpermute(torch.arange(shape[0]), config.num_attention_heads)
-        elif ".attn_k." in tensor.name:
+        elif config.architecture == "llama" and ".attn_k." in tensor.name:
             order = _unpermute(torch.arange(shape[0]), config.num_key_value_heads)
 
         def raw() -> torch.Tensor:
@@ -338,7 +395,7 @@ def _target(gguf_name: str) -> WeightTarget:
     if match and match.group(2) in _LAYER_NAMES:
         name, shard = _LAYER_NAMES[match.group(2)]
         return WeightTarget(f"layers.{match.group(1)}.{name}", shard)
-    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in the llama model code.")
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in kvserve's decoder.")
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

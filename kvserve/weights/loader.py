@@ -142,7 +142,10 @@ def load_model(
                 layer.weights[0] = source
                 model.set_submodule(LM_HEAD, _build_linear(LM_HEAD, layer, plan, config, dtype, device, model))
         elif target.name in params:
-            _copy(params[target.name].data, source.read_float(), target.name)
+            value = source.read_float()
+            if target.name.endswith("norm.weight"):
+                value = value + config.norm_weight_offset  # Gemma's checkpoints store w of 1 + w
+            _copy(params[target.name].data, value, target.name)
             loaded.add(target.name)
         else:
             raise UnsupportedModelError(f"The checkpoint has {target.name!r}, which the model does not.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from safetensors import safe_open
 
 from kvserve.errors import UnsupportedModelError
 from kvserve.models.config import ModelConfig
-from kvserve.weights.names import WeightTarget
+from kvserve.weights.names import WeightTarget, shard_offsets
 from kvserve.weights.source import SourceTensor
 
 _FUSED = {
@@ -21,6 +22,16 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_STORED_FUSED = ("self_attn.qkv_proj", "mlp.gate_up_proj")  # Phi-3 stores them fused: split into shards
+# Hugging Face's norm names -> kvserve's roles (kvserve/models/decoder.py); Gemma's post_attention
+# norm is the attention's output norm, Llama's the MLP's input norm.
+_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_SANDWICH_NORMS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "attn_out_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "ffn_out_norm",
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -65,15 +76,24 @@ class SafetensorsFolder:
         return None
 
     def tensors(self, config: ModelConfig) -> Iterator[tuple[WeightTarget, SourceTensor]]:
+        norms = _SANDWICH_NORMS if config.sandwich_norms else _NORMS
         for file in self.files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    target = _target(name)
-                    if target is not None:
-                        yield target, SourceTensor.of(f.get_tensor(name))
+                    target = _target(name, norms)
+                    if target is None:
+                        continue
+                    source = SourceTensor.of(f.get_tensor(name))
+                    module = target.name.rsplit(".", 1)[0]
+                    if target.shard is None and module.endswith(_STORED_FUSED):
+                        offsets = shard_offsets(module, config.q_size, config.kv_size, config.intermediate_size)
+                        for shard, (begin, end) in enumerate(itertools.pairwise(offsets)):
+                            yield target._replace(shard=shard), source.rows(begin, end)
+                    else:
+                        yield target, source
 
 
-def _target(hf_name: str) -> WeightTarget | None:
+def _target(hf_name: str, norms: dict[str, str]) -> WeightTarget | None:
     if hf_name == "model.embed_tokens.weight":
         return WeightTarget("embed_tokens.weight")
     if hf_name == "model.norm.weight":
@@ -88,7 +108,7 @@ def _target(hf_name: str) -> WeightTarget | None:
         if module in _FUSED:
             fused, shard = _FUSED[module]
             return WeightTarget(f"layers.{layer}.{fused}.{kind}", shard)
-        return WeightTarget(f"layers.{layer}.{module}.{kind}")
+        return WeightTarget(f"layers.{layer}.{norms.get(module, module)}.{kind}")
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
-    raise UnsupportedModelError(f"Checkpoint tensor {hf_name!r} has no place in the llama model code.")
+    raise UnsupportedModelError(f"Checkpoint tensor {hf_name!r} has no place in kvserve's decoder.")

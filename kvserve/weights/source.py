@@ -42,6 +42,18 @@ class SourceTensor:
             return Int4Groups.from_int8_groups(*self.read_int8_groups())
         return Int4Groups.from_float(self.read_float())
 
+    def rows(self, begin: int, end: int) -> SourceTensor:
+        """Rows begin:end of this tensor (a shard of a fused checkpoint tensor, e.g. Phi-3's qkv_proj),
+        read in the same forms."""
+        part = slice(begin, end)
+        int4, int8 = self.read_int4, self.read_int8_groups
+        return SourceTensor(
+            self.kind,
+            lambda: self.read_float()[part],
+            None if int4 is None else lambda: int4().permute_rows(torch.arange(begin, end)),
+            None if int8 is None else lambda: tuple(t[part] for t in int8()),
+        )
+
     @classmethod
     def of(cls, tensor: torch.Tensor) -> SourceTensor:
         return cls(str(tensor.dtype).removeprefix("torch."), lambda: tensor)

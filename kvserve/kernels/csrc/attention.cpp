@@ -92,7 +92,7 @@ inline void panel_tile_rows(int64_t rows, const float* x, int64_t ldx, const flo
 template <typename T, typename C>  // C: the KV cache's element type
 void decode_attention_impl(const T* qkv, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                            const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t max_blocks, int64_t block_size,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window) {
   constexpr int kDimVecs = kLanes < 64 ? 64 / kLanes : 1, kKeys = 4;  // 64 dimensions at a time
   constexpr int kHeadsPerPass = kLanes == 16 ? 4 : 1;  // query heads summed over the values together
   const int64_t group = num_heads / num_kv_heads;
@@ -108,14 +108,16 @@ void decode_attention_impl(const T* qkv, const C* k_cache, const C* v_cache, con
       // holds as many long rows as short ones.
       const int64_t i = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t b = i % 2 == 0 ? i / 2 : num_seqs - 1 - i / 2;
-      const int64_t len = seq_lens[b];
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
+      const int64_t len = seq_lens[b] - first_key;  // the keys it sees: positions first_key.. on
       const int64_t* table = block_tables + b * max_blocks;
       const C* keys = k_cache + kvh * head_dim;
       const C* values = v_cache + kvh * head_dim;
       slots.resize(len);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t first = table[start / block_size] * block_size;
-        for (int64_t j = start; j < std::min(start + block_size, len); ++j) slots[j] = first + j - start;
+      for (int64_t pos = first_key; pos < seq_lens[b];) {  // a block at a time; blocks before the window unread
+        const int64_t block = pos / block_size, end = std::min((block + 1) * block_size, seq_lens[b]);
+        const int64_t base = (table[block] - block) * block_size;
+        for (; pos < end; ++pos) slots[pos - first_key] = base + pos;
       }
       scores.resize(group * len);
       for (int64_t i = 0; i < group * head_dim; ++i) q[i] = to_float(qkv[b * row + kvh * group * head_dim + i]);
@@ -211,8 +213,9 @@ void decode_attention_impl(const T* qkv, const C* k_cache, const C* v_cache, con
 // the causal half of the work is all that is done. Tasks run longest first, taken by whichever
 // thread is free.
 //
-// Elsewhere PyTorch's flash kernel, in query chunks of kPrefillChunk, each over the keys up to its
-// own last token (a mask for the diagonal block): it does not skip the keys past the diagonal.
+// Elsewhere (and where a window leaves out keys) PyTorch's flash kernel, in query chunks of
+// kPrefillChunk, each over the keys up to its own last token (a mask for the diagonal block and the
+// window): it does not skip the keys past the diagonal.
 #if KVSERVE_HAS_AVX2_FMA
 template <typename T>
 void causal_attention_avx2(const T* qkv, T* out, const std::vector<int64_t>& starts, int64_t num_heads,
@@ -307,7 +310,7 @@ constexpr int64_t kPrefillChunk = 128;  // query rows per SDPA call where the bl
 
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
-                      const LayerShape& shape) {
+                      const LayerShape& shape, int64_t window) {
   with_compute_type(qkv.scalar_type(), [&](auto compute) {
     with_cache_type(k_cache.scalar_type(), [&](auto stored) {
       using T = decltype(compute);
@@ -315,16 +318,19 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
       decode_attention_impl<T, C>(qkv.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                                   block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<T>(),
                                   qkv.size(0), block_tables.size(1), k_cache.size(1), shape.num_heads,
-                                  shape.num_kv_heads, shape.head_dim, static_cast<float>(shape.scale));
+                                  shape.num_kv_heads, shape.head_dim, static_cast<float>(shape.scale), window);
     });
   });
 }
 
 void prefill_attention(const at::Tensor& qkv, at::Tensor& out, const std::vector<int64_t>& starts,
-                       const LayerShape& shape) {
+                       const LayerShape& shape, int64_t window) {
   const int64_t num_heads = shape.num_heads, num_kv_heads = shape.num_kv_heads, head_dim = shape.head_dim;
+  int64_t longest = 0;
+  for (size_t s = 0; s + 1 < starts.size(); ++s) longest = std::max(longest, starts[s + 1] - starts[s]);
+  const bool windowed = window > 0 && longest > window;  // else the window holds every key
 #if KVSERVE_HAS_AVX2_FMA
-  if (head_dim % 16 == 0 && num_heads % num_kv_heads == 0) {
+  if (head_dim % 16 == 0 && num_heads % num_kv_heads == 0 && !windowed) {
     with_compute_type(qkv.scalar_type(), [&](auto compute) {
       using T = decltype(compute);
       causal_attention_avx2<T>(qkv.data_ptr<T>(), out.data_ptr<T>(), starts, num_heads, num_kv_heads, head_dim,
@@ -342,7 +348,8 @@ void prefill_attention(const at::Tensor& qkv, at::Tensor& out, const std::vector
     for (int64_t c = 0; c < len; c += kPrefillChunk) {
       const int64_t end = std::min(c + kPrefillChunk, len);
       const at::Tensor q = rows.narrow(0, c, end - c).narrow(1, 0, qd).view({end - c, num_heads, head_dim});
-      const at::Tensor mask = at::ones({end - c, end}, qkv.options().dtype(at::kBool)).tril(c);
+      at::Tensor mask = at::ones({end - c, end}, qkv.options().dtype(at::kBool)).tril(c);
+      if (windowed) mask.logical_and_(mask.triu(c - window + 1));  // query c + i sees keys > c + i - window
       const at::Tensor o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.narrow(2, 0, end),
                                                             v.narrow(2, 0, end), mask, 0.0, false, shape.scale,
                                                             num_heads != num_kv_heads);  // [1, H, chunk, D]

@@ -30,18 +30,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"))
       .def_readonly("kind", &Linear::kind);
-  py::class_<LayerShape>(m, "LayerShape", "a Llama layer's sizes")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>(), py::kw_only(), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"), py::arg("rms_norm_eps"),
-           py::arg("scale"));
+  py::enum_<Activation>(m, "Activation", "the MLP's gate activation")
+      .value("SiLU", Activation::SiLU)
+      .value("GeluTanh", Activation::GeluTanh);
+  py::class_<LayerShape>(m, "LayerShape", "a decoder layer's sizes and its family's differences")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, Activation, bool, bool>(),
+           py::kw_only(), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("intermediate_size"), py::arg("rms_norm_eps"), py::arg("scale"), py::arg("rotary_dim"),
+           py::arg("activation"), py::arg("qk_norm"), py::arg("sandwich_norms"));
   py::class_<Int4Policy>(m, "Int4Policy", "how the int4 layers multiply")
       .def(py::init<int64_t, int64_t, int64_t, bool>(), py::kw_only(), py::arg("group_size"), py::arg("few_rows"),
            py::arg("block_rows"), py::arg("int8_activations"));
-  py::class_<LayerStack>(m, "LayerStack", "a Llama model's layers, and a step through them")
+  py::class_<LayerStack>(m, "LayerStack", "a decoder's layers, and a step through them")
       .def(py::init<std::vector<at::Tensor>, std::vector<Linear>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                    LayerShape, Int4Policy>(),
+                    LayerShape, Int4Policy, std::vector<int64_t>, std::vector<int64_t>>(),
            py::arg("norms"), py::arg("linears"), py::arg("k_caches"), py::arg("v_caches"), py::arg("shape"),
-           py::arg("int4"))
+           py::arg("int4"), py::arg("windows"), py::arg("rope_tables"))
       .def("forward", &LayerStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin_signed"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("prefill_starts"));
 }

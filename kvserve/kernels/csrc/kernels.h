@@ -55,10 +55,21 @@ struct Linear {
   at::Tensor weight, scales, bias;  // scales, bias: undefined where unused
 };
 
-// A Llama layer's sizes (Hugging Face config names) and its attention's softmax scale.
+// The MLP's gate: act(gate) * up.
+enum class Activation : int64_t {
+  SiLU = 0,      // Llama, Qwen, Phi-3, Mistral
+  GeluTanh = 1,  // Gemma (GELU, tanh approximation)
+};
+
+// A decoder layer's sizes (Hugging Face config names), its attention's softmax scale, and the named
+// differences between the families it serves (kvserve/models/config.py).
 struct LayerShape {
   int64_t num_heads, num_kv_heads, head_dim, intermediate_size;
   double rms_norm_eps, scale;
+  int64_t rotary_dim;  // the leading dimensions of each head that RoPE rotates (head_dim unless partial)
+  Activation activation;
+  bool qk_norm;         // an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+  bool sandwich_norms;  // RMSNorms on the attention's and the MLP's outputs too (Gemma 3)
 };
 
 // How the int4 layers multiply: up to few_rows rows int4_mm, more a float GEMM over the
@@ -69,22 +80,27 @@ struct Int4Policy {
   bool int8_activations;
 };
 
-// The layers of a Llama model (norms, linears, KV caches) held between steps, and a step through
-// them: see forward.
+// The layers of a decoder (norms, linears, KV caches) held between steps, and a step through them:
+// see forward.
 class LayerStack {
  public:
-  // norms: 2 per layer + the final one; linears: 4 per layer (qkv, o, gate_up, down); k_caches,
-  // v_caches: one [num_blocks, block_size, num_kv_heads, head_dim] per layer, all float32, bfloat16
-  // or float16 (the KV cache dtype, which may differ from the compute dtype: keys and values are
-  // rounded to it when written).
+  // norms, per layer: the attention's and the MLP's input norms, then with sandwich_norms their
+  // output norms, then with qk_norm the q and k head norms ([head_dim]); and the final norm last.
+  // linears: 4 per layer (qkv, o, gate_up, down); k_caches, v_caches: one [num_blocks, block_size,
+  // num_kv_heads, head_dim] per layer, all float32, bfloat16 or float16 (the KV cache dtype, which
+  // may differ from the compute dtype: keys and values are rounded to it when written). windows:
+  // per layer, how many positions back a query sees (its own included; 0: all); rope_tables: per
+  // layer, which of forward's cos/sin tables rotates its q and k.
   LayerStack(std::vector<at::Tensor> norms, std::vector<Linear> linears, std::vector<at::Tensor> k_caches,
-             std::vector<at::Tensor> v_caches, LayerShape shape, Int4Policy int4);
+             std::vector<at::Tensor> v_caches, LayerShape shape, Int4Policy int4, std::vector<int64_t> windows,
+             std::vector<int64_t> rope_tables);
 
   // Hidden states [B, hidden] after every layer and the final norm, for B tokens of any sequences
   // (decode tokens, prompts, chunks): row b is a token at its position with its sequence's block
-  // table, attending to its first seq_lens[b] keys (its own included), whose K/V are written before
-  // attention reads them. x: [B, hidden] embeddings in the norms' dtype; cos, sin_signed:
-  // [B, head_dim]; slot_mapping, seq_lens: [B] int64; block_tables: [B, max_blocks] int64.
+  // table, attending to its first seq_lens[b] keys (its own included; the last `window` of them in
+  // a layer with a window), whose K/V are written before attention reads them. x: [B, hidden]
+  // embeddings in the norms' dtype; cos, sin_signed: [tables, B, rotary_dim]; slot_mapping,
+  // seq_lens: [B] int64; block_tables: [B, max_blocks] int64.
   // With prefill_starts (S + 1 row offsets), the rows are instead the whole prompts of S fresh
   // sequences (no earlier context; block_tables and seq_lens unused): prefill_attention's step.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
@@ -102,18 +118,21 @@ class LayerStack {
   std::vector<at::Tensor> k_caches_, v_caches_;
   LayerShape shape_;
   Int4Policy int4_;
+  std::vector<int64_t> windows_, rope_tables_;
+  int64_t norms_per_layer_;
 };
 
 // ----- attention.cpp ------------------------------------------------------------------------------
-// out[b] = softmax(q[b] . K[b]^T * scale) V[b] over row b's own seq_lens[b] keys, read through its
-// own block table; qkv [B, (H + 2 Hkv) D] (the rotated q, k, v), out [B, H D].
+// out[b] = softmax(q[b] . K[b]^T * scale) V[b] over row b's own seq_lens[b] keys (the last `window`
+// of them; 0: all), read through its own block table; qkv [B, (H + 2 Hkv) D] (the rotated q, k, v),
+// out [B, H D].
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
-                      const LayerShape& shape);
+                      const LayerShape& shape, int64_t window);
 // Causal attention of fresh prompts: rows [starts[s], starts[s + 1]) of qkv are sequence s's tokens,
-// its keys and values their own.
+// its keys and values their own; each query sees the last `window` positions (0: all).
 void prefill_attention(const at::Tensor& qkv, at::Tensor& out, const std::vector<int64_t>& starts,
-                       const LayerShape& shape);
+                       const LayerShape& shape, int64_t window);
 
 // ----- sampling.cpp -------------------------------------------------------------------------------
 // Each row's first index of its largest value (NaN counts as largest), [B] int64, as torch.argmax.

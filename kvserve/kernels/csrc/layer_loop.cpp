@@ -1,4 +1,5 @@
-// The layer loop of a Llama-family model on the CPU: a whole step in one call from Python.
+// The layer loop of a decoder (Llama, Qwen2/3, Gemma 3, Phi-3, Mistral) on the CPU: a whole step in
+// one call from Python.
 //
 // In eager PyTorch a step of a 30-layer model is over a thousand small operator calls, each paying
 // Python and dispatcher overhead: on a small model, more than the matmuls themselves. Here the
@@ -76,27 +77,45 @@ void add_rms_norm(T* residual, const T* delta, const T* weight, T* out, int64_t 
   });
 }
 
-// Rotate q and k (the first num_heads + num_kv_heads heads of each qkv row) in place, then write
-// k and v into the caches at each token's slot.
+// out = w * T(rms_norm(x)) over each of `rows` rows of `dim` (out may be x): RMSNorm as add_rms_norm
+// rounds it, for the q/k head norms and the sandwich norms.
+template <typename T>
+inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t dim, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < dim; ++i) {
+    float v = to_float(x[i]);
+    sum += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+  for (int64_t i = 0; i < dim; ++i) out[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(to_float(x[i]) * inv)));
+}
+
+// Per token: normalize each q and k head (with q_norm / k_norm, where given), rotate the first
+// rotary_dim dimensions of each (rotate-half RoPE), then write k and v into the caches at its slot.
 template <typename T, typename C>  // C: the KV cache's element type
 void rope_and_cache(T* qkv, const T* cos, const T* sin_signed, const int64_t* slots, C* k_cache, C* v_cache,
-                    int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
+                    int64_t tokens, const LayerShape& s, const T* q_norm, const T* k_norm) {
+  const int64_t num_heads = s.num_heads, num_kv_heads = s.num_kv_heads, head_dim = s.head_dim;
+  const int64_t rot = s.rotary_dim, half = rot / 2;
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t kv_row = num_kv_heads * head_dim;
+  const float eps = static_cast<float>(s.rms_norm_eps);
   at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> tmp(head_dim);
+    std::vector<float> tmp(rot);
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos + t * head_dim;
-      const T* s = sin_signed + t * head_dim;
+      const T* c = cos + t * rot;
+      const T* sn = sin_signed + t * rot;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
         T* x = qkv + t * row + h * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) {
+        const T* norm = h < num_heads ? q_norm : k_norm;
+        if (norm != nullptr) rms_norm_row<T>(x, norm, x, head_dim, eps);
+        for (int64_t i = 0; i < rot; ++i) {
           float rolled = to_float(x[i < half ? i + half : i - half]);
           // x * cos (rounded, as the Python path's first multiply), + rolled * sin_signed
-          tmp[i] = to_float(from_float<T>(to_float(x[i]) * to_float(c[i]))) + rolled * to_float(s[i]);
+          tmp[i] = to_float(from_float<T>(to_float(x[i]) * to_float(c[i]))) + rolled * to_float(sn[i]);
         }
-        for (int64_t i = 0; i < head_dim; ++i) x[i] = from_float<T>(tmp[i]);
+        for (int64_t i = 0; i < rot; ++i) x[i] = from_float<T>(tmp[i]);
       }
       const T* k = qkv + t * row + num_heads * head_dim;
       if constexpr (std::is_same_v<T, C>) {
@@ -134,10 +153,14 @@ inline void store8_bf16(c10::BFloat16* p, __m256 rounded) {  // rounded: round8_
 }
 #endif
 
-// out = T(silu(gate)) * up, rounded like F.silu(gate) * up. With AVX2, eight at a time through exp8
-// rather than std::exp one at a time, a visible share of a step.
+// out = T(act(gate)) * up, rounded like F.silu(gate) * up. Both activations are x * sigmoid(a(x)):
+// SiLU's a(x) = x, GELU-tanh's a(x) = 2 sqrt(2 / pi) (x + 0.044715 x^3), since 0.5 (1 + tanh(y)) =
+// sigmoid(2 y). With AVX2, eight at a time through exp8 rather than std::exp one at a time, a
+// visible share of a step.
 template <typename T>
-void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+void gated_mul(const T* gate_up, T* out, int64_t rows, int64_t inter, Activation activation) {
+  const bool gelu = activation == Activation::GeluTanh;
+  constexpr float kGeluScale = 1.5957691216057308f, kGeluCubic = 0.044715f;  // 2 sqrt(2 / pi)
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gate_up + r * 2 * inter;
@@ -145,24 +168,30 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
       T* o = out + r * inter;
       int64_t i = 0;
 #if KVSERVE_HAS_AVX2_FMA
+      const auto sigmoid_arg = [&](__m256 x) {
+        if (!gelu) return x;
+        const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        return _mm256_mul_ps(_mm256_set1_ps(kGeluScale), _mm256_fmadd_ps(_mm256_set1_ps(kGeluCubic), cube, x));
+      };
       if constexpr (std::is_same_v<T, float>) {
         for (; i + 8 <= inter; i += 8) {
           const __m256 x = _mm256_loadu_ps(g + i);
-          const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(-x)));
-          _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+          const __m256 act = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(-sigmoid_arg(x))));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(act, _mm256_loadu_ps(u + i)));
         }
       } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
         for (; i + 8 <= inter; i += 8) {
           const __m256 x = load8_bf16(g + i);
-          const __m256 silu = round8_bf16(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(-x))));
-          store8_bf16(o + i, round8_bf16(_mm256_mul_ps(silu, load8_bf16(u + i))));
+          const __m256 act = round8_bf16(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(-sigmoid_arg(x)))));
+          store8_bf16(o + i, round8_bf16(_mm256_mul_ps(act, load8_bf16(u + i))));
         }
       }
 #endif
       for (; i < inter; ++i) {
-        float x = to_float(g[i]);
-        float s = to_float(from_float<T>(x / (1.f + std::exp(-x))));
-        o[i] = from_float<T>(s * to_float(u[i]));
+        const float x = to_float(g[i]);
+        const float a = gelu ? kGeluScale * (x + kGeluCubic * x * x * x) : x;
+        const float act = to_float(from_float<T>(x / (1.f + std::exp(-a))));
+        o[i] = from_float<T>(act * to_float(u[i]));
       }
     }
   });
@@ -171,17 +200,23 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
 }  // namespace
 
 LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<Linear> linears, std::vector<at::Tensor> k_caches,
-                       std::vector<at::Tensor> v_caches, LayerShape shape, Int4Policy int4)
+                       std::vector<at::Tensor> v_caches, LayerShape shape, Int4Policy int4,
+                       std::vector<int64_t> windows, std::vector<int64_t> rope_tables)
     : norms_(std::move(norms)),
       linears_(std::move(linears)),
       k_caches_(std::move(k_caches)),
       v_caches_(std::move(v_caches)),
       shape_(shape),
-      int4_(int4) {
+      int4_(int4),
+      windows_(std::move(windows)),
+      rope_tables_(std::move(rope_tables)),
+      norms_per_layer_(2 + 2 * shape.sandwich_norms + 2 * shape.qk_norm) {
   const size_t num_layers = k_caches_.size();
   TORCH_CHECK(num_layers > 0 && v_caches_.size() == num_layers && linears_.size() == 4 * num_layers &&
-                  norms_.size() == 2 * num_layers + 1,
-              "LayerStack: 2 norms, 4 linears and a K and a V cache per layer, and the final norm");
+                  norms_.size() == norms_per_layer_ * num_layers + 1 && windows_.size() == num_layers &&
+                  rope_tables_.size() == num_layers,
+              "LayerStack: per layer its norms, 4 linears, a K and a V cache, a window and a RoPE table; and the "
+              "final norm");
   const at::ScalarType dtype = norms_[0].scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "LayerStack: norms in float32 or bfloat16");
   for (const at::Tensor& norm : norms_) {
@@ -196,9 +231,12 @@ LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<Linear> linear
                       cache.is_contiguous(),
                   "LayerStack: the KV caches must be contiguous and of one dtype and shape");
     }
+    TORCH_CHECK(windows_[l] >= 0 && rope_tables_[l] >= 0, "LayerStack: windows and RoPE tables are >= 0");
   }
   with_cache_type(first.scalar_type(), [](auto) {});  // checks the dtype
   TORCH_CHECK(shape_.num_heads % shape_.num_kv_heads == 0, "LayerStack: num_heads a multiple of num_kv_heads");
+  TORCH_CHECK(shape_.rotary_dim > 0 && shape_.rotary_dim <= shape_.head_dim && shape_.rotary_dim % 2 == 0,
+              "LayerStack: rotary_dim even and within head_dim");
 }
 
 template <typename T, typename C>  // T: the compute type, C: the KV cache's element type
@@ -208,33 +246,45 @@ at::Tensor LayerStack::forward_impl(const at::Tensor& x, const at::Tensor& cos, 
   const LayerShape& s = shape_;
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t num_layers = static_cast<int64_t>(k_caches_.size());
+  const int64_t table_size = tokens * s.rotary_dim;  // one cos/sin table's elements
   const float eps = static_cast<float>(s.rms_norm_eps);
   at::Tensor residual = x.clone();
   at::Tensor normed = at::empty_like(residual);
   at::Tensor attn = at::empty({tokens, s.num_heads * s.head_dim}, x.options());
   at::Tensor act = at::empty({tokens, s.intermediate_size}, x.options());
   at::Tensor delta;  // the previous sub-layer's output, added to the residual by the next norm
+  const auto out_norm = [&](const at::Tensor& weight) {  // a sandwich norm, on delta in place
+    T* d = delta.data_ptr<T>();
+    add_rms_norm<T>(d, nullptr, weight.data_ptr<T>(), d, tokens, hidden, eps);
+  };
   for (int64_t l = 0; l < num_layers; ++l) {
-    add_rms_norm<T>(residual.data_ptr<T>(), delta.defined() ? delta.data_ptr<T>() : nullptr,
-                    norms_[2 * l].data_ptr<T>(), normed.data_ptr<T>(), tokens, hidden, eps);
+    // this layer's norms: attention in, MLP in, [attention out, MLP out], [q heads, k heads]
+    const at::Tensor* norms = norms_.data() + norms_per_layer_ * l;
+    const at::Tensor* qk_norms = norms + (s.sandwich_norms ? 4 : 2);
+    add_rms_norm<T>(residual.data_ptr<T>(), delta.defined() ? delta.data_ptr<T>() : nullptr, norms[0].data_ptr<T>(),
+                    normed.data_ptr<T>(), tokens, hidden, eps);
     at::Tensor qkv = linear(normed, linears_[4 * l], int4_).contiguous();  // [B, (H + 2 Hkv) D]
-    rope_and_cache<T, C>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin_signed.data_ptr<T>(),
+    const int64_t table = rope_tables_[l] * table_size;
+    rope_and_cache<T, C>(qkv.data_ptr<T>(), cos.data_ptr<T>() + table, sin_signed.data_ptr<T>() + table,
                          slot_mapping.data_ptr<int64_t>(), k_caches_[l].data_ptr<C>(), v_caches_[l].data_ptr<C>(),
-                         tokens, s.num_heads, s.num_kv_heads, s.head_dim);
+                         tokens, s, s.qk_norm ? qk_norms[0].data_ptr<T>() : nullptr,
+                         s.qk_norm ? qk_norms[1].data_ptr<T>() : nullptr);
     if (prefill_starts.empty()) {
-      decode_attention(qkv, k_caches_[l], v_caches_[l], block_tables, seq_lens, attn, s);
+      decode_attention(qkv, k_caches_[l], v_caches_[l], block_tables, seq_lens, attn, s, windows_[l]);
     } else {
-      prefill_attention(qkv, attn, prefill_starts, s);
+      prefill_attention(qkv, attn, prefill_starts, s, windows_[l]);
     }
     delta = linear(attn, linears_[4 * l + 1], int4_).contiguous();
-    add_rms_norm<T>(residual.data_ptr<T>(), delta.data_ptr<T>(), norms_[2 * l + 1].data_ptr<T>(),
-                    normed.data_ptr<T>(), tokens, hidden, eps);
+    if (s.sandwich_norms) out_norm(norms[2]);
+    add_rms_norm<T>(residual.data_ptr<T>(), delta.data_ptr<T>(), norms[1].data_ptr<T>(), normed.data_ptr<T>(),
+                    tokens, hidden, eps);
     at::Tensor gate_up = linear(normed, linears_[4 * l + 2], int4_).contiguous();  // [B, 2 I]
-    silu_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), tokens, s.intermediate_size);
+    gated_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), tokens, s.intermediate_size, s.activation);
     delta = linear(act, linears_[4 * l + 3], int4_).contiguous();
+    if (s.sandwich_norms) out_norm(norms[3]);
   }
-  add_rms_norm<T>(residual.data_ptr<T>(), delta.data_ptr<T>(), norms_[2 * num_layers].data_ptr<T>(),
-                  normed.data_ptr<T>(), tokens, hidden, eps);
+  add_rms_norm<T>(residual.data_ptr<T>(), delta.data_ptr<T>(), norms_.back().data_ptr<T>(), normed.data_ptr<T>(),
+                  tokens, hidden, eps);
   return normed;
 }
 
@@ -244,9 +294,12 @@ at::Tensor LayerStack::forward(const at::Tensor& x, const at::Tensor& cos, const
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [B, hidden] tensor");
   TORCH_CHECK(x.scalar_type() == norms_[0].scalar_type(), "x must be in the norms' dtype");
   const int64_t tokens = x.size(0);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == shape_.head_dim &&
-                  cos.sizes() == sin_signed.sizes() && cos.is_contiguous() && sin_signed.is_contiguous(),
-              "cos and sin_signed must be contiguous [B, head_dim] tensors");
+  int64_t tables = 0;
+  for (int64_t t : rope_tables_) tables = std::max(tables, t + 1);
+  TORCH_CHECK(cos.dim() == 3 && cos.size(0) >= tables && cos.size(1) == tokens && cos.size(2) == shape_.rotary_dim &&
+                  cos.sizes() == sin_signed.sizes() && cos.is_contiguous() && sin_signed.is_contiguous() &&
+                  cos.scalar_type() == x.scalar_type() && sin_signed.scalar_type() == x.scalar_type(),
+              "cos and sin_signed must be contiguous [tables, B, rotary_dim] tensors in x's dtype");
   TORCH_CHECK(slot_mapping.numel() == tokens && slot_mapping.is_contiguous(), "slot_mapping must hold a slot per row");
   if (prefill_starts.empty()) {
     TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == tokens && block_tables.is_contiguous() &&
