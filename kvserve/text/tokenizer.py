@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as Backend
 
 from kvserve.errors import UnsupportedModelError, check_text
 from kvserve.text.chat_template import ChatTemplate
+from kvserve.text.sentencepiece import sentencepiece_backend
 from kvserve.weights.gguf_file import GGUFFile, open_gguf
 
 # How text is split before BPE, by GGUF `tokenizer.ggml.pre`. These are the published split
@@ -37,6 +38,7 @@ _SPLITS = {
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
+_END_OF_TURN = ("<end_of_turn>", "<|end|>", "<|im_end|>", "<|eot_id|>")
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
@@ -80,73 +82,28 @@ class Tokenizer:
         if not isinstance(gguf, GGUFFile):
             gguf = open_gguf(gguf)
         kind = gguf.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind == "llama":
+            backend, special = sentencepiece_backend(gguf)
+        elif kind == "gpt2":
+            backend, special = _byte_level_backend(gguf)
+        else:
             raise UnsupportedModelError(
                 f"GGUF tokenizer model {kind!r} is not supported yet; kvserve builds byte-level BPE ('gpt2') "
-                "tokenizers from GGUF. Use the model's Hugging Face folder (tokenizer.json) instead."
+                "and SentencePiece ('llama') tokenizers from GGUF. Use the model's Hugging Face folder "
+                "(tokenizer.json) instead."
             )
-        tokens: list[str] = gguf.get("tokenizer.ggml.tokens")
-        token_types: list[int] = gguf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        alphabet = _byte_alphabet()
-        spelled = set(alphabet.values())
-        # A token written with characters outside the byte alphabet is respelled byte by byte.
-        vocab = {
-            (tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode("utf-8"))): i
-            for i, tok in enumerate(tokens)
-        }
-        merges = [tuple(m.split(" ", 1)) for m in gguf.get("tokenizer.ggml.merges", [])]
-        backend = Backend(
-            models.BPE(
-                vocab=vocab,
-                merges=merges,
-                continuing_subword_prefix="",
-                end_of_word_suffix="",
-                fuse_unk=False,
-            )
-        )
-        pre = gguf.get("tokenizer.ggml.pre", "default")
-        if pre in _SPLITS:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        else:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens(
-            [
-                AddedToken(tok, normalized=False, special=True)
-                for tok, kind in zip(tokens, token_types, strict=True)
-                if kind == _TOKEN_TYPE_CONTROL and set(tok) <= spelled
-            ]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(tok, normalized=False, special=False)
-                for tok, kind in zip(tokens, token_types, strict=True)
-                if kind == _TOKEN_TYPE_USER_DEFINED and tok in vocab
-            ]
-        )
-
-        def token(key: str) -> str | None:
-            token_id = gguf.get(f"tokenizer.ggml.{key}")
-            return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
-
-        special = {
-            "bos_token": token("bos_token_id"),
-            "eos_token": token("eos_token_id"),
-            "unk_token": token("unknown_token_id"),
-            "pad_token": token("padding_token_id"),
-        }
         _set_post_processor(
             backend,
             special,
-            add_bos=bool(gguf.get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
+            add_bos=bool(gguf.get("tokenizer.ggml.add_bos_token", kind == "llama")),
             add_eos=bool(gguf.get("tokenizer.ggml.add_eos_token", False)),
         )
         extra_stops = [gguf.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+        # A file without an eot id still ends a chat turn with its template's special token, which
+        # llama.cpp recognizes by its text (Gemma's <end_of_turn>, Phi-3's <|end|>).
+        special_ids = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        extra_stops += [special_ids[t] for t in _END_OF_TURN if t in special_ids]
         return cls(
             backend,
             special_tokens=special,
@@ -225,6 +182,66 @@ class Tokenizer:
     @cached_property
     def bos_token_id(self) -> int | None:
         return self.token_to_id(self.special_tokens.get("bos_token"))
+
+
+def _byte_level_backend(gguf: GGUFFile) -> tuple[Backend, dict[str, str | None]]:
+    """The backend (no post-processor) and special tokens of a GGUF byte-level BPE ('gpt2') vocabulary."""
+    tokens: list[str] = gguf.get("tokenizer.ggml.tokens")
+    token_types: list[int] = gguf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    # A token written with characters outside the byte alphabet is respelled byte by byte.
+    vocab = {
+        (tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode("utf-8"))): i
+        for i, tok in enumerate(tokens)
+    }
+    merges = [tuple(m.split(" ", 1)) for m in gguf.get("tokenizer.ggml.merges", [])]
+    backend = Backend(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    pre = gguf.get("tokenizer.ggml.pre", "default")
+    if pre in _SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [
+            AddedToken(tok, normalized=False, special=True)
+            for tok, kind in zip(tokens, token_types, strict=True)
+            if kind == _TOKEN_TYPE_CONTROL and set(tok) <= spelled
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(tok, normalized=False, special=False)
+            for tok, kind in zip(tokens, token_types, strict=True)
+            if kind == _TOKEN_TYPE_USER_DEFINED and tok in vocab
+        ]
+    )
+
+    def token(key: str) -> str | None:
+        token_id = gguf.get(f"tokenizer.ggml.{key}")
+        return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+    special = {
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+    }
+    return backend, special
 
 
 def _set_post_processor(backend: Backend, special: dict[str, str | None], add_bos: bool, add_eos: bool) -> None:
