@@ -1,5 +1,6 @@
-"""The bundled SmolLM2 GGUF loaded by kvserve (dequantized, and kept quantized) and by
-transformers (dequantized, float32): greedy tokens agree.
+"""The registered GGUFs (the default SmolLM2, and Gemma 3 270M, a second architecture with a
+SentencePiece vocabulary) loaded by kvserve (dequantized, and kept quantized) and by transformers
+(dequantized, float32): greedy tokens agree.
 
 First-divergence rule (DESIGN.md): up to the first differing token both runs agree; at that
 position each run's token must be in the other's top-5 (the logits there are conditioned on the
@@ -13,13 +14,14 @@ import torch
 
 from kvserve.text.tokenizer import Tokenizer
 from kvserve.weights.loader import load_model
+from kvserve.weights.registry import DEFAULT_MODEL, pull
 from tests.simple_generate import prompt_logits, stream_token_ids
 
 pytestmark = pytest.mark.bundled
 transformers = pytest.importorskip("transformers")
 
 NUM_TOKENS = 48
-PROMPTS = [
+CHAT_PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}],
     [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Describe the sea."}],
@@ -30,9 +32,20 @@ PROMPTS = [
         {"role": "assistant", "content": "Hello! How can I help you today?"},
         {"role": "user", "content": "Tell me a fun fact about octopuses."},
     ],
-    "Once upon a time, in a village at the edge of the forest,",  # plain completion, no template
+]
+COMPLETIONS = [  # plain completion, no template
+    "Once upon a time, in a village at the edge of the forest,",
     "def fibonacci(n):\n    ",
 ]
+PROMPTS = {  # registered model -> its prompts (Gemma 3 270M is a base model: completions only)
+    DEFAULT_MODEL: CHAT_PROMPTS + COMPLETIONS,
+    "gemma3-270m": [
+        *COMPLETIONS,
+        "The three primary colours are",
+        "Die Hauptstadt von Deutschland ist Berlin. La capitale de la France est",
+    ],
+}
+CASES = [(name, index) for name, prompts in PROMPTS.items() for index in range(len(prompts))]
 
 
 # (weights, dtype[, activations]): dequantized float32 (the foundation check), then served quantized
@@ -46,26 +59,44 @@ FORMS = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(bundled_gguf):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        bundled_gguf.parent, gguf_file=bundled_gguf.name, dtype=torch.float32
-    ).eval()
+_references: dict[str, object] = {}
+
+
+def _reference(name: str, path):
+    """transformers' model from the same GGUF, loaded once (1.1 GB in float32 for Gemma)."""
+    if name not in _references:
+        _references[name] = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
+    return _references[name]
 
 
 @pytest.fixture(scope="module", params=list(FORMS))
-def models(request, bundled_gguf, reference):
-    weights, dtype, activations = (*FORMS[request.param], "float")[:3]
-    ours = load_model(bundled_gguf, dtype, progress=False, weights=weights, activations=activations)
-    return ours, Tokenizer.from_gguf(bundled_gguf), reference
+def form(request):
+    return request.param
 
 
-_expected: dict[tuple[int, ...], list[int]] = {}
+_loaded: dict[tuple[str, str], tuple] = {}
 
 
-def _reference_greedy(reference, prompt_ids: list[int]) -> list[int]:
-    if tuple(prompt_ids) in _expected:  # the same reference serves every form
-        return _expected[tuple(prompt_ids)]
+def _models(name: str, form: str) -> tuple:
+    """(kvserve's model in `form`, its tokenizer, transformers' reference), the last pair kept."""
+    if (name, form) not in _loaded:
+        _loaded.clear()
+        path = pull(name, progress=False)
+        weights, dtype, activations = (*FORMS[form], "float")[:3]
+        ours = load_model(path, dtype, progress=False, weights=weights, activations=activations)
+        _loaded[(name, form)] = (ours, Tokenizer.from_gguf(path), _reference(name, path))
+    return _loaded[(name, form)]
+
+
+_expected: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+
+def _reference_greedy(name: str, reference, prompt_ids: list[int]) -> list[int]:
+    key = (name, tuple(prompt_ids))
+    if key in _expected:  # the same reference serves every form
+        return _expected[key]
     with torch.no_grad():
         out = reference.generate(
             torch.tensor([prompt_ids]),
@@ -75,16 +106,16 @@ def _reference_greedy(reference, prompt_ids: list[int]) -> list[int]:
             do_sample=False,
             pad_token_id=0,
         )
-    _expected[tuple(prompt_ids)] = out[0, len(prompt_ids) :].tolist()
-    return _expected[tuple(prompt_ids)]
+    _expected[key] = out[0, len(prompt_ids) :].tolist()
+    return _expected[key]
 
 
-@pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_greedy_tokens_agree_with_transformers(models, index):
-    ours, tokenizer, reference = models
-    prompt = PROMPTS[index]
+@pytest.mark.parametrize(("name", "index"), CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_greedy_tokens_agree_with_transformers(form, name, index):
+    ours, tokenizer, reference = _models(name, form)
+    prompt = PROMPTS[name][index]
     prompt_ids = tokenizer.encode_chat(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
-    expected = _reference_greedy(reference, prompt_ids)
+    expected = _reference_greedy(name, reference, prompt_ids)
     got = list(stream_token_ids(ours, prompt_ids, NUM_TOKENS))
     assert len(got) == len(expected) == NUM_TOKENS
     divergence = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
