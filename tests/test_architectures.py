@@ -7,7 +7,8 @@ rotary; a sliding window), Mistral (a sliding window shorter than the prompts).
 Logits within 1e-4 of transformers in float32 through the Python forward and the C++ layer loop,
 over a batch prefilled, chunked and decoded on scattered blocks; greedy tokens equal through the
 engine on both paths; the same models written as GGUF files the way llama.cpp's converter writes
-them load to the same logits; and a batch of requests equals their solo runs.
+them load to the same logits; and batch invariance: tokens alone equal those at once, behind a
+prefix hit, in chunks, after preemption, in a session turn.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ FAMILIES = {
         "Phi3Config",
         "Phi3ForCausalLM",
         dict(
-            max_position_embeddings=4 * ORIGINAL_CONTEXT,
+            max_position_embeddings=8 * ORIGINAL_CONTEXT,
             original_max_position_embeddings=ORIGINAL_CONTEXT,
             partial_rotary_factor=0.5,
             rope_scaling={
@@ -218,15 +219,47 @@ def test_greedy_tokens_match_transformers(family, fused, monkeypatch, request):
     assert out.token_ids == expected
 
 
-def test_a_batch_equals_its_solo_runs(family, extension):
+def test_batching_prefix_hits_chunks_preemption_and_sessions_leave_tokens_unchanged(family, extension, tmp_path):
+    """Batch invariance (R7) for the family: its greedy tokens alone equal those at once, behind a
+    prefix-cache hit, prefilled in chunks of 7, after preemption in a tight pool, and a session turn
+    equals the same history sent statelessly."""
     name, path, _ = family
     gen = torch.Generator().manual_seed(7)
-    base = prompt_lengths(name)[0]
-    prompts = [torch.randint(1, 256, (base + 3 * i,), generator=gen).tolist() for i in range(6)]
+    prefix = torch.randint(1, 256, (prompt_lengths(name)[0] + 27,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(1, 256, (3 + 2 * i,), generator=gen).tolist() for i in range(6)]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    with LLM(path, dtype="float32", session_db=False, progress=False) as llm:
-        solo = [llm.generate(p, greedy).token_ids for p in prompts]
+    options = dict(dtype="float32", progress=False)
+    with LLM(path, session_db=False, enable_prefix_caching=False, **options) as whole:
+        solo = [whole.generate(p, greedy).token_ids for p in prompts]
+        wait_idle_and_check(whole)
+    with LLM(path, session_db=False, **options) as llm:
+        hits = [llm.generate(p, greedy) for p in prompts]
+        assert sum(r.usage.cached_tokens for r in hits[1:]) >= 5 * 16, "the shared prefix was not a cache hit"
+        assert [r.token_ids for r in hits] == solo
         assert at_once(llm, prompts, [greedy] * len(prompts)) == solo
+        wait_idle_and_check(llm)
+    with LLM(path, session_db=False, max_num_batched_tokens=7, **options) as chunked:
+        assert at_once(chunked, prompts, [greedy] * len(prompts)) == solo
+        wait_idle_and_check(chunked)
+    longer = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with LLM(path, session_db=False, kv_cache_tokens=128, enable_prefix_caching=False, **options) as tight:
+        outputs = at_once(tight, prompts, [longer] * len(prompts))
+        assert tight.stats()["num_preemptions_total"] > 0, "the pool was not tight enough to preempt"
+        wait_idle_and_check(tight)
+    assert [o[: len(s)] for o, s in zip(outputs, solo, strict=True)] == solo
+    with LLM(path, session_db=tmp_path / "sessions.db", **options) as llm:
+        with llm.session() as session:
+            session.add_message("user", "hello there")
+            first = session.generate(greedy)
+            session.add_message("user", "and again")
+            second = session.generate(greedy)
+        history = [
+            {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "and again"},
+        ]
+        assert second.usage.cached_tokens > 0
+        assert second.token_ids == llm.chat(history, greedy).token_ids
         wait_idle_and_check(llm)
 
 
