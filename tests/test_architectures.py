@@ -21,7 +21,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.kv_cache import allocate_kv_cache
 from kvserve.layers.attention import build_batch
 from kvserve.layers.fused_decode import FusedDecoder
-from kvserve.weights.loader import load_model
+from kvserve.weights.loader import load_model, weight_summary
 from tests.conftest import wait_idle_and_check, write_byte_tokenizer
 from tests.test_batch_invariance import at_once
 
@@ -372,16 +372,22 @@ def quantized_twin(name: str, hf_model, qtype):
     return twin
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-def test_gguf_written_like_llamacpp_loads_to_the_same_logits(family, qtype, tmp_path):
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q5_0"])
+def test_gguf_written_like_llamacpp_loads_to_the_same_logits(family, qtype, tmp_path, request):
+    """F32 and Q8_0 dequantized through the Python forward; Q5_0 kept as stored (weights=auto: its
+    codes with a scale per 32) through the C++ loop."""
     name, _, hf_model = family
     if name == "qwen2-sliding-tied":
         pytest.skip("llama.cpp's qwen2 has no sliding layers to write")
     ggml_type = gguf.GGMLQuantizationType[qtype]
     write_gguf(tmp_path / f"{name}.gguf", name, hf_model, ggml_type)
     reference = hf_model if qtype == "F32" else quantized_twin(name, hf_model, ggml_type)
-    model = load(tmp_path / f"{name}.gguf")  # weights="float": dequantized exactly
-    tokens, logits = paged_logits(model, prompt_lengths(name), fused=False)
+    kept = qtype == "Q5_0"
+    if kept:
+        request.getfixturevalue("extension")
+    model = load(tmp_path / f"{name}.gguf", weights="auto" if kept else "float")
+    assert not kept or set(weight_summary(model)["layers"]) == {"int8 groups", "int8 embedding"}
+    tokens, logits = paged_logits(model, prompt_lengths(name), fused=kept)
     for seq_tokens, seq_logits in zip(tokens, logits, strict=True):
         worst = (seq_logits - reference_logits(reference, seq_tokens)).abs().max().item()
         assert worst <= 1e-4, f"{name} from GGUF {qtype}: max |logit difference| {worst:.2e}"

@@ -13,7 +13,7 @@ import torch
 from kvserve.engine.kv_cache import allocate_kv_cache
 from kvserve.kernels import build, ops
 from kvserve.layers.fused_decode import FusedDecoder
-from kvserve.layers.quantized import Int4Linear, Int8Linear
+from kvserve.layers.quantized import Int4Linear, Int8GroupLinear, Int8Linear
 from kvserve.weights.loader import load_model
 from tests.conftest import make_tiny_llama
 
@@ -68,13 +68,22 @@ def test_the_kernels_package_imports_nothing_else_of_kvserve():
         )
 
 
-@pytest.mark.parametrize("weights", ["q4", "q8", "float"])
+@pytest.mark.parametrize("weights", ["q4", "q8", "float", "q8_0-gguf"])
 def test_fused_decode_passes_the_cpp_enum_of_each_layer_kind(tmp_path, extension, weights):
     pytest.importorskip("transformers")
+    from gguf import GGMLQuantizationType
+
+    from tests.test_gguf import write_llama_gguf
+
     kinds = ops.linear_kinds()
-    assert {name: int(value) for name, value in kinds.__members__.items()} == {"Float": 0, "Int4": 1, "Int8": 2}
-    make_tiny_llama(tmp_path, seed=5, hidden_size=64, intermediate_size=128, vocab_size=320)
-    model = load_model(tmp_path, torch.float32, progress=False, weights=weights)
+    expected_kinds = {"Float": 0, "Int4": 1, "Int8": 2, "Int8Groups": 3}
+    assert {name: int(value) for name, value in kinds.__members__.items()} == expected_kinds
+    hf_model = make_tiny_llama(tmp_path, seed=5, hidden_size=64, intermediate_size=128, vocab_size=320)
+    path = tmp_path
+    if weights == "q8_0-gguf":  # Q8_0 codes kept with their scale per 32: Int8GroupLinear
+        path, weights = tmp_path / "tiny.gguf", "auto"
+        write_llama_gguf(path, hf_model, qtype=GGMLQuantizationType.Q8_0)
+    model = load_model(path, torch.float32, progress=False, weights=weights)
     model.bind_kv_cache(allocate_kv_cache(model.config, 8, 4, torch.float32, "cpu"))
     fused = FusedDecoder(model)
     layers = [
@@ -82,12 +91,12 @@ def test_fused_decode_passes_the_cpp_enum_of_each_layer_kind(tmp_path, extension
         for layer in model.layers
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     ]
-    expected = [
-        kinds.Int4 if isinstance(m, Int4Linear) else kinds.Int8 if isinstance(m, Int8Linear) else kinds.Float
-        for m in layers
-    ]
+    by_type = {Int4Linear: kinds.Int4, Int8Linear: kinds.Int8, Int8GroupLinear: kinds.Int8Groups}
+    expected = [by_type.get(type(m), kinds.Float) for m in layers]
     assert [linear.kind for linear in fused.linears] == expected
-    assert set(expected) == {{"q4": kinds.Int4, "q8": kinds.Int8, "float": kinds.Float}[weights]}
+    assert set(expected) == {
+        {"q4": kinds.Int4, "q8": kinds.Int8, "float": kinds.Float, "auto": kinds.Int8Groups}[weights]
+    }
 
 
 def test_a_fused_decoder_refuses_caches_bound_after_it(tmp_path, extension):

@@ -153,20 +153,29 @@ def test_a_4bit_gguf_is_repacked_exactly(tmp_path):
     assert weight_summary(kept)["bytes"] < 0.45 * weight_summary(dequantized)["bytes"]
 
 
-def test_a_q8_0_gguf_keeps_int8_and_the_embedding_exact(tmp_path):
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0], ids=lambda t: t.name)
+def test_a_q8_0_or_q5_0_gguf_keeps_its_codes_exact(tmp_path, qtype):
+    """Q8_0 and Q5_0 are int8 codes times a scale per 32: every layer keeps them so (Int8GroupLinear),
+    the embedding too, each equal to the gguf package's dequantization."""
     pytest.importorskip("transformers")
     hf_model = make_tiny_llama(tmp_path / "hf", seed=22, **INT4_FRIENDLY)
-    write_llama_gguf(tmp_path / "tiny-q8.gguf", hf_model, qtype=T.Q8_0)
-    model = load_model(tmp_path / "tiny-q8.gguf", progress=False, weights="auto")
-    assert weight_summary(model)["layers"] == {"int8": 8, "int8 groups": 1, "int8 embedding": 1}
-    embed = hf_model.model.embed_tokens.weight.detach().numpy()
-    expected = quants.dequantize(quants.quantize(embed, T.Q8_0), T.Q8_0)
-    ids = torch.arange(320)
-    assert np.array_equal(model.embed_tokens(ids).numpy(), expected)
-    head = hf_model.lm_head.weight.detach().numpy()  # the lm_head keeps the Q8_0 codes as stored
-    expected = quants.dequantize(quants.quantize(head, T.Q8_0), T.Q8_0)
-    got = (model.lm_head.codes.view(320, 2, 32).float() * model.lm_head.scales[..., None]).view(320, 64)
-    assert np.array_equal(got.numpy(), expected)
+    write_llama_gguf(tmp_path / "tiny-q.gguf", hf_model, qtype=qtype)
+    model = load_model(tmp_path / "tiny-q.gguf", progress=False, weights="auto")
+    assert weight_summary(model)["layers"] == {"int8 groups": 9, "int8 embedding": 1}
+
+    def dequantized(weight: torch.Tensor) -> np.ndarray:
+        return quants.dequantize(quants.quantize(weight.detach().numpy(), qtype), qtype)
+
+    assert np.array_equal(
+        model.embed_tokens(torch.arange(320)).numpy(), dequantized(hf_model.model.embed_tokens.weight)
+    )
+    for ours, theirs in (
+        (model.lm_head, hf_model.lm_head),
+        (model.layers[1].mlp.down_proj, hf_model.model.layers[1].mlp.down_proj),
+    ):
+        rows, cols = ours.codes.shape
+        got = (ours.codes.view(rows, -1, 32).float() * ours.scales[..., None]).view(rows, cols)
+        assert np.array_equal(got.numpy(), dequantized(theirs.weight))
 
 
 @pytest.mark.parametrize("mode", ["q4", "q8"])

@@ -107,6 +107,71 @@ def test_chat_template_identical_to_transformers(tokenizer, hf_gguf_tokenizer, n
     assert tokenizer.encode_chat(messages, add_generation_prompt) == list(expected_ids)
 
 
+# Other families' templates, shaped like the published ones (the parts without tools): each has its
+# own markers, Qwen's a default system turn, Qwen3's namespaces and string methods; Phi-3 ends a
+# conversation without a generation prompt with eos_token.
+FAMILY_TEMPLATES = {
+    "phi3": (
+        "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\\n' + message['content'] + "
+        "'<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}"
+        "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
+    ),
+    "qwen2.5": """{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- else %}
+    {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant") %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}""",
+    "qwen3": """{%- set ns = namespace(last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if message.role == "user" and ns.last_query_index == messages|length - 1 %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content %}
+    {%- if message.role == "assistant" and '</think>' in content %}
+        {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+    {%- endif %}
+    {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}""",
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TEMPLATES))
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_family_templates_render_as_transformers_renders_them(
+    tokenizer, hf_gguf_tokenizer, family, name, add_generation_prompt
+):
+    from kvserve.text.chat_template import ChatTemplate
+
+    template, messages = FAMILY_TEMPLATES[family], CONVERSATIONS[name]
+    if family == "qwen3":
+        messages = [*messages, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nDone."}]
+    expected = hf_gguf_tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    ours = ChatTemplate(template, tokenizer.special_tokens).render(messages, add_generation_prompt)
+    assert ours == expected
+    assert "<|end|>" in ours or "<|im_end|>" in ours
+
+
 def test_folder_tokenizer_matches_gguf_tokenizer(tokenizer, hf_gguf_tokenizer, tmp_path):
     hf_gguf_tokenizer.save_pretrained(tmp_path)
     from_folder = Tokenizer.from_folder(tmp_path)

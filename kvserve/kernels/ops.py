@@ -91,14 +91,15 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def linear_kinds() -> Any:
-    """The C++ enum LinearKind: how a layer loop's linear weight is stored (Float, Int4, Int8)."""
+    """The C++ enum LinearKind: how a layer loop's linear weight is stored (Float, Int4, Int8, Int8Groups)."""
     return _ext().LinearKind
 
 
 @dataclass(frozen=True, eq=False)  # eq would compare tensors
 class Linear:
     """A linear layer of the layer loop: weight [N, ...] as its `kind` stores it (Float: [N, K] in the
-    compute dtype; Int4: packed, with scales = scales_mins; Int8: [N, K] codes, with scales [N])."""
+    compute dtype; Int4: packed, with scales = scales_mins; Int8: [N, K] codes, with scales [N];
+    Int8Groups: [N, K] codes, with scales [N, K / 32] float32)."""
 
     kind: Any  # a member of linear_kinds()
     weight: torch.Tensor

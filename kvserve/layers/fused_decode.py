@@ -16,7 +16,7 @@ from torch import nn
 
 from kvserve.kernels import build, ops
 from kvserve.layers import quantized
-from kvserve.layers.quantized import Int4Linear, Int8Linear
+from kvserve.layers.quantized import Int4Linear, Int8GroupLinear, Int8Linear
 
 logger = logging.getLogger("kvserve.fused_decode")
 
@@ -91,7 +91,7 @@ class FusedDecoder:
         if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
             return False
         groups = {m.group_size for m in model.modules() if isinstance(m, Int4Linear)}
-        linears = (nn.Linear, Int4Linear, Int8Linear)
+        linears = (nn.Linear, Int4Linear, Int8Linear, Int8GroupLinear)
         return len(groups) <= 1 and all(
             isinstance(m, linears)
             for layer in model.layers
@@ -143,6 +143,8 @@ def _linear(linear: nn.Module) -> ops.Linear:
         return ops.Linear(kinds.Int4, linear.weight_packed, linear.scales_mins, linear.bias)
     if isinstance(linear, Int8Linear):
         return ops.Linear(kinds.Int8, linear.weight_int8, linear.scales, linear.bias)
+    if isinstance(linear, Int8GroupLinear):
+        return ops.Linear(kinds.Int8Groups, linear.codes, linear.scales, linear.bias)
     return ops.Linear(kinds.Float, linear.weight, None, linear.bias)
 
 

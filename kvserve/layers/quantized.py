@@ -278,7 +278,8 @@ def int8_groups_from_float(weight: torch.Tensor, group_size: int = GROUP_SIZE) -
 
 
 class Int8GroupLinear(nn.Module):
-    """y = x @ W.T with W as int8 and a scale per group of 32 inputs (GGML's Q8_0, kept exact).
+    """y = x @ W.T (+ bias) with W as int8 and a scale per group of 32 inputs (GGML's Q8_0 and Q5_0,
+    kept exact), summed in float32 and given in `out_dtype` (float32 for logits).
 
     Serves a tied lm_head from the embedding's own tensors (no second copy). Batch-invariant (the
     default), every row count goes through the C++ kernel (kvserve/csrc), one arithmetic per row;
@@ -289,16 +290,28 @@ class Int8GroupLinear(nn.Module):
 
     FEW_ROWS = 256
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        self.dtype = dtype
+        self.dtype, self.out_dtype = dtype, out_dtype
         self.batch_invariant = True  # see set_batch_invariant: the C++ kernel for every batch size
         self.register_buffer("codes", codes)  # [N, K] int8
         self.register_buffer("scales", scales)  # [N, K / 32] float32
+        self.bias = _bias(bias, out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., K] -> [..., N] in float32 (this layer produces logits)
+        # x: [..., K] -> [..., N] in out_dtype, rounded once from the float32 sums
+        out = self._float32(x).to(self.out_dtype)
+        return out if self.bias is None else out + self.bias
+
+    def _float32(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         kernels = x2.device.type == "cpu" and ops.available()
         is_grouped = self.scales.shape[1] * GROUP_SIZE == self.in_features

@@ -1,7 +1,10 @@
 """Rotary position embedding (the rotate-half convention of Hugging Face checkpoints).
 
-cos/sin are tabulated once for every position up to max_position_embeddings and indexed by the
-flattened positions of a step, so a batch of sequences at different offsets costs one gather.
+cos/sin are tabulated for the positions in use and indexed by the flattened positions of a step,
+so a batch of sequences at different offsets costs one gather. On the CPU the table grows in fixed
+chunks of TABLE_CHUNK positions as sequences reach them (Gemma 3's 32k context in two tables would
+be 64 MB, a quarter of its weights); each chunk is computed alike, so a position's values never
+depend on when its chunk was made.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from torch import nn
 
 from kvserve.errors import UnsupportedModelError
 from kvserve.models.config import ModelConfig
+
+TABLE_CHUNK = 4096
 
 
 def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
@@ -65,34 +70,48 @@ def _longrope(config: ModelConfig, scaling: dict, inv_freq: torch.Tensor) -> tup
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables of every position: the model's RoPE (table 0) and, for a model whose sliding
-    layers have their own base (Gemma 3), theirs (table 1)."""
+    """cos/sin tables: the model's RoPE (table 0) and, for a model whose sliding layers have their
+    own base (Gemma 3), theirs (table 1)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.max_positions = config.max_position_embeddings
-        # [tables, 2 (cos, sin), P, rotary_dim / 2]: each half of rotate-half RoPE has the same values
+        # [tables, 2 (cos, sin), positions so far, rotary_dim / 2]: both halves of rotate-half RoPE
+        # have the same values
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.freq_factors: torch.Tensor | None = None
+        self._frequencies: list[tuple[torch.Tensor, float]] = []
 
     def build(self, device: torch.device, freq_factors: torch.Tensor | None = None) -> None:
-        """Tabulate cos/sin on `device`. Called once after the weights are loaded."""
+        """Prepare the tables on `device` (on a GPU all positions at once). Called once after the
+        weights are loaded."""
         self.freq_factors = freq_factors
-        tables = [inverse_frequencies(self.config, freq_factors)]
+        self._frequencies = [inverse_frequencies(self.config, freq_factors)]
         if self.config.local_rope_theta is not None:
             local = dataclasses.replace(self.config, rope_theta=self.config.local_rope_theta, rope_scaling=None)
-            tables.append(inverse_frequencies(local))
-        t = torch.arange(self.max_positions, dtype=torch.float32)
-        rows = []
-        for inv_freq, factor in tables:
-            freqs = torch.outer(t, inv_freq)  # [P, rotary_dim / 2]
-            rows.append(torch.stack((freqs.cos() * factor, freqs.sin() * factor)))
-        self.cos_sin = torch.stack(rows).to(device)
+            self._frequencies.append(inverse_frequencies(local))
+        half = self.config.rotary_dim // 2
+        self.cos_sin = torch.empty(len(self._frequencies), 2, 0, half, device=device)
+        if torch.device(device).type != "cpu":  # no growing (and no sync to learn the largest position)
+            self._extend(self.max_positions)
+
+    def _extend(self, positions: int) -> None:
+        """Grow the tables, a whole chunk at a time, to cover `positions` positions."""
+        while self.cos_sin.shape[2] < positions:
+            start = self.cos_sin.shape[2]
+            t = torch.arange(start, start + TABLE_CHUNK, dtype=torch.float32)
+            rows = []
+            for inv_freq, factor in self._frequencies:
+                freqs = torch.outer(t, inv_freq)  # [chunk, rotary_dim / 2]
+                rows.append(torch.stack((freqs.cos() * factor, freqs.sin() * factor)))
+            self.cos_sin = torch.cat((self.cos_sin, torch.stack(rows).to(self.cos_sin.device)), dim=2)
 
     def stacked(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_signed), each [tables, T, rotary_dim] in `dtype`, for the flattened positions [T]
         of one step (the C++ layer loop's operands)."""
+        if positions.device.type == "cpu" and len(positions):
+            self._extend(int(positions.max()) + 1)
         cos, sin = self.cos_sin[:, :, positions].to(dtype).unbind(1)  # each [tables, T, rotary_dim / 2]
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 

@@ -230,6 +230,22 @@ def q8_0_groups(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(rows, -1), _f16(blocks[:, :2]).reshape(rows, -1)
 
 
+def q5_0_groups(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw Q5_0 rows -> (codes [rows, K] int8 in -16..15, scales [rows, K/32] float32); w = scale * code,
+    the same float32 product as `_q5_0`, so exact."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q5_0][1])
+    q = _nibbles(blocks[:, None, 6:])[:, 0] | (_fifth_bits(blocks[:, 2:6]) << 4)
+    return (q.to(torch.int8) - 16).reshape(rows, -1), _f16(blocks[:, :2]).reshape(rows, -1)
+
+
+# Types whose values are int8 codes times a float scale per 32: kept so, exactly (Int8GroupLinear).
+INT8_GROUP_READERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
+    GGMLQuantizationType.Q8_0: q8_0_groups,
+    GGMLQuantizationType.Q5_0: q5_0_groups,
+}
+
+
 def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, num_elements_per_row: int) -> torch.Tensor:
     """Raw bytes `[rows, row_bytes]` (uint8) of a tensor stored as `qtype` -> float32 `[rows, elements]`."""
     rows = raw.shape[0]

@@ -27,7 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 from kvserve.errors import UnsupportedModelError
 from kvserve.layers.quantized import Int4Groups
 from kvserve.models.config import ModelConfig
-from kvserve.weights.dequant import INT4_GROUP_READERS, dequantize, int4_groups, q8_0_groups
+from kvserve.weights.dequant import INT4_GROUP_READERS, INT8_GROUP_READERS, dequantize, int4_groups
 from kvserve.weights.names import WeightTarget, shard_offsets
 from kvserve.weights.source import SourceTensor
 
@@ -364,14 +364,14 @@ class GGUFFile:
             return groups if order is None else groups.permute_rows(order)
 
         def read_int8_groups() -> tuple[torch.Tensor, torch.Tensor]:
-            codes, scales = q8_0_groups(raw())
+            codes, scales = INT8_GROUP_READERS[qtype](raw())
             return (codes, scales) if order is None else (codes[order], scales[order])
 
         return SourceTensor(
             kind=qtype.name,
             read_float=read_float,
             read_int4=read_int4 if qtype in INT4_GROUP_READERS else None,
-            read_int8_groups=read_int8_groups if qtype == GGMLQuantizationType.Q8_0 else None,
+            read_int8_groups=read_int8_groups if qtype in INT8_GROUP_READERS else None,
         )
 
 

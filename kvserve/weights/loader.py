@@ -235,10 +235,16 @@ def _build_linear(
     if fmt == "int4" and not Int4Linear.supports(layer.out_features, layer.in_features):
         fmt = "int8"
     if fmt == "int8-groups":
-        if layer.in_features % GROUP_SIZE or layer.num_shards != 1:
+        if layer.in_features % GROUP_SIZE:
             fmt = "int8"
-        else:
+        elif name == LM_HEAD:
             return _int8_group_linear(shards[0], layer, dtype, model)
+        else:  # a hidden layer: Q8_0 / Q5_0 shards as stored, out in the compute dtype
+            parts = [s.read_int8_groups() for s in shards]
+            for i, ((codes, _), n) in enumerate(zip(parts, rows, strict=True)):
+                _check_shape(name, i, tuple(codes.shape), (n, layer.in_features))
+            codes, scales = (torch.cat(t) for t in zip(*parts, strict=True))
+            return Int8GroupLinear(codes, scales, dtype, bias=bias, out_dtype=dtype)
     if fmt == "int4":
         groups = [s.int4() for s in shards]
         for i, (g, n) in enumerate(zip(groups, rows, strict=True)):

@@ -22,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<LinearKind>(m, "LinearKind", "how a linear layer's weight is stored")
       .value("Float", LinearKind::Float)
       .value("Int4", LinearKind::Int4)
-      .value("Int8", LinearKind::Int8);
+      .value("Int8", LinearKind::Int8)
+      .value("Int8Groups", LinearKind::Int8Groups);
   py::class_<Linear>(m, "Linear", "a linear layer of the layer loop")
       .def(py::init([](LinearKind kind, at::Tensor weight, std::optional<at::Tensor> scales,
                        std::optional<at::Tensor> bias) {

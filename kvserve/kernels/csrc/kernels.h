@@ -48,6 +48,7 @@ enum class LinearKind : int64_t {
   Float = 0,  // weight [N, K] in the compute dtype
   Int4 = 1,   // int4 packed (int4_packing.h), scales = scales_mins
   Int8 = 2,   // int8 [N, K] with a scale per row (scales [N])
+  Int8Groups = 3,  // int8 [N, K] with a scale per 32 inputs (scales [N, K / 32] float32): Q8_0, Q5_0
 };
 
 struct Linear {

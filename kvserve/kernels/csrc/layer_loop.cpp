@@ -43,6 +43,9 @@ at::Tensor linear(const at::Tensor& x, const Linear& l, const Int4Policy& int4) 
     case LinearKind::Int8:
       out = at::_weight_int8pack_mm(x, l.weight, l.scales);
       break;
+    case LinearKind::Int8Groups:  // the lm_head's kernel, AMX from one row where usable (as batch-invariant)
+      out = int8_group_matmul(x, l.weight, l.scales, 1).to(x.scalar_type());
+      break;
     case LinearKind::Float:
       out = at::linear(x, l.weight);
       break;
@@ -77,8 +80,8 @@ void add_rms_norm(T* residual, const T* delta, const T* weight, T* out, int64_t 
   });
 }
 
-// out = w * T(rms_norm(x)) over each of `rows` rows of `dim` (out may be x): RMSNorm as add_rms_norm
-// rounds it, for the q/k head norms and the sandwich norms.
+// out = w * T(rms_norm(x)) for one row of `dim` (out may be x), rounded as add_rms_norm rounds it:
+// the q/k head norms.
 template <typename T>
 inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t dim, float eps) {
   float sum = 0.f;
@@ -88,7 +91,9 @@ inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t dim, float
     sum += v * v;
   }
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
-  for (int64_t i = 0; i < dim; ++i) out[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(to_float(x[i]) * inv)));
+  for (int64_t i = 0; i < dim; ++i) {
+    out[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(to_float(x[i]) * inv)));
+  }
 }
 
 // Per token: normalize each q and k head (with q_norm / k_norm, where given), rotate the first
@@ -182,7 +187,8 @@ void gated_mul(const T* gate_up, T* out, int64_t rows, int64_t inter, Activation
       } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
         for (; i + 8 <= inter; i += 8) {
           const __m256 x = load8_bf16(g + i);
-          const __m256 act = round8_bf16(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(-sigmoid_arg(x)))));
+          const __m256 act =
+              round8_bf16(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(-sigmoid_arg(x)))));
           store8_bf16(o + i, round8_bf16(_mm256_mul_ps(act, load8_bf16(u + i))));
         }
       }

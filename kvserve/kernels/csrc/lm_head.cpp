@@ -60,6 +60,7 @@ inline Vec widened_codes(const W* code_row, const float* scale_row, int64_t i) {
 // rows are unrolled so that the accumulators stay in registers (and the 2 C row pointers in
 // general registers).
 constexpr int kLmCols = 4;
+constexpr int64_t kPrefetchRows = 16 * kLmCols;  // how far ahead the single-pass tiles prefetch codes
 template <int R, bool kFromPanel, typename W>
 inline void int8_group_tile(const float* x, int64_t k, const W* codes, const float* scales, const float* panel,
                             float* out, int64_t ldo, int64_t cols) {
@@ -90,6 +91,11 @@ inline void int8_group_tile(const float* x, int64_t k, const W* codes, const flo
         asm("" : "+v"(w));  // one load into a register: GCC would otherwise load it again for every row
 #endif
       } else {
+        if constexpr (std::is_same_v<W, int8_t>) {
+          // the code rows a few tiles on: a vocabulary of 262k rows streams from DRAM, which the
+          // hardware prefetcher alone leaves half used
+          __builtin_prefetch(code_rows[c] + kPrefetchRows * k + i);
+        }
         w = widened_codes(code_rows[c], scale_rows[c], i);
       }
 #pragma GCC unroll 16
