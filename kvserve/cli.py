@@ -195,8 +195,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     _flag(
         p,
         "--activations",
-        "inputs of the int4 layers: float, or int8 (quantized per group of 32 and multiplied in integers "
-        "on an AVX2 CPU, as llama.cpp does: about 1.5x faster matmuls, logits within about 0.5 of float's)",
+        "inputs of the int4 and int8-group layers (and a quantized lm_head): float, or int8 (quantized per "
+        "group of 32 and multiplied in integers on an AVX2 CPU, as llama.cpp does: about 1.5x faster "
+        "matmuls, logits within about 0.5 of float's)",
         "float",
         choices=("float", "int8"),
     )

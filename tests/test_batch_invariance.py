@@ -42,9 +42,17 @@ def test_int4_rows_do_not_depend_on_the_batch(extension, dtype, activations):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_lm_head_rows_do_not_depend_on_the_batch(extension, dtype):
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_lm_head_rows_do_not_depend_on_the_batch(extension, dtype, activations):
+    if activations == "int8" and not extension.int8_activations():
+        pytest.skip("int8 activations need AVX2 with F16C and FMA")
     codes, scales = int8_groups_from_float(torch.randn(1000, 96, generator=torch.Generator().manual_seed(2)))
-    assert_rows_invariant(Int8GroupLinear(codes, scales, dtype), dtype, 96)
+    layer = Int8GroupLinear(codes, scales, dtype)
+    layer.int8_activations = activations == "int8"
+    assert layer.takes_int8() == (activations == "int8")
+    assert_rows_invariant(layer, dtype, 96)
+    if activations == "int8":
+        return
     linear = torch.nn.Linear(96, 1000, bias=False).to(dtype)
     assert_rows_invariant(lambda x: float32_linear(x, linear), dtype, 96)
 

@@ -12,7 +12,7 @@ from kvserve.engine.kv_cache import allocate_kv_cache
 from kvserve.layers import quantized
 from kvserve.layers.attention import _partition, build_batch
 from kvserve.layers.fused_decode import FusedDecoder
-from kvserve.layers.quantized import Int4Groups, Int4Linear
+from kvserve.layers.quantized import Int4Groups, Int4Linear, Int8GroupLinear, int8_groups_from_float
 from kvserve.weights.loader import load_model
 from tests.conftest import make_tiny_llama, wait_idle_and_check
 
@@ -262,20 +262,22 @@ def test_int4_paths_equal_the_dequantized_reference(extension, dtype, half_scale
             assert (got - expected).abs().max().item() <= tolerance, (rows, name)
 
 
-def _int8_activation_reference(x: torch.Tensor, groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+def _int8_activation_reference(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x @ W.T as the int8-activation kernel defines it, in float64, and a bound on its distance from
     the float product: per group of 32 inputs d = max|x| / 127, q = round(x / d) (nearest even), and
     out = sum over groups of scale * d * (q . codes) + min * sum(x). Rounding moves each input by at
-    most d / 2, so the result is within sum over groups of scale * d / 2 * sum(codes) of x @ W.T."""
+    most d / 2, so the result is within sum over groups of scale * d / 2 * sum(|codes|) of x @ W.T."""
     rows, k = x.shape
     xg = x.float().view(rows, k // 32, 32)
     d = xg.abs().amax(-1) / 127
     q = torch.round(xg * torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None])
-    codes = groups.codes.double().view(-1, k // 32, 32)  # [N, G, 32]
-    scales, mins = groups.scales.double().T, groups.mins.double().T  # [G, N]
+    codes = codes.double().view(-1, k // 32, 32)  # [N, G, 32]
+    scales, mins = scales.double().T, mins.double().T  # [G, N]
     products = torch.einsum("mgk,ngk->mgn", q.double(), codes)
     out = (scales * d.double()[..., None] * products + xg.double().sum(-1)[..., None] * mins).sum(1)
-    bound = (scales * d.double()[..., None] / 2 * codes.sum(-1).T).sum(1)
+    bound = (scales.abs() * d.double()[..., None] / 2 * codes.abs().sum(-1).T).sum(1)
     return out, bound
 
 
@@ -297,7 +299,7 @@ def test_int4_with_int8_activations_equals_its_integer_reference(extension, dtyp
     for rows in (1, 2, 3, 4, 6, 7, 13, 64, 100, 515):  # tiles of 5 rows: every remainder
         x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows)).to(dtype)
         x[0, :32] = 0.0  # an all-zero group: d = 0
-        reference, bound = _int8_activation_reference(x, groups)
+        reference, bound = _int8_activation_reference(x, groups.codes, groups.scales, groups.mins)
         got = layer(x)
         # float32: the per-group float steps' rounding; bfloat16: also the output's own (8-bit mantissa)
         rounding = 1e-5 * reference.abs().max() + (0.008 * reference.abs() if dtype == torch.bfloat16 else 0)
@@ -307,6 +309,31 @@ def test_int4_with_int8_activations_equals_its_integer_reference(extension, dtyp
         for i in {0, rows // 2, rows - 1}:
             assert torch.equal(layer(x[i : i + 1])[0], got[i]), (rows, i)
         assert not torch.equal(float_inputs(x), got)  # the option is what changed the path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_groups_with_int8_activations_equal_their_integer_reference(extension, dtype):
+    """Int8GroupLinear (Q8_0 / Q5_0 layers, the lm_head) with its inputs quantized to int8: against the
+    products computed in float64 from the same int8 inputs, within the inputs' rounding of the float
+    product, and each row equal, bit for bit, to that row computed alone."""
+    if not extension.int8_activations():
+        pytest.skip("int8 activations need AVX2 with F16C and FMA")
+    codes, scales = int8_groups_from_float(torch.randn(200, 320, generator=torch.Generator().manual_seed(8)))
+    layer = Int8GroupLinear(codes, scales, dtype, out_dtype=dtype)
+    layer.int8_activations = True
+    float_inputs = Int8GroupLinear(codes, scales, dtype, out_dtype=dtype)
+    for rows in (1, 2, 3, 4, 5, 13, 64, 515):  # tiles of 4 rows: every remainder
+        x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        x[0, :32] = 0.0  # an all-zero group: d = 0
+        reference, bound = _int8_activation_reference(x, codes, scales, torch.zeros_like(scales))
+        got = layer(x)
+        rounding = 1e-5 * reference.abs().max() + (0.008 * reference.abs() if dtype == torch.bfloat16 else 0)
+        assert ((got.double() - reference).abs() <= rounding).all(), rows
+        exact = x.double() @ (codes.double().view(200, 10, 32) * scales.double()[..., None]).view(200, 320).T
+        assert ((got.double() - exact).abs() <= bound + rounding).all(), rows
+        for i in {0, rows // 2, rows - 1}:
+            assert torch.equal(layer(x[i : i + 1])[0], got[i]), (rows, i)
+        assert not torch.equal(float_inputs(x), got)
 
 
 def test_attention_groups_bound_padding():

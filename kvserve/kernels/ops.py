@@ -72,6 +72,12 @@ def int8_group_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     return _ext().int8_group_matmul(x, codes, scales, amx_min_rows)
 
 
+def int8_group_matmul_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`int8_group_matmul` with x's rows quantized to int8 per group of 32, in integers as llama.cpp's
+    Q8_0 x Q8_0 (needs `int8_activations()`)."""
+    return _ext().int8_group_matmul_int8(x, codes, scales)
+
+
 def dequantize_int8_groups(
     codes: torch.Tensor, scales: torch.Tensor, begin: int, end: int, dtype: torch.dtype
 ) -> torch.Tensor:

@@ -35,10 +35,12 @@ class FusedDecoder:
         config = model.config
         int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
         groups = {m.group_size for m in int4}
-        # The C++ loop takes one setting for all its int4 layers (set_activations sets them together).
-        if int4 and all(m.int8_activations for m in int4) and not ops.int8_activations():
-            logger.warning("activations=int8 needs a CPU with AVX2, F16C and FMA; the int4 layers take float inputs")
-        self.int8_activations = bool(int4) and all(m.takes_int8() for m in int4)
+        # The C++ loop takes one setting for all its int4 and int8-group layers (set_activations sets
+        # them together).
+        layers = [m for m in model.layers.modules() if isinstance(m, Int4Linear | Int8GroupLinear)]
+        if layers and all(m.int8_activations for m in layers) and not ops.int8_activations():
+            logger.warning("activations=int8 needs a CPU with AVX2, F16C and FMA; the layers take float inputs")
+        self.int8_activations = bool(layers) and all(m.takes_int8() for m in layers)
         # Batch invariance (quantized.set_batch_invariant, before this is made): int4_mm for every
         # number of rows, never the GEMM over the dequantized weight.
         self.batch_invariant = all(m.batch_invariant for m in int4)

@@ -81,9 +81,10 @@ def int4_few_rows(dtype: torch.dtype) -> int:
 
 
 def set_activations(model: nn.Module, activations: str) -> None:
-    """Make every Int4Linear of `model` take float ("float") or int8 ("int8") inputs."""
+    """Make every Int4Linear and Int8GroupLinear (the lm_head among them) of `model` take float
+    ("float") or int8 ("int8") inputs."""
     for module in model.modules():
-        if isinstance(module, Int4Linear):
+        if isinstance(module, (Int4Linear, Int8GroupLinear)):
             module.int8_activations = activations == "int8"
 
 
@@ -302,9 +303,15 @@ class Int8GroupLinear(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.dtype, self.out_dtype = dtype, out_dtype
         self.batch_invariant = True  # see set_batch_invariant: the C++ kernel for every batch size
+        self.int8_activations = False  # see set_activations: inputs quantized to int8 per group
         self.register_buffer("codes", codes)  # [N, K] int8
         self.register_buffer("scales", scales)  # [N, K / 32] float32
         self.bias = _bias(bias, out_dtype)
+
+    def takes_int8(self) -> bool:
+        """Whether the C++ kernels quantize this layer's inputs to int8: asked for, and a CPU with the
+        instructions."""
+        return self.int8_activations and ops.available() and ops.int8_activations()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N] in out_dtype, rounded once from the float32 sums
@@ -315,6 +322,8 @@ class Int8GroupLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         kernels = x2.device.type == "cpu" and ops.available()
         is_grouped = self.scales.shape[1] * GROUP_SIZE == self.in_features
+        if kernels and is_grouped and self.takes_int8():
+            return ops.int8_group_matmul_int8(x2, self.codes, self.scales).view(*x.shape[:-1], self.out_features)
         if kernels and is_grouped and (self.batch_invariant or x2.shape[0] <= self.FEW_ROWS):
             amx_min_rows = 1 if self.batch_invariant else ops.amx_min_rows()
             out = ops.int8_group_matmul(x2, self.codes, self.scales, amx_min_rows)

@@ -13,6 +13,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int4", &dequantize_int4, "an Int4Linear's transposed weight in its compute dtype, [K, N]");
   m.def("int8_activations", [] { return kInt8Activations; }, "whether int4_mm can quantize activations to int8");
   m.def("int8_group_matmul", &int8_group_matmul, "x @ (codes * group scales).T in float32, [M, V]");
+  m.def(
+      "int8_group_matmul_int8",
+      [](const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+        at::Tensor out = at::empty({x.size(0), codes.size(0)}, x.options().dtype(at::kFloat));
+        int8_group_matmul_int8(x.to(at::kFloat).contiguous(), codes, scales, out);
+        return out;
+      },
+      "x @ (codes * group scales).T in float32, x's rows quantized to int8 per group, [M, V]");
   m.def("float32_matmul", &float32_matmul, "x @ weight.T in float32 for a float or bfloat16 weight, [M, V]");
   m.def("dequantize_int8_groups", &dequantize_int8_groups, "rows of an int8-groups weight, [rows, K]");
   m.def("amx", &amx_usable, "whether this build runs AMX tiles (bfloat16 GEMMs then favour more rows)");

@@ -264,6 +264,31 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+#if KVSERVE_HAS_INT8_ACTIVATIONS
+// Activations quantized to int8 per group of 32, as llama.cpp's Q8_0 (int4_int8.cpp, int8_int8.cpp).
+// One group of 32 inputs: q (int8), d (the scale) and s (the float sum).
+inline void quantize_group(const float* x, int8_t* q, float* d, float* s) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax1 = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float scale = amax1 / 127.0f;
+  const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest even (MXCSR default)
+  // packs interleave the 128-bit lanes: (0-3, 8-11, 16-19, 24-27 | 4-7, ...); the permute restores order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d = scale;
+  *s = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+#endif
+
 // exp of 8 floats: Cephes' expf, a degree-6 polynomial after the reduction by ln 2. Against
 // std::exp at every 1e-4 from -87.3 to 0, at most 1 unit in the last place apart; below about
 // -87.3, where expf's results are subnormal, it gives 0.

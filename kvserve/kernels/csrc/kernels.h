@@ -25,6 +25,11 @@ constexpr int64_t kInt8Group = 32;  // inputs per int8 scale, and the int4 group
 void int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_mins, int64_t n,
                   int64_t block_n, at::Tensor& out);
 
+// ----- int8_int8.cpp: int8 codes with a scale per group of 32 times int8-quantized activations --
+// out [M, V] float32 = x @ (codes * scales).T for float32 x [M, K], its rows quantized per group of
+// kInt8Group (codes in -127..127, as GGML's Q8_0 and Q5_0). Needs kInt8Activations.
+void int8_group_matmul_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out);
+
 // ----- lm_head.cpp: int8 codes with a scale per group of 32 (GGML's Q8_0), and float weights -----
 constexpr int64_t kAmxMinRows = 4;  // where the AMX tiles overtake the float tiles
 // x @ (codes * scales).T in float32 [M, V]; bfloat16 x from amx_min_rows rows on AMX where usable.

@@ -43,8 +43,14 @@ at::Tensor linear(const at::Tensor& x, const Linear& l, const Int4Policy& int4) 
     case LinearKind::Int8:
       out = at::_weight_int8pack_mm(x, l.weight, l.scales);
       break;
-    case LinearKind::Int8Groups:  // the lm_head's kernel, AMX from one row where usable (as batch-invariant)
-      out = int8_group_matmul(x, l.weight, l.scales, 1).to(x.scalar_type());
+    case LinearKind::Int8Groups:
+      if (int4.int8_activations) {
+        out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+        int8_group_matmul_int8(x.to(at::kFloat).contiguous(), l.weight, l.scales, out);
+      } else {  // the lm_head's kernel, AMX from one row where usable (as batch-invariant)
+        out = int8_group_matmul(x, l.weight, l.scales, 1);
+      }
+      out = out.to(x.scalar_type());
       break;
     case LinearKind::Float:
       out = at::linear(x, l.weight);
