@@ -178,6 +178,21 @@ def test_a_q8_0_or_q5_0_gguf_keeps_its_codes_exact(tmp_path, qtype):
         assert np.array_equal(got.numpy(), dequantized(theirs.weight))
 
 
+def test_other_quantized_types_are_rounded_to_int8_groups(tmp_path):
+    """Q5_1 (an offset per block: not int8 codes times a scale) is rounded to nearest, per group of 32,
+    from its exact dequantization."""
+    pytest.importorskip("transformers")
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=25, **INT4_FRIENDLY)
+    write_llama_gguf(tmp_path / "tiny-q51.gguf", hf_model, qtype=T.Q5_1)
+    model = load_model(tmp_path / "tiny-q51.gguf", progress=False, weights="auto")
+    assert weight_summary(model)["layers"] == {"int8 groups": 9, "int8 embedding": 1}
+    down = hf_model.model.layers[1].mlp.down_proj.weight.detach().numpy()
+    stored = torch.from_numpy(quants.dequantize(quants.quantize(down, T.Q5_1), T.Q5_1))
+    codes, scales = int8_groups_from_float(stored)
+    assert torch.equal(model.layers[1].mlp.down_proj.codes, codes)
+    assert torch.equal(model.layers[1].mlp.down_proj.scales, scales)
+
+
 @pytest.mark.parametrize("mode", ["q4", "q8"])
 def test_a_float_checkpoint_is_quantized_at_load(tmp_path, mode):
     """A safetensors folder with weights=q4/q8 equals the float model whose linear weights went

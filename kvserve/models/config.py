@@ -194,7 +194,8 @@ def _llama(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _qwen2(cfg: dict[str, Any]) -> dict[str, Any]:
+def _qwen(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2/2.5: bias on q/k/v; Qwen3: q/k head norms, a bias on all four where configured."""
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
     layer_types = cfg.get("layer_types")
     if window and not layer_types:  # transformers 4: the layers from max_window_layers on slide
@@ -222,6 +223,7 @@ def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModelError("Gemma 3 with bidirectional attention (an encoder) is not a generative model.")
     return dict(
         architecture="gemma3",
+        rope_theta=_rope_parameters(cfg)[0] or 1_000_000.0,  # Gemma 3's global base unless told
         attention_bias=cfg.get("attention_bias", False),
         attention_out_bias=cfg.get("attention_bias", False),
         tie_word_embeddings=cfg.get("tie_word_embeddings", True),
@@ -249,8 +251,8 @@ def _phi3(cfg: dict[str, Any]) -> dict[str, Any]:
 _HF_FAMILIES = {
     "llama": _llama,
     "mistral": _llama,
-    "qwen2": _qwen2,
-    "qwen3": _qwen2,
+    "qwen2": _qwen,
+    "qwen3": _qwen,
     "gemma3_text": _gemma3,
     "phi3": _phi3,
 }

@@ -239,8 +239,10 @@ def _build_linear(
             fmt = "int8"
         elif name == LM_HEAD:
             return _int8_group_linear(shards[0], layer, dtype, model)
-        else:  # a hidden layer: Q8_0 / Q5_0 shards as stored, out in the compute dtype
-            parts = [s.read_int8_groups() for s in shards]
+        else:  # a hidden layer: Q8_0 / Q5_0 shards as stored, others rounded; out in the compute dtype
+            parts = [
+                s.read_int8_groups() if s.read_int8_groups else int8_groups_from_float(s.read_float()) for s in shards
+            ]
             for i, ((codes, _), n) in enumerate(zip(parts, rows, strict=True)):
                 _check_shape(name, i, tuple(codes.shape), (n, layer.in_features))
             codes, scales = (torch.cat(t) for t in zip(*parts, strict=True))

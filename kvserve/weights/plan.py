@@ -5,7 +5,7 @@
 | `f32`, `bf16` | float, in that dtype (which is then also the compute dtype) | float |
 | `q4` | int4 groups of 32: 4-bit GGUF blocks repacked exactly, anything else rounded to nearest | int8, a scale per 32 values |
 | `q8` | int8, one scale per output row; lm_head a scale per 32 inputs | int8, a scale per 32 values |
-| `auto` on CPU | as stored: int4 where any shard is a 4-bit GGUF type; int8 with a scale per 32 inputs where every shard is Q8_0 or Q5_0 (exactly), and for a quantized lm_head (one tensor with a tied embedding); int8 per row for other quantized types; float for float tensors | int8 if stored quantized, else float |
+| `auto` on CPU | as stored: int4 where any shard is a 4-bit GGUF type; otherwise, where any shard is quantized, int8 with a scale per 32 inputs (Q8_0 and Q5_0 exactly, other types rounded to nearest; a tied lm_head shares the embedding's tensors); float for float tensors | int8 if stored quantized, else float |
 | `auto` on CUDA | float (the weight-only kernels used here are PyTorch's CPU ones) | float |
 
 `auto` on CPU is the fastest measured choice for the bundled model (bench/compare.py).
@@ -78,9 +78,7 @@ class WeightPlan:
             return "float"
         if is_lm_head:  # the logits decide every token: Q8_0 kept exact (and shared with a tied embedding)
             return "int8-groups"
-        if any(s.is_int4 for s in shards):
-            return "int4"
-        return "int8-groups" if all(s.read_int8_groups is not None for s in shards) else "int8"
+        return "int4" if any(s.is_int4 for s in shards) else "int8-groups"
 
     def embedding_format(self, source: SourceTensor) -> str:
         if self.mode == "float" or (self.mode == "auto" and source.is_float):
