@@ -22,26 +22,21 @@ from kvserve.engine.kv_cache import allocate_kv_cache
 from kvserve.layers.attention import build_batch
 from kvserve.layers.fused_decode import FusedDecoder
 from kvserve.weights.loader import load_model, weight_summary
-from tests.conftest import wait_idle_and_check, write_byte_tokenizer
+from tests.conftest import TINY_LLAMA, wait_idle_and_check, write_byte_tokenizer
 from tests.test_batch_invariance import at_once
+from tests.test_gguf import LLAMACPP_LAYER_NAMES, finish_gguf, gguf_writer
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-TINY = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-    tie_word_embeddings=False,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+TINY = {  # 3 layers (room for a sliding, a full and a sliding one); token ids inside the vocabulary
+    **TINY_LLAMA,
+    "num_hidden_layers": 3,
+    "intermediate_size": 128,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 WINDOW = 6
 SLIDING, FULL = "sliding_attention", "full_attention"
 ORIGINAL_CONTEXT = 24  # Phi-3's LongRoPE: prompts here are longer, so the long factors apply
@@ -266,19 +261,11 @@ def test_batching_prefix_hits_chunks_preemption_and_sessions_leave_tokens_unchan
 # ----- the same models as GGUF files ---------------------------------------------------------------
 GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3", "mistral": "llama"}
 LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
+    **LLAMACPP_LAYER_NAMES,
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate and up in one tensor
-    "mlp.down_proj": "ffn_down",
 }
 GEMMA_NORMS = {
     "post_attention_layernorm": "post_attention_norm",
@@ -291,25 +278,16 @@ def write_gguf(path, name: str, hf_model, qtype) -> None:
     """Write a transformers model as llama.cpp's converter does: its tensor names, its metadata, Q/K
     rows permuted for llama (Mistral) only, Gemma's norms stored as 1 + w, Phi-3's LongRoPE factors
     as tensors."""
-    from gguf import GGUFWriter, quants
+    from gguf import quants
 
     cfg = hf_model.config
     family = name.split("-")[0]
     arch = GGUF_ARCH[family]
-    writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    rope = cfg.rope_parameters.get(FULL, cfg.rope_parameters)
+    writer = gguf_writer(path, arch, cfg, rope["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    rope = cfg.rope_parameters.get(FULL, cfg.rope_parameters)
-    writer.add_rope_freq_base(rope["rope_theta"])
     if getattr(cfg, "sliding_window", None) and family != "qwen2":
         writer.add_sliding_window(cfg.sliding_window)
     if family == "gemma3":  # llama.cpp's reader otherwise assumes every 6th layer global and 1/sqrt(head_dim)
@@ -344,10 +322,7 @@ def write_gguf(path, name: str, hf_model, qtype) -> None:
             writer.add_tensor(gguf_name, quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 def permute_like_llamacpp(weights: np.ndarray, heads: int) -> np.ndarray:

@@ -90,9 +90,22 @@ def _llamacpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_llama_gguf(path, hf_model, arch: str = "llama", qtype: GGMLQuantizationType = T.F32) -> None:
-    """Write a transformers Llama as llama.cpp's converter would (names, metadata, permuted Q/K)."""
-    cfg = hf_model.config
+# transformers' module names in a Llama layer -> llama.cpp's
+LLAMACPP_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_writer(path, arch: str, cfg, rope_theta: float) -> GGUFWriter:
+    """A GGUFWriter with a transformers config's hyper-parameters under llama.cpp's keys."""
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -100,24 +113,27 @@ def write_llama_gguf(path, hf_model, arch: str = "llama", qtype: GGMLQuantizatio
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    return writer
+
+
+def finish_gguf(writer: GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_llama_gguf(path, hf_model, arch: str = "llama", qtype: GGMLQuantizationType = T.F32) -> None:
+    """Write a transformers Llama as llama.cpp's converter would (names, metadata, permuted Q/K)."""
+    cfg = hf_model.config
+    writer = gguf_writer(path, arch, cfg, cfg.rope_parameters["rope_theta"])
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
-    }
-    layer_names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
     }
     for name, tensor in hf_model.state_dict().items():
         data = tensor.float().numpy()
@@ -126,7 +142,7 @@ def write_llama_gguf(path, hf_model, arch: str = "llama", qtype: GGMLQuantizatio
         else:
             _, _, layer, rest = name.split(".", 3)
             module = rest.rsplit(".", 1)[0]
-            gguf_name = f"blk.{layer}.{layer_names[module]}.weight"
+            gguf_name = f"blk.{layer}.{LLAMACPP_LAYER_NAMES[module]}.weight"
             if module == "self_attn.q_proj":
                 data = _llamacpp_permute(data, cfg.num_attention_heads)
             elif module == "self_attn.k_proj":
@@ -135,10 +151,7 @@ def write_llama_gguf(path, hf_model, arch: str = "llama", qtype: GGMLQuantizatio
             writer.add_tensor(gguf_name, quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 def _logits(model, tokens: list[int]) -> torch.Tensor:

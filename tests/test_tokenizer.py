@@ -8,32 +8,11 @@ from kvserve.errors import UnsupportedModelError
 from kvserve.text.chat_template import ChatTemplateError
 from kvserve.text.detokenizer import IncrementalDetokenizer
 from kvserve.text.tokenizer import Tokenizer
-from tests.tokenizer_corpus import corpus
+from tests.tokenizer_corpus import CONVERSATIONS, corpus
 
 pytestmark = pytest.mark.bundled
 
 CORPUS = corpus()
-CONVERSATIONS = {
-    "single-user": [{"role": "user", "content": "What is the capital of France?"}],
-    "system-and-turns": [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Hi!"},
-        {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "Tell me a joke about KV caches 🙂"},
-    ],
-    "no-system-multi-turn": [
-        {"role": "user", "content": "Write code."},
-        {"role": "assistant", "content": "def f():\n    return 1\n"},
-        {"role": "user", "content": "Now in 日本語?"},
-        {"role": "assistant", "content": "はい。"},
-        {"role": "user", "content": "Thanks <|im_end|> bye"},
-    ],
-    "ends-with-assistant": [
-        {"role": "system", "content": ""},
-        {"role": "user", "content": "  spaced  \n\n"},
-        {"role": "assistant", "content": "ok"},
-    ],
-}
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 from kvserve.errors import UnsupportedModelError
 from kvserve.text.tokenizer import Tokenizer
 from kvserve.weights.registry import pull
+from tests.tokenizer_corpus import CONVERSATIONS as SHARED_CONVERSATIONS
 from tests.tokenizer_corpus import corpus
 
 transformers = pytest.importorskip("transformers")
@@ -71,15 +72,7 @@ GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
     {{'<start_of_turn>model\n'}}
 {%- endif -%}
 """
-CONVERSATIONS = {
-    "single-user": [{"role": "user", "content": "What is the capital of France?"}],
-    "system-and-turns": [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Hi!"},
-        {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "Tell me a joke about KV caches 🙂"},
-    ],
-}
+CONVERSATIONS = {name: SHARED_CONVERSATIONS[name] for name in ("single-user", "system-and-turns")}
 
 
 # ----- fixtures ---------------------------------------------------------------------------------

@@ -92,3 +92,28 @@ def corpus() -> list[str]:
     for special, word in itertools.product(SPECIALS, WORDS[:6]):
         out.append(f"{word}{special}{word}")
     return list(dict.fromkeys(out))
+
+
+# Conversations for the chat-template tests: system turns, several turns, text that spells a special
+# token, a conversation that ends with the assistant.
+CONVERSATIONS = {
+    "single-user": [{"role": "user", "content": "What is the capital of France?"}],
+    "system-and-turns": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Tell me a joke about KV caches 🙂"},
+    ],
+    "no-system-multi-turn": [
+        {"role": "user", "content": "Write code."},
+        {"role": "assistant", "content": "def f():\n    return 1\n"},
+        {"role": "user", "content": "Now in 日本語?"},
+        {"role": "assistant", "content": "はい。"},
+        {"role": "user", "content": "Thanks <|im_end|> bye"},
+    ],
+    "ends-with-assistant": [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "  spaced  \n\n"},
+        {"role": "assistant", "content": "ok"},
+    ],
+}
