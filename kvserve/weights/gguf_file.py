@@ -9,7 +9,6 @@ decoded when asked for) and the tensor table, and reads a tensor's bytes when it
 
 from __future__ import annotations
 
-import itertools
 import math
 import mmap
 import os
@@ -338,10 +337,9 @@ class GGUFFile:
             if fused is None:
                 yield _target(tensor.name), self._source(tensor, config)
                 continue
-            source = self._source(tensor, config)
             offsets = shard_offsets(fused, config.q_size, config.kv_size, config.intermediate_size)
-            for shard, (begin, end) in enumerate(itertools.pairwise(offsets)):
-                yield WeightTarget(f"layers.{match.group(1)}.{fused}", shard), source.rows(begin, end)
+            for shard, part in enumerate(self._source(tensor, config).shards(offsets)):
+                yield WeightTarget(f"layers.{match.group(1)}.{fused}", shard), part
 
     def _source(self, tensor: _Tensor, config: ModelConfig) -> SourceTensor:
         shape, qtype = tensor.shape, tensor.qtype

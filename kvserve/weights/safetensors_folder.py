@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -87,8 +86,8 @@ class SafetensorsFolder:
                     module = target.name.rsplit(".", 1)[0]
                     if target.shard is None and module.endswith(_STORED_FUSED):
                         offsets = shard_offsets(module, config.q_size, config.kv_size, config.intermediate_size)
-                        for shard, (begin, end) in enumerate(itertools.pairwise(offsets)):
-                            yield target._replace(shard=shard), source.rows(begin, end)
+                        for shard, part in enumerate(source.shards(offsets)):
+                            yield target._replace(shard=shard), part
                     else:
                         yield target, source
 

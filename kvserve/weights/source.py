@@ -7,7 +7,9 @@ without ever being dequantized.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,17 +44,23 @@ class SourceTensor:
             return Int4Groups.from_int8_groups(*self.read_int8_groups())
         return Int4Groups.from_float(self.read_float())
 
-    def rows(self, begin: int, end: int) -> SourceTensor:
-        """Rows begin:end of this tensor (a shard of a fused checkpoint tensor, e.g. Phi-3's qkv_proj),
-        read in the same forms."""
-        part = slice(begin, end)
-        int4, int8 = self.read_int4, self.read_int8_groups
-        return SourceTensor(
-            self.kind,
-            lambda: self.read_float()[part],
-            None if int4 is None else lambda: int4().permute_rows(torch.arange(begin, end)),
-            None if int8 is None else lambda: tuple(t[part] for t in int8()),
-        )
+    def shards(self, offsets: Sequence[int]) -> list[SourceTensor]:
+        """The row ranges between consecutive `offsets` of this tensor (the shards of a fused checkpoint
+        tensor, e.g. Phi-3's qkv_proj), read in the same forms; the tensor is read once for all."""
+        read_float = functools.cache(self.read_float)
+        int4 = None if self.read_int4 is None else functools.cache(self.read_int4)
+        int8 = None if self.read_int8_groups is None else functools.cache(self.read_int8_groups)
+
+        def shard(begin: int, end: int) -> SourceTensor:
+            part = slice(begin, end)
+            return SourceTensor(
+                self.kind,
+                lambda: read_float()[part],
+                None if int4 is None else lambda: int4().permute_rows(torch.arange(begin, end)),
+                None if int8 is None else lambda: tuple(t[part] for t in int8()),
+            )
+
+        return [shard(begin, end) for begin, end in itertools.pairwise(offsets)]
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> SourceTensor:
