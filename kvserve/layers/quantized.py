@@ -376,10 +376,6 @@ class Int8Embedding(nn.Module):
         self.register_buffer("codes", codes.to(torch.int8))  # [V, D]
         self.register_buffer("scales", scales.float())  # [V, D / g]
 
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype, group_size: int = GROUP_SIZE) -> Int8Embedding:
-        return cls(*int8_groups_from_float(weight, group_size), dtype)
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, D]
         codes = self.codes[input_ids].float().view(-1, self.embedding_dim // self.group_size, self.group_size)

@@ -23,7 +23,6 @@ from kvserve.layers.quantized import (
     Int8Embedding,
     Int8GroupLinear,
     Int8Linear,
-    int8_groups_from_float,
     set_activations,
 )
 from kvserve.models import MODEL_CLASSES
@@ -240,9 +239,7 @@ def _build_linear(
         elif name == LM_HEAD:
             return _int8_group_linear(shards[0], layer, dtype, model)
         else:  # a hidden layer: Q8_0 / Q5_0 shards as stored, others rounded; out in the compute dtype
-            parts = [
-                s.read_int8_groups() if s.read_int8_groups else int8_groups_from_float(s.read_float()) for s in shards
-            ]
+            parts = [s.int8_groups() for s in shards]
             for i, ((codes, _), n) in enumerate(zip(parts, rows, strict=True)):
                 _check_shape(name, i, tuple(codes.shape), (n, layer.in_features))
             codes, scales = (torch.cat(t) for t in zip(*parts, strict=True))
@@ -273,10 +270,7 @@ def _int8_group_linear(
     embedding = getattr(model, EMBEDDING, None) if model is not None else None
     if isinstance(embedding, Int8Embedding) and embedding.group_size == GROUP_SIZE:
         return Int8GroupLinear(embedding.codes, embedding.scales, dtype)
-    if source.read_int8_groups is not None:
-        codes, scales = source.read_int8_groups()
-    else:
-        codes, scales = int8_groups_from_float(source.read_float())
+    codes, scales = source.int8_groups()
     _check_shape(LM_HEAD, 0, tuple(codes.shape), (layer.out_features, layer.in_features))
     return Int8GroupLinear(codes, scales, dtype)
 
@@ -298,11 +292,7 @@ def _load_embedding(model: nn.Module, source: SourceTensor, plan: WeightPlan, dt
     if plan.embedding_format(source) == "float":
         _copy(embedding.weight.data, source.read_float(), f"{EMBEDDING}.weight")
         return
-    if source.read_int8_groups is not None:  # Q8_0: the codes and scales as stored
-        codes, scales = source.read_int8_groups()
-        quantized = Int8Embedding(codes, scales, dtype)
-    else:
-        quantized = Int8Embedding.from_float(source.read_float(), dtype)
+    quantized = Int8Embedding(*source.int8_groups(), dtype)
     _check_shape(EMBEDDING, 0, (quantized.num_embeddings, quantized.embedding_dim), tuple(embedding.weight.shape))
     model.set_submodule(EMBEDDING, quantized)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.layers.quantized import Int4Groups
+from kvserve.layers.quantized import Int4Groups, int8_groups_from_float
 
 FLOAT_KINDS = ("F32", "F16", "BF16", "float32", "float16", "bfloat16")
 INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
@@ -43,6 +43,13 @@ class SourceTensor:
         if self.read_int8_groups is not None:
             return Int4Groups.from_int8_groups(*self.read_int8_groups())
         return Int4Groups.from_float(self.read_float())
+
+    def int8_groups(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales) with a scale per 32 values: exact where stored so (Q8_0, Q5_0), else
+        rounded to nearest from the float values."""
+        if self.read_int8_groups is not None:
+            return self.read_int8_groups()
+        return int8_groups_from_float(self.read_float())
 
     def shards(self, offsets: Sequence[int]) -> list[SourceTensor]:
         """The row ranges between consecutive `offsets` of this tensor (the shards of a fused checkpoint
