@@ -97,6 +97,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_sessions_per_key=args.max_sessions_per_key or None,
         session_ttl=args.session_ttl,
         session_db=args.session_db,
+        engine_process=args.engine_process == "on",
     )
     # A session store that is not kvserve's (or cannot be opened) stops the server before it starts.
     from kvserve.sessions.store import SessionStore
@@ -292,6 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
         "on SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them",
         30.0,
         float,
+    )
+    _flag(
+        p,
+        "--engine-process",
+        "on: the engine (model, KV cache, sessions) runs in a process of its own, beside the HTTP front end; "
+        "off: in a thread of the server's process",
+        "on",
+        choices=("on", "off"),
     )
     _flag(p, "--log-level", "server log level", "info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_cmd_serve)

@@ -28,6 +28,9 @@ class InvalidRequestError(KVServeError, ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # keeps `param` when the error crosses a process boundary (pickle)
+        return (type(self), (str(self), self.param))
+
 
 class EngineError(KVServeError):
     """The engine failed while running a request (the request is lost; the engine keeps serving)."""

@@ -7,11 +7,9 @@ EngineClient, which reads the request's own sink; leaving a stream early aborts 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import InvalidRequestError, check_text
 from kvserve.models.config import ModelConfig
 from kvserve.outputs import RequestOutput, StreamChunk
+from kvserve.prompts import Messages, Prompt, RequestBuilder
 from kvserve.sampling_params import SamplingParams
 from kvserve.sessions.manager import SessionManager
 from kvserve.sessions.session import Session
@@ -38,8 +37,6 @@ from kvserve.weights.plan import resolve_activations, resolve_weights
 from kvserve.weights.registry import kvserve_home, resolve_model
 
 logger = logging.getLogger("kvserve.weights")
-Prompt = str | Sequence[int]
-Messages = list[dict[str, Any]]
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": None}
 # The KV pool's element type; auto: the compute dtype. float16 halves the pool's bytes per token (twice
@@ -208,8 +205,7 @@ class LLM:
             **weight_summary(self.model),
         }
         self._log_start()
-        self._ids = itertools.count()
-        self._id_prefix = uuid.uuid4().hex[:8]
+        self.requests = RequestBuilder(self.tokenizer, self.model.config.vocab_size, self.config.max_model_len)
 
     def _log_start(self) -> None:
         logger.info(
@@ -227,39 +223,10 @@ class LLM:
     # ----- requests -------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids: text is encoded, token ids are checked against the vocabulary."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        prompt_ids = [int(t) for t in prompt]
-        vocab = self.model.config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            shown = bad if bad.bit_length() <= 64 else f"of {bad.bit_length()} bits"
-            raise InvalidRequestError(f"Token id {shown} is outside the vocabulary (0..{vocab - 1}).", "prompt")
-        return prompt_ids
+        return self.requests.encode_prompt(prompt)
 
     def _make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Request:
-        params = params or SamplingParams()
-        prompt_ids = self.encode_prompt(prompt)
-        if not prompt_ids:
-            raise InvalidRequestError("The prompt is empty; send at least one token of text.", "prompt")
-        limit = self.config.max_model_len
-        if len(prompt_ids) >= limit:
-            raise InvalidRequestError(
-                f"The prompt has {len(prompt_ids)} tokens; this model's context is {limit}. Shorten the prompt.",
-                "prompt",
-            )
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
-                f"{limit} tokens; lower max_tokens to at most {limit - len(prompt_ids)}.",
-                "max_tokens",
-            )
-        return Request(
-            request_id=request_id or f"req-{self._id_prefix}-{next(self._ids)}",
-            prompt_token_ids=prompt_ids,
-            params=params,
-            eos_token_ids=self.tokenizer.stop_token_ids,
-        )
+        return self.requests.build(prompt, params, request_id)
 
     def _chat_ids(self, messages: Messages) -> list[int]:
         return self.tokenizer.encode_chat(messages)

@@ -22,8 +22,15 @@ def free_port() -> int:
 @contextmanager
 def running_server(settings: ServerSettings, llm=None):
     """Yield the base URL of a started server; stop it (gracefully) on exit."""
+    with serving(create_app(settings, llm)) as base:
+        yield base
+
+
+@contextmanager
+def serving(app, healthy: bool = True):
+    """Yield the base URL of `app` served by uvicorn; with `healthy`, once /health answered 200,
+    else once it answered at all. Stop it (gracefully) on exit."""
     port = free_port()
-    app = create_app(settings, llm)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -31,7 +38,7 @@ def running_server(settings: ServerSettings, llm=None):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200 or not healthy:
                 break
         except httpx.HTTPError:
             pass

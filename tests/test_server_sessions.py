@@ -3,6 +3,7 @@ killed with SIGKILL mid-turn continues its sessions after a restart."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,9 +16,9 @@ import httpx
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.server.app import ServerSettings
+from kvserve.server.app import ServerSettings, create_app
 from tests.conftest import wait_idle_and_check
-from tests.server_harness import free_port, running_server
+from tests.server_harness import free_port, running_server, serving
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
@@ -31,17 +32,31 @@ def llm(tiny_model_dir, tmp_path_factory):
         yield llm
 
 
-@pytest.fixture(scope="module")
-def base(llm):
-    with running_server(ServerSettings(served_model_name=MODEL, api_keys=("alice", "bob")), llm) as base:
-        yield base
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def served(request, llm, tiny_model_dir, tmp_path_factory):
+    """(base URL, engine): the server with the engine in a thread of its process (`llm` itself), or
+    in a process of its own (as `kvserve serve` runs it; the engine is then the front end's handle)."""
+    settings = ServerSettings(served_model_name=MODEL, api_keys=("alice", "bob"))
+    if request.param == "engine-thread":
+        with running_server(settings, llm) as base:
+            yield base, llm
+        return
+    db = tmp_path_factory.mktemp("sessions") / "process.db"
+    app = create_app(
+        dataclasses.replace(
+            settings, model=str(tiny_model_dir), dtype="float32", kv_cache_tokens=8192, session_db=str(db)
+        )
+    )
+    with serving(app) as base:
+        yield base, app.state.kvserve.llm
 
 
 def auth(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
-def test_session_turns_over_http_equal_stateless_chat(base, llm):
+def test_session_turns_over_http_equal_stateless_chat(served, llm):
+    base, engine = served
     h = auth("alice")
     created = httpx.post(f"{base}/v1/sessions", json={"system": "be brief"}, headers=h).json()
     sid = created["id"]
@@ -72,10 +87,11 @@ def test_session_turns_over_http_equal_stateless_chat(base, llm):
     for session_id in (sid, fork["id"]):
         assert httpx.delete(f"{base}/v1/sessions/{session_id}", headers=h).json()["deleted"] is True
     assert httpx.get(f"{base}/v1/sessions/{sid}", headers=h).status_code == 404
-    wait_idle_and_check(llm)
+    wait_idle_and_check(engine)
 
 
-def test_another_key_cannot_see_append_or_delete(base, llm):
+def test_another_key_cannot_see_append_or_delete(served):
+    base, engine = served
     sid = httpx.post(f"{base}/v1/sessions", json={}, headers=auth("alice")).json()["id"]
     bob = auth("bob")
     for method, path, body in (
@@ -92,7 +108,7 @@ def test_another_key_cannot_see_append_or_delete(base, llm):
     assert httpx.get(f"{base}/v1/sessions/{sid}", headers=auth("alice")).status_code == 200
     assert httpx.get(f"{base}/v1/sessions/{sid}").status_code == 401
     httpx.delete(f"{base}/v1/sessions/{sid}", headers=auth("alice"))
-    wait_idle_and_check(llm)
+    wait_idle_and_check(engine)
 
 
 def _start(tiny_model_dir, home, port) -> subprocess.Popen:

@@ -76,6 +76,9 @@ class EngineCore:
         self.steps_total = 0
         self.is_closed = False
         self.death: str | None = None  # why the engine thread stopped, if it did not stop on request
+        # Called on the engine thread after every loop turn, once that turn's outputs are in their sinks
+        # (the engine process sends one message per turn from here: outputs batched per step).
+        self.after_turn: list[Callable[[], None]] = []
         # State kept across requests (sessions) rides on the engine only through these hooks.
         self.hooks = make_hooks(self) if make_hooks is not None else None
         if self.hooks is not None:
@@ -167,6 +170,7 @@ class EngineCore:
                 if self.scheduler.has_work:
                     self._step()
                 self._publish_stats()
+                self._end_turn()
         except BaseException as exc:  # a bug in the engine itself: fail everyone loudly, never hang them
             logger.exception("engine thread died")
             self.death = f"the engine thread died: {exc!r}"
@@ -176,6 +180,7 @@ class EngineCore:
             self.is_closed = True
             self._publish_stats()
             self._drain_inbox_after_close()
+            self._end_turn()
 
     def _apply(self, message: Any) -> None:
         if isinstance(message, _Add):
@@ -303,6 +308,10 @@ class EngineCore:
                 message.sink.put(EngineClosedError("The engine closed before this request started."))
             elif isinstance(message, _Call):
                 message.future.set_exception(EngineClosedError("The engine is closed."))
+
+    def _end_turn(self) -> None:
+        for listener in self.after_turn:
+            listener()
 
     def _publish_stats(self) -> None:
         s, pool = self.scheduler, self.pool

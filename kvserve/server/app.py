@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from kvserve.llm import LLM
+from kvserve.server.engine_client import RemoteLLM
+from kvserve.server.engine_process import build_llm
 from kvserve.server.errors import BodyLimitMiddleware, install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.routes import health, openai, sessions
@@ -23,8 +25,9 @@ __all__ = ["ServerSettings", "create_app"]
 
 
 def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
-    """Build the app. With `llm` given it serves that engine (and does not close it); otherwise it
-    loads `settings.model` in the background after start-up, answering 503 until ready."""
+    """Build the app. With `llm` given it serves that engine in this process (and does not close it);
+    otherwise it starts the engine for `settings.model` in the background after start-up (in a
+    process of its own unless `settings.engine_process` is off), answering 503 until ready."""
     state = ServerState(settings)
     state.metrics = ServerMetrics(lambda: state.llm.stats() if state.llm is not None else None)
 
@@ -51,24 +54,14 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
 
 
 async def _load(state: ServerState) -> None:
-    """Load the LLM the settings name; a failure is reported by /health and every route."""
+    """Start the engine the settings describe, in its own process (engine_process.py) or in this
+    one; a failure is reported by /health and every route."""
     settings = state.settings
     try:
-        loaded = await asyncio.to_thread(
-            LLM,
-            settings.model,
-            dtype=settings.dtype,
-            weights=settings.weights,
-            activations=settings.activations,
-            batch_invariant=settings.batch_invariant,
-            kv_cache_tokens=settings.kv_cache_tokens,
-            kv_cache_dtype=settings.kv_cache_dtype,
-            max_num_seqs=settings.max_num_seqs,
-            max_sessions=settings.max_sessions,
-            max_sessions_per_owner=settings.max_sessions_per_key,
-            session_ttl=settings.session_ttl,
-            session_db=settings.session_db,
-        )
+        if settings.engine_process:
+            loaded = await RemoteLLM.start(settings)
+        else:
+            loaded = await asyncio.to_thread(build_llm, settings)
     except Exception as exc:
         state.load_error = f"{type(exc).__name__}: {exc}"
         return

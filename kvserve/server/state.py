@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -14,6 +14,9 @@ from kvserve.errors import InvalidRequestError, check_text
 from kvserve.llm import LLM
 from kvserve.server.metrics import ServerMetrics
 from kvserve.sessions.store import key_owner
+
+if TYPE_CHECKING:
+    from kvserve.server.engine_client import RemoteLLM
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
@@ -37,6 +40,7 @@ class ServerSettings:
     max_sessions_per_key: int | None = 256
     session_ttl: float | None = 3600.0
     session_db: str | None = None  # None: $KVSERVE_HOME/sessions.db
+    engine_process: bool = True  # the engine in a process of its own (engine_process.py), else a thread here
 
 
 class APIError(Exception):
@@ -49,7 +53,7 @@ class APIError(Exception):
 @dataclass
 class ServerState:
     settings: ServerSettings
-    llm: LLM | None = None
+    llm: LLM | RemoteLLM | None = None
     load_error: str | None = None
     model_name: str = "kvserve"
     num_inflight: int = 0  # engine requests (prompts x n of every admitted body) not yet over
@@ -65,7 +69,7 @@ class ServerState:
         self.model_name = self.settings.served_model_name or llm.model_path.stem
         self.llm = llm
 
-    def ready_llm(self) -> LLM:
+    def ready_llm(self) -> LLM | RemoteLLM:
         if self.llm is None:
             detail = f": {self.load_error}" if self.load_error else "; retry shortly"
             raise APIError(503, f"The model is still loading{detail}.", "service_unavailable", code=503)

@@ -46,7 +46,9 @@ class Session:
         text = check_text(str(text), "text")
         self._call(lambda m, s: m.append(s, text))
 
-    def _start_turn(self, params: SamplingParams | None, interrupt: bool, request_id: str | None):
+    def start_turn(self, params: SamplingParams | None, interrupt: bool, request_id: str | None):
+        """(request id, start): `start(sink)` queues the turn, its chunks going to `sink`. `stream`
+        and `astream` read the sink here; the engine process sends it to its front end."""
         params = params or SamplingParams(max_tokens=256)
         request_id = request_id or f"{self.id}-turn-{uuid.uuid4().hex[:8]}"
         manager, owner, sid = self._manager, self.owner, self.id
@@ -61,13 +63,13 @@ class Session:
         self, params: SamplingParams | None = None, *, interrupt: bool = False, request_id: str | None = None
     ) -> Iterator[StreamChunk]:
         """The assistant's turn, streamed; kept in the history when it completes. Leaving early aborts it."""
-        return self.client.stream_with(*self._start_turn(params, interrupt, request_id))
+        return self.client.stream_with(*self.start_turn(params, interrupt, request_id))
 
     def astream(
         self, params: SamplingParams | None = None, *, interrupt: bool = False, request_id: str | None = None
     ) -> AsyncIterator[StreamChunk]:
         """asyncio twin of `stream`."""
-        return self.client.astream_with(*self._start_turn(params, interrupt, request_id))
+        return self.client.astream_with(*self.start_turn(params, interrupt, request_id))
 
     def generate(self, params: SamplingParams | None = None, *, interrupt: bool = False) -> RequestOutput:
         return RequestOutput.from_chunks(list(self.stream(params, interrupt=interrupt)))

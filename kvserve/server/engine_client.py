@@ -1,0 +1,280 @@
+"""The front end's handle on an engine process (engine_process.py): what the routes use of an `LLM`
+(astream, abort, sessions, stats, problem), implemented over the two ZeroMQ pipes.
+
+Prompts are tokenized and checked here, in the front end (`RequestBuilder`, as `LLM` does), so a
+bad prompt never reaches the engine. One asyncio task reads the engine's messages and puts each
+chunk in its request's queue; leaving a stream early sends an abort, applied by the engine at its
+next step boundary. If the engine process dies, every stream and call fails with EngineError at
+once, later ones with EngineClosedError (503), and `problem()` says why (/health answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import pickle
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvserve.errors import EngineClosedError, EngineError, KVServeError
+from kvserve.outputs import StreamChunk
+from kvserve.prompts import Prompt, RequestBuilder
+from kvserve.sampling_params import SamplingParams
+from kvserve.server import engine_process
+from kvserve.server.state import ServerSettings
+from kvserve.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvserve.server")
+CALL_TIMEOUT = 600.0  # a session call waits behind the engine's current step, like LLM's calls
+PROBLEM_TIMEOUT = 5.0  # /health: an engine process that does not answer this fast is reported
+
+
+class EngineProcessError(KVServeError):
+    """The engine process could not start (the model failed to load) or is gone."""
+
+
+class RemoteLLM:
+    """Start with `await RemoteLLM.start(settings)` on the server's event loop; `close()` stops it."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self._dir = tempfile.mkdtemp(prefix="kvserve-ipc-")
+        self._context = zmq.asyncio.Context()
+        self._to_engine = zmq.Context.instance().socket(zmq.PUSH)
+        self._to_engine.setsockopt(zmq.LINGER, 0)
+        self._send_lock = threading.Lock()
+        self._from_engine = self._context.socket(zmq.PULL)
+        to_address, from_address = f"ipc://{self._dir}/to-engine", f"ipc://{self._dir}/from-engine"
+        self._to_engine.bind(to_address)
+        self._from_engine.bind(from_address)
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=engine_process.main, args=(settings, to_address, from_address), name="kvserve-engine", daemon=True
+        )
+        self.streams: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._stats: dict[str, Any] = {}
+        self.death: str | None = None
+        self._closing = False
+        self._reader: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, settings: ServerSettings) -> RemoteLLM:
+        """Spawn the engine process and wait until its model is loaded (EngineProcessError if it fails)."""
+        self = cls(settings)
+        loop = asyncio.get_running_loop()
+        self.process.start()
+        died = loop.create_future()
+        loop.add_reader(self.process.sentinel, lambda: died.done() or died.set_result(None))
+        try:
+            first = asyncio.ensure_future(self._from_engine.recv())
+            done, _ = await asyncio.wait({first, died}, return_when=asyncio.FIRST_COMPLETED)
+            if first not in done:
+                first.cancel()
+                raise EngineProcessError(f"The engine process exited (code {self.process.exitcode}) while loading.")
+            message = pickle.loads(first.result())
+            if message[0] == "failed":
+                raise EngineProcessError(message[1])
+            info = message[1]
+            self.model_path = Path(info["model_path"])
+            self.weights = info["weights"]
+            self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, self.model_path)
+            self.config = SimpleNamespace(max_model_len=info["max_model_len"])
+            self.requests = RequestBuilder(self.tokenizer, info["vocab_size"], info["max_model_len"])
+        except BaseException:
+            loop.remove_reader(self.process.sentinel)
+            await asyncio.to_thread(self.close)
+            raise
+        died.add_done_callback(lambda _: self._on_death())
+        self._reader = asyncio.ensure_future(self._read())
+        return self
+
+    # ----- requests ----------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        return self.requests.encode_prompt(prompt)
+
+    def astream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[StreamChunk]:
+        """As `LLM.astream`: the prompt is checked now; the request starts on first iteration."""
+        self._check_alive()
+        request = self.requests.build(prompt, params, request_id)
+        return self._stream(request.request_id, ("add", request))
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        self._send(("abort", [request_ids] if isinstance(request_ids, str) else list(request_ids)))
+
+    async def _stream(self, request_id: str, message: tuple) -> AsyncIterator[StreamChunk]:
+        self._check_alive()
+        if request_id in self.streams:
+            raise EngineError(f"Request id {request_id!r} is already in use.")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = queue
+        finished = False
+        try:
+            self._send(message)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):  # the engine finished (or refused) it already
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self.streams.pop(request_id, None)
+            if not finished and self.death is None:
+                with contextlib.suppress(KVServeError):
+                    self.abort([request_id])
+
+    # ----- sessions ----------------------------------------------------------------------------
+    def session(self, system=None, messages=None, *, id: str | None = None, ttl=None, owner=None) -> RemoteSession:
+        """As `LLM.session`: a new session, or with `id` an existing one (SessionNotFoundError if not)."""
+        if id is not None:
+            return RemoteSession(self, self.call("session_get", id, owner), owner)
+        return RemoteSession(self, self.call("session_new", system, messages, ttl, owner), owner)
+
+    # ----- calls and health --------------------------------------------------------------------
+    def call(self, op: str, *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
+        """Run a named operation (engine_process.OPERATIONS) in the engine process; from any thread
+        but the event loop's."""
+        self._check_alive()
+        call_id = next(self._call_ids)
+        future: Future = Future()
+        self._calls[call_id] = future
+        try:
+            self._send(("call", call_id, op, args))
+            return future.result(timeout)
+        except TimeoutError:
+            raise EngineError(f"The engine process did not answer {op!r} within {timeout:g} s.") from None
+        finally:
+            self._calls.pop(call_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of its last loop turn that changed them."""
+        return dict(self._stats)
+
+    def problem(self) -> str | None:
+        if self.death is not None:
+            return self.death
+        try:
+            return self.call("problem", timeout=PROBLEM_TIMEOUT)
+        except KVServeError as exc:
+            return str(exc)
+
+    def check_integrity(self) -> dict[str, Any]:
+        return self.call("check_integrity", timeout=60)
+
+    def close(self) -> None:
+        """Ask the engine process to stop (it aborts what is left), wait for it, then kill it if it must."""
+        self._closing = True
+        if self.process.is_alive():
+            with contextlib.suppress(KVServeError, zmq.ZMQError):
+                self._send(("shutdown",))
+            self.process.join(30)
+        if self.process.is_alive():
+            logger.error("the engine process did not stop within 30 s; killing it")
+            self.process.kill()
+            self.process.join(5)
+        if self._reader is not None:
+            self._reader.get_loop().call_soon_threadsafe(self._reader.cancel)
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ----- plumbing ----------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.death is not None:
+            raise EngineClosedError(f"The engine is not running ({self.death}); the server cannot serve requests.")
+
+    def _send(self, message: tuple) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            try:
+                self._to_engine.send(data, zmq.NOBLOCK)
+            except zmq.Again:  # the engine has stopped reading
+                raise EngineClosedError("The engine process is not accepting work.") from None
+
+    async def _read(self) -> None:
+        while True:
+            message = pickle.loads(await self._from_engine.recv())
+            kind = message[0]
+            if kind == "out":
+                _, items, stats = message
+                for request_id, item in items:
+                    queue = self.streams.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(item)
+                if stats is not None:
+                    self._stats = stats
+            elif kind == "result":
+                _, call_id, ok, value = message
+                future = self._calls.get(call_id)
+                if future is not None and not future.done():
+                    future.set_result(value) if ok else future.set_exception(value)
+
+    def _on_death(self) -> None:
+        """The engine process exited: fail everything in flight now, and everything later."""
+        self.process.join(1)
+        code = self.process.exitcode
+        self.death = f"the engine process exited with code {code}"
+        if not self._closing:
+            logger.error("%s; every request in flight fails and /health answers 503", self.death)
+        error = EngineError(f"The engine process died ({self.death}); this request was lost.")
+        for queue in self.streams.values():
+            queue.put_nowait(error)
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(EngineClosedError(f"The engine is not running ({self.death})."))
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self.process.sentinel)
+
+
+class RemoteSession:
+    """As `Session`, for a session that lives in the engine process."""
+
+    def __init__(self, llm: RemoteLLM, session_id: str, owner: str | None) -> None:
+        self.llm, self.id, self.owner = llm, session_id, owner
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self.llm.call("session", self.id, self.owner, method, args)
+
+    def info(self) -> dict[str, Any]:
+        return self._call("info")
+
+    def add_message(self, role: str, content: str) -> None:
+        self._call("add_message", role, content)
+
+    def append(self, text: str) -> None:
+        self._call("append", text)
+
+    def fork(self) -> RemoteSession:
+        return RemoteSession(self.llm, self._call("fork"), self.owner)
+
+    def close(self) -> None:
+        self._call("close")
+
+    def interrupt(self) -> None:
+        self._call("interrupt")
+
+    def astream(
+        self, params: SamplingParams | None = None, *, interrupt: bool = False, request_id: str | None = None
+    ) -> AsyncIterator[StreamChunk]:
+        self.llm._check_alive()
+        params = params or SamplingParams(max_tokens=256)
+        request_id = request_id or f"{self.id}-turn-{uuid.uuid4().hex[:8]}"
+        return self.llm._stream(request_id, ("turn", self.id, self.owner, params, interrupt, request_id))

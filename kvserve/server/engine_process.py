@@ -1,0 +1,224 @@
+"""The engine in a process of its own, the HTTP front end in another (`kvserve serve`'s default).
+
+The engine process holds one `LLM`: the engine thread and with it every piece of KV state (the
+scheduler, the block pool, the sessions), as in-process. It shares no interpreter lock with the
+front end, which parses HTTP, tokenizes, checks, and frames server-sent events. They talk over two
+ZeroMQ PUSH/PULL pipes on Unix sockets, one each way, in pickled tuples:
+
+    front end -> engine                               engine -> front end
+    ("add", Request)        tokenized and checked     ("ready", info) | ("failed", reason)  once
+    ("turn", session, owner, params, interrupt, id)   ("out", [(request id, chunk | error)], stats)
+    ("abort", [request ids])                              one message per engine loop turn
+    ("call", call id, op, args)  sessions, health     ("result", call id, ok, value)
+    ("shutdown",)
+
+A request's chunks are still made on the engine thread (detokenized, cut at stop strings, so a stop
+string ends the request in the step that produced it); they leave as one message per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+
+from kvserve.errors import EngineError, InvalidRequestError
+from kvserve.llm import LLM
+from kvserve.server.state import ServerSettings
+from kvserve.sessions.session import Session
+
+logger = logging.getLogger("kvserve.engine")
+
+
+def build_llm(settings: ServerSettings) -> LLM:
+    """The LLM that `settings` describe (in the engine process, or in-process with --engine-process off)."""
+    return LLM(
+        settings.model,
+        dtype=settings.dtype,
+        weights=settings.weights,
+        activations=settings.activations,
+        batch_invariant=settings.batch_invariant,
+        kv_cache_tokens=settings.kv_cache_tokens,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        max_num_seqs=settings.max_num_seqs,
+        max_sessions=settings.max_sessions,
+        max_sessions_per_owner=settings.max_sessions_per_key,
+        session_ttl=settings.session_ttl,
+        session_db=settings.session_db,
+    )
+
+
+def dumps(message: tuple) -> bytes:
+    """Pickle a message; an error that does not pickle travels as an EngineError with its text."""
+    try:
+        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return pickle.dumps(tuple(_picklable(part) for part in message), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _picklable(value: Any) -> Any:
+    if isinstance(value, BaseException):
+        try:
+            pickle.dumps(value)
+        except Exception:
+            return EngineError(f"{type(value).__name__}: {value}")
+        return value
+    if isinstance(value, list):
+        return [_picklable(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_picklable(item) for item in value)
+    return value
+
+
+class Outbox:
+    """The engine -> front end pipe. The engine thread's sinks buffer their chunks here and
+    `flush` (run after each engine loop turn) sends them as one message, with the stats when they
+    changed. Call results are sent at once. Sends are serialized by a lock (a ZeroMQ socket is not
+    thread-safe)."""
+
+    def __init__(self, context: zmq.Context, address: str) -> None:
+        self.socket = context.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.connect(address)
+        self.lock = threading.Lock()
+        self.pending: list[tuple[str, Any]] = []
+        self.stats: dict[str, Any] | None = None
+        self.llm: LLM | None = None
+
+    def put(self, request_id: str, item: Any) -> None:
+        with self.lock:
+            self.pending.append((request_id, item))
+
+    def send(self, message: tuple) -> None:
+        data = dumps(message)
+        with self.lock:
+            self.socket.send(data)
+
+    def flush(self) -> None:
+        stats = self.llm.stats() if self.llm is not None else None
+        with self.lock:
+            if not self.pending and stats == self.stats:
+                return
+            items, self.pending, self.stats = self.pending, [], stats
+            self.socket.send(dumps(("out", items, stats)))
+
+
+class RemoteSink:
+    """A request's sink in the engine process: its chunks go to the outbox, tagged with its id."""
+
+    __slots__ = ("outbox", "request_id")
+
+    def __init__(self, outbox: Outbox, request_id: str) -> None:
+        self.outbox, self.request_id = outbox, request_id
+
+    def put(self, item: Any) -> None:
+        self.outbox.put(self.request_id, item)
+
+
+def _session(llm: LLM, session_id: str, owner: str | None) -> Session:
+    if llm.sessions is None:
+        raise InvalidRequestError("Sessions need the prefix cache, which this server runs without.")
+    return Session(llm.client, llm.sessions, session_id, owner)
+
+
+def _session_op(llm: LLM, session_id: str, owner: str | None, method: str, args: tuple) -> Any:
+    result = getattr(_session(llm, session_id, owner), method)(*args)
+    return result.id if isinstance(result, Session) else result
+
+
+# The operations a front end may ask for by name; each runs on a worker thread of the engine process.
+OPERATIONS = {
+    "session_new": lambda llm, system, messages, ttl, owner: llm.session(system, messages, ttl=ttl, owner=owner).id,
+    "session_get": lambda llm, session_id, owner: llm.session(id=session_id, owner=owner).id,
+    "session": _session_op,
+    "problem": lambda llm: llm.problem(),
+    "check_integrity": lambda llm: llm.check_integrity(),
+    "runner_timings": lambda llm: llm.runner_timings(),
+}
+SESSION_METHODS = frozenset({"info", "add_message", "append", "fork", "close", "interrupt"})
+
+
+def main(settings: ServerSettings, to_engine: str, from_engine: str) -> None:
+    """The engine process: load the model, say ready (or why not), then serve until told to stop or
+    until the front end's process is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end decides
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(to_engine)
+    outbox = Outbox(context, from_engine)
+    try:
+        llm = build_llm(settings)
+    except Exception as exc:
+        outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
+        outbox.socket.close()
+        return
+    outbox.llm = llm
+    llm.engine.after_turn.append(outbox.flush)
+    info = {
+        "model_path": str(llm.model_path),
+        "vocab_size": llm.model.config.vocab_size,
+        "max_model_len": llm.config.max_model_len,
+        "weights": {k: v for k, v in llm.weights.items() if isinstance(v, str | int | float | bool)},
+    }
+    outbox.send(("ready", info))
+    try:
+        _serve(llm, inbox, outbox)
+    finally:
+        llm.close()  # aborts what is left; the engine's last turn flushes those chunks
+        outbox.send(("closed",))
+        inbox.close(linger=0)
+        outbox.socket.close()
+        context.term()
+
+
+def _serve(llm: LLM, inbox: zmq.Socket, outbox: Outbox) -> None:
+    parent = multiprocessing.parent_process()
+    workers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvserve-call")
+    engine = llm.engine
+    try:
+        while True:
+            if not inbox.poll(1000):
+                if parent is not None and not parent.is_alive():
+                    logger.error("the front end's process is gone; the engine process stops")
+                    return
+                continue
+            message = pickle.loads(inbox.recv())
+            kind = message[0]
+            if kind == "add":
+                request = message[1]
+                try:
+                    engine.add(request, RemoteSink(outbox, request.request_id))
+                except Exception as exc:  # the engine is closed
+                    outbox.send(("out", [(request.request_id, exc)], None))
+            elif kind == "turn":
+                _, session_id, owner, params, interrupt, request_id = message
+                sink = RemoteSink(outbox, request_id)
+                try:
+                    _, start = _session(llm, session_id, owner).start_turn(params, interrupt, request_id)
+                    start(sink)
+                except Exception as exc:
+                    outbox.send(("out", [(request_id, exc)], None))
+            elif kind == "abort":
+                engine.abort(message[1])
+            elif kind == "call":
+                workers.submit(_call, llm, outbox, *message[1:])
+            elif kind == "shutdown":
+                return
+    finally:
+        workers.shutdown(wait=False, cancel_futures=True)
+
+
+def _call(llm: LLM, outbox: Outbox, call_id: int, op: str, args: tuple) -> None:
+    try:
+        if op == "session" and args[2] not in SESSION_METHODS:
+            raise InvalidRequestError(f"Unknown session operation {args[2]!r}.")
+        outbox.send(("result", call_id, True, OPERATIONS[op](llm, *args)))
+    except BaseException as exc:
+        outbox.send(("result", call_id, False, exc))
