@@ -14,6 +14,23 @@ import httpx
 from tests.server_harness import free_port
 
 
+def _engine_processes(pid: int) -> list[int]:
+    """The children of `pid` that multiprocessing spawned (not its resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    spawned = b"spawn_main" in f.read()
+            except OSError:
+                continue
+            if parent == pid and spawned:
+                found.append(int(entry))
+    return found
+
+
 def test_serve_reports_loading_then_ready_and_exits_cleanly_on_sigterm(tiny_model_dir):
     port = free_port()
     env = {
@@ -58,9 +75,12 @@ def test_serve_reports_loading_then_ready_and_exits_cleanly_on_sigterm(tiny_mode
         thread = threading.Thread(target=stream)
         thread.start()
         assert streaming.wait(60)  # the stream is in flight: its first event has arrived
+        children = _engine_processes(proc.pid)
+        assert len(children) == 1
         proc.send_signal(signal.SIGTERM)
         thread.join(60)
         assert proc.wait(60) == 0
+        assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]  # none left behind
         assert result["lines"][-1] == "data: [DONE]"  # the in-flight stream was finished, not cut
         assert len(result["lines"]) == 901  # all 900 tokens, then [DONE]
     finally:
