@@ -65,7 +65,8 @@ def test_answers_equal_the_in_process_engine(served, llm):
     assert chat.choices[0].message.content == llm.chat(messages, GREEDY).text
     sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, seed=7, ignore_eos=True)
     body = dict(model=MODEL, temperature=0.9, top_p=0.8, seed=7, max_tokens=12, extra_body={"ignore_eos": True})
-    assert client.completions.create(prompt=PROMPTS[1], **body).choices[0].text == llm.generate(PROMPTS[1], sampled).text
+    seeded = client.completions.create(prompt=PROMPTS[1], **body).choices[0].text
+    assert seeded == llm.generate(PROMPTS[1], sampled).text
 
     async def streamed() -> list[str]:  # 16 streams at once, batched in the engine process
         aclient = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
