@@ -262,6 +262,23 @@ def test_int4_paths_equal_the_dequantized_reference(extension, dtype, half_scale
             assert (got - expected).abs().max().item() <= tolerance, (rows, name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_mm_computes_a_row_the_same_whatever_rows_are_beside_it(extension, dtype):
+    """int4_mm's row counts take different code paths (on AVX512-BF16 with bfloat16 inputs: one or
+    two rows from registers, more in tiles of 6 rows over codes unpacked once per group; else tiles
+    by row count), each summing a row's products in the same order: every row of a batch is the same
+    bits as that row alone, and as the same row among any other number of rows."""
+    groups = Int4Groups.from_float(torch.randn(192, 320, generator=torch.Generator().manual_seed(11)))
+    layer = Int4Linear(groups, dtype)
+    x = torch.randn(70, 320, generator=torch.Generator().manual_seed(12)).to(dtype)
+    full = layer(x)
+    for rows in (1, 2, 3, 5, 6, 7, 13, 64):
+        assert torch.equal(layer(x[:rows]), full[:rows]), rows
+    for i in (0, 1, 5, 37, 69):
+        assert torch.equal(layer(x[i : i + 1]), full[i : i + 1]), i
+        assert torch.equal(layer(x[i : i + 2])[:1], full[i : i + 1]), i
+
+
 def _int8_activation_reference(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,12 @@
 #else
 #define KVSERVE_HAS_VNNI512 0
 #endif
+// AVX512-BF16's vdpbf16ps: two bfloat16 products summed into a float32 lane per instruction.
+#if KVSERVE_HAS_AVX512 && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define KVSERVE_HAS_AVX512_BF16 1
+#else
+#define KVSERVE_HAS_AVX512_BF16 0
+#endif
 // AMX tiles with bfloat16 products (Sapphire Rapids and later).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define KVSERVE_HAS_AMX_BF16 1

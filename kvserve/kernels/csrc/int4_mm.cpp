@@ -191,6 +191,174 @@ void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, c
   });
 }
 
+#if KVSERVE_HAS_AVX512_BF16
+// bfloat16 inputs on AVX512-BF16: vdpbf16ps multiplies a pair of inputs (k, k+1) by the pair of
+// codes of 16 columns and adds both products to their float32 lanes, twice the multiply-adds per
+// instruction of float FMAs. The codes 0..15 are exact in bfloat16, and so are the products
+// (8-bit significands), so the only roundings are the float32 sums, in one fixed order per group:
+// pair 0, 1, ... of the group, then the group's scale and min as int4_group_total does. Every row
+// count goes through the same tile, so a row's result is the same bits whatever rows are beside it.
+
+// The bfloat16 bit patterns of 0..15, indexed by code (vpermw's table; the upper 16 unused).
+inline __m512i bf16_code_table() {
+  return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130,
+                          0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+}
+
+// The codes of inputs k (row0) and k + 1 (row1) of a block of NV vectors of columns, as bfloat16
+// pairs: vector v's lane j holds (w[k][c], w[k + 1][c]) for column c = v * kLanes + j. Each 16 bytes
+// of a row hold 16 columns in their low nibbles and the 16 columns half a block later in the high.
+template <int NV>
+inline void unpack_pair_bf16(const uint8_t* row0, const uint8_t* row1, __m512i table, __m512i* out) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int c = 0; c < NV / 2; ++c) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row0 + 16 * c));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row1 + 16 * c));
+    const __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+    const __m256i low = _mm256_and_si256(pairs, nibble);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(pairs, 4), nibble);
+    out[c] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(low), table);
+    out[c + NV / 2] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(high), table);
+  }
+}
+
+// One group of R rows times NT of a block's NV vectors of columns: x bfloat16 bits [R, ldx] from
+// the group's first input, codes [pairs, NV] from the tile's first vector (as scale, min, total).
+template <int NV, int NT, int R>
+inline void int4_bf16_tile(const uint16_t* x, int64_t ldx, const float* xsum, int64_t ldxs, const __m512i* codes,
+                           int64_t pairs, const Vec* scale, const Vec* min, Vec* total) {
+  __m512 acc[R][NT];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NT; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh b[NT];
+    for (int v = 0; v < NT; ++v) b[v] = reinterpret_cast<__m512bh>(codes[p * NV + v]);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int v = 0; v < NT; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const Vec xs = splat(xsum[r * ldxs]);
+    for (int v = 0; v < NT; ++v) {
+      total[r * NV + v] += fused_multiply_add(scale[v], reinterpret_cast<Vec>(acc[r][v]), xs * min[v]);
+    }
+  }
+}
+
+// One or two rows (decode of one or two streams) times one block, the codes unpacked into
+// registers and used at once: the same sums in the same order as the tiles below.
+template <int NV, int R, typename S, typename O>
+void int4_bf16_block_few(const uint16_t* x, const float* xsum, const uint8_t* block, const S* scales_mins,
+                         int64_t n, int64_t n0, int64_t k_len, int64_t group_size, O* out) {
+  constexpr int64_t half = NV * kLanes / 2;
+  const int64_t groups = k_len / group_size, pairs = group_size / 2;
+  const __m512i table = bf16_code_table();
+  Vec total[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) total[r][v] = Vec{};
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[R][NV];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint8_t* row = block + (g * group_size + 2 * p) * half;
+      __m512i codes[NV];
+      unpack_pair_bf16<NV>(row, row + half, table, codes);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * k_len + g * group_size + 2 * p, sizeof(pair));
+        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, reinterpret_cast<__m512bh>(codes[v]));
+      }
+    }
+    Vec scale[NV], min[NV];
+    group_scale_min<NV>(scales_mins, g, n, n0, scale, min);
+    for (int r = 0; r < R; ++r) {
+      const Vec xs = splat(xsum[r * groups + g]);
+      for (int v = 0; v < NV; ++v) {
+        total[r][v] += fused_multiply_add(scale[v], reinterpret_cast<Vec>(acc[r][v]), xs * min[v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float lanes[NV * kLanes];
+    std::memcpy(lanes, total[r], sizeof(lanes));
+    for (int64_t j = 0; j < NV * kLanes; ++j) out[r * n + n0 + j] = from_float<O>(lanes[j]);
+  }
+}
+
+// All m rows times one block: each group's codes are unpacked once into `codes` (NV KB at most),
+// then multiplied into tiles of 6 rows x 4 vectors (24 accumulators of the 32 registers).
+template <int NV, typename S, typename O>
+void int4_bf16_block(const uint16_t* x, int64_t m, const float* xsum, const uint8_t* block, const S* scales_mins,
+                     int64_t n, int64_t n0, int64_t k_len, int64_t group_size, O* out, std::vector<__m512i>& codes,
+                     std::vector<Vec>& total) {
+  constexpr int64_t half = NV * kLanes / 2;
+  constexpr int kTileVecs = NV < 4 ? NV : 4, kTileRows = 6;
+  const int64_t groups = k_len / group_size, pairs = group_size / 2;
+  const __m512i table = bf16_code_table();
+  codes.resize(pairs * NV);
+  total.assign(m * NV, Vec{});
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint8_t* row = block + (g * group_size + 2 * p) * half;
+      unpack_pair_bf16<NV>(row, row + half, table, &codes[p * NV]);
+    }
+    Vec scale[NV], min[NV];
+    group_scale_min<NV>(scales_mins, g, n, n0, scale, min);
+    for (int64_t r = 0; r < m; r += kTileRows) {
+      const uint16_t* xr = x + r * k_len + g * group_size;
+      const float* xs = xsum + r * groups + g;
+      for (int v = 0; v < NV; v += kTileVecs) {
+        const __m512i* c = codes.data() + v;
+        Vec* t = total.data() + r * NV + v;
+        switch (std::min<int64_t>(kTileRows, m - r)) {
+#define KVSERVE_ROWS(R)                                                                                  \
+  case R:                                                                                                \
+    int4_bf16_tile<NV, kTileVecs, R>(xr, k_len, xs, groups, c, pairs, scale + v, min + v, t); \
+    break;
+          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+#undef KVSERVE_ROWS
+          default:
+            TORCH_CHECK(false, "int4_mm: bad row tile");
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    float lanes[NV * kLanes];
+    std::memcpy(lanes, total.data() + r * NV, sizeof(lanes));
+    for (int64_t j = 0; j < NV * kLanes; ++j) out[r * n + n0 + j] = from_float<O>(lanes[j]);
+  }
+}
+
+template <int NV, typename S, typename O>
+void int4_bf16_impl(const uint16_t* x, const float* xsum, int64_t m, int64_t k_len, const uint8_t* packed,
+                    const S* scales_mins, int64_t n, int64_t group_size, O* out) {
+  constexpr int64_t block_n = NV * kLanes;
+  at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> codes;
+    std::vector<Vec> total;
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = packed + b * (block_n / 2) * k_len;
+      if (m == 1) {
+        int4_bf16_block_few<NV, 1>(x, xsum, block, scales_mins, n, b * block_n, k_len, group_size, out);
+      } else if (m == 2) {
+        int4_bf16_block_few<NV, 2>(x, xsum, block, scales_mins, n, b * block_n, k_len, group_size, out);
+      } else {
+        int4_bf16_block<NV>(x, m, xsum, block, scales_mins, n, b * block_n, k_len, group_size, out, codes, total);
+      }
+    }
+  });
+}
+#endif
+
 template <typename S, typename T>
 void dequantize_int4_impl(const uint8_t* packed, const S* scales_mins, T* out, int64_t n, int64_t k,
                           int64_t group_size, int64_t block_n) {
@@ -247,6 +415,20 @@ at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int6
     sums[i] = total;
   }
   const uint8_t* w = packed.data_ptr<uint8_t>();
+#if KVSERVE_HAS_AVX512_BF16
+  if (x.scalar_type() == at::kBFloat16) {
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    with_scales_mins(scales_mins, [&](auto* sm) {
+      at::BFloat16* o = out.data_ptr<at::BFloat16>();
+      switch (block_n / kLanes) {
+        case 2: int4_bf16_impl<2>(xb, sums, m, k_len, w, sm, n, group_size, o); break;
+        case 4: int4_bf16_impl<4>(xb, sums, m, k_len, w, sm, n, group_size, o); break;
+        default: int4_bf16_impl<8>(xb, sums, m, k_len, w, sm, n, group_size, o); break;
+      }
+    });
+    return out;
+  }
+#endif
   with_scales_mins(scales_mins, [&](auto* sm) {
     with_compute_type(x.scalar_type(), [&](auto compute) {
       using O = decltype(compute);
