@@ -190,10 +190,12 @@ class RemoteLLM:
             logger.error("the engine process did not stop within 30 s; killing it")
             self.process.kill()
             self.process.join(5)
-        if self._reader is not None:
-            self._reader.get_loop().call_soon_threadsafe(self._reader.cancel)
+        if self._reader is not None:  # the reader closes its socket as it ends, on its own loop
+            with contextlib.suppress(RuntimeError):  # a closed loop
+                self._reader.get_loop().call_soon_threadsafe(self._reader.cancel)
+        else:
+            self._from_engine.close(linger=0)
         self._to_engine.close(linger=0)
-        self._from_engine.close(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ----- plumbing ----------------------------------------------------------------------------
@@ -210,22 +212,27 @@ class RemoteLLM:
                 raise EngineClosedError("The engine process is not accepting work.") from None
 
     async def _read(self) -> None:
-        while True:
-            message = pickle.loads(await self._from_engine.recv())
-            kind = message[0]
-            if kind == "out":
-                _, items, stats = message
-                for request_id, item in items:
-                    queue = self.streams.get(request_id)
-                    if queue is not None:
-                        queue.put_nowait(item)
-                if stats is not None:
-                    self._stats = stats
-            elif kind == "result":
-                _, call_id, ok, value = message
-                future = self._calls.get(call_id)
-                if future is not None and not future.done():
-                    future.set_result(value) if ok else future.set_exception(value)
+        try:
+            while True:
+                self._dispatch(pickle.loads(await self._from_engine.recv()))
+        finally:
+            self._from_engine.close(linger=0)
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "out":
+            _, items, stats = message
+            for request_id, item in items:
+                queue = self.streams.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(item)
+            if stats is not None:
+                self._stats = stats
+        elif kind == "result":
+            _, call_id, ok, value = message
+            future = self._calls.get(call_id)
+            if future is not None and not future.done():
+                future.set_result(value) if ok else future.set_exception(value)
 
     def _on_death(self) -> None:
         """The engine process exited: fail everything in flight now, and everything later."""

@@ -161,6 +161,20 @@ void int4_block_many(const float* x, int64_t m, const float* xsum, const uint8_t
   }
 }
 
+// The sum of a group's inputs by one fixed order: kLanes at a time into one vector, then its lanes
+// in order (sequentially for a group smaller than a vector).
+template <typename T>
+inline float group_sum(const T* x, int64_t size) {
+  if (size % kLanes != 0) {
+    float total = 0.f;
+    for (int64_t j = 0; j < size; ++j) total += to_float(x[j]);
+    return total;
+  }
+  Vec acc = load_floats(x);
+  for (int64_t j = kLanes; j < size; j += kLanes) acc += load_floats(x + j);
+  return sum_lanes(acc);
+}
+
 template <int NV, typename S, typename O>
 void int4_mm_impl(const float* x, const float* xsum, int64_t m, int64_t k_len, const uint8_t* packed,
                   const S* scales_mins, int64_t n, int64_t group_size, O* out) {
@@ -409,21 +423,22 @@ at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int6
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_mm runs in float32 or bfloat16");
   x = x.contiguous();
   const int64_t m = x.size(0), k_len = x.size(1), groups = k_len / group_size;
-  at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({m, n}, x.options());
   if (kInt8Activations && int8_activations && group_size == kInt8Group && (block_n == 32 || block_n == 64)) {
-    int4_int8_mm(xf, packed, scales_mins, n, block_n, out);
+    int4_int8_mm(x.to(at::kFloat).contiguous(), packed, scales_mins, n, block_n, out);
     return out;
   }
-  // [M, K / g], each group summed in order here: a reduction's order in ATen may depend on the shape
-  at::Tensor xsum = at::empty({m, groups}, xf.options());
-  const float* xp = xf.data_ptr<float>();
+  // [M, K / g]: each group summed by one fixed order (kLanes at a time, then the lanes in order),
+  // whatever the number of rows; rows in parallel (a serial loop here was a tenth of a 64-row step).
+  at::Tensor xsum = at::empty({m, groups}, x.options().dtype(at::kFloat));
   float* sums = xsum.data_ptr<float>();
-  for (int64_t i = 0; i < m * groups; ++i) {
-    float total = 0.f;
-    for (int64_t j = 0; j < group_size; ++j) total += xp[i * group_size + j];
-    sums[i] = total;
-  }
+  with_compute_type(x.scalar_type(), [&](auto compute) {
+    using T = decltype(compute);
+    const T* xp = x.data_ptr<T>();
+    at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin * groups; i < end * groups; ++i) sums[i] = group_sum(xp + i * group_size, group_size);
+    });
+  });
   const uint8_t* w = packed.data_ptr<uint8_t>();
 #if KVSERVE_HAS_AVX512_BF16
   if (x.scalar_type() == at::kBFloat16) {
@@ -439,6 +454,8 @@ at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int6
     return out;
   }
 #endif
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
   with_scales_mins(scales_mins, [&](auto* sm) {
     with_compute_type(x.scalar_type(), [&](auto compute) {
       using O = decltype(compute);
