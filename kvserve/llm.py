@@ -205,7 +205,7 @@ class LLM:
             **weight_summary(self.model),
         }
         self._log_start()
-        self.requests = RequestBuilder(self.tokenizer, self.model.config.vocab_size, self.config.max_model_len)
+        self.request_builder = RequestBuilder(self.tokenizer, self.model.config.vocab_size, self.config.max_model_len)
 
     def _log_start(self) -> None:
         logger.info(
@@ -223,10 +223,10 @@ class LLM:
     # ----- requests -------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids: text is encoded, token ids are checked against the vocabulary."""
-        return self.requests.encode_prompt(prompt)
+        return self.request_builder.encode_prompt(prompt)
 
     def _make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Request:
-        return self.requests.build(prompt, params, request_id)
+        return self.request_builder.build(prompt, params, request_id)
 
     def _chat_ids(self, messages: Messages) -> list[int]:
         return self.tokenizer.encode_chat(messages)

@@ -55,6 +55,7 @@ class RemoteLLM:
         self._context = zmq.asyncio.Context()
         self._to_engine = zmq.Context.instance().socket(zmq.PUSH)
         self._to_engine.setsockopt(zmq.LINGER, 0)
+        self._to_engine.setsockopt(zmq.SNDHWM, 0)  # never refuse work for a full pipe; admission limits it
         self._send_lock = threading.Lock()
         self._from_engine = self._context.socket(zmq.PULL)
         to_address, from_address = f"ipc://{self._dir}/to-engine", f"ipc://{self._dir}/from-engine"
@@ -93,7 +94,7 @@ class RemoteLLM:
             self.weights = info["weights"]
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, self.model_path)
             self.config = SimpleNamespace(max_model_len=info["max_model_len"])
-            self.requests = RequestBuilder(self.tokenizer, info["vocab_size"], info["max_model_len"])
+            self.request_builder = RequestBuilder(self.tokenizer, info["vocab_size"], info["max_model_len"])
         except BaseException:
             loop.remove_reader(self.process.sentinel)
             await asyncio.to_thread(self.close)
@@ -104,14 +105,14 @@ class RemoteLLM:
 
     # ----- requests ----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        return self.requests.encode_prompt(prompt)
+        return self.request_builder.encode_prompt(prompt)
 
     def astream(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> AsyncIterator[StreamChunk]:
         """As `LLM.astream`: the prompt is checked now; the request starts on first iteration."""
         self._check_alive()
-        request = self.requests.build(prompt, params, request_id)
+        request = self.request_builder.build(prompt, params, request_id)
         return self._stream(request.request_id, ("add", request))
 
     def abort(self, request_ids: str | list[str]) -> None:
@@ -206,9 +207,9 @@ class RemoteLLM:
     def _send(self, message: tuple) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
-            try:
+            try:  # with no high-water mark only a missing peer (the engine process gone) refuses
                 self._to_engine.send(data, zmq.NOBLOCK)
-            except zmq.Again:  # the engine has stopped reading
+            except zmq.Again:
                 raise EngineClosedError("The engine process is not accepting work.") from None
 
     async def _read(self) -> None:

@@ -84,6 +84,9 @@ class Outbox:
 
     def __init__(self, context: zmq.Context, address: str) -> None:
         self.socket = context.socket(zmq.PUSH)
+        # No high-water mark, and no blocking send: the engine thread never waits on the front end;
+        # with the front end gone (no peer) a message is dropped, and the process exits within a second.
+        self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.connect(address)
         self.lock = threading.Lock()
@@ -98,7 +101,13 @@ class Outbox:
     def send(self, message: tuple) -> None:
         data = dumps(message)
         with self.lock:
-            self.socket.send(data)
+            self._send(data)
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.socket.send(data, zmq.NOBLOCK)
+        except zmq.Again:  # no front end connected any more
+            logger.debug("dropped a message: the front end is gone")
 
     def flush(self) -> None:
         stats = self.llm.stats() if self.llm is not None else None
@@ -106,7 +115,7 @@ class Outbox:
             if not self.pending and stats == self.stats:
                 return
             items, self.pending, self.stats = self.pending, [], stats
-            self.socket.send(dumps(("out", items, stats)))
+            self._send(dumps(("out", items, stats)))
 
 
 class RemoteSink:
