@@ -114,7 +114,8 @@ def test_int8_group_linear_equals_the_dequantized_matmul(rows, compiled, monkeyp
 @pytest.mark.parametrize("rows", [1, 3, 4, 16, 17, 40, 64], ids=lambda n: f"{n}-rows")
 def test_int8_group_linear_sums_bfloat16_inputs_in_float32(rows):
     """bfloat16 inputs times int8 codes: every product is exact in float32 (8-bit significands), so
-    whichever kernel serves (AMX tiles from 4 rows where the CPU has them, the float kernels else),
+    whichever kernel serves (AMX tiles from 4 rows where the CPU has them, else the pairs of
+    int8_pairs.cpp on AVX512-BF16, else the float kernels),
     the result is the float64 product of the same bfloat16 inputs up to float32 summation. 83 code
     rows and 40 input rows end in partial blocks of 16; 32 groups of inputs."""
     codes, scales = int8_groups_from_float(torch.randn(83, 1024, generator=torch.Generator().manual_seed(3)))

@@ -72,6 +72,16 @@ def int8_group_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     return _ext().int8_group_matmul(x, codes, scales, amx_min_rows)
 
 
+def int8_pairs_usable() -> bool:
+    """Whether this build multiplies bfloat16 rows by int8 codes in pairs (AVX512-BF16)."""
+    return bool(_ext().int8_pairs_usable())
+
+
+def int8_pairs_matmul(x: torch.Tensor, pairs: torch.Tensor, pair_scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """`int8_group_matmul` for bfloat16 x, from the codes as `int8_pairs` lays them out."""
+    return _ext().int8_pairs_matmul(x, pairs, pair_scales, rows)
+
+
 def int8_group_matmul_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`int8_group_matmul` with x's rows quantized to int8 per group of 32, in integers as llama.cpp's
     Q8_0 x Q8_0 (needs `int8_activations()`)."""

@@ -286,7 +286,8 @@ class Int8GroupLinear(nn.Module):
     default), every row count goes through the C++ kernel (kvserve/csrc), one arithmetic per row;
     otherwise up to FEW_ROWS rows do, and more dequantize the weight for a float GEMM, as without a
     compiled kernel. With AMX and bfloat16 inputs the kernel multiplies tiles (exact bfloat16 codes,
-    float32 sums per group).
+    float32 sums per group); without AMX but with AVX512-BF16, bfloat16 inputs go through a copy of
+    the codes interleaved 16 rows x 2 inputs (`_pairs`, int8_pairs.cpp), any row count.
     """
 
     FEW_ROWS = 256
@@ -307,6 +308,20 @@ class Int8GroupLinear(nn.Module):
         self.register_buffer("codes", codes)  # [N, K] int8
         self.register_buffer("scales", scales)  # [N, K / 32] float32
         self.bias = _bias(bias, out_dtype)
+        self._pair_layout: tuple[torch.Tensor, torch.Tensor] | None = None  # see _pairs
+
+    def _pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes 16 output rows x 2 inputs interleaved, and the scales 16 rows at a time
+        (int8_pairs.cpp), for bfloat16 inputs on AVX512-BF16: as many bytes again as the codes, made on
+        the first such call (the C++ kernels load after the weights)."""
+        if self._pair_layout is None:
+            rows = -(-self.out_features // 16) * 16
+            codes = F.pad(self.codes, (0, 0, 0, rows - self.out_features))
+            scales = F.pad(self.scales, (0, 0, 0, rows - self.out_features))
+            pairs = codes.view(rows // 16, 16, self.in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+            pair_scales = scales.view(rows // 16, 16, -1).permute(0, 2, 1).contiguous()
+            self._pair_layout = (pairs, pair_scales)
+        return self._pair_layout
 
     def takes_int8(self) -> bool:
         """Whether the C++ kernels quantize this layer's inputs to int8: asked for, and a CPU with the
@@ -324,6 +339,10 @@ class Int8GroupLinear(nn.Module):
         is_grouped = self.scales.shape[1] * GROUP_SIZE == self.in_features
         if kernels and is_grouped and self.takes_int8():
             return ops.int8_group_matmul_int8(x2, self.codes, self.scales).view(*x.shape[:-1], self.out_features)
+        if kernels and is_grouped and x2.dtype == torch.bfloat16 and not ops.amx() and ops.int8_pairs_usable():
+            # one vdpbf16ps per pair of inputs and 16 output rows, any row count (batch-invariant)
+            out = ops.int8_pairs_matmul(x2, *self._pairs(), self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
         if kernels and is_grouped and (self.batch_invariant or x2.shape[0] <= self.FEW_ROWS):
             amx_min_rows = 1 if self.batch_invariant else ops.amx_min_rows()
             out = ops.int8_group_matmul(x2, self.codes, self.scales, amx_min_rows)

@@ -30,6 +30,13 @@ void int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
 // kInt8Group (codes in -127..127, as GGML's Q8_0 and Q5_0). Needs kInt8Activations.
 void int8_group_matmul_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out);
 
+// ----- int8_pairs.cpp: the same codes stored 16 output rows x 2 inputs interleaved -----------------
+// Whether this build has int8_pairs_matmul (AVX512-BF16).
+bool int8_pairs_usable();
+// x @ (codes * scales).T in float32 [M, v] for bfloat16 x [M, K]; pairs [V / 16, K / 2, 16, 2] int8
+// and pair_scales [V / 16, K / 32, 16] float32 (V >= v, rows past v zero).
+at::Tensor int8_pairs_matmul(at::Tensor x, at::Tensor pairs, at::Tensor pair_scales, int64_t v);
+
 // ----- lm_head.cpp: int8 codes with a scale per group of 32 (GGML's Q8_0), and float weights -----
 constexpr int64_t kAmxMinRows = 4;  // where the AMX tiles overtake the float tiles
 // x @ (codes * scales).T in float32 [M, V]; bfloat16 x from amx_min_rows rows on AMX where usable.
