@@ -73,20 +73,9 @@ class EngineClient:
         """asyncio twin of `stream_with`: `start(sink)` submits; leaving early aborts `request_id`."""
         sink = AsyncSink(asyncio.get_running_loop())
         start(sink)
-        finished = False
-        try:
-            while True:
-                item = await sink.queue.get()
-                if isinstance(item, BaseException):  # the engine already finished (or refused) it
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort([request_id])
+        async with contextlib.aclosing(read_chunks(sink.queue, lambda: self.abort([request_id]))) as stream:
+            async for chunk in stream:
+                yield chunk
 
     def call(self, fn: Callable[[], Any], timeout: float | None = 600) -> Any:
         """Run `fn` on the engine thread at the next step boundary and return its result."""
@@ -111,3 +100,22 @@ def chunks(sink: ThreadSink) -> Iterator[StreamChunk]:
         yield item
         if item.finish_reason is not None:
             return
+
+
+async def read_chunks(queue: asyncio.Queue, abort: Callable[[], None]) -> AsyncIterator[StreamChunk]:
+    """A request's chunks from its asyncio queue until the last; an error in the queue is raised.
+    Leaving before the last chunk (break, exception, cancellation, aclose) calls `abort`."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):  # the engine already finished (or refused) it
+                finished = True
+                raise item
+            finished = item.finish_reason is not None
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished:
+            abort()

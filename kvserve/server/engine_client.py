@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from kvserve.engine.client import read_chunks
 from kvserve.errors import EngineClosedError, EngineError, KVServeError
 from kvserve.outputs import StreamChunk
 from kvserve.prompts import Prompt, RequestBuilder
@@ -124,23 +125,19 @@ class RemoteLLM:
             raise EngineError(f"Request id {request_id!r} is already in use.")
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
-        finished = False
         try:
             self._send(message)
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):  # the engine finished (or refused) it already
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
+            async with contextlib.aclosing(read_chunks(queue, lambda: self._abort_left(request_id))) as stream:
+                async for chunk in stream:
+                    yield chunk
         finally:
             self.streams.pop(request_id, None)
-            if not finished and self.death is None:
-                with contextlib.suppress(KVServeError):
-                    self.abort([request_id])
+
+    def _abort_left(self, request_id: str) -> None:
+        """A stream left before its last chunk: abort it, unless the engine process is gone."""
+        if self.death is None:
+            with contextlib.suppress(KVServeError):
+                self.abort([request_id])
 
     # ----- sessions ----------------------------------------------------------------------------
     def session(self, system=None, messages=None, *, id: str | None = None, ttl=None, owner=None) -> RemoteSession:
