@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from kvserve.engine.client import read_chunks
-from kvserve.errors import EngineClosedError, EngineError, KVServeError
+from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, KVServeError
 from kvserve.outputs import StreamChunk
 from kvserve.prompts import Prompt, RequestBuilder
 from kvserve.sampling_params import SamplingParams
@@ -122,7 +122,7 @@ class RemoteLLM:
     async def _stream(self, request_id: str, message: tuple) -> AsyncIterator[StreamChunk]:
         self._check_alive()
         if request_id in self.streams:
-            raise EngineError(f"Request id {request_id!r} is already in use.")
+            raise InvalidRequestError(f"Request id {request_id!r} is already in use.", "request_id")
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
         try:
