@@ -51,7 +51,6 @@ class RemoteLLM:
     """Start with `await RemoteLLM.start(settings)` on the server's event loop; `close()` stops it."""
 
     def __init__(self, settings: ServerSettings) -> None:
-        self.settings = settings
         self._dir = tempfile.mkdtemp(prefix="kvserve-ipc-")
         self._context = zmq.asyncio.Context()
         self._to_engine = zmq.Context.instance().socket(zmq.PUSH)
@@ -92,7 +91,6 @@ class RemoteLLM:
                 raise EngineProcessError(message[1])
             info = message[1]
             self.model_path = Path(info["model_path"])
-            self.weights = info["weights"]
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, self.model_path)
             self.config = SimpleNamespace(max_model_len=info["max_model_len"])
             self.request_builder = RequestBuilder(self.tokenizer, info["vocab_size"], info["max_model_len"])

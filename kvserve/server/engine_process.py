@@ -177,7 +177,6 @@ def main(settings: ServerSettings, to_engine: str, from_engine: str) -> None:
         "model_path": str(llm.model_path),
         "vocab_size": llm.model.config.vocab_size,
         "max_model_len": llm.config.max_model_len,
-        "weights": {k: v for k, v in llm.weights.items() if isinstance(v, str | int | float | bool)},
     }
     outbox.send(("ready", info))
     try:

@@ -360,23 +360,22 @@ void int4_bf16_impl(const uint16_t* x, const float* xsum, int64_t m, int64_t k_l
   // get 5 and the other 4. A row's sums do not depend on its chunk.
   const int64_t blocks = n / block_n, threads = at::get_num_threads();
   const int64_t chunks = m >= 12 && blocks % threads != 0 && blocks < 8 * threads ? 2 : 1;
-  const int64_t chunk_rows = (m + 2 * 6 - 1) / (2 * 6) * 6;  // half the rows, in whole tiles of 6
+  const int64_t chunk_rows = chunks == 1 ? m : (m + 11) / 12 * 6;  // halves in whole tiles of 6 rows
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> codes;
     std::vector<Vec> total;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / chunks, r0 = item % chunks * chunk_rows, rows = std::min(chunk_rows, m - r0);
       const uint8_t* block = packed + b * (block_n / 2) * k_len;
-      if (rows <= 0) continue;
-      if (chunks > 1) {
-        int4_bf16_block<NV>(x + r0 * k_len, rows, xsum + r0 * (k_len / group_size), block, scales_mins, n,
-                            b * block_n, k_len, group_size, out + r0 * n, codes, total);
-      } else if (m == 1) {
-        int4_bf16_block_few<NV, 1>(x, xsum, block, scales_mins, n, b * block_n, k_len, group_size, out);
-      } else if (m == 2) {
-        int4_bf16_block_few<NV, 2>(x, xsum, block, scales_mins, n, b * block_n, k_len, group_size, out);
-      } else {
-        int4_bf16_block<NV>(x, m, xsum, block, scales_mins, n, b * block_n, k_len, group_size, out, codes, total);
+      const uint16_t* xr = x + r0 * k_len;
+      const float* xs = xsum + r0 * (k_len / group_size);
+      O* o = out + r0 * n;
+      if (rows == 1) {
+        int4_bf16_block_few<NV, 1>(xr, xs, block, scales_mins, n, b * block_n, k_len, group_size, o);
+      } else if (rows == 2) {
+        int4_bf16_block_few<NV, 2>(xr, xs, block, scales_mins, n, b * block_n, k_len, group_size, o);
+      } else if (rows > 0) {
+        int4_bf16_block<NV>(xr, rows, xs, block, scales_mins, n, b * block_n, k_len, group_size, o, codes, total);
       }
     }
   });
