@@ -158,6 +158,25 @@ class Int4Policy:
     int8_activations: bool
 
 
+def _layer_shape(shape: LayerShape) -> Any:
+    return _ext().LayerShape(**{f.name: getattr(shape, f.name) for f in fields(shape)})
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    shape: LayerShape,
+    window: int = 0,
+) -> torch.Tensor:
+    """The layer loop's attention, [B, H D]: row b of qkv [B, (H + 2 Hkv) D] (its rotated q, then k
+    and v) attends to its first seq_lens[b] keys (the last `window` of them; 0: all) in the paged
+    caches [num_blocks, block_size, Hkv, D] through block_tables[b] (int64)."""
+    return _ext().decode_attention(qkv, k_cache, v_cache, block_tables, seq_lens, _layer_shape(shape), window)
+
+
 class LayerStack:
     """The C++ layer loop over a decoder's layers, holding what does not change between steps:
     norms (per layer: attention in, MLP in, then with `sandwich_norms` attention out and MLP out,
@@ -184,7 +203,7 @@ class LayerStack:
             [extension.Linear(m.kind, m.weight, m.scales, m.bias) for m in linears],
             k_caches,
             v_caches,
-            extension.LayerShape(**{f.name: getattr(shape, f.name) for f in fields(shape)}),
+            _layer_shape(shape),
             extension.Int4Policy(**asdict(int4)),
             windows,
             rope_tables,

@@ -80,126 +80,276 @@ inline void panel_tile_rows(int64_t rows, const float* x, int64_t ldx, const flo
 }
 #endif
 
-// out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] over row b's own seq_lens[b] keys, through its
-// own block table (a row is a decode token or one token of a prompt). Each (row, kv head) is one
-// task. Its positions' cache rows are listed once (walking the block table a block at a time).
-// Where head_dim is a multiple of the vector width, keys' dot products run side by side
-// (independent chains, one load of q for all): kLanes at a time with a vector FMA, their sums
-// reduced together into one vector of scores, else four. The softmax's exponentials go eight at a
-// time (exp_sum), and the query heads' weighted sums of values are built in registers, kDimVecs
-// vectors of dimensions at a time, rather than in memory one key at a time. What is left is mostly
-// reading the cache.
-template <typename T, typename C>  // C: the KV cache's element type
-void decode_attention_impl(const T* qkv, const C* k_cache, const C* v_cache, const int64_t* block_tables,
-                           const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t max_blocks, int64_t block_size,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window) {
+// decode_attention's inputs: row b of qkv attends to its own seq_lens[b] keys (the last `window`;
+// 0: all) through its own block table (a row is a decode token or one token of a prompt).
+template <typename T, typename C>  // T: the compute type, C: the KV cache's element type
+struct Paged {
+  const T* qkv;
+  const C* k_cache;
+  const C* v_cache;
+  const int64_t* block_tables;
+  const int64_t* seq_lens;
+  T* out;
+  int64_t num_seqs, max_blocks, block_size, num_heads, num_kv_heads, head_dim, window;
+  float scale;
+
+  int64_t group() const { return num_heads / num_kv_heads; }
+  int64_t row() const { return (num_heads + 2 * num_kv_heads) * head_dim; }  // of qkv
+  int64_t kv_row() const { return num_kv_heads * head_dim; }                 // of a cache slot
+};
+
+// The tasks of decode attention: (row, KV head) pairs, taken by whichever thread is free, rows from
+// both ends in turn (a prompt's rows attend over 1 to n keys). fn(b, kvh, slots, pace) computes one:
+// slots are the cache slots of the row's keys. The cache rows are scattered over blocks and mostly in
+// DRAM, so while a thread works on one task it fetches the rows of the next one it has claimed into
+// L2, spread over the work: fn calls pace(done, work) as it goes, `done` more units of its `work`
+// (key x query head products) being done.
+template <typename T, typename C, typename F>
+void for_each_attention_task(const Paged<T, C>& a, F&& fn) {
+  const int64_t num_tasks = a.num_seqs * a.num_kv_heads, kv_row = a.kv_row();
+  std::atomic<int64_t> next{0};
+  const auto task_row = [&](int64_t task) {
+    const int64_t i = task / a.num_kv_heads;
+    return i % 2 == 0 ? i / 2 : a.num_seqs - 1 - i / 2;
+  };
+  const auto task_slots = [&](int64_t task, std::vector<int64_t>& slots) {  // walking its block table
+    slots.clear();
+    if (task >= num_tasks) return;
+    const int64_t b = task_row(task), end = a.seq_lens[b];
+    const int64_t* table = a.block_tables + b * a.max_blocks;
+    for (int64_t pos = a.window > 0 ? std::max<int64_t>(0, end - a.window) : 0; pos < end;) {
+      const int64_t block = pos / a.block_size, stop = std::min((block + 1) * a.block_size, end);
+      const int64_t base = (table[block] - block) * a.block_size;
+      for (; pos < stop; ++pos) slots.push_back(base + pos);
+    }
+  };
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<int64_t> slots, next_slots;
+    int64_t task = next.fetch_add(1);
+    task_slots(task, slots);
+    while (task < num_tasks) {
+      const int64_t claimed = next.fetch_add(1);
+      task_slots(claimed, next_slots);
+      const int64_t head = claimed % a.num_kv_heads * a.head_dim, total = static_cast<int64_t>(next_slots.size());
+      int64_t fetched = 0;
+      const auto prefetch = [&](int64_t rows) {
+        for (const int64_t stop = std::min(fetched + rows, total); fetched < stop; ++fetched) {
+          const char* k = reinterpret_cast<const char*>(a.k_cache + next_slots[fetched] * kv_row + head);
+          const char* v = reinterpret_cast<const char*>(a.v_cache + next_slots[fetched] * kv_row + head);
+          for (int64_t byte = 0; byte < a.head_dim * static_cast<int64_t>(sizeof(C)); byte += 64) {
+            __builtin_prefetch(k + byte, 0, 2);
+            __builtin_prefetch(v + byte, 0, 2);
+          }
+        }
+      };
+      const auto pace = [&](int64_t done, int64_t work) {  // done of work units: their share of the rows
+        prefetch((total * done + work - 1) / std::max<int64_t>(1, work));
+      };
+      fn(task_row(task), task % a.num_kv_heads, slots, pace);
+      prefetch(total);
+      std::swap(slots, next_slots);
+      task = claimed;
+    }
+  });
+}
+
+// out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] for one task. Where head_dim is a multiple of
+// the vector width, keys' dot products run side by side (independent chains, one load of q for all):
+// kLanes at a time with a vector FMA, their sums reduced together into one vector of scores, else
+// four. The softmax's exponentials go eight at a time (exp_sum), and the query heads' weighted sums
+// of values are built in registers, kDimVecs vectors of dimensions at a time, rather than in memory
+// one key at a time.
+template <typename T, typename C>
+void decode_attention_impl(const Paged<T, C>& a) {
   constexpr int kDimVecs = kLanes < 64 ? 64 / kLanes : 1, kKeys = 4;  // 64 dimensions at a time
   constexpr int kHeadsPerPass = kLanes == 16 ? 4 : 1;  // query heads summed over the values together
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
-  const int64_t kv_row = num_kv_heads * head_dim;
+  const int64_t group = a.group(), head_dim = a.head_dim, kv_row = a.kv_row();
   const bool vectors = head_dim % kLanes == 0;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, q(group * head_dim);
-    std::vector<int64_t> slots;
-    for (int64_t task = begin; task < end; ++task) {
-      // Rows taken from both ends in turn (0, n-1, 1, n-2, ...): parallel_for gives each thread a
-      // contiguous range of tasks, and a prompt's rows attend over 1 to n keys, so each range then
-      // holds as many long rows as short ones.
-      const int64_t i = task / num_kv_heads, kvh = task % num_kv_heads;
-      const int64_t b = i % 2 == 0 ? i / 2 : num_seqs - 1 - i / 2;
-      const int64_t first_key = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
-      const int64_t len = seq_lens[b] - first_key;  // the keys it sees: positions first_key.. on
-      const int64_t* table = block_tables + b * max_blocks;
-      const C* keys = k_cache + kvh * head_dim;
-      const C* values = v_cache + kvh * head_dim;
-      slots.resize(len);
-      for (int64_t pos = first_key; pos < seq_lens[b];) {  // a block at a time; blocks before the window unread
-        const int64_t block = pos / block_size, end = std::min((block + 1) * block_size, seq_lens[b]);
-        const int64_t base = (table[block] - block) * block_size;
-        for (; pos < end; ++pos) slots[pos - first_key] = base + pos;
-      }
-      scores.resize(group * len);
-      for (int64_t i = 0; i < group * head_dim; ++i) q[i] = to_float(qkv[b * row + kvh * group * head_dim + i]);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q.data() + g * head_dim;
-        float* sg = scores.data() + g * len;
-        int64_t j = 0;
+  for_each_attention_task(a, [&](int64_t b, int64_t kvh, const std::vector<int64_t>& slots, auto pace) {
+    thread_local std::vector<float> scores, q;
+    const int64_t len = static_cast<int64_t>(slots.size());
+    const C* keys = a.k_cache + kvh * head_dim;
+    const C* values = a.v_cache + kvh * head_dim;
+    scores.resize(group * len);
+    q.resize(group * head_dim);
+    for (int64_t i = 0; i < group * head_dim; ++i) q[i] = to_float(a.qkv[b * a.row() + kvh * group * head_dim + i]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q.data() + g * head_dim;
+      float* sg = scores.data() + g * len;
+      int64_t j = 0;
 #if KVSERVE_HAS_VEC_FMA
-        // kLanes keys at a time (8 on AVX2, 16 on AVX-512): their sums reduced together into one
-        // vector of scores (sum_lanes_each), cheaper than a scalar sum of each key's lanes.
-        for (; vectors && j + kLanes <= len; j += kLanes) {
-          Vec acc[kLanes];
-          const C* key[kLanes];
-          for (int i = 0; i < kLanes; ++i) {
-            acc[i] = Vec{};
-            key[i] = keys + slots[j + i] * kv_row;
-          }
-          for (int64_t d = 0; d < head_dim; d += kLanes) {
-            const Vec qv = load_floats(qg + d);
-            for (int i = 0; i < kLanes; ++i) acc[i] = fused_multiply_add(qv, load_floats(key[i] + d), acc[i]);
-          }
-          const Vec scaled = sum_lanes_each(acc) * scale;
-          std::memcpy(sg + j, &scaled, sizeof(scaled));
+      // kLanes keys at a time (8 on AVX2, 16 on AVX-512): their sums reduced together into one
+      // vector of scores (sum_lanes_each), cheaper than a scalar sum of each key's lanes.
+      for (; vectors && j + kLanes <= len; j += kLanes) {
+        Vec acc[kLanes];
+        const C* key[kLanes];
+        for (int i = 0; i < kLanes; ++i) {
+          acc[i] = Vec{};
+          key[i] = keys + slots[j + i] * kv_row;
         }
-#endif
-        for (; vectors && j + kKeys <= len; j += kKeys) {
-          Vec acc[kKeys] = {};
-          for (int64_t d = 0; d < head_dim; d += kLanes) {
-            const Vec qv = load_floats(qg + d);
-            for (int i = 0; i < kKeys; ++i) acc[i] += qv * load_floats(keys + slots[j + i] * kv_row + d);
-          }
-          for (int i = 0; i < kKeys; ++i) sg[j + i] = sum_lanes(acc[i]) * scale;
+        for (int64_t d = 0; d < head_dim; d += kLanes) {
+          const Vec qv = load_floats(qg + d);
+          for (int i = 0; i < kLanes; ++i) acc[i] = fused_multiply_add(qv, load_floats(key[i] + d), acc[i]);
         }
-        for (; j < len; ++j) {
-          const C* key = keys + slots[j] * kv_row;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < head_dim; ++i) dot += qg[i] * to_float(key[i]);
-          sg[j] = dot * scale;
-        }
-        const float inv = 1.f / exp_sum(sg, len);
-        for (j = 0; j < len; ++j) sg[j] *= inv;
+        const Vec scaled = sum_lanes_each(acc) * a.scale;
+        std::memcpy(sg + j, &scaled, sizeof(scaled));
+        pace(kLanes, group * len);
       }
-      T* o = out + b * num_heads * head_dim + kvh * group * head_dim;
-      // kHeadsPerPass query heads at a time share each value vector's load and widening (on AVX-512
-      // their 4 x 4 accumulators fit its 32 registers; AVX2's 16 hold one head's 8).
-      for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
-        const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g0);
-        int64_t d0 = 0;
-        for (; d0 + kDimVecs * kLanes <= head_dim; d0 += kDimVecs * kLanes) {
-          Vec acc[kHeadsPerPass][kDimVecs] = {};
-          for (int64_t j = 0; j < len; ++j) {
-            const C* value = values + slots[j] * kv_row + d0;
-            Vec vv[kDimVecs];
-            for (int v = 0; v < kDimVecs; ++v) vv[v] = load_floats(value + v * kLanes);
-            for (int h = 0; h < kHeadsPerPass; ++h) {
-              if (h < heads) {
-                const float p = scores[(g0 + h) * len + j];
-                for (int v = 0; v < kDimVecs; ++v) acc[h][v] += p * vv[v];
-              }
+#endif
+      for (; vectors && j + kKeys <= len; j += kKeys) {
+        Vec acc[kKeys] = {};
+        for (int64_t d = 0; d < head_dim; d += kLanes) {
+          const Vec qv = load_floats(qg + d);
+          for (int i = 0; i < kKeys; ++i) acc[i] += qv * load_floats(keys + slots[j + i] * kv_row + d);
+        }
+        for (int i = 0; i < kKeys; ++i) sg[j + i] = sum_lanes(acc[i]) * a.scale;
+        pace(kKeys, group * len);
+      }
+      for (; j < len; ++j) {
+        const C* key = keys + slots[j] * kv_row;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < head_dim; ++i) dot += qg[i] * to_float(key[i]);
+        sg[j] = dot * a.scale;
+      }
+      const float inv = 1.f / exp_sum(sg, len);
+      for (j = 0; j < len; ++j) sg[j] *= inv;
+    }
+    T* o = a.out + b * a.num_heads * head_dim + kvh * group * head_dim;
+    // kHeadsPerPass query heads at a time share each value vector's load and widening (on AVX-512
+    // their 4 x 4 accumulators fit its 32 registers; AVX2's 16 hold one head's 8).
+    for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+      const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g0);
+      int64_t d0 = 0;
+      for (; d0 + kDimVecs * kLanes <= head_dim; d0 += kDimVecs * kLanes) {
+        Vec acc[kHeadsPerPass][kDimVecs] = {};
+        for (int64_t j = 0; j < len; ++j) {
+          const C* value = values + slots[j] * kv_row + d0;
+          Vec vv[kDimVecs];
+          for (int v = 0; v < kDimVecs; ++v) vv[v] = load_floats(value + v * kLanes);
+          for (int h = 0; h < kHeadsPerPass; ++h) {
+            if (h < heads) {
+              const float p = scores[(g0 + h) * len + j];
+              for (int v = 0; v < kDimVecs; ++v) acc[h][v] += p * vv[v];
             }
           }
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          float lanes[kDimVecs * kLanes];
+          std::memcpy(lanes, acc[h], sizeof(lanes));
+          for (int64_t i = 0; i < kDimVecs * kLanes; ++i) o[(g0 + h) * head_dim + d0 + i] = from_float<T>(lanes[i]);
+        }
+      }
+      for (int64_t g = g0; g < g0 + heads && d0 < head_dim; ++g) {
+        // the dimensions left over (head_dim not a multiple of kDimVecs vectors)
+        const float* sg = scores.data() + g * len;
+        std::vector<float> acc(head_dim - d0, 0.f);
+        for (int64_t j = 0; j < len; ++j) {
+          const C* value = values + slots[j] * kv_row + d0;
+          for (int64_t i = 0; i < head_dim - d0; ++i) acc[i] += sg[j] * to_float(value[i]);
+        }
+        for (int64_t i = 0; i < head_dim - d0; ++i) o[g * head_dim + d0 + i] = from_float<T>(acc[i]);
+      }
+    }
+  });
+}
+
+#if KVSERVE_HAS_AVX512_BF16
+// decode_attention_impl for a bfloat16 query and cache (head_dim a multiple of 32) on AVX512-BF16's
+// vdpbf16ps, which multiplies pairs of bfloat16 values exactly and adds both products to a float32
+// lane: q . k for 16 keys takes head_dim / 32 instructions per key (the FMA kernel widens each key
+// and runs head_dim / 16 FMAs per query head), each key's lanes summed by sum_lanes_each (a tail of
+// fewer keys beside zeros, so a key's score does not depend on how many keys share its pass). The
+// probabilities are rounded to bfloat16, as transformers' eager attention rounds them to the
+// query's dtype, and multiply two keys' values at once: the value rows interleaved (unpack lo/hi
+// puts the dimension pairs (v_j[d], v_j+1[d]) in float lanes) against (p_j, p_j+1) in every lane.
+// A row's arithmetic depends only on its own keys.
+void decode_attention_bf16(const Paged<c10::BFloat16, c10::BFloat16>& a) {
+  constexpr int kHeadsPerPass = 4;
+  const int64_t group = a.group(), head_dim = a.head_dim, kv_row = a.kv_row(), dim_vecs = head_dim / 32;
+  const auto raw = [](const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
+  // The values' dimension pairs land in the accumulators' lanes as unpack lo/hi place them: lo lane
+  // 4L + i is dimension 8L + i, hi lane 4L + i is 8L + 4 + i (L, i < 4); these put them back in order.
+  const __m512i dims_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i dims_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for_each_attention_task(a, [&](int64_t b, int64_t kvh, const std::vector<int64_t>& slots, auto pace) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<uint16_t> probs;  // per query head, padded with zeros to an even count
+    const int64_t len = static_cast<int64_t>(slots.size()), padded = len + (len & 1);
+    const uint16_t* keys = raw(a.k_cache) + kvh * head_dim;
+    const uint16_t* values = raw(a.v_cache) + kvh * head_dim;
+    const uint16_t* q = raw(a.qkv) + b * a.row() + kvh * group * head_dim;
+    scores.resize(len + 16);  // room for a last whole vector of scores
+    probs.resize(group * padded + 16);
+    for (int64_t g = 0; g < group; ++g) {
+      const uint16_t* qg = q + g * head_dim;
+      for (int64_t j = 0; j < len; j += 16) {
+        Vec acc[16] = {};
+        const auto dots = [&](auto count) {  // 16 (unrolled), or the tail's count
+          for (int64_t d = 0; d < dim_vecs; ++d) {
+            const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qg + 32 * d));
+            for (int64_t k = 0; k < count; ++k) {
+              const __m512i key = _mm512_loadu_si512(keys + slots[j + k] * kv_row + 32 * d);
+              acc[k] = reinterpret_cast<Vec>(
+                  _mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[k]), qv, reinterpret_cast<__m512bh>(key)));
+            }
+          }
+        };
+        if (j + 16 <= len) {
+          dots(std::integral_constant<int64_t, 16>{});
+        } else {
+          dots(len - j);
+        }
+        const Vec scaled = sum_lanes_each(acc) * a.scale;
+        std::memcpy(scores.data() + j, &scaled, sizeof(scaled));
+        pace(16, group * len);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / exp_sum(scores.data(), len));
+      uint16_t* pg = probs.data() + g * padded;
+      for (int64_t j = 0; j < padded; j += 16) {  // scores past len read as 0
+        const __mmask16 live = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
+        const __mmask16 kept = padded - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (padded - j)) - 1);
+        const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, scores.data() + j), inv);
+        _mm256_mask_storeu_epi16(pg + j, kept, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+      }
+    }
+    uint16_t* o = reinterpret_cast<uint16_t*>(a.out) + b * a.num_heads * head_dim + kvh * group * head_dim;
+    for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+      const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g0);
+      for (int64_t d = 0; d < dim_vecs; d += 2) {
+        const int64_t nv = std::min<int64_t>(2, dim_vecs - d);  // 32-dimension vectors in this pass
+        __m512 acc[kHeadsPerPass][4];
+        for (auto& h : acc) h[0] = h[1] = h[2] = h[3] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < len; j += 2) {
+          const uint16_t* v0 = values + slots[j] * kv_row + 32 * d;
+          const uint16_t* v1 = j + 1 < len ? values + slots[j + 1] * kv_row + 32 * d : nullptr;
+          __m512bh pairs[4];
+          for (int64_t v = 0; v < nv; ++v) {
+            const __m512i first = _mm512_loadu_si512(v0 + 32 * v);
+            const __m512i second = v1 != nullptr ? _mm512_loadu_si512(v1 + 32 * v) : _mm512_setzero_si512();
+            pairs[2 * v] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(first, second));
+            pairs[2 * v + 1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(first, second));
+          }
           for (int64_t h = 0; h < heads; ++h) {
-            float lanes[kDimVecs * kLanes];
-            std::memcpy(lanes, acc[h], sizeof(lanes));
-            for (int64_t i = 0; i < kDimVecs * kLanes; ++i) o[(g0 + h) * head_dim + d0 + i] = from_float<T>(lanes[i]);
+            int32_t pair;  // (p_j, p_j+1)
+            std::memcpy(&pair, probs.data() + (g0 + h) * padded + j, sizeof(pair));
+            const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+            for (int64_t v = 0; v < 2 * nv; ++v) acc[h][v] = _mm512_dpbf16_ps(acc[h][v], pairs[v], p);
           }
         }
-        for (int64_t g = g0; g < g0 + heads && d0 < head_dim; ++g) {
-          // the dimensions left over (head_dim not a multiple of kDimVecs vectors)
-          const float* sg = scores.data() + g * len;
-          std::vector<float> acc(head_dim - d0, 0.f);
-          for (int64_t j = 0; j < len; ++j) {
-            const C* value = values + slots[j] * kv_row + d0;
-            for (int64_t i = 0; i < head_dim - d0; ++i) acc[i] += sg[j] * to_float(value[i]);
+        for (int64_t h = 0; h < heads; ++h) {
+          uint16_t* oh = o + (g0 + h) * head_dim + 32 * d;
+          for (int64_t v = 0; v < nv; ++v) {
+            const __m512 low = _mm512_permutex2var_ps(acc[h][2 * v], dims_lo, acc[h][2 * v + 1]);
+            const __m512 high = _mm512_permutex2var_ps(acc[h][2 * v], dims_hi, acc[h][2 * v + 1]);
+            _mm512_storeu_si512(oh + 32 * v, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
           }
-          for (int64_t i = 0; i < head_dim - d0; ++i) o[g * head_dim + d0 + i] = from_float<T>(acc[i]);
         }
       }
     }
   });
 }
+#endif
 
 // Causal attention of fresh prompts (no earlier context): rows [starts[s], starts[s + 1]) of qkv are
 // sequence s's tokens, its keys and values their own.
@@ -315,10 +465,26 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     with_cache_type(k_cache.scalar_type(), [&](auto stored) {
       using T = decltype(compute);
       using C = decltype(stored);
-      decode_attention_impl<T, C>(qkv.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
-                                  block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<T>(),
-                                  qkv.size(0), block_tables.size(1), k_cache.size(1), shape.num_heads,
-                                  shape.num_kv_heads, shape.head_dim, static_cast<float>(shape.scale), window);
+      const Paged<T, C> args{qkv.data_ptr<T>(),
+                             k_cache.data_ptr<C>(),
+                             v_cache.data_ptr<C>(),
+                             block_tables.data_ptr<int64_t>(),
+                             seq_lens.data_ptr<int64_t>(),
+                             out.data_ptr<T>(),
+                             qkv.size(0),
+                             block_tables.size(1),
+                             k_cache.size(1),
+                             shape.num_heads,
+                             shape.num_kv_heads,
+                             shape.head_dim,
+                             window,
+                             static_cast<float>(shape.scale)};
+#if KVSERVE_HAS_AVX512_BF16
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+        if (shape.head_dim % 32 == 0) return decode_attention_bf16(args);
+      }
+#endif
+      decode_attention_impl<T, C>(args);
     });
   });
 }

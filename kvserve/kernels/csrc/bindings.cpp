@@ -28,6 +28,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx", &amx_usable, "whether this build runs AMX tiles (bfloat16 GEMMs then favour more rows)");
   m.def("amx_min_rows", [] { return kAmxMinRows; }, "rows from which the lm_head's AMX tiles are fastest");
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (NaN largest), [B] int64");
+  m.def(
+      "decode_attention",
+      [](const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+         const at::Tensor& seq_lens, const LayerShape& shape, int64_t window) {
+        at::Tensor out = at::empty({qkv.size(0), shape.num_heads * shape.head_dim}, qkv.options());
+        decode_attention(qkv, k_cache, v_cache, block_tables, seq_lens, out, shape, window);
+        return out;
+      },
+      "the layer loop's attention: each row of qkv over its own keys in the paged cache, [B, H D]");
 
   py::enum_<LinearKind>(m, "LinearKind", "how a linear layer's weight is stored")
       .value("Float", LinearKind::Float)
