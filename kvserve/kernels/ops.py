@@ -82,6 +82,18 @@ def int8_pairs_matmul(x: torch.Tensor, pairs: torch.Tensor, pair_scales: torch.T
     return _ext().int8_pairs_matmul(x, pairs, pair_scales, rows)
 
 
+def int8_quads_usable() -> bool:
+    """Whether this build multiplies int8-quantized rows by int8 codes four inputs at a time (AVX512-VNNI)."""
+    return bool(_ext().int8_quads_usable())
+
+
+def int8_quads_matmul(
+    x: torch.Tensor, quads: torch.Tensor, quad_scales: torch.Tensor, quad_offsets: torch.Tensor, rows: int
+) -> torch.Tensor:
+    """`int8_group_matmul_int8` from the codes as `int8_quads` lays them out (x quantized the same way)."""
+    return _ext().int8_quads_matmul(x, quads, quad_scales, quad_offsets, rows)
+
+
 def int8_group_matmul_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`int8_group_matmul` with x's rows quantized to int8 per group of 32, in integers as llama.cpp's
     Q8_0 x Q8_0 (needs `int8_activations()`)."""

@@ -309,6 +309,7 @@ class Int8GroupLinear(nn.Module):
         self.register_buffer("scales", scales)  # [N, K / 32] float32
         self.bias = _bias(bias, out_dtype)
         self._pair_layout: tuple[torch.Tensor, torch.Tensor] | None = None  # see _pairs
+        self._quad_layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _quads
 
     def _pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes 16 output rows x 2 inputs interleaved, and the scales 16 rows at a time
@@ -319,9 +320,21 @@ class Int8GroupLinear(nn.Module):
             codes = F.pad(self.codes, (0, 0, 0, rows - self.out_features))
             scales = F.pad(self.scales, (0, 0, 0, rows - self.out_features))
             pairs = codes.view(rows // 16, 16, self.in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
-            pair_scales = scales.view(rows // 16, 16, -1).permute(0, 2, 1).contiguous()
-            self._pair_layout = (pairs, pair_scales)
+            self._pair_layout = (pairs, _by_16_rows(scales))
         return self._pair_layout
+
+    def _quads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The codes 16 output rows x 4 inputs interleaved, the scales 16 rows at a time, and -128 x
+        each row's sum of codes per group (int8_quads.cpp), for int8 activations on AVX512-VNNI: as
+        many bytes again as the codes, made on the first such call."""
+        if self._quad_layout is None:
+            rows = -(-self.out_features // 16) * 16
+            codes = F.pad(self.codes, (0, 0, 0, rows - self.out_features))
+            scales = F.pad(self.scales, (0, 0, 0, rows - self.out_features))
+            quads = codes.view(rows // 16, 16, self.in_features // 4, 4).permute(0, 2, 1, 3).contiguous()
+            offsets = codes.view(rows, -1, GROUP_SIZE).sum(-1, dtype=torch.int32) * -128
+            self._quad_layout = (quads, _by_16_rows(scales), _by_16_rows(offsets))
+        return self._quad_layout
 
     def takes_int8(self) -> bool:
         """Whether the C++ kernels quantize this layer's inputs to int8: asked for, and a CPU with the
@@ -338,7 +351,11 @@ class Int8GroupLinear(nn.Module):
         kernels = x2.device.type == "cpu" and ops.available()
         is_grouped = self.scales.shape[1] * GROUP_SIZE == self.in_features
         if kernels and is_grouped and self.takes_int8():
-            return ops.int8_group_matmul_int8(x2, self.codes, self.scales).view(*x.shape[:-1], self.out_features)
+            if ops.int8_quads_usable():  # one vpdpbusd per four inputs and 16 output rows, any row count
+                out = ops.int8_quads_matmul(x2, *self._quads(), self.out_features)
+            else:
+                out = ops.int8_group_matmul_int8(x2, self.codes, self.scales)
+            return out.view(*x.shape[:-1], self.out_features)
         if kernels and is_grouped and x2.dtype == torch.bfloat16 and not ops.amx() and ops.int8_pairs_usable():
             # one vdpbf16ps per pair of inputs and 16 output rows, any row count (batch-invariant)
             out = ops.int8_pairs_matmul(x2, *self._pairs(), self.out_features)
@@ -364,6 +381,11 @@ class Int8GroupLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def _by_16_rows(per_row: torch.Tensor) -> torch.Tensor:
+    """[rows, groups] values as [rows / 16, groups, 16]: each group's values of 16 rows side by side."""
+    return per_row.view(per_row.shape[0] // 16, 16, -1).permute(0, 2, 1).contiguous()
 
 
 def float32_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

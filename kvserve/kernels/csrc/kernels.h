@@ -37,6 +37,15 @@ bool int8_pairs_usable();
 // and pair_scales [V / 16, K / 32, 16] float32 (V >= v, rows past v zero).
 at::Tensor int8_pairs_matmul(at::Tensor x, at::Tensor pairs, at::Tensor pair_scales, int64_t v);
 
+// ----- int8_quads.cpp: the same codes stored 16 output rows x 4 inputs interleaved -----------------
+// Whether this build has int8_quads_matmul (AVX512-VNNI).
+bool int8_quads_usable();
+// x @ (codes * scales).T in float32 [M, v], x quantized to int8 per group of 32 as
+// int8_group_matmul_int8 quantizes it; quads [V / 16, K / 4, 16, 4] int8, quad_scales [V / 16, K / 32,
+// 16] float32, quad_offsets [V / 16, K / 32, 16] int32 (-128 x each row's sum of codes per group).
+at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_scales, at::Tensor quad_offsets,
+                             int64_t v);
+
 // ----- lm_head.cpp: int8 codes with a scale per group of 32 (GGML's Q8_0), and float weights -----
 constexpr int64_t kAmxMinRows = 4;  // where the AMX tiles overtake the float tiles
 // x @ (codes * scales).T in float32 [M, V]; bfloat16 x from amx_min_rows rows on AMX where usable.
