@@ -8,13 +8,19 @@ from kvserve.models.config import ModelConfig
 
 
 def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    num_layers: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed `[num_blocks, block_size, num_kv_heads, head_dim]` K and V tensors for each layer."""
+    """Zeroed `[num_blocks, block_size, num_kv_heads, head_dim]` K and V tensors for each of
+    `num_layers` layers (all the model's unless told: a pipeline stage holds its own layers' only)."""
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(config.num_hidden_layers)
+        for _ in range(config.num_hidden_layers if num_layers is None else num_layers)
     ]
 
 

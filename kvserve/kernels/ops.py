@@ -196,7 +196,8 @@ class LayerStack:
     per layer), the KV caches (one [num_blocks, block_size, num_kv_heads, head_dim] K and V per layer,
     of one dtype, which may differ from the compute dtype), sizes, the int4 policy, and per layer its
     attention window (0: every position) and RoPE table. References, not copies: `forward` writes
-    the caches in place."""
+    the caches in place. Without `final_norm` (and no final norm in `norms`) the stack is a pipeline
+    stage's layers: `forward` returns the residual stream after them, for the next stage."""
 
     def __init__(
         self,
@@ -208,6 +209,7 @@ class LayerStack:
         int4: Int4Policy,
         windows: list[int],
         rope_tables: list[int],
+        final_norm: bool = True,
     ) -> None:
         extension = _ext()
         self._stack = extension.LayerStack(
@@ -219,6 +221,7 @@ class LayerStack:
             extension.Int4Policy(**asdict(int4)),
             windows,
             rope_tables,
+            final_norm,
         )
 
     def forward(

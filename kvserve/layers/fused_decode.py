@@ -44,7 +44,7 @@ class FusedDecoder:
         # Batch invariance (quantized.set_batch_invariant, before this is made): int4_mm for every
         # number of rows, never the GEMM over the dequantized weight.
         self.batch_invariant = all(m.batch_invariant for m in int4)
-        dtype = model.norm.weight.dtype  # the compute dtype: the C++ loop takes x in its norms' dtype
+        dtype = model.layers[0].attn_norm.weight.dtype  # the compute dtype: the C++ loop takes x in its norms' dtype
         int4_policy = ops.Int4Policy(
             group_size=groups.pop() if groups else 32,
             few_rows=2**62 if self.batch_invariant else quantized.int4_few_rows(dtype),
@@ -61,7 +61,8 @@ class FusedDecoder:
             if config.qk_norm:
                 norms += [attn.q_norm.weight, attn.k_norm.weight]
             self.linears += [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        norms.append(model.norm.weight)
+        if model.norm is not None:  # a pipeline stage short of the last has no final norm
+            norms.append(model.norm.weight)
         self._k_cache = model.layers[0].self_attn.k_cache  # to tell a later bind_kv_cache (which rebinds every layer)
         activations = ops.activations()
         shape = ops.LayerShape(
@@ -85,6 +86,7 @@ class FusedDecoder:
             int4_policy,
             windows=[layer.self_attn.window for layer in model.layers],
             rope_tables=[layer.self_attn.rope_table for layer in model.layers],
+            final_norm=model.norm is not None,
         )
 
     @staticmethod
@@ -113,10 +115,23 @@ class FusedDecoder:
         sequence's block table (block_tables [T, max_blocks]) attending to its first seq_lens keys
         (see `prefill` for prefill_starts). Writes each layer's K/V at `slot_mapping` before any
         attention reads it, as the model's forward would."""
+        x = self.model.embed(input_ids)  # [B, hidden]
+        return self.forward_hidden(x, positions, slot_mapping, block_tables, seq_lens, prefill_starts)
+
+    def forward_hidden(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        prefill_starts: list[int] | None = None,
+    ) -> torch.Tensor:
+        """`forward` from x [T, hidden] (embeddings, or the previous pipeline stage's residual stream);
+        a stage without the final norm returns the residual stream after its layers."""
         model = self.model
         if model.layers[0].self_attn.k_cache is not self._k_cache:
             raise RuntimeError("the model's KV caches were rebound after its FusedDecoder was made; make a new one")
-        x = model.embed(input_ids)  # [B, hidden]
         cos, sin_signed = model.rotary.stacked(positions, x.dtype)  # each [tables, B, rotary_dim]
         return self.stack.forward(
             x.contiguous(),
@@ -134,8 +149,14 @@ class FusedDecoder:
         """Hidden states [T, hidden] after the final norm for the whole prompts of fresh sequences
         (no earlier context), flattened: sequence s is rows starts[s]:starts[s + 1]. Writes their K/V
         at `slot_mapping`, as the model's forward would."""
+        return self.prefill_hidden(self.model.embed(input_ids), positions, slot_mapping, starts)
+
+    def prefill_hidden(
+        self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, starts: list[int]
+    ) -> torch.Tensor:
+        """`prefill` from x [T, hidden] (embeddings, or the previous pipeline stage's residual stream)."""
         empty = torch.empty(0, 0, dtype=torch.long)
-        return self.forward(input_ids, positions, slot_mapping, empty, empty, starts)
+        return self.forward_hidden(x, positions, slot_mapping, empty, empty, starts)
 
 
 def _linear(linear: nn.Module) -> ops.Linear:

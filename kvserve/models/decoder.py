@@ -93,19 +93,35 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The model, or with `stage` (first, end) a pipeline stage's share of it: layers [first, end) as
+    `layers[0 ..]`, the token embedding only if first is 0, the final norm and lm_head only if end is
+    the last layer (`has_embedding`, `has_head`)."""
+
+    def __init__(self, config: ModelConfig, stage: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.config = config
+        self.first_layer, self.end_layer = stage or (0, config.num_hidden_layers)
+        if not 0 <= self.first_layer < self.end_layer <= config.num_hidden_layers:
+            raise ValueError(f"a stage holds layers [first, end) of {config.num_hidden_layers}, got {stage}")
         self.rotary = RotaryEmbedding(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if self.has_embedding else None
+        layers = slice(self.first_layer, self.end_layer)
         self.layers = nn.ModuleList(
             DecoderLayer(config, window, table)
-            for window, table in zip(config.layer_windows, config.layer_rope_tables, strict=True)
+            for window, table in zip(config.layer_windows[layers], config.layer_rope_tables[layers], strict=True)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.has_head else None
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.has_head else None
+        if config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.first_layer == 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.end_layer == self.config.num_hidden_layers
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Point every layer at its (k_cache, v_cache) pair. The tensors are written in place by forward."""
@@ -124,11 +140,15 @@ class DecoderForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions: [T] (a flattened batch). Returns hidden states [T, hidden_size]."""
-        x = self.embed(input_ids)
+        return self.run_layers(self.embed(input_ids), positions, attn_metadata)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] (embeddings, or the previous stage's residual stream) through this model's
+        layers, then the final norm where it has one (else the residual stream for the next stage)."""
         ropes = self.rotary.tables(positions, x.dtype)  # one lookup per step, shared by every layer
         for layer in self.layers:
             x = layer(ropes, x, attn_metadata)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 logits [N, vocab_size], multiplied in float32 whatever the compute dtype."""

@@ -101,15 +101,19 @@ def load_model(
     progress: bool = True,
     weights: str = "float",
     activations: str = "float",
+    stage: tuple[int, int] | None = None,
 ) -> torch.nn.Module:
     """Load weights into a fresh model (eval mode, no grad). `weights` is a WeightPlan mode
     ("float", "auto", "q4", "q8"; see weights/plan.py); `activations` "int8" makes the int4 layers
-    quantize their inputs (see kvserve/layers/quantized.py). Raises UnsupportedModelError."""
+    quantize their inputs (see kvserve/layers/quantized.py). With `stage` (first, end), only a
+    pipeline stage's share: layers [first, end), the embedding with the first layer, the final norm
+    and lm_head with the last (DecoderForCausalLM); the other tensors are not read. Raises
+    UnsupportedModelError."""
     checkpoint = open_checkpoint(path)
     config = checkpoint.model_config()
     plan = WeightPlan(weights)
     with torch.device("meta"), _SkipMetaInit():
-        model = MODEL_CLASSES[config.architecture](config)
+        model = MODEL_CLASSES[config.architecture](config, stage)
     pending: dict[str, _PendingLinear] = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
@@ -124,8 +128,11 @@ def load_model(
             tensors, total=checkpoint.num_tensors, desc=f"Loading {Path(path).name}", unit="tensor", leave=False
         )
     for target, source in tensors:
-        module_name, kind = target.name.rsplit(".", 1)
-        if target.name == f"{LM_HEAD}.weight" and config.tie_word_embeddings:
+        name = _stage_name(model, target.name)
+        if name is None:  # another stage's
+            continue
+        module_name, kind = name.rsplit(".", 1)
+        if name == f"{LM_HEAD}.weight" and config.tie_word_embeddings:
             continue
         if module_name in pending:
             layer = pending[module_name]
@@ -133,24 +140,25 @@ def load_model(
             if layer.is_complete:
                 model.set_submodule(module_name, _build_linear(module_name, layer, plan, config, dtype, device))
                 del pending[module_name]
-        elif target.name == f"{EMBEDDING}.weight":
-            _load_embedding(model, source, plan, dtype)
-            loaded.add(target.name)
-            if config.tie_word_embeddings:
+        elif name == f"{EMBEDDING}.weight":
+            if model.has_embedding:
+                _load_embedding(model, source, plan, dtype)
+            loaded.add(name)
+            if config.tie_word_embeddings and model.has_head:
                 layer = pending.pop(LM_HEAD)
                 layer.weights[0] = source
                 model.set_submodule(LM_HEAD, _build_linear(LM_HEAD, layer, plan, config, dtype, device, model))
-        elif target.name in params:
+        elif name in params:
             value = source.read_float()
-            if target.name.endswith("norm.weight"):
+            if name.endswith("norm.weight"):
                 value = value + config.norm_weight_offset  # Gemma's checkpoints store w of 1 + w
-            _copy(params[target.name].data, value, target.name)
-            loaded.add(target.name)
+            _copy(params[name].data, value, name)
+            loaded.add(name)
         else:
             raise UnsupportedModelError(f"The checkpoint has {target.name!r}, which the model does not.")
     missing = sorted(n for n in params if n not in loaded and not n.startswith((f"{EMBEDDING}.", f"{LM_HEAD}.")))
     missing += [m for name, layer in pending.items() for m in layer.missing(name)]
-    if f"{EMBEDDING}.weight" not in loaded:
+    if f"{EMBEDDING}.weight" not in loaded and (model.has_embedding or (config.tie_word_embeddings and model.has_head)):
         missing.append(f"{EMBEDDING}.weight")
     if missing:
         raise UnsupportedModelError(f"The checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}.")
@@ -160,6 +168,23 @@ def load_model(
     del params, tensors
     _return_freed_memory()
     return model
+
+
+def _stage_name(model: nn.Module, name: str) -> str | None:
+    """A checkpoint tensor's name in `model` (a pipeline stage numbers its layers from 0), or None
+    where it belongs to another stage. The embedding stays wanted by a last stage with a tied lm_head."""
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        layer = int(index)
+        if not model.first_layer <= layer < model.end_layer:
+            return None
+        return f"layers.{layer - model.first_layer}.{rest}"
+    if name.startswith(f"{EMBEDDING}."):
+        wanted = model.has_embedding or (model.config.tie_word_embeddings and model.has_head)
+        return name if wanted else None
+    if name.startswith((f"{LM_HEAD}.", "norm.")):
+        return name if model.has_head else None
+    return name
 
 
 def _materialize(model: nn.Module, device: torch.device | str) -> None:

@@ -65,9 +65,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("block_rows"), py::arg("int8_activations"));
   py::class_<LayerStack>(m, "LayerStack", "a decoder's layers, and a step through them")
       .def(py::init<std::vector<at::Tensor>, std::vector<Linear>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                    LayerShape, Int4Policy, std::vector<int64_t>, std::vector<int64_t>>(),
+                    LayerShape, Int4Policy, std::vector<int64_t>, std::vector<int64_t>, bool>(),
            py::arg("norms"), py::arg("linears"), py::arg("k_caches"), py::arg("v_caches"), py::arg("shape"),
-           py::arg("int4"), py::arg("windows"), py::arg("rope_tables"))
+           py::arg("int4"), py::arg("windows"), py::arg("rope_tables"), py::arg("final_norm"))
+      // Without the GIL: the other threads of the process (a server's event loop, a pipeline's
+      // receiver and heartbeat) run while a step computes.
       .def("forward", &LayerStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin_signed"),
-           py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("prefill_starts"));
+           py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("prefill_starts"),
+           py::call_guard<py::gil_scoped_release>());
 }

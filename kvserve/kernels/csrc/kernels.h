@@ -107,21 +107,23 @@ struct Int4Policy {
 class LayerStack {
  public:
   // norms, per layer: the attention's and the MLP's input norms, then with sandwich_norms their
-  // output norms, then with qk_norm the q and k head norms ([head_dim]); and the final norm last.
-  // linears: 4 per layer (qkv, o, gate_up, down); k_caches, v_caches: one [num_blocks, block_size,
+  // output norms, then with qk_norm the q and k head norms ([head_dim]); and, with final_norm, the
+  // final norm last. linears: 4 per layer (qkv, o, gate_up, down); k_caches, v_caches: one [num_blocks, block_size,
   // num_kv_heads, head_dim] per layer, all float32, bfloat16 or float16 (the KV cache dtype, which
   // may differ from the compute dtype: keys and values are rounded to it when written). windows:
   // per layer, how many positions back a query sees (its own included; 0: all); rope_tables: per
-  // layer, which of forward's cos/sin tables rotates its q and k.
+  // layer, which of forward's cos/sin tables rotates its q and k. Without final_norm the stack is
+  // a pipeline stage's share of a model's layers, and forward returns the residual stream instead.
   LayerStack(std::vector<at::Tensor> norms, std::vector<Linear> linears, std::vector<at::Tensor> k_caches,
              std::vector<at::Tensor> v_caches, LayerShape shape, Int4Policy int4, std::vector<int64_t> windows,
-             std::vector<int64_t> rope_tables);
+             std::vector<int64_t> rope_tables, bool final_norm);
 
-  // Hidden states [B, hidden] after every layer and the final norm, for B tokens of any sequences
+  // Hidden states [B, hidden] after every layer and the final norm (without final_norm: the
+  // residual stream after the last layer, its last output added, for the next stage's x), for B tokens of any sequences
   // (decode tokens, prompts, chunks): row b is a token at its position with its sequence's block
   // table, attending to its first seq_lens[b] keys (its own included; the last `window` of them in
   // a layer with a window), whose K/V are written before attention reads them. x: [B, hidden]
-  // embeddings in the norms' dtype; cos, sin_signed: [tables, B, rotary_dim]; slot_mapping,
+  // embeddings (or the previous stage's residual stream) in the norms' dtype; cos, sin_signed: [tables, B, rotary_dim]; slot_mapping,
   // seq_lens: [B] int64; block_tables: [B, max_blocks] int64.
   // With prefill_starts (S + 1 row offsets), the rows are instead the whole prompts of S fresh
   // sequences (no earlier context; block_tables and seq_lens unused): prefill_attention's step.
@@ -142,6 +144,7 @@ class LayerStack {
   Int4Policy int4_;
   std::vector<int64_t> windows_, rope_tables_;
   int64_t norms_per_layer_;
+  bool final_norm_;
 };
 
 // ----- attention.cpp ------------------------------------------------------------------------------

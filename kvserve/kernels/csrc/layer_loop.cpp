@@ -213,7 +213,7 @@ void gated_mul(const T* gate_up, T* out, int64_t rows, int64_t inter, Activation
 
 LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<Linear> linears, std::vector<at::Tensor> k_caches,
                        std::vector<at::Tensor> v_caches, LayerShape shape, Int4Policy int4,
-                       std::vector<int64_t> windows, std::vector<int64_t> rope_tables)
+                       std::vector<int64_t> windows, std::vector<int64_t> rope_tables, bool final_norm)
     : norms_(std::move(norms)),
       linears_(std::move(linears)),
       k_caches_(std::move(k_caches)),
@@ -222,13 +222,14 @@ LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<Linear> linear
       int4_(int4),
       windows_(std::move(windows)),
       rope_tables_(std::move(rope_tables)),
-      norms_per_layer_(2 + 2 * shape.sandwich_norms + 2 * shape.qk_norm) {
+      norms_per_layer_(2 + 2 * shape.sandwich_norms + 2 * shape.qk_norm),
+      final_norm_(final_norm) {
   const size_t num_layers = k_caches_.size();
   TORCH_CHECK(num_layers > 0 && v_caches_.size() == num_layers && linears_.size() == 4 * num_layers &&
-                  norms_.size() == norms_per_layer_ * num_layers + 1 && windows_.size() == num_layers &&
+                  norms_.size() == norms_per_layer_ * num_layers + final_norm && windows_.size() == num_layers &&
                   rope_tables_.size() == num_layers,
               "LayerStack: per layer its norms, 4 linears, a K and a V cache, a window and a RoPE table; and the "
-              "final norm");
+              "final norm where the stack has one");
   const at::ScalarType dtype = norms_[0].scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "LayerStack: norms in float32 or bfloat16");
   for (const at::Tensor& norm : norms_) {
@@ -294,6 +295,14 @@ at::Tensor LayerStack::forward_impl(const at::Tensor& x, const at::Tensor& cos, 
     gated_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), tokens, s.intermediate_size, s.activation);
     delta = linear(act, linears_[4 * l + 3], int4_).contiguous();
     if (s.sandwich_norms) out_norm(norms[3]);
+  }
+  if (!final_norm_) {  // a pipeline stage: the residual stream, its last output added as the next norm would
+    T* r = residual.data_ptr<T>();
+    const T* d = delta.data_ptr<T>();
+    at::parallel_for(0, tokens * hidden, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) r[i] = from_float<T>(to_float(r[i]) + to_float(d[i]));
+    });
+    return residual;
   }
   add_rms_norm<T>(residual.data_ptr<T>(), delta.data_ptr<T>(), norms_.back().data_ptr<T>(), normed.data_ptr<T>(),
                   tokens, hidden, eps);
