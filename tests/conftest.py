@@ -145,14 +145,14 @@ class StepGate:
     def __enter__(self) -> StepGate:
         execute = type(self.runner).execute.__get__(self.runner)
 
-        def gated(out):
+        def gated(out, *args):
             self.entered.set()
             with self._changed:
                 assert self._changed.wait_for(lambda: self._passes > 0, 120), "a test left its step gate closed"
                 self._passes -= 1
             if self.fault is not None:
                 self.fault(out)
-            return execute(out)
+            return execute(out, *args)
 
         self.runner.execute = gated
         return self

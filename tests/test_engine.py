@@ -254,11 +254,11 @@ def test_a_failing_step_fails_only_its_requests(llm):
     original = runner.execute
     calls = {"n": 0}
 
-    def flaky(out):
+    def flaky(out, *args):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
-        return original(out)
+        return original(out, *args)
 
     runner.execute = flaky
     try:

@@ -1,14 +1,21 @@
 """EngineCore: the single thread that owns the scheduler, the block pool and the model runner.
 
 Nobody else touches KV state. Callers send messages into the inbox (add, abort, call, shutdown)
-and read their own request's sink. The loop: apply every message that arrived, run one step
-(schedule -> execute -> update), deliver outputs; sleep on the inbox when there is no work.
-Aborts therefore take effect at the next step boundary, at most one step after they are sent.
+and read their own request's sink. The loop: apply every message that arrived, launch one step
+(schedule -> execute), and on its result update the scheduler and deliver outputs; sleep on the
+inbox when there is no work. Aborts therefore take effect at the next step boundary, at most one
+step after they are sent.
+
+A runner (`Runner`) computes a step at once (`ModelRunner`: its result comes back from `execute`)
+or, a pipeline of stages (kvserve/pipeline), starts it and hands the result back later through
+`step_done`; up to `runner.depth` steps are then in flight, each over other requests.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -20,7 +27,7 @@ from typing import Any, Protocol
 
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.hooks import EngineHooks
-from kvserve.engine.model_runner import ModelRunner, RunnerOutput
+from kvserve.engine.model_runner import RunnerOutput
 from kvserve.engine.output_processor import RequestTextState
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -34,6 +41,20 @@ class Sink(Protocol):
     """Where a request's chunks go: a thread queue or an asyncio queue. Must not block."""
 
     def put(self, item: Any) -> None: ...
+
+
+class Runner(Protocol):
+    """Computes the engine's steps (ModelRunner in-process, PipelineRunner over stages)."""
+
+    depth: int  # steps that may be in flight at once; 1: execute returns each step's result
+
+    def execute(self, out: SchedulerOutput, ticket: int = 0) -> RunnerOutput | None:
+        """The step's result, or None when it comes back later through EngineCore.step_done(ticket, ...)."""
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget per-request state of finished requests."""
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -57,17 +78,31 @@ class _Shutdown:
     pass
 
 
+@dataclass
+class _StepDone:
+    ticket: int
+    outcome: RunnerOutput | Exception  # the result, or why the step failed
+
+
+@dataclass
+class _RunnerDied:
+    reason: str
+
+
 class EngineCore:
     def __init__(
         self,
         scheduler: Scheduler,
-        build_runner: Callable[[], ModelRunner],
+        build_runner: Callable[[EngineCore], Runner],
         tokenizer: Tokenizer,
         make_hooks: Callable[[EngineCore], EngineHooks] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.pool: BlockPool = scheduler.pool
-        self.runner: ModelRunner | None = None  # built on the engine thread by `build_runner`
+        self.runner: Runner | None = None  # built on the engine thread by `build_runner`
+        self.in_flight: dict[int, SchedulerOutput] = {}  # steps launched whose results are not back, by ticket
+        self._tickets = itertools.count()
+        self._stalled = False  # nothing could be scheduled beside the steps in flight: wait for a message
         self.tokenizer = tokenizer
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.states: dict[str, tuple[RequestTextState, Sink]] = {}
@@ -96,6 +131,8 @@ class EngineCore:
 
     # ----- called from any thread ---------------------------------------------------------
     def add(self, request: Request, sink: Sink) -> None:
+        if self.death is not None:
+            raise EngineClosedError(f"The engine stopped ({self.death}); it cannot serve requests.")
         if self.is_closed:
             raise EngineClosedError("The engine is closed; create a new LLM to submit requests.")
         self.inbox.put(_Add(request, sink))
@@ -127,6 +164,14 @@ class EngineCore:
             return "the engine is closed"
         return None
 
+    def step_done(self, ticket: int, outcome: RunnerOutput | Exception) -> None:
+        """A runner hands back a step it launched (any thread): its result, or why it failed."""
+        self.inbox.put(_StepDone(ticket, outcome))
+
+    def runner_died(self, reason: str) -> None:
+        """A runner can compute no more steps (any thread): every request fails, the engine stops."""
+        self.inbox.put(_RunnerDied(reason))
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         if self.thread.is_alive():
             self.inbox.put(_Shutdown())
@@ -134,9 +179,9 @@ class EngineCore:
         self.is_closed = True
 
     # ----- engine thread ------------------------------------------------------------------
-    def _run(self, build_runner: Callable[[], ModelRunner]) -> None:
+    def _run(self, build_runner: Callable[[EngineCore], Runner]) -> None:
         try:
-            self.runner = build_runner()
+            self.runner = build_runner(self)
         except BaseException as exc:  # reported to the constructor's caller
             self._start_error = exc
             self.is_closed = True
@@ -146,7 +191,7 @@ class EngineCore:
         next_tick = 0.0  # the hooks' periodic work (session expiry) at most once a second, not every step
         try:
             while True:
-                block = not self.scheduler.has_work
+                block = not self._can_launch()
                 # Idle: wake up now and then if the hooks have periodic work (sessions to expire).
                 timeout = 1.0 if block and self.hooks is not None and self.hooks.wants_ticks() else None
                 try:
@@ -157,18 +202,22 @@ class EngineCore:
                     self.hooks.tick(time.monotonic())
                     next_tick = time.monotonic() + 1.0
                 while message is not None:
+                    self._stalled = False
                     if isinstance(message, _Shutdown):
                         if self.hooks is not None:
                             self.hooks.shutdown()
                         self._abort(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+                        return
+                    if isinstance(message, _RunnerDied):
+                        self._runner_died(message.reason)
                         return
                     self._apply(message)
                     try:
                         message = self.inbox.get_nowait()
                     except queue.Empty:
                         message = None
-                if self.scheduler.has_work:
-                    self._step()
+                if self._can_launch():
+                    self._launch()
                 self._publish_stats()
                 self._end_turn()
         except BaseException as exc:  # a bug in the engine itself: fail everyone loudly, never hang them
@@ -181,9 +230,22 @@ class EngineCore:
             self._publish_stats()
             self._drain_inbox_after_close()
             self._end_turn()
+            if self.runner is not None:
+                self.runner.close()
+
+    def _runner_died(self, reason: str) -> None:
+        logger.error("the engine stops: %s; every request fails and new ones are refused", reason)
+        self.death = reason
+        self.in_flight.clear()
+        if self.hooks is not None:
+            self.hooks.shutdown()
+        everyone = list(dict.fromkeys([*self.scheduler.requests, *self.states]))  # queued or streaming, once each
+        self._fail(everyone, EngineError(f"The engine stopped: {reason}."))
 
     def _apply(self, message: Any) -> None:
-        if isinstance(message, _Add):
+        if isinstance(message, _StepDone):
+            self._step_done(message.ticket, message.outcome)
+        elif isinstance(message, _Add):
             self.admit(message.request, message.sink)
         elif isinstance(message, _Abort):
             self._abort(message.request_ids, RequestStatus.FINISHED_ABORTED)
@@ -203,13 +265,43 @@ class EngineCore:
             self.states[request.request_id] = (RequestTextState(request, self.tokenizer), sink)
         self.scheduler.add_request(request)
 
-    def _step(self) -> None:
-        out = self.scheduler.schedule()
+    def _can_launch(self) -> bool:
+        return (
+            not self._stalled
+            and self.scheduler.has_ready_work
+            and len(self.in_flight) < (self.runner.depth if self.runner is not None else 1)
+        )
+
+    def _launch(self) -> None:
+        """Schedule a step and start it. With a pipeline (depth > 1) the requests are split into about
+        depth micro-batches, so that every stage has one to work on."""
+        depth = self.runner.depth
+        share = None if depth == 1 else math.ceil((len(self.scheduler.running) + len(self.scheduler.waiting)) / depth)
+        out = self.scheduler.schedule(share)
         if out.is_empty:
+            self._stalled = bool(self.in_flight)  # blocks wait for a step in flight: wait for its result
             return
-        result = self._execute_confined(out)
+        self._submit(out)
+
+    def _submit(self, out: SchedulerOutput) -> None:
+        ticket = next(self._tickets)
+        self.in_flight[ticket] = out
+        try:
+            outcome: RunnerOutput | Exception | None = self.runner.execute(out, ticket)
+        except Exception as exc:
+            outcome = exc
+        if outcome is not None:
+            self._step_done(ticket, outcome)
+
+    def _step_done(self, ticket: int, outcome: RunnerOutput | Exception) -> None:
+        out = self.in_flight.pop(ticket, None)
+        if out is None:  # the engine stopped waiting for it
+            return
+        if isinstance(outcome, Exception):
+            self._step_failed(out, outcome)
+            return
         self.steps_total += 1
-        updated = self.scheduler.update_from_output(out, result.sampled)
+        updated = self.scheduler.update_from_output(out, outcome.sampled)
         finished = []
         for request in updated:
             if request.prefill_only:
@@ -227,40 +319,32 @@ class EngineCore:
                 continue
             if state.stopped_by_string is not None and not request.is_finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            logprobs = result.logprobs.get(request.request_id)
+            logprobs = outcome.logprobs.get(request.request_id)
             if request.is_finished:  # the hooks (a session turn's record) hear the end before its caller
                 finished.append(request.request_id)
                 self._on_finished(request, state.text)
             sink.put(state.chunk([logprobs] if logprobs is not None else None))
         self._forget(finished)
 
-    def _execute_confined(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run the step; if it fails, run each request's share alone and fail only those that still
-        fail, so one request's bad input never ends the requests batched with it. Writing a
-        position's K/V twice is harmless (same slot, same values), and nothing in the scheduler has
-        advanced before `update_from_output`."""
-        try:
-            return self.runner.execute(out)
-        except Exception as exc:
-            if len(out.scheduled) == 1:
-                failures = {out.scheduled[0].request_id: exc}
-                result = RunnerOutput()
-            else:
-                logger.warning("a step of %d requests failed (%r); running them one by one", len(out.scheduled), exc)
-                result, failures = RunnerOutput(), {}
-                for item in out.scheduled:
-                    try:
-                        alone = self.runner.execute(SchedulerOutput(scheduled=[item]))
-                    except Exception as item_exc:
-                        failures[item.request_id] = item_exc
-                        continue
-                    result.sampled.update(alone.sampled)
-                    result.logprobs.update(alone.logprobs)
-        for request_id, exc in failures.items():
-            logger.error("request %s failed in the model step", request_id, exc_info=exc)
-            self._fail([request_id], EngineError(f"The model failed on this request's step: {exc!r}"))
-        out.scheduled = [s for s in out.scheduled if s.request_id not in failures]
-        return result
+    def _step_failed(self, out: SchedulerOutput, exc: Exception) -> None:
+        """A step failed: run each of its requests alone and fail only those that still fail, so one
+        request's bad input never ends the requests batched with it. Writing a position's K/V twice
+        is harmless (same slot, same values), and nothing in the scheduler has advanced before
+        `update_from_output`."""
+        live = []
+        for item in out.scheduled:
+            request = out.requests[item.request_id]
+            if self.scheduler.requests.get(item.request_id) is request:
+                live.append(item)
+            else:  # finished meanwhile (aborted while a pipeline computed it): its blocks may be another's
+                self.scheduler.in_flight.discard(request)
+        if len(live) > 1:
+            logger.warning("a step of %d requests failed (%r); running them one by one", len(live), exc)
+            for item in live:
+                self._submit(out.only(item))
+        elif live:
+            logger.error("request %s failed in the model step", live[0].request_id, exc_info=exc)
+            self._fail([live[0].request_id], EngineError(f"The model failed on this request's step: {exc!r}"))
 
     def abort_now(self, request_ids: list[str]) -> None:
         """Abort on the engine thread (the hooks' owner uses it: session interrupts and closes)."""

@@ -21,7 +21,7 @@ import torch
 
 from kvserve.engine.kv_cache import allocate_kv_cache
 from kvserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs
-from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kernels import build
 from kvserve.layers import fused_decode
 from kvserve.layers.attention import build_batch
@@ -58,6 +58,10 @@ class RunnerOutput:
 
 
 class ModelRunner:
+    """Computes each step in this process, at once (the engine's Runner with depth 1)."""
+
+    depth = 1
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -75,7 +79,7 @@ class ModelRunner:
         self.block_size = block_size
         # the KV pool in the compute dtype unless told (LLM's kv_cache_dtype)
         self.kv_caches = allocate_kv_cache(
-            model.config, num_blocks, block_size, kv_cache_dtype or self.dtype, self.device
+            model.config, num_blocks, block_size, kv_cache_dtype or self.dtype, self.device, len(model.layers)
         )
         model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler()
@@ -98,35 +102,55 @@ class ModelRunner:
         return self.fused
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, ticket: int = 0) -> RunnerOutput:
+        return self.sample(out.scheduled, self.forward(out.scheduled))
+
+    @torch.inference_mode()
+    def forward(self, items: list[ScheduledRequest], hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's T tokens through this model's layers, [T, hidden]: from their embeddings, or (a
+        later pipeline stage) from the previous stage's residual stream `hidden`; after the final
+        norm where the model has it (else the residual stream for the next stage)."""
         t0 = time.perf_counter()
-        forward = self._prepare_forward(out.scheduled)
-        ends, rows, ids = self._sampling_rows(out.scheduled)
+        forward = self._prepare_forward(items, hidden)
         t1 = time.perf_counter()
-        hidden = forward()
+        out = forward()
+        self.timings.prepare += t1 - t0
+        self.timings.forward += time.perf_counter() - t1
+        self.timings.steps += 1
+        return out
+
+    @torch.inference_mode()
+    def sample(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> RunnerOutput:
+        """The next token of every request that samples this step, from `forward`'s hidden states:
+        logits from the lm_head (float32), then the sampler (the model's last stage)."""
+        t0 = time.perf_counter()
+        ends, rows, ids = self._sampling_rows(items)
+        t1 = time.perf_counter()
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)]) if ends else None
         t2 = time.perf_counter()
         result = self._sample(logits, rows, ids) if logits is not None else RunnerOutput()
-        t3 = time.perf_counter()
         self.timings.prepare += t1 - t0
         self.timings.forward += t2 - t1
-        self.timings.sample += t3 - t2
-        self.timings.steps += 1
+        self.timings.sample += time.perf_counter() - t2
         return result
 
-    def _prepare_forward(self, items: list) -> Callable[[], torch.Tensor]:
+    def _prepare_forward(self, items: list, hidden: torch.Tensor | None) -> Callable[[], torch.Tensor]:
         """The step's forward (hidden states [T, hidden] for its T tokens), its inputs built now, on
         one of three paths: the C++ layer loop with each token's own block table (every CPU step by
         default); the C++ loop's causal prefill for fresh prompts (batch invariance off); the
         model's Python forward (CUDA, no compiler)."""
-        input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.long).to(self.device)
+        if hidden is None:
+            input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.long).to(self.device)
+            hidden = self.model.embed(input_ids)  # [T, hidden]
+        else:
+            hidden = hidden.to(self.device)
         fused = self._fused_decoder()
         if fused is not None and (self.batch_invariant or any(s.num_computed_tokens for s in items)):
             inputs = self._token_inputs(items)
 
             def per_token() -> torch.Tensor:
                 self.timings.fused_steps += 1
-                return fused.forward(input_ids, *inputs)
+                return fused.forward_hidden(hidden, *inputs)
 
             return per_token
         positions, metadata = build_batch(
@@ -141,10 +165,10 @@ class ModelRunner:
 
             def fresh_prompts() -> torch.Tensor:
                 self.timings.fused_prefills += 1
-                return fused.prefill(input_ids, positions, metadata.slot_mapping, starts)
+                return fused.prefill_hidden(hidden, positions, metadata.slot_mapping, starts)
 
             return fresh_prompts
-        return lambda: self.model(input_ids, positions, metadata)
+        return lambda: self.model.run_layers(hidden, positions, metadata)
 
     def _sampling_rows(self, items: list) -> tuple[list[int], list[SamplingRow], list[str]]:
         """The rows that sample this step: each one's last token's index in the step, its sampling
@@ -200,6 +224,9 @@ class ModelRunner:
         """Forget per-request state (generators) of finished requests."""
         for request_id in request_ids:
             self.generators.pop(request_id, None)
+
+    def close(self) -> None:
+        """Nothing to stop: the model and its KV pool go with this object."""
 
     def _generator(self, s) -> torch.Generator | None:
         seed = s.params.seed

@@ -6,6 +6,11 @@ per-step token budget: a whole prompt, a chunk of it (chunked prefill), or one d
 the same rule. Prefix-cache hits start a request with blocks (and computed tokens) already in
 place. When blocks run out, the most recently admitted running request is preempted: its blocks
 are freed and it is recomputed later from its tokens, which gives the same output.
+
+A step may still be computing when the next is scheduled (a pipeline of stages, engine/core.py):
+its requests are in flight until `update_from_output` takes its result, and meanwhile they are
+neither scheduled again nor preempted; `schedule(max_num_scheduled)` splits the rest into
+micro-batches.
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # The scheduler's own record of which Request each item was (a finished request's id may come
+    # back for a new one before this step's result does); the runner never reads it.
+    requests: dict[str, Request] = field(default_factory=dict, repr=False)
+
+    def only(self, item: ScheduledRequest) -> SchedulerOutput:
+        """This step's share of one of its requests, as a step of its own."""
+        return SchedulerOutput(scheduled=[item], requests={item.request_id: self.requests[item.request_id]})
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +77,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.in_flight: set[Request] = set()  # scheduled in a step whose result has not come back
         self.stats = SchedulerStats()
         # Called with a number of blocks when the pool is short, before anything is preempted
         # (sessions unpin idle conversations here).
@@ -74,6 +87,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def has_ready_work(self) -> bool:
+        """Whether a request could be scheduled now: one waiting, or one running not in flight."""
+        return bool(self.waiting) or len(self.running) > len(self.in_flight)
+
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
@@ -81,15 +99,21 @@ class Scheduler:
         self.stats.prompt_tokens_total += request.num_prompt_tokens
 
     # ----- one step -------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_num_scheduled: int | None = None) -> SchedulerOutput:
+        """The next step: at most `max_num_scheduled` requests (None: as many as fit), none of those
+        in flight, which are then in flight until `update_from_output` takes this step's result."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        room = max_num_scheduled if max_num_scheduled is not None else len(self.running) + len(self.waiting)
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(out.scheduled) < room:
             request = self.running[index]
+            if request in self.in_flight:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self._allocate_slots(request, num_new):
-                victim = self.running.pop()  # most recently admitted; never one scheduled already
+                victim = self._pop_victim(index)
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is request:
@@ -101,7 +125,13 @@ class Scheduler:
                 continue
             break
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted_ids:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not out.preempted_ids
+            and len(out.scheduled) < room
+        ):
             request = self.waiting[0]
             hit_blocks = []
             if request.num_computed_tokens == 0:
@@ -125,18 +155,34 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        return self._launched(out)
+
+    def _launched(self, out: SchedulerOutput) -> SchedulerOutput:
+        for item in out.scheduled:
+            request = self.requests[item.request_id]
+            out.requests[item.request_id] = request
+            self.in_flight.add(request)
         return out
 
+    def _pop_victim(self, index: int) -> Request:
+        """The running request to preempt for running[index]: the most recently admitted one not in
+        flight (never one scheduled already in this step: those come before `index`), running[index]
+        itself if all the others are."""
+        victim = next(i for i in range(len(self.running) - 1, index - 1, -1) if self.running[i] not in self.in_flight)
+        return self.running.pop(victim)
+
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests that hit a stop rule.
+        """Advance computed counts, append sampled tokens, finish requests that hit a stop rule; the
+        step's requests are no longer in flight.
 
         Returns the requests that got a new token this step (finished ones included), and
         prefill-only requests that completed.
         """
         updated = []
         for item in out.scheduled:
-            request = self.requests.get(item.request_id)
-            if request is None or request.is_finished:
+            request = out.requests[item.request_id]
+            self.in_flight.discard(request)
+            if request.is_finished or self.requests.get(item.request_id) is not request:
                 continue
             request.num_computed_tokens += len(item.token_ids)
             self._cache_computed_blocks(request)
@@ -169,6 +215,7 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus) -> None:
         """The one place a request leaves: its blocks are freed and it is forgotten."""
         assert status.is_finished
+        self.in_flight.discard(request)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
