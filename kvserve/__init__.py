@@ -32,9 +32,8 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.sessions.manager import SessionLimitError, SessionNotFoundError
 from kvserve.sessions.session import Session
 from kvserve.text.tokenizer import Tokenizer
+from kvserve.version import __version__
 from kvserve.weights.registry import pull, resolve_model
-
-__version__ = "0.1.0"
 
 __all__ = [
     "LLM",

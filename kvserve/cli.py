@@ -74,11 +74,40 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _topology(args: argparse.Namespace):
+    """The pipeline the flags (or torchrun's environment) describe, None for one process."""
+    from kvserve.pipeline.topology import Topology
+
+    if args.pipeline_parallel <= 1:
+        return None
+    return Topology.from_settings(
+        args.pipeline_parallel, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.stage_timeout
+    )
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.server.app import ServerSettings, create_app
 
+    topology = _topology(args)
+    if topology is not None and not topology.hosts_rank0:  # this host serves stages only, no HTTP
+        import torch
+
+        from kvserve.llm import stage_spec
+        from kvserve.pipeline.worker import run_node
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        spec = stage_spec(
+            args.model,
+            args.dtype,
+            args.weights,
+            args.activations,
+            args.kv_cache_dtype,
+            args.batch_invariant == "on",
+            device,
+        )
+        return run_node(topology, spec)
     settings = ServerSettings(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -98,6 +127,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         session_ttl=args.session_ttl,
         session_db=args.session_db,
         engine_process=args.engine_process == "on",
+        pipeline=topology,
     )
     # A session store that is not kvserve's (or cannot be opened) stops the server before it starts.
     from kvserve.sessions.store import SessionStore
@@ -301,6 +331,39 @@ def build_parser() -> argparse.ArgumentParser:
         "off: in a thread of the server's process",
         "on",
         choices=("on", "off"),
+    )
+    _flag(
+        p,
+        "--pipeline-parallel",
+        "split the model's layers over N processes (pipeline stages, each its own KV pool for its layers; "
+        "torch.distributed over gloo), on this host or, with --nnodes, across hosts; docs/scale-out.md",
+        1,
+        int,
+    )
+    _flag(p, "--nnodes", "hosts the pipeline's stages run on, the same number of stages on each", 1, int)
+    _flag(
+        p,
+        "--node-rank",
+        "this host's place among --nnodes (0: the HTTP server, the engine and the first stages; others "
+        "serve their stages only)",
+        0,
+        int,
+    )
+    _flag(p, "--master-addr", "address of node 0, where the stages meet (torchrun's MASTER_ADDR)", "127.0.0.1")
+    _flag(
+        p,
+        "--master-port",
+        "port on node 0 where the stages meet (torchrun's MASTER_PORT)",
+        None,
+        int,
+        shown_default="a free port on one host, 29500 across hosts",
+    )
+    _flag(
+        p,
+        "--stage-timeout",
+        "seconds without a heartbeat after which a pipeline stage counts as gone (/health answers 503)",
+        5.0,
+        float,
     )
     _flag(p, "--log-level", "server log level", "info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_cmd_serve)

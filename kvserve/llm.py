@@ -26,6 +26,10 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import InvalidRequestError, check_text
 from kvserve.models.config import ModelConfig
 from kvserve.outputs import RequestOutput, StreamChunk
+from kvserve.pipeline.rendezvous import EngineSizes
+from kvserve.pipeline.runner import PipelineRunner
+from kvserve.pipeline.stage import StageSpec
+from kvserve.pipeline.topology import Topology
 from kvserve.prompts import Messages, Prompt, RequestBuilder
 from kvserve.sampling_params import SamplingParams
 from kvserve.sessions.manager import SessionManager
@@ -101,6 +105,30 @@ def _engine_config(
     )
 
 
+def stage_spec(
+    model: str | os.PathLike[str] | None,
+    dtype: str | torch.dtype | None,
+    weights: str,
+    activations: str,
+    kv_cache_dtype: str,
+    batch_invariant: bool,
+    device: torch.device,
+) -> StageSpec:
+    """The model file and the resolved settings an LLM runs with (its pipeline stages too; `kvserve
+    serve` on a host without rank 0 resolves its flags through this as well)."""
+    weight_mode, chosen = resolve_weights(weights, _dtype(dtype), device)
+    compute = chosen or default_dtype(device)
+    return StageSpec(
+        model=str(resolve_model(model)),
+        dtype=compute,
+        weights=weight_mode,
+        activations=resolve_activations(activations, device),
+        kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype) or compute,
+        batch_invariant=batch_invariant,
+        device=device.type,
+    )
+
+
 def _open_store(session_db: str | os.PathLike[str] | bool | None) -> SessionStore | None:
     """$KVSERVE_HOME/sessions.db by default (None or True), a path, or False for no store."""
     if session_db is False:
@@ -130,13 +158,23 @@ class LLM:
         session_ttl: float | None = 3600.0,
         session_db: str | os.PathLike[str] | bool | None = None,
         progress: bool = True,
+        pipeline_parallel: int = 1,
+        pipeline: Topology | None = None,
     ) -> None:
+        """`pipeline_parallel` N > 1 splits the model's layers over N processes of this host (this one
+        the first stage, and the engine; docs/scale-out.md); `pipeline` gives the Topology across
+        hosts (`kvserve serve --nnodes ...` builds it). Everything else is the same either way."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        weight_mode, dtype = resolve_weights(weights, _dtype(dtype), self.device)
-        activations = resolve_activations(activations, self.device)
-        self.dtype = dtype or default_dtype(self.device)
-        self.kv_cache_dtype: torch.dtype = _kv_cache_dtype(kv_cache_dtype) or self.dtype
-        self.model_path: Path = resolve_model(model)
+        topology = pipeline or (Topology.from_settings(pipeline_parallel) if pipeline_parallel > 1 else None)
+        if topology is not None and not topology.hosts_rank0:
+            raise InvalidRequestError(
+                f"An LLM is rank 0 of its pipeline; node {topology.node_rank} runs stages "
+                f"{topology.local_ranks} only (kvserve serve does that on its own).",
+                "node_rank",
+            )
+        spec = stage_spec(model, dtype, weights, activations, kv_cache_dtype, batch_invariant, self.device)
+        self.dtype, self.kv_cache_dtype = spec.dtype, spec.kv_cache_dtype
+        self.model_path: Path = Path(spec.model)
         model_config = load_config(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
         self.config = _engine_config(
@@ -154,17 +192,20 @@ class LLM:
             pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
         )
 
-        def build_runner() -> ModelRunner:
+        def build_runner(engine: EngineCore) -> ModelRunner | PipelineRunner:
             # Runs on the engine thread: the weights and the KV pool are created by the thread that
             # computes with them. (With OpenMP, a second thread that ever ran parallel torch code makes
             # both thread teams stop spinning between kernels; here that halved decode speed.)
+            if topology is not None and topology.stages > 1:
+                sizes = EngineSizes(self.config.num_kv_blocks, block_size, self.tokenizer.stop_token_ids)
+                return PipelineRunner.start(engine, topology.with_port(), spec, sizes, progress)
             loaded = load_model(
                 self.model_path,
                 self.dtype,
                 self.device,
                 progress=progress,
-                weights=weight_mode,
-                activations=activations,
+                weights=spec.weights,
+                activations=spec.activations,
             )
             return ModelRunner(
                 loaded,
@@ -199,8 +240,8 @@ class LLM:
         self.model = self.engine.runner.model
         self.weights: dict[str, Any] = {
             "choice": weights,
-            "mode": weight_mode,
-            "activations": activations,
+            "mode": spec.weights,
+            "activations": spec.activations,
             "batch_invariant": batch_invariant,
             **weight_summary(self.model),
         }

@@ -80,12 +80,20 @@ def test_no_import_cycles_inside_kvserve():
     assert cycles(import_graph()) == []
 
 
-def test_the_engine_does_not_import_sessions_the_server_or_the_api():
-    graph = import_graph()
+def imports_from_outside(package: str) -> dict[str, list[str]]:
+    """The modules of `package` that import sessions, the server, the Python API or the CLI, and what."""
     outside = ("kvserve.sessions", "kvserve.server", "kvserve.llm", "kvserve.cli")
     wrong = {
         module: sorted(t for t in targets if t.startswith(outside))
-        for module, targets in graph.items()
-        if module.startswith("kvserve.engine")
+        for module, targets in import_graph().items()
+        if module.startswith(package)
     }
-    assert {m: t for m, t in wrong.items() if t} == {}
+    return {m: t for m, t in wrong.items() if t}
+
+
+def test_the_engine_does_not_import_sessions_the_server_or_the_api():
+    assert imports_from_outside("kvserve.engine") == {}
+
+
+def test_pipeline_stages_know_the_engine_not_sessions_the_server_or_the_api():
+    assert imports_from_outside("kvserve.pipeline") == {}

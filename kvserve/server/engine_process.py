@@ -18,10 +18,8 @@ string ends the request in the step that produced it); they leave as one message
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import threading
@@ -32,6 +30,7 @@ import zmq
 
 from kvserve.errors import EngineError, InvalidRequestError
 from kvserve.llm import LLM
+from kvserve.processes import die_with_parent
 from kvserve.server.state import ServerSettings
 from kvserve.sessions.session import Session
 
@@ -53,6 +52,7 @@ def build_llm(settings: ServerSettings) -> LLM:
         max_sessions_per_owner=settings.max_sessions_per_key,
         session_ttl=settings.session_ttl,
         session_db=settings.session_db,
+        pipeline=settings.pipeline,
     )
 
 
@@ -159,7 +159,7 @@ def main(settings: ServerSettings, to_engine: str, from_engine: str) -> None:
     """The engine process: load the model, say ready (or why not), then serve until told to stop or
     until the front end's process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end decides
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
@@ -187,20 +187,6 @@ def main(settings: ServerSettings, to_engine: str, from_engine: str) -> None:
         inbox.close(linger=0)
         outbox.socket.close()
         context.term()
-
-
-def _die_with_parent() -> None:
-    """On Linux, have the kernel kill this process the moment the front end's process dies, even by
-    SIGKILL: an orphaned engine must not go on running requests, or recording session turns, for a
-    server that is gone. Elsewhere the serve loop notices within a second."""
-    parent = multiprocessing.parent_process()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if parent is not None and os.getppid() != parent.pid:  # it died before prctl took effect
-        os._exit(1)
 
 
 def _serve(llm: LLM, inbox: zmq.Socket, outbox: Outbox) -> None:

@@ -12,6 +12,7 @@ from fastapi import Request
 
 from kvserve.errors import InvalidRequestError, check_text
 from kvserve.llm import LLM
+from kvserve.pipeline.topology import Topology
 from kvserve.server.metrics import ServerMetrics
 from kvserve.sessions.store import key_owner
 
@@ -41,6 +42,7 @@ class ServerSettings:
     session_ttl: float | None = 3600.0
     session_db: str | None = None  # None: $KVSERVE_HOME/sessions.db
     engine_process: bool = True  # the engine in a process of its own (engine_process.py), else a thread here
+    pipeline: Topology | None = None  # the model's layers over several processes or hosts (kvserve/pipeline)
 
 
 class APIError(Exception):

@@ -1,0 +1,71 @@
+"""A stage's share of the model, on any rank: its layers (and the embedding, or the final norm and
+lm_head, where it has them) loaded from the model file, and a ModelRunner over them with a KV pool
+for those layers alone, sized by rank 0 so that a block id means the same slots on every stage."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.pipeline.rendezvous import EngineSizes
+from kvserve.pipeline.topology import Topology, stage_cpus, stage_layers
+from kvserve.weights.loader import load_config, load_model
+
+logger = logging.getLogger("kvserve.pipeline")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """How every stage loads and runs its share (the LLM's resolved settings); the same on every rank,
+    which rank 0 checks (rendezvous.introduce)."""
+
+    model: str  # a model file or folder on this host
+    dtype: torch.dtype
+    weights: str  # the WeightPlan mode
+    activations: str
+    kv_cache_dtype: torch.dtype
+    batch_invariant: bool
+    device: str = "cpu"
+
+    def settings(self, stages: int) -> dict[str, object]:
+        """What must be the same on every rank, besides kvserve's version and the model file."""
+        return {
+            "stages": stages,
+            "dtype": self.dtype,
+            "weights": self.weights,
+            "activations": self.activations,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "batch_invariant": self.batch_invariant,
+            "device": self.device,
+        }
+
+
+def bind_cpus(topology: Topology, rank: int) -> None:
+    """Compute on this rank's share of the node's CPUs (topology.stage_cpus), from the calling thread:
+    its OpenMP team is made by it and inherits the binding."""
+    cpus = stage_cpus(topology, rank)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
+
+
+def build_stage(spec: StageSpec, topology: Topology, rank: int, sizes: EngineSizes, progress: bool) -> ModelRunner:
+    """Stage `rank`'s model and runner (call on the thread that computes with it)."""
+    first, end = stage_layers(load_config(spec.model).num_hidden_layers, topology.stages, rank)
+    logger.info("pipeline stage %d of %d: layers %d..%d of %s", rank, topology.stages, first, end - 1, spec.model)
+    model = load_model(
+        spec.model,
+        spec.dtype,
+        torch.device(spec.device),
+        progress=progress,
+        weights=spec.weights,
+        activations=spec.activations,
+        stage=(first, end),
+    )
+    return ModelRunner(
+        model, sizes.num_kv_blocks, sizes.block_size, sizes.stop_token_ids, spec.kv_cache_dtype, spec.batch_invariant
+    )

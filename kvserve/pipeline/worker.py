@@ -1,0 +1,134 @@
+"""Ranks 1.. of a pipeline: meet rank 0, load this stage, then receive, compute and pass on until told
+to stop. Each step arrives from the previous rank as a plan and the residual stream; the stage runs
+its layers (the first applies the plan's releases, the last samples) and sends the plan and its
+output to the next rank, or the result back to rank 0. A failure in a step goes on as the plan's
+error instead (rank 0 then runs that step's requests alone); a failure to start is written to the
+store for rank 0 to report. The process exits when rank 0 is gone or stops answering."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from kvserve.pipeline import wire
+from kvserve.pipeline.rendezvous import (
+    Heartbeats,
+    PipelineError,
+    identity,
+    introduce,
+    open_store,
+    process_group,
+    read_sizes,
+)
+from kvserve.pipeline.stage import StageSpec, bind_cpus, build_stage
+from kvserve.pipeline.topology import Topology
+from kvserve.processes import die_with_parent
+
+logger = logging.getLogger("kvserve.pipeline")
+ARGS_ENV = "KVSERVE_STAGE_ARGS"  # start_local's arguments for the process it starts, pickled
+
+
+def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = False) -> None:
+    """Serve as stage `rank` (> 0) until rank 0 sends the shutdown or goes away. Raises PipelineError
+    when rank 0 refuses this rank or cannot be reached."""
+    bind_cpus(topology, rank)
+    store = open_store(topology, rank)
+    introduce(store, identity(rank, spec.model, spec.settings(topology.stages)), topology.stages)
+    sizes = read_sizes(store)
+    try:
+        with torch.inference_mode():
+            runner = build_stage(spec, topology, rank, sizes, progress)
+    except Exception as exc:
+        store.set(f"loaded/{rank}", f"{type(exc).__name__}: {exc}")
+        raise
+    store.set(f"loaded/{rank}", "ok")
+    group = process_group(store, rank, topology.stages)
+    beats = Heartbeats(topology, rank)
+    watchdog = threading.Thread(target=_watch_rank0, args=(beats, topology), name="kvserve-watch", daemon=True)
+    watchdog.start()
+    logger.info("pipeline stage %d ready", rank)
+    last = rank == topology.stages - 1
+    while True:
+        kind, plan, hidden = wire.recv(group, rank - 1, wire.TAG_DOWN)
+        if kind == wire.Kind.SHUTDOWN:
+            if last:
+                wire.send(group, 0, wire.TAG_BACK, wire.Kind.CLOSED)
+            else:
+                wire.send(group, rank + 1, wire.TAG_DOWN, wire.Kind.SHUTDOWN)
+            beats.stop()
+            return
+        runner.release(plan.released)
+        output = None
+        if plan.error is None:
+            try:
+                hidden = runner.forward(plan.items, hidden)
+                if last:
+                    output = runner.sample(plan.items, hidden)
+            except Exception as exc:
+                logger.exception("pipeline stage %d failed on a step", rank)
+                plan.error = f"pipeline stage {rank} failed: {exc!r}"
+        if last:
+            wire.send(group, 0, wire.TAG_BACK, wire.Kind.RESULT, wire.StepResult(plan.ticket, output, plan.error))
+        else:
+            wire.send(group, rank + 1, wire.TAG_DOWN, wire.Kind.STEP, plan, hidden if plan.error is None else None)
+
+
+def _watch_rank0(beats: Heartbeats, topology: Topology) -> None:
+    """Exit when rank 0 is gone (its store closes) or has not beaten for stage_timeout: a stage
+    without its engine must not linger."""
+    while True:
+        time.sleep(1.0)
+        stalled = beats.stalled([0], topology.stage_timeout)
+        if stalled is not None:
+            logger.error("rank 0 stopped answering (%.0f s); this pipeline stage exits", stalled[1])
+            os._exit(1)
+
+
+def start_local(topology: Topology, ranks: list[int], spec: StageSpec) -> list[subprocess.Popen]:
+    """Start `ranks` as processes of this host (a fresh interpreter each, not multiprocessing's spawn,
+    which would need an `if __name__ == "__main__"` guard in the caller's script); they die with this
+    process."""
+    processes = []
+    for rank in ranks:
+        args = (topology, rank, spec, logging.getLogger("kvserve").getEffectiveLevel(), os.getpid())
+        env = {**os.environ, ARGS_ENV: base64.b64encode(pickle.dumps(args)).decode()}
+        command = "from kvserve.pipeline.worker import local_main; local_main()"
+        processes.append(subprocess.Popen([sys.executable, "-c", command], env=env))
+    return processes
+
+
+def local_main() -> None:
+    """A rank that rank 0's process started on its own host (start_local)."""
+    topology, rank, spec, log_level, parent_pid = pickle.loads(base64.b64decode(os.environ.pop(ARGS_ENV)))
+    die_with_parent(parent_pid)
+    logging.basicConfig(level=log_level, format=f"%(levelname)s:     stage {rank}: %(message)s")
+    try:
+        run_rank(topology, rank, spec)
+    except PipelineError as exc:
+        logger.error("%s", exc)
+        raise SystemExit(2) from None
+
+
+def run_node(topology: Topology, spec: StageSpec) -> int:
+    """`kvserve serve` on a host without rank 0: serve its ranks (torchrun's one, else the node's,
+    each a process) until they end; the exit status of the first that fails, else 0."""
+    if topology.torchrun_rank is not None:
+        try:
+            run_rank(topology, topology.torchrun_rank, spec, progress=True)
+        except PipelineError as exc:
+            logger.error("%s", exc)
+            return 2
+        return 0
+    processes = start_local(topology, topology.local_ranks, spec)
+    status = 0
+    for process in processes:
+        status = status or process.wait()
+    return status

@@ -1,0 +1,322 @@
+"""Pipeline parallelism (kvserve/pipeline) with two stages over gloo on this host: the same tokens as
+one process (single requests, sixteen at once, a second request after the first, session turns, an
+abort mid-stream, preemption in a tight pool, seeded samples), no block leaked; a stage that dies or
+stops answering ends every request with a clear error and turns /health to 503, with no process
+left behind; a rank started with another model file is refused; two "hosts" (two `kvserve serve`
+processes, --nnodes 2) serve as one; SIGTERM on rank 0 stops every stage."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvserve import LLM, EngineClosedError, EngineError, SamplingParams
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler import Scheduler
+from kvserve.errors import InvalidRequestError
+from kvserve.pipeline.rendezvous import PipelineError
+from kvserve.pipeline.topology import Topology, stage_layers
+from tests.conftest import make_tiny_llama, wait_idle_and_check, write_byte_tokenizer
+from tests.server_harness import free_port
+from tests.test_batch_invariance import GREEDY as BUNDLED_GREEDY
+from tests.test_batch_invariance import PROMPTS as BUNDLED_PROMPTS
+from tests.test_batch_invariance import at_once, config, sixteen  # noqa: F401 (config: a fixture)
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+PROMPTS = ["hello there", "The quick brown fox", "zz", "a longer prompt of several words, to prefill more"]
+OPTIONS = dict(dtype="float32", kv_cache_tokens=4096, progress=False)
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("single") / "sessions.db"
+    with LLM(str(tiny_model_dir), session_db=path, **OPTIONS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def piped(tiny_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("piped") / "sessions.db"
+    with LLM(str(tiny_model_dir), session_db=path, pipeline_parallel=2, **OPTIONS) as llm:
+        yield llm
+    assert all(p.returncode == 0 for p in llm.engine.runner.workers.values()), "a stage did not stop cleanly"
+
+
+def stage_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm.engine.runner.workers.values()]
+
+
+def wait_for(condition, timeout: float = 60.0):
+    """Poll until `condition()` is truthy (returned); fail after `timeout` s (a hang, not a race)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "the condition did not come true"
+        time.sleep(0.05)
+    return value
+
+
+# ----- the split --------------------------------------------------------------------------------
+def test_stages_split_the_layers_evenly_and_refuse_what_cannot_be_split():
+    assert [stage_layers(30, 2, r) for r in range(2)] == [(0, 15), (15, 30)]
+    assert [stage_layers(30, 4, r) for r in range(4)] == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    with pytest.raises(InvalidRequestError, match="cannot exceed the model's 2 layers"):
+        stage_layers(2, 3, 0)
+    with pytest.raises(InvalidRequestError, match="multiple of nnodes"):
+        Topology(3, nnodes=2, master_port=1)
+    assert Topology(4, nnodes=2, node_rank=1, master_port=1).local_ranks == [2, 3]
+
+
+def test_the_scheduler_keeps_requests_in_flight_out_of_the_next_micro_batch():
+    """Exact: with two micro-batches of two, the second takes the two requests the first did not, a
+    request in flight is neither scheduled nor preempted, and its result frees it for the next."""
+    scheduler = Scheduler(BlockPool(8, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32)
+    requests = [Request(f"r{i}", [1, 2, 3], GREEDY) for i in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    first = scheduler.schedule(2)
+    second = scheduler.schedule(2)
+    assert [s.request_id for s in first.scheduled] == ["r0", "r1"]
+    assert [s.request_id for s in second.scheduled] == ["r2", "r3"]
+    assert scheduler.schedule(2).is_empty  # all four in flight
+    scheduler.update_from_output(first, {"r0": 7, "r1": 7})
+    third = scheduler.schedule(2)
+    assert [s.request_id for s in third.scheduled] == ["r0", "r1"] and not third.preempted_ids
+    assert scheduler.in_flight == {requests[0], requests[1], requests[2], requests[3]}
+
+
+# ----- the same tokens ----------------------------------------------------------------------------
+def test_greedy_seeded_and_penalized_requests_equal_one_process(single, piped):
+    params = [
+        GREEDY,
+        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.7, seed=5, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(max_tokens=24, temperature=0, min_tokens=20, logprobs=3),
+    ]
+    for prompt, p in zip(PROMPTS, params, strict=True):
+        want, got = single.generate(prompt, p), piped.generate(prompt, p)
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert got.logprobs == want.logprobs
+    wait_idle_and_check(piped)
+
+
+def test_sixteen_at_once_and_a_second_longer_request_equal_their_solo_runs(single, piped):
+    solo = [single.generate(p, GREEDY).token_ids for p in PROMPTS]
+    assert at_once(piped, sixteen(PROMPTS), [GREEDY] * 16) == sixteen(solo)
+    # R2: back to back, a longer prompt after a short one, with nothing reset in between
+    short, long = piped.generate("zz", GREEDY), piped.generate(PROMPTS[3] * 3, GREEDY)
+    assert (short.token_ids, long.token_ids) == (solo[2], single.generate(PROMPTS[3] * 3, GREEDY).token_ids)
+    wait_idle_and_check(piped)
+
+
+def test_micro_batches_split_the_running_requests_between_the_stages(piped):
+    """With eight requests and two stages, every step takes at most four (the other four are in flight
+    or go next): each stage has a micro-batch to work on."""
+    runner = piped.engine.runner
+    sizes: list[int] = []
+    execute = type(runner).execute.__get__(runner)
+
+    def recording(out, *args):
+        sizes.append(len(out.scheduled))
+        return execute(out, *args)
+
+    runner.execute = recording
+    try:
+        at_once(piped, sixteen(PROMPTS)[:8], [GREEDY] * 8)
+    finally:
+        del runner.execute
+    assert max(sizes) <= 4 and sizes.count(4) >= GREEDY.max_tokens
+    wait_idle_and_check(piped)
+
+
+def test_session_turns_equal_one_process(single, piped):
+    replies = []
+    for llm in (single, piped):
+        with llm.session(system="be brief") as session:
+            turns = []
+            for text in ("hi", "tell me more", "and then?"):
+                session.add_message("user", text)
+                turns.append(session.generate(GREEDY))
+            replies.append([(t.token_ids, t.usage.cached_tokens) for t in turns])
+        wait_idle_and_check(llm)
+    assert replies[1] == replies[0] and replies[1][2][1] > 0  # later turns reuse the session's blocks
+
+
+def test_an_abort_mid_stream_frees_every_block_on_every_stage(single, piped):
+    params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    for i, _ in enumerate(piped.stream(PROMPTS[1], params)):
+        if i == 3:
+            break  # leaving the stream aborts the request at the next step boundary
+    wait_idle_and_check(piped)
+    assert piped.stats()["num_aborted_total"] >= 1
+    assert piped.generate(PROMPTS[1], GREEDY).token_ids == single.generate(PROMPTS[1], GREEDY).token_ids
+
+
+def test_preemption_in_a_tight_pool_leaves_outputs_unchanged(tiny_model_dir, single):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    options = {**OPTIONS, "kv_cache_tokens": 128, "block_size": 8}
+    with LLM(str(tiny_model_dir), session_db=False, pipeline_parallel=2, **options) as tight:
+        outputs = at_once(tight, sixteen(PROMPTS)[:8], [params] * 8)
+        assert tight.stats()["num_preemptions_total"] > 0, "the pool was not tight enough to preempt"
+        wait_idle_and_check(tight)
+    assert outputs == [single.generate(p, params).token_ids for p in sixteen(PROMPTS)[:8]]
+
+
+@pytest.mark.bundled
+def test_two_stages_give_the_same_bits_in_every_batch_invariant_configuration(config):  # noqa: F811
+    """The bundled model in each configuration tests/test_batch_invariance.py covers (bfloat16 and
+    float32, int8 activations, a float16 cache): sixteen at once over two stages equal their solo runs
+    in one process, bit for bit."""
+    with LLM(config["gguf"], session_db=False, pipeline_parallel=2, **config["options"]) as piped:
+        assert at_once(piped, sixteen(BUNDLED_PROMPTS), [BUNDLED_GREEDY] * 16) == sixteen(config["solo"])
+        wait_idle_and_check(piped)
+
+
+# ----- faults -------------------------------------------------------------------------------------
+def test_a_stage_that_dies_fails_every_request_and_the_engine_says_why(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), session_db=False, pipeline_parallel=2, **OPTIONS)
+    stream = llm.stream(PROMPTS[0], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    next(stream)
+    (pid,) = stage_pids(llm)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(EngineError, match=f"pipeline stage 1 \\(pid {pid}\\) exited with code -9"):
+        for _ in stream:
+            pass
+    assert "pipeline stage 1" in llm.problem()
+    with pytest.raises(EngineClosedError, match="pipeline stage 1"):
+        llm.generate("hi", GREEDY)
+    llm.close()
+    assert all(p.returncode is not None for p in llm.engine.runner.workers.values())
+
+
+def test_a_stage_that_stops_answering_is_declared_gone_and_stopped(tiny_model_dir):
+    topology = Topology(2, stage_timeout=1.0)
+    llm = LLM(str(tiny_model_dir), session_db=False, pipeline=topology, **OPTIONS)
+    (pid,) = stage_pids(llm)
+    os.kill(pid, signal.SIGSTOP)  # alive, but computing nothing and beating no more
+    try:
+        reason = wait_for(llm.problem)
+        assert "pipeline stage 1 stopped answering" in reason
+        with pytest.raises(EngineClosedError):
+            llm.generate("hi", GREEDY)
+        llm.close()  # kills the stopped stage: nothing lingers
+        assert all(p.returncode == -signal.SIGKILL for p in llm.engine.runner.workers.values())
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# ----- two hosts (two processes standing for them) ------------------------------------------------
+def _node(model, port: int, *flags: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model), "--dtype", "float32"]
+    command += ["--pipeline-parallel", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", str(port), *flags]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_nodes_serve_as_one_and_rank_0_stops_both(tiny_model_dir, single):
+    port = free_port()
+    node1 = _node(tiny_model_dir, port)
+    try:
+        topology = Topology(2, nnodes=2, node_rank=0, master_port=port)
+        with LLM(str(tiny_model_dir), session_db=False, pipeline=topology, **OPTIONS) as llm:
+            assert llm.engine.runner.workers == {}  # rank 1 is the other node's
+            assert [llm.generate(p, GREEDY).token_ids for p in PROMPTS] == [
+                single.generate(p, GREEDY).token_ids for p in PROMPTS
+            ]
+        assert node1.wait(30) == 0  # the shutdown went down the pipeline
+    finally:
+        node1.kill()
+
+
+def test_a_rank_started_with_another_model_file_is_refused(tiny_model_dir, tmp_path):
+    other = tmp_path / "other"
+    make_tiny_llama(other, seed=7, max_position_embeddings=1024)
+    write_byte_tokenizer(other)
+    port = free_port()
+    node1 = _node(other, port)
+    try:
+        topology = Topology(2, nnodes=2, node_rank=0, master_port=port)
+        with pytest.raises(PipelineError, match=r"rank 1 .* was started differently .* model file"):
+            LLM(str(tiny_model_dir), session_db=False, pipeline=topology, **OPTIONS)
+        assert node1.wait(30) == 2
+        assert "refused" in node1.stderr.read()
+    finally:
+        node1.kill()
+
+
+# ----- the server -----------------------------------------------------------------------------------
+def test_serve_with_two_stages_answers_and_sigterm_stops_every_stage(tiny_model_dir, single, tmp_path):
+    port = free_port()
+    env = {**os.environ, "KVSERVE_SESSION_DB": str(tmp_path / "sessions.db")}
+    command = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir), "--dtype", "float32"]
+    command += [
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--pipeline-parallel",
+        "2",
+        "--log-level",
+        "warning",
+    ]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _healthy(base))
+        stages = wait_for(lambda: _descendants(server.pid, b"pipeline.worker"))
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        greedy = dict(model="tiny", temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
+        batch = client.completions.create(prompt=PROMPTS, **greedy)
+        assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == [
+            single.generate(p, GREEDY).text for p in PROMPTS
+        ]
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+        assert not [pid for pid in stages if _alive(pid)], "a pipeline stage outlived the server"
+    finally:
+        server.kill()
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _descendants(pid: int, marker: bytes) -> list[int]:
+    """The processes under `pid` (any depth) whose command line holds `marker`."""
+    children: dict[int, list[int]] = {}
+    commands: dict[int, bytes] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    commands[int(entry)] = f.read()
+            except OSError:
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        current = todo.pop()
+        if marker in commands.get(current, b""):
+            found.append(current)
+        todo.extend(children.get(current, []))
+    return found
