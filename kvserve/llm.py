@@ -162,8 +162,9 @@ class LLM:
         pipeline: Topology | None = None,
     ) -> None:
         """`pipeline_parallel` N > 1 splits the model's layers over N processes of this host (this one
-        the first stage, and the engine; docs/scale-out.md); `pipeline` gives the Topology across
-        hosts (`kvserve serve --nnodes ...` builds it). Everything else is the same either way."""
+        the first stage, and the engine; docs/scale-out.md), each computing on its share of the CPUs
+        (this process's torch.set_num_threads then counts its share); `pipeline` gives the Topology
+        across hosts (`kvserve serve --nnodes ...` builds it). Everything else is the same either way."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         topology = pipeline or (Topology.from_settings(pipeline_parallel) if pipeline_parallel > 1 else None)
         if topology is not None and not topology.hosts_rank0:

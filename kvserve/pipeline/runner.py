@@ -67,6 +67,7 @@ class PipelineRunner:
         self.beats = beats
         self.workers = dict(zip(topology.local_ranks[1:], workers, strict=True))
         self.bytes_sent = 0  # plans and activations sent down the pipeline, for the benchmark
+        self.stage_seconds = [0.0] * topology.stages  # each stage's compute time, over the steps that came back
         self._released: list[str] = []
         self._dead = False
         self._closing = False
@@ -99,7 +100,7 @@ class PipelineRunner:
             group = process_group(store, 0, topology.stages)
             beats = Heartbeats(topology, 0)
         except BaseException:
-            _stop_processes(workers)
+            _stop_processes(workers, wait=0.0)  # they wait for a pipeline that will not come
             raise
         logger.info("pipeline of %d stages ready (%d on this host)", topology.stages, len(topology.local_ranks))
         return PipelineRunner(engine, topology, stage, group, beats, workers)
@@ -116,8 +117,10 @@ class PipelineRunner:
     def execute(self, out: SchedulerOutput, ticket: int = 0) -> RunnerOutput | None:
         """Run the first stage on this step and send it on; its result arrives through step_done.
         Raises where the first stage fails (nothing has been sent then)."""
+        started = time.perf_counter()
         hidden = self.stage.forward(out.scheduled)
         plan = wire.StepPlan(ticket, [wire.trimmed(item) for item in out.scheduled], self._released)
+        plan.stage_seconds.append(time.perf_counter() - started)
         self._released = []
         try:
             self.bytes_sent += wire.send(self.group, 1, wire.TAG_DOWN, wire.Kind.STEP, plan, hidden)
@@ -153,6 +156,8 @@ class PipelineRunner:
                 return
             if kind == wire.Kind.CLOSED:
                 return
+            for stage, seconds in enumerate(result.stage_seconds):
+                self.stage_seconds[stage] += seconds
             outcome = result.output if result.error is None else EngineError(result.error)
             self.engine.step_done(result.ticket, outcome)
 

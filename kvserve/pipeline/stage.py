@@ -45,8 +45,10 @@ class StageSpec:
 
 
 def bind_cpus(topology: Topology, rank: int) -> None:
-    """Compute on this rank's share of the node's CPUs (topology.stage_cpus), from the calling thread:
-    its OpenMP team is made by it and inherits the binding."""
+    """Compute on this rank's share of the node's CPUs (topology.stage_cpus) from the calling thread:
+    on Linux the thread's affinity, which its OpenMP team inherits, and torch's thread count, which is
+    the process's: threads this process starts later begin with it too (each C++ library re-reads it
+    on a thread's first parallel region, so it cannot be set for one thread alone)."""
     cpus = stage_cpus(topology, rank)
     if cpus:
         os.sched_setaffinity(0, cpus)

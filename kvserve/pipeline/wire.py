@@ -39,6 +39,7 @@ class StepPlan:
     items: list[ScheduledRequest]
     released: list[str] = field(default_factory=list)
     error: str | None = None
+    stage_seconds: list[float] = field(default_factory=list)  # each stage's compute time so far, in order
 
 
 @dataclass
@@ -46,6 +47,7 @@ class StepResult:
     ticket: int
     output: RunnerOutput | None = None
     error: str | None = None
+    stage_seconds: list[float] = field(default_factory=list)
 
 
 def trimmed(item: ScheduledRequest) -> ScheduledRequest:

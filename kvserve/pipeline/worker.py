@@ -67,6 +67,7 @@ def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = Fa
             return
         runner.release(plan.released)
         output = None
+        started = time.perf_counter()
         if plan.error is None:
             try:
                 hidden = runner.forward(plan.items, hidden)
@@ -75,8 +76,10 @@ def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = Fa
             except Exception as exc:
                 logger.exception("pipeline stage %d failed on a step", rank)
                 plan.error = f"pipeline stage {rank} failed: {exc!r}"
+        plan.stage_seconds.append(time.perf_counter() - started)
         if last:
-            wire.send(group, 0, wire.TAG_BACK, wire.Kind.RESULT, wire.StepResult(plan.ticket, output, plan.error))
+            result = wire.StepResult(plan.ticket, output, plan.error, plan.stage_seconds)
+            wire.send(group, 0, wire.TAG_BACK, wire.Kind.RESULT, result)
         else:
             wire.send(group, rank + 1, wire.TAG_DOWN, wire.Kind.STEP, plan, hidden if plan.error is None else None)
 
