@@ -28,7 +28,7 @@ from kvserve.models.config import ModelConfig
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.pipeline.rendezvous import EngineSizes
 from kvserve.pipeline.runner import PipelineRunner
-from kvserve.pipeline.stage import StageSpec
+from kvserve.pipeline.stage import StageSpec, build_stage
 from kvserve.pipeline.topology import Topology
 from kvserve.prompts import Messages, Prompt, RequestBuilder
 from kvserve.sampling_params import SamplingParams
@@ -36,7 +36,7 @@ from kvserve.sessions.manager import SessionManager
 from kvserve.sessions.session import Session
 from kvserve.sessions.store import SessionStore
 from kvserve.text.tokenizer import Tokenizer
-from kvserve.weights.loader import load_config, load_model, weight_summary
+from kvserve.weights.loader import load_config, weight_summary
 from kvserve.weights.plan import resolve_activations, resolve_weights
 from kvserve.weights.registry import kvserve_home, resolve_model
 
@@ -125,7 +125,7 @@ def stage_spec(
         activations=resolve_activations(activations, device),
         kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype) or compute,
         batch_invariant=batch_invariant,
-        device=device.type,
+        device=str(device),
     )
 
 
@@ -197,25 +197,10 @@ class LLM:
             # Runs on the engine thread: the weights and the KV pool are created by the thread that
             # computes with them. (With OpenMP, a second thread that ever ran parallel torch code makes
             # both thread teams stop spinning between kernels; here that halved decode speed.)
+            sizes = EngineSizes(self.config.num_kv_blocks, block_size, self.tokenizer.stop_token_ids)
             if topology is not None and topology.stages > 1:
-                sizes = EngineSizes(self.config.num_kv_blocks, block_size, self.tokenizer.stop_token_ids)
                 return PipelineRunner.start(engine, topology.with_port(), spec, sizes, progress)
-            loaded = load_model(
-                self.model_path,
-                self.dtype,
-                self.device,
-                progress=progress,
-                weights=spec.weights,
-                activations=spec.activations,
-            )
-            return ModelRunner(
-                loaded,
-                self.config.num_kv_blocks,
-                block_size,
-                self.tokenizer.stop_token_ids,
-                self.kv_cache_dtype,
-                batch_invariant,
-            )
+            return build_stage(spec, (0, model_config.num_hidden_layers), sizes, progress)  # the whole model
 
         # Sessions need the prefix cache (their pinned blocks are found through it) and a store.
         self.session_store = _open_store(session_db) if enable_prefix_caching else None

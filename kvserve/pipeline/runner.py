@@ -42,7 +42,7 @@ from kvserve.pipeline.rendezvous import (
     process_group,
     publish_sizes,
 )
-from kvserve.pipeline.stage import StageSpec, bind_cpus, build_stage
+from kvserve.pipeline.stage import StageSpec, bind_cpus, build_stage, stage_of
 from kvserve.pipeline.topology import Topology
 from kvserve.pipeline.worker import start_local
 
@@ -91,7 +91,7 @@ class PipelineRunner:
             introduce(store, identity(0, spec.model, spec.settings(topology.stages)), topology.stages)
             publish_sizes(store, sizes)
             bind_cpus(topology, 0)
-            stage = build_stage(spec, topology, 0, sizes, progress)
+            stage = build_stage(spec, stage_of(spec, topology, 0), sizes, progress)
             loaded = [f"loaded/{r}" for r in range(1, topology.stages)]
             _await(store, loaded, alive, "to load its stage")
             for key in loaded:

@@ -29,7 +29,7 @@ class StageSpec:
     activations: str
     kv_cache_dtype: torch.dtype
     batch_invariant: bool
-    device: str = "cpu"
+    device: str = "cpu"  # torch.device's spelling, "cuda:1" included
 
     def settings(self, stages: int) -> dict[str, object]:
         """What must be the same on every rank, besides kvserve's version and the model file."""
@@ -40,7 +40,7 @@ class StageSpec:
             "activations": self.activations,
             "kv_cache_dtype": self.kv_cache_dtype,
             "batch_invariant": self.batch_invariant,
-            "device": self.device,
+            "device": torch.device(self.device).type,
         }
 
 
@@ -55,10 +55,16 @@ def bind_cpus(topology: Topology, rank: int) -> None:
         torch.set_num_threads(len(cpus))
 
 
-def build_stage(spec: StageSpec, topology: Topology, rank: int, sizes: EngineSizes, progress: bool) -> ModelRunner:
-    """Stage `rank`'s model and runner (call on the thread that computes with it)."""
+def stage_of(spec: StageSpec, topology: Topology, rank: int) -> tuple[int, int]:
+    """The layers [first, end) of stage `rank`."""
     first, end = stage_layers(load_config(spec.model).num_hidden_layers, topology.stages, rank)
     logger.info("pipeline stage %d of %d: layers %d..%d of %s", rank, topology.stages, first, end - 1, spec.model)
+    return first, end
+
+
+def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, progress: bool) -> ModelRunner:
+    """The model's layers [first, end) (all of them: the whole model) and a runner over them (call on
+    the thread that computes with it)."""
     model = load_model(
         spec.model,
         spec.dtype,
@@ -66,7 +72,7 @@ def build_stage(spec: StageSpec, topology: Topology, rank: int, sizes: EngineSiz
         progress=progress,
         weights=spec.weights,
         activations=spec.activations,
-        stage=(first, end),
+        stage=layers,
     )
     return ModelRunner(
         model, sizes.num_kv_blocks, sizes.block_size, sizes.stop_token_ids, spec.kv_cache_dtype, spec.batch_invariant

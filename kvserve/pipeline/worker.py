@@ -28,7 +28,7 @@ from kvserve.pipeline.rendezvous import (
     process_group,
     read_sizes,
 )
-from kvserve.pipeline.stage import StageSpec, bind_cpus, build_stage
+from kvserve.pipeline.stage import StageSpec, bind_cpus, build_stage, stage_of
 from kvserve.pipeline.topology import Topology
 from kvserve.processes import die_with_parent
 
@@ -45,7 +45,7 @@ def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = Fa
     sizes = read_sizes(store)
     try:
         with torch.inference_mode():
-            runner = build_stage(spec, topology, rank, sizes, progress)
+            runner = build_stage(spec, stage_of(spec, topology, rank), sizes, progress)
     except Exception as exc:
         store.set(f"loaded/{rank}", f"{type(exc).__name__}: {exc}")
         raise
