@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -17,6 +18,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def descendants(pid: int, marker: bytes) -> list[int]:
+    """The processes under `pid` (any depth) whose command line holds `marker`."""
+    children: dict[int, list[int]] = {}
+    commands: dict[int, bytes] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    commands[int(entry)] = f.read()
+            except OSError:
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        current = todo.pop()
+        if marker in commands.get(current, b""):
+            found.append(current)
+        todo.extend(children.get(current, []))
+    return found
 
 
 @contextmanager

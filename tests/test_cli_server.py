@@ -11,24 +11,7 @@ import time
 
 import httpx
 
-from tests.server_harness import free_port
-
-
-def _engine_processes(pid: int) -> list[int]:
-    """The children of `pid` that multiprocessing spawned (not its resource tracker)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    spawned = b"spawn_main" in f.read()
-            except OSError:
-                continue
-            if parent == pid and spawned:
-                found.append(int(entry))
-    return found
+from tests.server_harness import descendants, free_port
 
 
 def test_serve_reports_loading_then_ready_and_exits_cleanly_on_sigterm(tiny_model_dir):
@@ -75,7 +58,7 @@ def test_serve_reports_loading_then_ready_and_exits_cleanly_on_sigterm(tiny_mode
         thread = threading.Thread(target=stream)
         thread.start()
         assert streaming.wait(60)  # the stream is in flight: its first event has arrived
-        children = _engine_processes(proc.pid)
+        children = descendants(proc.pid, b"spawn_main")  # the engine process
         assert len(children) == 1
         proc.send_signal(signal.SIGTERM)
         thread.join(60)

@@ -25,7 +25,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.pipeline.rendezvous import PipelineError
 from kvserve.pipeline.topology import Topology, stage_layers
 from tests.conftest import make_tiny_llama, wait_idle_and_check, write_byte_tokenizer
-from tests.server_harness import free_port
+from tests.server_harness import descendants, free_port
 from tests.test_batch_invariance import GREEDY as BUNDLED_GREEDY
 from tests.test_batch_invariance import PROMPTS as BUNDLED_PROMPTS
 from tests.test_batch_invariance import at_once, config, sixteen  # noqa: F401 (config: a fixture)
@@ -278,7 +278,7 @@ def test_serve_with_two_stages_answers_and_sigterm_stops_every_stage(tiny_model_
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _healthy(base))
-        stages = wait_for(lambda: _descendants(server.pid, b"pipeline.worker"))
+        stages = wait_for(lambda: descendants(server.pid, b"pipeline.worker"))
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         greedy = dict(model="tiny", temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
         batch = client.completions.create(prompt=PROMPTS, **greedy)
@@ -297,26 +297,3 @@ def _healthy(base: str) -> bool:
         return httpx.get(f"{base}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _descendants(pid: int, marker: bytes) -> list[int]:
-    """The processes under `pid` (any depth) whose command line holds `marker`."""
-    children: dict[int, list[int]] = {}
-    commands: dict[int, bytes] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    commands[int(entry)] = f.read()
-            except OSError:
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        current = todo.pop()
-        if marker in commands.get(current, b""):
-            found.append(current)
-        todo.extend(children.get(current, []))
-    return found
