@@ -1,6 +1,7 @@
-"""A stage's share of the model, on any rank: its layers (and the embedding, or the final norm and
-lm_head, where it has them) loaded from the model file, and a ModelRunner over them with a KV pool
-for those layers alone, sized by rank 0 so that a block id means the same slots on every stage."""
+"""A stage's share of the model, on any rank (or the whole model, a pipeline of one): its layers
+(and the embedding, or the final norm and lm_head, where it has them) loaded from the model file,
+and a ModelRunner over them with a KV pool for those layers alone, sized by rank 0 so that a block id
+means the same slots on every stage."""
 
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ def stage_of(spec: StageSpec, topology: Topology, rank: int) -> tuple[int, int]:
 
 
 def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, progress: bool) -> ModelRunner:
-    """The model's layers [first, end) (all of them: the whole model) and a runner over them (call on
-    the thread that computes with it)."""
+    """The model's layers [first, end) and a runner over them; (0, num_hidden_layers) is the whole
+    model, as LLM runs it without a pipeline. Call on the thread that computes with it."""
     model = load_model(
         spec.model,
         spec.dtype,
