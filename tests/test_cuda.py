@@ -80,3 +80,25 @@ def test_breaking_out_of_a_stream_gives_the_blocks_back(llm):
 def test_cpu_weight_formats_are_refused_with_a_typed_error(tiny_model_dir, weights):
     with pytest.raises(InvalidRequestError, match="bf16 or auto"):
         LLM(str(tiny_model_dir), device="cuda", weights=weights, progress=False)
+
+
+def test_two_pipeline_stages_on_the_gpu_give_one_process_tokens(llm, tiny_model_dir):
+    """Issue 23 on CUDA: two local stages share the GPU, their activations cross in host memory over
+    gloo; greedy and seeded tokens equal the one-process engine's, batched and after each other."""
+    texts = [prompt(i, 4 + 37 * i) for i in range(8)]
+    params = [GREEDY, SamplingParams(max_tokens=20, temperature=0.9, seed=7, ignore_eos=True)]
+    with LLM(
+        str(tiny_model_dir),
+        device="cuda",
+        dtype="float32",
+        kv_cache_tokens=4096,
+        max_num_seqs=32,
+        progress=False,
+        pipeline_parallel=2,
+    ) as piped:
+        assert piped.device.type == "cuda"
+        for p in params:
+            want = [r.token_ids for r in llm.generate(texts, p)]
+            assert [r.token_ids for r in piped.generate(texts, p)] == want
+            assert piped.generate(texts[5], p).token_ids == want[5]
+        wait_idle_and_check(piped)
