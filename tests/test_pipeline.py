@@ -7,22 +7,26 @@ processes, --nnodes 2) serve as one; SIGTERM on rank 0 stops every stage."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+import torch
+import torch.distributed as dist
 
 from kvserve import LLM, EngineClosedError, EngineError, SamplingParams
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import InvalidRequestError
-from kvserve.pipeline.rendezvous import PipelineError
+from kvserve.pipeline.rendezvous import PipelineError, identity, introduce
 from kvserve.pipeline.topology import Topology, stage_layers
 from tests.conftest import make_tiny_llama, wait_idle_and_check, write_byte_tokenizer
 from tests.server_harness import descendants, free_port
@@ -257,6 +261,37 @@ def test_a_rank_started_with_another_model_file_is_refused(tiny_model_dir, tmp_p
         assert "refused" in node1.stderr.read()
     finally:
         node1.kill()
+
+
+def test_rank_0_refuses_another_kvserve_version_or_settings_and_names_them(tiny_model_dir):
+    """Exact: the meeting's verdict, both sides, on an in-process store (the version cannot be changed
+    in a real second process short of installing another kvserve)."""
+    ours = identity(0, tiny_model_dir, {"stages": 2, "dtype": torch.float32})
+    theirs = dataclasses.replace(
+        identity(1, tiny_model_dir, {"stages": 2, "dtype": torch.bfloat16}), version="0.0.1-other"
+    )
+    for other, refused in [(dataclasses.replace(ours, rank=1), False), (theirs, True)]:
+        store, answers = dist.HashStore(), {}
+
+        def meet(who, store=store, answers=answers):
+            try:
+                introduce(store, who, 2)
+                answers[who.rank] = "ok"
+            except PipelineError as exc:
+                answers[who.rank] = str(exc)
+
+        threads = [threading.Thread(target=meet, args=(who,)) for who in (ours, other)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if not refused:
+            assert answers == {0: "ok", 1: "ok"}
+            continue
+        assert "kvserve version '0.0.1-other' where rank 0 has" in answers[0]
+        assert "dtype 'torch.bfloat16' where rank 0 has 'torch.float32'" in answers[0]
+        assert answers[1].startswith("Rank 0 refused this rank: rank 1")
+        assert "model file '" not in answers[0]  # the same file is not named as a difference
 
 
 # ----- the server -----------------------------------------------------------------------------------
