@@ -21,7 +21,6 @@ import logging
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,7 @@ class PipelineRunner:
         stage: ModelRunner,
         group: dist.ProcessGroup,
         beats: Heartbeats,
-        workers: list[subprocess.Popen],
+        workers: dict[int, subprocess.Popen],
     ) -> None:
         self.engine = engine
         self.topology = topology
@@ -65,7 +64,7 @@ class PipelineRunner:
         self.stage = stage  # the first stage's layers and KV pool
         self.group = group
         self.beats = beats
-        self.workers = dict(zip(topology.local_ranks[1:], workers, strict=True))
+        self.workers = workers  # this host's other stages' processes, by rank
         self.bytes_sent = 0  # plans and activations sent down the pipeline, for the benchmark
         self.stage_seconds = [0.0] * topology.stages  # each stage's compute time, over the steps that came back
         self._released: list[str] = []
@@ -86,14 +85,14 @@ class PipelineRunner:
         workers = start_local(topology, topology.local_ranks[1:], spec)
         try:
             store = open_store(topology, 0)
-            alive = _local_liveness(dict(zip(topology.local_ranks[1:], workers, strict=True)))
-            _await(store, [f"hello/{r}" for r in range(1, topology.stages)], alive, "to meet rank 0")
+            local = dict(zip(topology.local_ranks[1:], workers, strict=True))
+            _await(store, [f"hello/{r}" for r in range(1, topology.stages)], local, "to meet rank 0")
             introduce(store, identity(0, spec.model, spec.settings(topology.stages)), topology.stages)
             publish_sizes(store, sizes)
             bind_cpus(topology, 0)
             stage = build_stage(spec, stage_of(spec, topology, 0), sizes, progress)
             loaded = [f"loaded/{r}" for r in range(1, topology.stages)]
-            _await(store, loaded, alive, "to load its stage")
+            _await(store, loaded, local, "to load its stage")
             for key in loaded:
                 if (status := store.get(key).decode()) != "ok":
                     raise PipelineError(f"pipeline stage {key.split('/')[1]} failed to load its layers: {status}")
@@ -103,7 +102,7 @@ class PipelineRunner:
             _stop_processes(workers, wait=0.0)  # they wait for a pipeline that will not come
             raise
         logger.info("pipeline of %d stages ready (%d on this host)", topology.stages, len(topology.local_ranks))
-        return PipelineRunner(engine, topology, stage, group, beats, workers)
+        return PipelineRunner(engine, topology, stage, group, beats, local)
 
     # ----- the engine's Runner ---------------------------------------------------------------------
     @property
@@ -164,10 +163,10 @@ class PipelineRunner:
     def _watch(self) -> None:
         others = list(range(1, self.topology.stages))
         while not self._stop.wait(0.5):
-            for rank, process in self.workers.items():
-                if process.poll() is not None:
-                    self._died(f"pipeline stage {rank} (pid {process.pid}) exited with code {process.returncode}")
-                    return
+            exited = _first_exit(self.workers)
+            if exited is not None:
+                self._died(exited)
+                return
             stalled = self.beats.stalled(others, self.topology.stage_timeout)
             if stalled is not None:
                 rank, seconds = stalled
@@ -177,12 +176,13 @@ class PipelineRunner:
     def _gone(self, peer: int, exc: RuntimeError) -> str:
         """Why a link to `peer` broke: a local stage's exit where one exited (its process is reaped
         within a moment of its connections closing), else the link's own error."""
-        for rank, process in self.workers.items():
-            try:
-                code = process.wait(0.5)
-            except subprocess.TimeoutExpired:
-                continue
-            return f"pipeline stage {rank} (pid {process.pid}) exited with code {code}"
+        for process in self.workers.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(0.5)
+                break
+        exited = _first_exit(self.workers)
+        if exited is not None:
+            return exited
         detail = str(exc).split(" This is typically")[0].split("] ")[-1]  # gloo's text, less its source path
         return f"the link to pipeline stage {peer} broke ({detail})"
 
@@ -193,22 +193,20 @@ class PipelineRunner:
         self.engine.runner_died(reason)
 
 
-def _local_liveness(workers: dict[int, subprocess.Popen]) -> Callable[[], str | None]:
-    def problem() -> str | None:
-        for rank, process in workers.items():
-            if process.poll() is not None:
-                return f"pipeline stage {rank} (pid {process.pid}) exited with code {process.returncode}"
-        return None
-
-    return problem
+def _first_exit(workers: dict[int, subprocess.Popen]) -> str | None:
+    """Which local stage's process has exited, with its code; None while all run."""
+    for rank, process in workers.items():
+        if process.poll() is not None:
+            return f"pipeline stage {rank} (pid {process.pid}) exited with code {process.returncode}"
+    return None
 
 
-def _await(store: dist.Store, keys: list[str], problem: Callable[[], str | None], what: str) -> None:
-    """Wait until every key is in the store, or raise PipelineError when a local stage has died or
-    MEET_TIMEOUT has passed."""
+def _await(store: dist.Store, keys: list[str], workers: dict[int, subprocess.Popen], what: str) -> None:
+    """Wait until every key is in the store, or raise PipelineError when a local stage (`workers`) has
+    died or MEET_TIMEOUT has passed."""
     deadline = time.monotonic() + MEET_TIMEOUT.total_seconds()
     while not store.check(keys):
-        reason = problem()
+        reason = _first_exit(workers)
         if reason is not None:
             raise PipelineError(f"The pipeline could not start: {reason} while waiting for every stage {what}.")
         if time.monotonic() > deadline:
