@@ -123,6 +123,11 @@ class DecoderForCausalLM(nn.Module):
     def has_head(self) -> bool:
         return self.end_layer == self.config.num_hidden_layers
 
+    @property
+    def reads_embedding(self) -> bool:
+        """Whether loading reads the checkpoint's embedding: for the embedding, or as the tied lm_head."""
+        return self.has_embedding or (self.config.tie_word_embeddings and self.has_head)
+
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Point every layer at its (k_cache, v_cache) pair. The tensors are written in place by forward."""
         assert len(kv_caches) == len(self.layers)

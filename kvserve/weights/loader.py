@@ -158,7 +158,7 @@ def load_model(
             raise UnsupportedModelError(f"The checkpoint has {target.name!r}, which the model does not.")
     missing = sorted(n for n in params if n not in loaded and not n.startswith((f"{EMBEDDING}.", f"{LM_HEAD}.")))
     missing += [m for name, layer in pending.items() for m in layer.missing(name)]
-    if f"{EMBEDDING}.weight" not in loaded and (model.has_embedding or (config.tie_word_embeddings and model.has_head)):
+    if f"{EMBEDDING}.weight" not in loaded and model.reads_embedding:
         missing.append(f"{EMBEDDING}.weight")
     if missing:
         raise UnsupportedModelError(f"The checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}.")
@@ -172,7 +172,7 @@ def load_model(
 
 def _stage_name(model: nn.Module, name: str) -> str | None:
     """A checkpoint tensor's name in `model` (a pipeline stage numbers its layers from 0), or None
-    where it belongs to another stage. The embedding stays wanted by a last stage with a tied lm_head."""
+    where it belongs to another stage."""
     if name.startswith("layers."):
         _, index, rest = name.split(".", 2)
         layer = int(index)
@@ -180,8 +180,7 @@ def _stage_name(model: nn.Module, name: str) -> str | None:
             return None
         return f"layers.{layer - model.first_layer}.{rest}"
     if name.startswith(f"{EMBEDDING}."):
-        wanted = model.has_embedding or (model.config.tie_word_embeddings and model.has_head)
-        return name if wanted else None
+        return name if model.reads_embedding else None
     if name.startswith((f"{LM_HEAD}.", "norm.")):
         return name if model.has_head else None
     return name
