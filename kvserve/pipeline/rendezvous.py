@@ -210,3 +210,7 @@ class Heartbeats:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def stopped(self, wait: float) -> bool:
+        """Whether `stop` was called, waiting up to `wait` seconds for it."""
+        return self._stop.wait(wait)

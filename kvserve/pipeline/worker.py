@@ -86,9 +86,9 @@ def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = Fa
 
 def _watch_rank0(beats: Heartbeats, topology: Topology) -> None:
     """Exit when rank 0 is gone (its store closes) or has not beaten for stage_timeout: a stage
-    without its engine must not linger."""
-    while True:
-        time.sleep(1.0)
+    without its engine must not linger. Ends once this stage stops beating: after the shutdown,
+    rank 0 stops too, and this stage's own exit must not be taken for an orphan's."""
+    while not beats.stopped(1.0):
         stalled = beats.stalled([0], topology.stage_timeout)
         if stalled is not None:
             logger.error("rank 0 stopped answering (%.0f s); this pipeline stage exits", stalled[1])
