@@ -282,20 +282,18 @@ def test_int4_mm_computes_a_row_the_same_whatever_rows_are_beside_it(extension, 
 def _int8_activation_reference(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x @ W.T as the int8-activation kernel defines it, in float64, and a bound on its distance from
-    the float product: per group of 32 inputs d = max|x| / 127, q = round(x / d) (nearest even), and
-    out = sum over groups of scale * d * (q . codes) + min * sum(x). Rounding moves each input by at
-    most d / 2, so the result is within sum over groups of scale * d / 2 * sum(|codes|) of x @ W.T."""
+    """x' @ W.T in float64 for W = scale * codes + min per group of 32 and x' the inputs as llama.cpp's
+    Q8_0 rounds them: per group of 32 inputs d = max|x| / 127, q = round(x / d) (nearest even),
+    x' = d * q. Rounding moves each input by at most d / 2, so x' @ W.T is within sum over groups of
+    d / 2 * sum(|w|) of x @ W.T; also returns that bound."""
     rows, k = x.shape
     xg = x.float().view(rows, k // 32, 32)
     d = xg.abs().amax(-1) / 127
     q = torch.round(xg * torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None])
-    codes = codes.double().view(-1, k // 32, 32)  # [N, G, 32]
-    scales, mins = scales.double().T, mins.double().T  # [G, N]
-    products = torch.einsum("mgk,ngk->mgn", q.double(), codes)
-    out = (scales * d.double()[..., None] * products + xg.double().sum(-1)[..., None] * mins).sum(1)
-    bound = (scales.abs() * d.double()[..., None] / 2 * codes.abs().sum(-1).T).sum(1)
-    return out, bound
+    rounded = (d.double()[..., None] * q.double()).view(rows, k)
+    weight = codes.double().view(-1, k // 32, 32) * scales.double()[..., None] + mins.double()[..., None]  # [N, G, 32]
+    bound = (d.double()[..., None] / 2 * weight.abs().sum(-1).T).sum(1)
+    return rounded @ weight.view(-1, k).T, bound
 
 
 @pytest.mark.parametrize("half_scales", [True, False], ids=["float16-scales", "float32-scales"])

@@ -271,8 +271,11 @@ inline float hsum8(__m256 v) {
 }
 
 #if KVSERVE_HAS_INT8_ACTIVATIONS
-// Activations quantized to int8 per group of 32, as llama.cpp's Q8_0 (int4_int8.cpp, int8_int8.cpp).
-// One group of 32 inputs: q (int8), d (the scale) and s (the float sum).
+// Activations quantized to int8 per group of 32, as llama.cpp's Q8_0 / Q8_1 (int4_int8.cpp, int8_int8.cpp).
+// One group of 32 inputs: q (int8), d (the scale) and s = d * sum(q), the sum of the rounded inputs
+// (Q8_1's s): an int4 layer's min term then sees the same inputs as its codes, so the layer computes
+// W x' for x' = d * q exactly. With the float sum of x instead, the codes' offset (0..15 about 7.5)
+// left the rounding uncancelled: 2.5x the error against W x (tests/test_fused_decode.py).
 inline void quantize_group(const float* x, int8_t* q, float* d, float* s) {
   __m256 v[4];
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
@@ -291,7 +294,8 @@ inline void quantize_group(const float* x, int8_t* q, float* d, float* s) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                       _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   *d = scale;
-  *s = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  const __m256i qsum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  *s = scale * hsum8(_mm256_cvtepi32_ps(qsum));  // |sum| <= 32 * 127: exact in float
 }
 #endif
 

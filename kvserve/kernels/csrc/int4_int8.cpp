@@ -4,10 +4,10 @@
 // (x ~ d * q, d = max|x| / 127, q rounded to nearest even), and AVX2's byte multiply-add
 // (vpmaddubsw: 32 code x input products, summed in pairs, per instruction) computes each group's
 // sum over code * q exactly in integers. Per group and column:
-//   out += (scale * d) * sum_k(code * q) + min * sum_k(x)
-// with sum_k(x) the float sum of the group's inputs, so only the products with the codes carry the
-// inputs' rounding. The integer sums are exact and the float steps per row are the same for one
-// row and for many, so a row's result does not depend on the rows batched with it.
+//   out += (scale * d) * sum_k(code * q) + min * (d * sum_k(q))
+// which is the weight (scale * code + min) times the rounded input d * q, as llama.cpp's Q4_1 x Q8_1.
+// The integer sums are exact and the float steps per row are the same for one row and for many, so
+// a row's result does not depend on the rows batched with it.
 
 #include <vector>
 
