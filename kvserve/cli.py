@@ -226,11 +226,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     _flag(
         p,
         "--activations",
-        "inputs of the int4 and int8-group layers (and a quantized lm_head): float, or int8 (quantized per "
-        "group of 32 and multiplied in integers on an AVX2 CPU, as llama.cpp does: about 1.5x faster "
-        "matmuls, logits within about 0.5 of float's)",
-        "float",
-        choices=("float", "int8"),
+        "inputs of the int4 and int8-group layers (and a quantized lm_head): int8 (quantized per group "
+        "of 32 and multiplied in integers on an AVX2 CPU, as llama.cpp does: faster, and as close to "
+        "transformers as llama.cpp), float (the compute dtype: closest to transformers), or "
+        "auto (int8 for quantized weights on an AVX2 CPU, else float). The choice is logged at start-up",
+        "auto",
+        choices=("auto", "float", "int8"),
     )
     _flag(
         p,

@@ -12,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.llm import default_dtype
 from kvserve.text.tokenizer import Tokenizer
 from kvserve.weights.loader import load_model
+from kvserve.weights.plan import resolve_activations
 from kvserve.weights.registry import DEFAULT_MODEL, pull
 from tests.simple_generate import prompt_logits, stream_token_ids
 
@@ -56,6 +58,8 @@ FORMS = {
     "auto-f32": ("auto", torch.float32),
     "auto-bf16": ("auto", torch.bfloat16),
     "auto-f32-int8-activations": ("auto", torch.float32, "int8"),
+    # what LLM() runs on this machine: on an AVX-512 BF16 CPU int4 layers and lm_head with int8 inputs
+    "default": ("auto", default_dtype(torch.device("cpu")), resolve_activations("auto", torch.device("cpu"), "auto")),
 }
 
 

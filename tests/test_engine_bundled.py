@@ -16,7 +16,8 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm(bundled_gguf):
-    with LLM(str(bundled_gguf), dtype="float32", kv_cache_tokens=8192, progress=False) as llm:
+    # float inputs: the arithmetic of the single-sequence reference below (int8 has its own test)
+    with LLM(str(bundled_gguf), dtype="float32", activations="float", kv_cache_tokens=8192, progress=False) as llm:
         yield llm
         wait_idle_and_check(llm)
 

@@ -17,6 +17,7 @@ from kvserve.layers.quantized import (
     Int8Linear,
     int8_groups_from_float,
 )
+from kvserve.weights import plan
 from kvserve.weights.dequant import dequantize, int4_groups, q8_0_groups
 from kvserve.weights.loader import load_model, weight_summary
 from kvserve.weights.plan import resolve_activations, resolve_weights
@@ -243,9 +244,20 @@ def test_weight_choices_and_their_errors():
         resolve_weights("bf16", torch.float32, cpu)
     with pytest.raises(InvalidRequestError, match="CPU weight-only kernels"):
         resolve_weights("q4", None, cuda)
-    assert resolve_activations("int8", cpu) == "int8" and resolve_activations("float", cuda) == "float"
+    assert resolve_activations("int8", cpu, "auto") == "int8" and resolve_activations("float", cuda, "float") == "float"
     with pytest.raises(InvalidRequestError, match="activations must be one of") as info:
-        resolve_activations("int4", cpu)
+        resolve_activations("int4", cpu, "auto")
     assert info.value.param == "activations"
     with pytest.raises(InvalidRequestError, match="on cuda use activations=float"):
-        resolve_activations("int8", cuda)
+        resolve_activations("int8", cuda, "float")
+
+
+@pytest.mark.parametrize("avx2", [True, False])
+def test_auto_activations_are_int8_for_quantized_weights_on_an_avx2_cpu(monkeypatch, avx2):
+    monkeypatch.setattr(plan, "_cpu_has_avx2", lambda: avx2)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_activations("auto", cpu, "auto") == ("int8" if avx2 else "float")
+    assert resolve_activations("auto", cpu, "q4") == ("int8" if avx2 else "float")
+    assert resolve_activations("auto", cpu, "float") == "float"  # nothing would quantize its inputs
+    assert resolve_activations("auto", cuda, "float") == "float"
+    assert resolve_activations("float", cpu, "auto") == "float"  # asked for: kept

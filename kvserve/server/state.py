@@ -34,7 +34,7 @@ class ServerSettings:
     kv_cache_dtype: str = "auto"
     dtype: str | None = None
     weights: str = "auto"
-    activations: str = "float"
+    activations: str = "auto"
     batch_invariant: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_sessions: int = 1024

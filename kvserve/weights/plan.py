@@ -47,17 +47,28 @@ def resolve_weights(weights: str, dtype: torch.dtype | None, device: torch.devic
     return weights, dtype
 
 
-def resolve_activations(activations: str, device: torch.device) -> str:
-    """The `activations` choice, checked: "float", or "int8" (int4 layers quantize their inputs; CPU only)."""
+def resolve_activations(activations: str, device: torch.device, weight_mode: str) -> str:
+    """The `activations` choice, checked and resolved to "float" or "int8" (the int4 layers and a
+    quantized lm_head quantize their inputs; CPU only). "auto" is "int8" where that serves quantized
+    weights on a CPU with AVX2 (llama.cpp's arithmetic for Q4 models, as close to transformers as
+    llama.cpp: bench/results/numerics.json; faster: docs/performance.md), "float" otherwise: on a
+    GPU, for float weights. "float" keeps the arithmetic closest to transformers."""
     if activations not in ACTIVATION_CHOICES:
         raise InvalidRequestError(
             f"activations must be one of {', '.join(ACTIVATION_CHOICES)}, got {activations!r}.", "activations"
         )
+    if activations == "auto":
+        return "int8" if device.type == "cpu" and weight_mode != "float" and _cpu_has_avx2() else "float"
     if activations == "int8" and device.type != "cpu":
         raise InvalidRequestError(
             f"activations=int8 uses kvserve's AVX2 CPU kernels; on {device.type} use activations=float.", "activations"
         )
     return activations
+
+
+def _cpu_has_avx2() -> bool:
+    """Whether PyTorch found AVX2 (with FMA) or AVX-512 on this CPU, as the int8 kernels need."""
+    return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
 
 
 class WeightPlan:
