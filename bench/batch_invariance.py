@@ -35,11 +35,11 @@ PROMPTS = [
 ]
 PREFIX = " ".join(["In this report we study the behaviour of large language models under load."] * 20)
 CONFIGS = {
-    "bf16": dict(dtype="bfloat16"),
+    "bf16": dict(dtype="bfloat16", activations="float"),
     "bf16+int8": dict(dtype="bfloat16", activations="int8"),
-    "f32": dict(dtype="float32"),
+    "f32": dict(dtype="float32", activations="float"),
     "f32+int8": dict(dtype="float32", activations="int8"),
-    "bf16+f16kv": dict(dtype="bfloat16", kv_cache_dtype="float16"),
+    "bf16+f16kv": dict(dtype="bfloat16", activations="float", kv_cache_dtype="float16"),
 }
 
 

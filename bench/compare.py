@@ -18,7 +18,7 @@ Before those runs a throwaway kvserve engine starts in the fresh process and is 
 process's one-time costs (torch's lazily loaded libraries and kernels, some 300 MB of RSS here), which
 would otherwise be charged to whichever engine came first. Its figures are reported as the cold start.
 kvserve runs once per --kvserve-weights value (LLM's `weights` keyword; "+int8" adds
-activations="int8", "+f16kv" kv_cache_dtype="float16", "+bioff" batch_invariant=False, e.g.
+activations="int8", "+float" activations="float" (the default, "auto", is int8 on an AVX2 CPU), "+f16kv" kv_cache_dtype="float16", "+bioff" batch_invariant=False, e.g.
 auto+int8+f16kv) with one thread per
 streaming request; its per-step timings (ModelRunner) and `llm.stats()` are recorded too.
 
@@ -108,6 +108,7 @@ VLLM_KV_SPACE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless set
 # Options after a --kvserve-weights value, each "+tag": LLM keywords
 KVSERVE_TAGS = {
     "int8": {"activations": "int8"},
+    "float": {"activations": "float"},
     "f16kv": {"kv_cache_dtype": "float16"},
     "bioff": {"batch_invariant": False},
 }
@@ -732,7 +733,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path, Path]:
         "--kvserve-weights",
         default="auto",
         help="comma-separated values of LLM(weights=...): auto, q4, q8, bf16, f32, each optionally followed by "
-        "+int8 for LLM(activations='int8'), +f16kv for LLM(kv_cache_dtype='float16') and +bioff for "
+        "+int8 for LLM(activations='int8'), +float for LLM(activations='float'), +f16kv for LLM(kv_cache_dtype='float16') and +bioff for "
         "LLM(batch_invariant=False), e.g. "
         "auto,auto+int8+f16kv; one kvserve run each (default auto)",
     )

@@ -227,7 +227,10 @@ class LLM:
         self.weights: dict[str, Any] = {
             "choice": weights,
             "mode": spec.weights,
-            "activations": spec.activations,
+            # int8 only where a layer takes it: a checkpoint of float tensors has none to quantize
+            "activations": "int8"
+            if any(getattr(m, "int8_activations", False) for m in self.model.modules())
+            else "float",
             "batch_invariant": batch_invariant,
             **weight_summary(self.model),
         }

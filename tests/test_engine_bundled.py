@@ -133,7 +133,8 @@ def test_float16_kv_cache_answers_like_float32(bundled_gguf, llm):
     cached blocks), and greedy tokens agree with the float32 pool's under the first-divergence rule."""
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=5, ignore_eos=True)
     expected = llm.chat(FRANCE, params)
-    with LLM(str(bundled_gguf), dtype="float32", kv_cache_dtype="float16", kv_cache_tokens=2048, progress=False) as f16:
+    options = dict(dtype="float32", activations="float", kv_cache_dtype="float16", kv_cache_tokens=2048)
+    with LLM(str(bundled_gguf), progress=False, **options) as f16:  # only the cache differs from `llm`'s
         assert f16.kv_cache_dtype == torch.float16 and f16.dtype == torch.float32
         assert all(k.dtype == v.dtype == torch.float16 for k, v in f16.engine.runner.kv_caches)
         got = f16.chat(FRANCE, params)
@@ -148,7 +149,7 @@ def test_bfloat16_engine_answers_like_float32(bundled_gguf, llm):
     """Greedy tokens agree under the first-divergence rule (DESIGN.md), with each engine's own top-5."""
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=5, ignore_eos=True)
     expected = llm.chat(FRANCE, params)
-    with LLM(str(bundled_gguf), dtype="bfloat16", kv_cache_tokens=2048, progress=False) as bf16:
+    with LLM(str(bundled_gguf), dtype="bfloat16", activations="float", kv_cache_tokens=2048, progress=False) as bf16:
         assert bf16.dtype == torch.bfloat16 and bf16.model.norm.weight.dtype == torch.bfloat16
         got = bf16.chat(FRANCE, params)
         wait_idle_and_check(bf16)

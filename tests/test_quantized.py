@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from kvserve import LLM
 from kvserve.errors import InvalidRequestError
 from kvserve.layers.quantized import (
     Int4Groups,
@@ -261,3 +262,13 @@ def test_auto_activations_are_int8_for_quantized_weights_on_an_avx2_cpu(monkeypa
     assert resolve_activations("auto", cpu, "float") == "float"  # nothing would quantize its inputs
     assert resolve_activations("auto", cuda, "float") == "float"
     assert resolve_activations("float", cpu, "auto") == "float"  # asked for: kept
+
+
+def test_llm_reports_int8_activations_only_where_a_layer_takes_them(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(plan, "_cpu_has_avx2", lambda: True)  # auto resolves to int8 here
+    with LLM(str(tiny_model_dir), session_db=False, progress=False) as llm:  # float32 safetensors, kept float
+        assert llm.weights["activations"] == "float" and not any("int" in form for form in llm.weights["layers"])
+    with LLM(str(tiny_model_dir), weights="q4", session_db=False, progress=False) as llm:
+        assert llm.weights["activations"] == "int8"
+        quantized = [m for m in llm.model.modules() if isinstance(m, (Int4Linear, Int8GroupLinear))]
+        assert quantized and all(m.int8_activations for m in quantized)
