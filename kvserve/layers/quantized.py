@@ -37,9 +37,10 @@ INT4_FEW_ROWS = 64
 INT4_FEW_ROWS_AMX_BF16 = 32
 # activations="int8": Int4Linear's inputs quantized to int8 per group of 32 (x ~ d * q, d = max|x| / 127)
 # and multiplied into the codes in integers (32 products per AVX2 instruction against a float FMA's 8),
-# as llama.cpp's CPU backend does. The rounding moves logits by about 0.5, enough to flip near-ties;
-# "auto" (the default) takes it on an AVX2 CPU, as llama.cpp does for every Q4 model, and "float"
-# keeps the arithmetic closest to transformers (weights/plan.py). Timings: docs/performance.md.
+# as llama.cpp's CPU backend does. The rounding flips near-ties as llama.cpp's does (the greedy token
+# as transformers' at 95-97% of positions: bench/results/numerics.json); "auto" (the default) takes
+# it on an AVX2 CPU, as llama.cpp does for every Q4 model, and "float" keeps the arithmetic closest
+# to transformers (weights/plan.py). Timings: docs/performance.md.
 ACTIVATION_CHOICES = ("auto", "float", "int8")
 _int4_block: int | None = None  # rows per block of PyTorch's int4 packing; 0: unknown
 

@@ -275,7 +275,7 @@ inline float hsum8(__m256 v) {
 // One group of 32 inputs: q (int8), d (the scale) and s = d * sum(q), the sum of the rounded inputs
 // (Q8_1's s): an int4 layer's min term then sees the same inputs as its codes, so the layer computes
 // W x' for x' = d * q exactly. With the float sum of x instead, the codes' offset (0..15 about 7.5)
-// left the rounding uncancelled: 2.5x the error against W x (tests/test_fused_decode.py).
+// left the rounding uncancelled: 2.5x the error against W x for random inputs.
 inline void quantize_group(const float* x, int8_t* q, float* d, float* s) {
   __m256 v[4];
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
