@@ -67,7 +67,9 @@ def resolve_activations(activations: str, device: torch.device, weight_mode: str
 
 
 def _cpu_has_avx2() -> bool:
-    """Whether PyTorch found AVX2 (with FMA) or AVX-512 on this CPU, as the int8 kernels need."""
+    """Whether PyTorch found AVX2 (with FMA) or AVX-512 on this CPU, as the int8 kernels need. Asked of
+    PyTorch, not of `ops.int8_activations()`: the C++ kernels may still be compiling in the background
+    when the settings are resolved, and the layers fall back to float inputs if they lack it."""
     return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
 
 
