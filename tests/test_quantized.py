@@ -22,7 +22,7 @@ from kvserve.weights import plan
 from kvserve.weights.dequant import dequantize, int4_groups, q8_0_groups
 from kvserve.weights.loader import load_model, weight_summary
 from kvserve.weights.plan import resolve_activations, resolve_weights
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_llama, wait_idle_and_check
 from tests.test_gguf import _logits, random_blocks, write_llama_gguf
 
 T = GGMLQuantizationType
@@ -268,7 +268,9 @@ def test_llm_reports_int8_activations_only_where_a_layer_takes_them(tiny_model_d
     monkeypatch.setattr(plan, "_cpu_has_avx2", lambda: True)  # auto resolves to int8 here
     with LLM(str(tiny_model_dir), session_db=False, progress=False) as llm:  # float32 safetensors, kept float
         assert llm.weights["activations"] == "float" and not any("int" in form for form in llm.weights["layers"])
+        wait_idle_and_check(llm)
     with LLM(str(tiny_model_dir), weights="q4", session_db=False, progress=False) as llm:
         assert llm.weights["activations"] == "int8"
         quantized = [m for m in llm.model.modules() if isinstance(m, (Int4Linear, Int8GroupLinear))]
         assert quantized and all(m.int8_activations for m in quantized)
+        wait_idle_and_check(llm)
