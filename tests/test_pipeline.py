@@ -217,6 +217,47 @@ def test_a_stage_that_stops_answering_is_declared_gone_and_stopped(tiny_model_di
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_stage_stopped_mid_stream_ends_every_stream_with_an_error(tiny_model_dir):
+    """Issue 33 (1): with requests running, rank 0's engine thread waits on a send to the stopped stage
+    (gloo's send completes only once the peer posts its receive), so it must not be the thread that
+    has to hear of the stall: every stream ends with an error, and new requests are refused."""
+    topology = Topology(2, stage_timeout=1.0)  # injected: the subject is the timeout, not its length
+    llm = LLM(str(tiny_model_dir), session_db=False, pipeline=topology, **OPTIONS)
+    (pid,) = stage_pids(llm)
+    long = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+    streams = [llm.stream(p, long) for p in PROMPTS]
+    for stream in streams:
+        next(stream)  # running: each has its first token
+    os.kill(pid, signal.SIGSTOP)
+    errors: list[BaseException] = []
+
+    def drain(stream) -> None:
+        try:
+            for _ in stream:
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    readers = [threading.Thread(target=drain, args=(s,), daemon=True) for s in streams]
+    try:
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 60  # a hang guard, not a timing: the streams end at the watchdog's verdict
+        for reader in readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        assert not any(r.is_alive() for r in readers), "a stream still hangs behind the stopped stage"
+        assert len(errors) == len(streams)
+        assert all(isinstance(e, EngineError) and "stopped answering" in str(e) for e in errors), errors
+        assert "pipeline stage 1 stopped answering" in llm.problem()
+        with pytest.raises(EngineClosedError):
+            llm.generate("hi", GREEDY)
+        llm.close()
+        assert all(p.returncode == -signal.SIGKILL for p in llm.engine.runner.workers.values())
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

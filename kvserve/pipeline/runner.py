@@ -12,12 +12,17 @@ shard).
 A watchdog thread ends the engine (`EngineCore.runner_died`: every request fails, /health 503) when
 a local stage's process exits, a stage's heartbeat stops for `stage_timeout`, or a link breaks;
 `close` sends the shutdown down the pipeline and stops the local stages, killing what does not stop.
+
+Sends down the pipeline leave from a sender thread, never from the engine thread: gloo completes a
+send only once the peer has posted its receive, so a stage that stops (SIGSTOP, a hung host) would
+hold a sending engine thread forever, and with it the inbox where the watchdog's verdict waits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import subprocess
 import threading
 import time
@@ -71,10 +76,13 @@ class PipelineRunner:
         self._dead = False
         self._closing = False
         self._stop = threading.Event()
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()  # (kind, plan, hidden) for the sender, in order
         self._receiver = threading.Thread(target=self._receive, name="kvserve-pipeline-recv", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="kvserve-pipeline-watch", daemon=True)
+        self._sender = threading.Thread(target=self._send, name="kvserve-pipeline-send", daemon=True)
         self._receiver.start()
         self._watchdog.start()
+        self._sender.start()
 
     # ----- start -----------------------------------------------------------------------------
     @staticmethod
@@ -114,17 +122,14 @@ class PipelineRunner:
         return self.stage.timings
 
     def execute(self, out: SchedulerOutput, ticket: int = 0) -> RunnerOutput | None:
-        """Run the first stage on this step and send it on; its result arrives through step_done.
-        Raises where the first stage fails (nothing has been sent then)."""
+        """Run the first stage on this step and queue it for the next stage; its result arrives
+        through step_done. Raises where the first stage fails (nothing has been sent then)."""
         started = time.perf_counter()
-        hidden = self.stage.forward(out.scheduled)
+        hidden = self.stage.forward(out.scheduled).to("cpu")  # gloo sends from host memory; a copy on a GPU
         plan = wire.StepPlan(ticket, [wire.trimmed(item) for item in out.scheduled], self._released)
         plan.stage_seconds.append(time.perf_counter() - started)
         self._released = []
-        try:
-            self.bytes_sent += wire.send(self.group, 1, wire.TAG_DOWN, wire.Kind.STEP, plan, hidden)
-        except RuntimeError as exc:
-            self._died(self._gone(1, exc))
+        self._outgoing.put((wire.Kind.STEP, plan, hidden))
         return None
 
     def release(self, request_ids: list[str]) -> None:
@@ -136,14 +141,29 @@ class PipelineRunner:
         then the local processes, killed if they do not end (at once where the pipeline is broken)."""
         self._closing = True
         self._stop.set()
-        if not self._dead:
-            with contextlib.suppress(RuntimeError):  # a link that broke just now: the stages are going anyway
-                wire.send(self.group, 1, wire.TAG_DOWN, wire.Kind.SHUTDOWN)
+        if not self._dead:  # after the steps still queued; a link that breaks now: the stages are going anyway
+            self._outgoing.put((wire.Kind.SHUTDOWN, None, None))
+            self._sender.join(10.0)
             self._receiver.join(10.0)
         self.beats.stop()
         _stop_processes(list(self.workers.values()), wait=0.0 if self._dead else 10.0)
 
     # ----- threads ----------------------------------------------------------------------------
+    def _send(self) -> None:
+        """Send the queued steps (and at last the shutdown) to stage 1, in order. Only this thread waits
+        on a stage that stopped; the watchdog's verdict reaches the engine meanwhile."""
+        while True:
+            kind, plan, hidden = self._outgoing.get()
+            try:
+                self.bytes_sent += wire.send(self.group, 1, wire.TAG_DOWN, kind, plan, hidden)
+            except RuntimeError as exc:
+                if kind == wire.Kind.SHUTDOWN:
+                    return
+                self._died(self._gone(1, exc))
+                return
+            if kind == wire.Kind.SHUTDOWN:
+                return
+
     def _receive(self) -> None:
         last = self.topology.stages - 1
         while True:
