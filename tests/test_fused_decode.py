@@ -127,7 +127,12 @@ def test_fused_decode_step_equals_the_python_forward(tmp_path, extension, varian
             (k.flatten(0, 1)[slots], k_ref.flatten(0, 1)[slots]),
             (v.flatten(0, 1)[slots], v_ref.flatten(0, 1)[slots]),
         ):
-            assert (new - ref).float().abs().max().item() <= max(1e-5, relative * ref.float().abs().max().item())
+            # A float16 cache rounds each value once: where the two paths' float32 values straddle a rounding
+            # boundary, the stored values differ by one unit in float16's last place (with the random weights
+            # of transformers 5.24, one K value of 0.0314 did), so that much is allowed per element.
+            one_unit = ref.float().abs() * torch.finfo(ref.dtype).eps
+            allowed = torch.clamp(one_unit, min=max(1e-5, relative * ref.float().abs().max().item()))
+            assert ((new - ref).float().abs() <= allowed).all()
 
 
 @pytest.mark.parametrize(
@@ -169,7 +174,12 @@ def test_fused_prefill_of_fresh_prompts_equals_the_python_forward(tmp_path, exte
     assert (got - expected).float().abs().max().item() <= max(1e-4, relative * expected.float().abs().max().item())
     for (k, v), (k_ref, v_ref) in zip(got_kv, expected_kv, strict=True):
         for new, ref in ((k, k_ref), (v, v_ref)):
-            assert (new - ref).float().abs().max().item() <= max(1e-5, relative * ref.float().abs().max().item())
+            # A float16 cache rounds each value once: where the two paths' float32 values straddle a rounding
+            # boundary, the stored values differ by one unit in float16's last place (with the random weights
+            # of transformers 5.24, one K value of 0.0314 did), so that much is allowed per element.
+            one_unit = ref.float().abs() * torch.finfo(ref.dtype).eps
+            allowed = torch.clamp(one_unit, min=max(1e-5, relative * ref.float().abs().max().item()))
+            assert ((new - ref).float().abs() <= allowed).all()
 
 
 @pytest.mark.parametrize("variant", ["gqa-q4", "gqa-q4-int8-activations", "gqa-head-dim-80-float-bf16"])
