@@ -1,0 +1,31 @@
+"""kvserve's GPU kernels, written in Triton: RMSNorm (`norm`), matmuls over float, int4 and int8
+weights (`matmul`) and paged attention with its KV-cache writes (`attention`).
+
+Every kernel is batch invariant (R7, docs/architecture.md): a row's result is computed with one
+fixed tile configuration and reductions in one order, so its bits never depend on how many other
+rows share the call. Without a GPU the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`,
+set before triton is imported), which is how CI tests them.
+
+This module imports nothing heavier than the standard library, so `import kvserve.kernels.gpu`
+works where triton is missing; the kernel modules import triton themselves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available() -> bool:
+    """Whether the kernels can run here: triton imports, and there is a CUDA device or the
+    interpreter is on."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import torch
+        import triton  # noqa: F401
+    except Exception:  # a broken install is as good as none
+        return False
+    return INTERPRET or torch.cuda.is_available()

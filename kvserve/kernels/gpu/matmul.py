@@ -1,0 +1,382 @@
+"""Matmuls y = x @ W.T (+ bias) over float, int4 and int8 weights, batch invariant.
+
+Each kernel has one tile configuration (`TileConfig`) for every number of rows M: a row's output is
+the same bits whether it is computed alone or among thousands (R7). A config is tuned as a whole,
+never per M. The weight axis K may be split into fixed ranges of `k_per_split` (a property of the
+layer, the same for every M) whose float32 partial sums are then added in split order; that gives a
+decode step (few rows, memory-bound) more programs to read the weight with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.gpu import INTERPRET
+from kvserve.kernels.gpu.common import cast, dot
+
+GROUP_SIZE = 32  # inputs per scale (and min) of the quantized weights
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One kernel's launch configuration, fixed for every M (batch invariance)."""
+
+    block_m: int  # rows of x per program
+    block_n: int  # output columns (weight rows) per program
+    block_k: int  # inputs per step of the K loop
+    k_per_split: int  # inputs per program along K (a multiple of block_k); 0: the whole of K
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the K loop
+
+
+# Float weights. 64x64 tiles serve prefill on the tensor cores; no K split, as a prefill would pay
+# M * N * 4 bytes per split for partial sums that a decode's few programs would gain from.
+FLOAT_CONFIG = TileConfig(block_m=64, block_n=64, block_k=64, k_per_split=0, num_warps=4, num_stages=3)
+
+# Quantized weights, tuned for decode (M = 1..64, memory-bound): 16 rows is the smallest tl.dot tile,
+# 64-column tiles times K splits of 1024 give a 4096 x 4096 layer 256 programs for M = 1, and a tile
+# step reads 64 weight rows x 128 inputs (4 KiB of int4 codes).
+INT4_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
+# int8 codes are twice the bytes of int4: the same tiles, each step reading 8 KiB of codes.
+INT8_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _finish_tile(
+    acc,
+    out_ptr,
+    bias_ptr,
+    rows,
+    cols,
+    M,
+    N,
+    stride_om,
+    stride_os,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Store a tile's float32 sums: as this split's partial sums (workspace [splits, M, N]), or with
+    the bias added in float32 and rounded once to the output's dtype."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    if IS_SPLIT:
+        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_os + offsets, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offsets, cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _below(ks, k_end, EVEN_K: tl.constexpr):
+    """ks < k_end, known true at compile time where K is a multiple of BLOCK_K, so loads along K
+    vectorize."""
+    if EVEN_K:
+        return tl.full(ks.shape, True, tl.int1)
+    else:
+        return ks < k_end
+
+
+@triton.jit
+def _sum_splits_kernel(
+    partial_ptr,
+    bias_ptr,
+    out_ptr,
+    numel,
+    N,
+    num_splits,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out = ((partial[0] + partial[1]) + ...) + bias, elementwise over the [M, N] outputs."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    total = tl.load(partial_ptr + offsets, mask=mask, other=0.0)
+    for split in range(1, num_splits):
+        total += tl.load(partial_ptr + split * numel + offsets, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + offsets % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, cast(total, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _float_kernel(
+    x_ptr,
+    out_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_os,
+    k_per_split,
+    w_ptr,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + ks[None, :], mask=(rows < M)[:, None] & _below(ks, k_end, EVEN_K)[None, :], other=0.0)
+        w = tl.load(
+            w_cols + ks[:, None], mask=_below(ks, k_end, EVEN_K)[:, None] & (cols < N)[None, :], other=0.0
+        )  # [BK, BN]
+        acc = dot(x, w.to(x.dtype), acc, INTERPRET)
+    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
+
+
+@triton.jit
+def _repeat_rows(values, TIMES: tl.constexpr):
+    """values [R, C] -> [R * TIMES, C] in float32, each row repeated TIMES times (a group's scale
+    for each of its inputs, without loading it once per input)."""
+    num_rows: tl.constexpr = values.shape[0]
+    num_cols: tl.constexpr = values.shape[1]
+    repeated = tl.broadcast_to(values.to(tl.float32)[:, None, :], (num_rows, TIMES, num_cols))
+    return tl.reshape(repeated, (num_rows * TIMES, num_cols))
+
+
+@triton.jit
+def _int4_kernel(
+    x_ptr,
+    out_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_os,
+    k_per_split,
+    packed_ptr,
+    scales_ptr,
+    mins_ptr,
+    stride_pn,
+    stride_sn,
+    stride_mn,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    cols64 = cols.to(tl.int64)[None, :]
+    # byte i of a tile holds the codes of inputs k_lo[i] (low nibble) and k_lo[i] + 16 (high nibble)
+    i = tl.arange(0, BLOCK_K // 2)
+    g = tl.arange(0, BLOCK_K // 32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_lo = k0 + (i // 16) * 32 + i % 16  # [BK/2]
+        w_mask = _below(k_lo, k_end, EVEN_K)[:, None] & (cols < N)[None, :]
+        x_mask = (rows < M)[:, None] & _below(k_lo, k_end, EVEN_K)[None, :]
+        byte = tl.load(packed_ptr + cols64 * stride_pn + (k0 // 2 + i)[:, None], mask=w_mask, other=0)  # [BK/2, BN]
+        groups = k0 // 32 + g
+        g_mask = _below(groups, k_end // 32, EVEN_K)[:, None] & (cols < N)[None, :]
+        scale = _repeat_rows(tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0), 16)
+        low = _repeat_rows(tl.load(mins_ptr + cols64 * stride_mn + groups[:, None], mask=g_mask, other=0.0), 16)
+        x = tl.load(x_rows + k_lo[None, :], mask=x_mask, other=0.0)  # [BM, BK/2]
+        w = cast(tl.fma(scale, (byte & 15).to(tl.float32), low), x.dtype, INTERPRET)
+        acc = dot(x, w, acc, INTERPRET)
+        x = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
+        w = cast(tl.fma(scale, (byte >> 4).to(tl.float32), low), x.dtype, INTERPRET)
+        acc = dot(x, w, acc, INTERPRET)
+    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
+
+
+@triton.jit
+def _int8_kernel(
+    x_ptr,
+    out_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_os,
+    k_per_split,
+    codes_ptr,
+    scales_ptr,
+    stride_cn,
+    stride_sn,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    cols64 = cols.to(tl.int64)[None, :]
+    g = tl.arange(0, BLOCK_K // 32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w_mask = _below(ks, k_end, EVEN_K)[:, None] & (cols < N)[None, :]
+        x = tl.load(x_rows + ks[None, :], mask=(rows < M)[:, None] & _below(ks, k_end, EVEN_K)[None, :], other=0.0)
+        codes = tl.load(codes_ptr + cols64 * stride_cn + ks[:, None], mask=w_mask, other=0)  # [BK, BN]
+        groups = k0 // 32 + g
+        g_mask = _below(groups, k_end // 32, EVEN_K)[:, None] & (cols < N)[None, :]
+        scale = _repeat_rows(tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0), 32)
+        w = cast(codes.to(tl.float32) * scale, x.dtype, INTERPRET)
+        acc = dot(x, w, acc, INTERPRET)
+    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(
+    kernel: triton.JITFunction,
+    config: TileConfig,
+    x: torch.Tensor,
+    n: int,
+    weight_args: tuple,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """Run one of the matmul kernels over x [M, K] into [M, n], through float32 partial sums per
+    K split when the config splits this K."""
+    assert x.dim() == 2, x.shape
+    x = _row_major(x)
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if bias is not None:
+        assert bias.shape == (n,), bias.shape
+        bias = bias.contiguous()
+    assert config.k_per_split % config.block_k == 0, config
+    k_per_split = config.k_per_split or k
+    num_splits = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), num_splits)
+    is_split = num_splits > 1
+    # partial sums [splits, M, N] in float32, or the output itself
+    target = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device) if is_split else out
+    kernel[grid](
+        x,
+        target,
+        bias,
+        m,
+        n,
+        k,
+        x.stride(0),
+        n,
+        m * n,
+        k_per_split,
+        *weight_args,
+        HAS_BIAS=bias is not None,
+        IS_SPLIT=is_split,
+        EVEN_K=k % config.block_k == 0,
+        INTERPRET=INTERPRET,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if is_split:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            target, bias, out, m * n, n, num_splits, HAS_BIAS=bias is not None, BLOCK=block, INTERPRET=INTERPRET
+        )
+    return out
+
+
+def matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype).
+
+    Products of x's dtype (the weight is converted to it; bfloat16/float16 on the tensor cores,
+    float32 as exact float32 products, never TF32), summed in float32; the bias is added in float32
+    before the one rounding to out_dtype. out_dtype=torch.float32 gives an lm_head's logits from
+    bfloat16 weights without a bfloat16 rounding in between."""
+    assert weight.dim() == 2 and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
+    weight = _row_major(weight)
+    return _launch(_float_kernel, FLOAT_CONFIG, x, weight.shape[0], (weight, weight.stride(0)), bias, out_dtype)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] (uint8 values 0..15, K a multiple of 32) packed two per byte -> [N, K // 2]
+    uint8 on the codes' device, in GGML's Q4 order: within each group of 32 inputs, byte j (0..15)
+    holds input j in its low nibble and input j + 16 in its high nibble."""
+    n, k = codes.shape
+    assert k % GROUP_SIZE == 0, f"K={k} is not a multiple of {GROUP_SIZE}"
+    groups = codes.to(torch.uint8).reshape(n, k // GROUP_SIZE, 2, GROUP_SIZE // 2)
+    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype), W [N, K] given as
+    `pack_int4` codes with scales and mins [N, K // 32] (float16 or float32).
+
+    Each weight is w = fma(scale, code, min) in float32 (for float16 scales scale * code is exact,
+    so that is scale * code + min), rounded to x's dtype; products and sums as `matmul` (float32
+    sums, bias in float32, one rounding at the end). So the result is "dequantize W to x's dtype,
+    then matmul", with W dequantized tile by tile in registers, never whole."""
+    n = packed.shape[0]
+    k = x.shape[1]
+    assert packed.shape == (n, k // 2) and k % GROUP_SIZE == 0, (x.shape, packed.shape)
+    assert scales.shape == mins.shape == (n, k // GROUP_SIZE), (scales.shape, mins.shape)
+    packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
+    args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
+    return _launch(_int4_kernel, INT4_CONFIG, x, n, args, bias, out_dtype)
+
+
+def int8_group_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype), W[n, k] =
+    codes[n, k] * scales[n, k // 32] (GGML's Q8_0: int8 codes [N, K], float32 scales [N, K // 32]).
+
+    Each weight is code * scale in float32 rounded to x's dtype, then as `matmul`: the result of
+    "dequantize W to x's dtype, then matmul", dequantized tile by tile in registers."""
+    n, k = codes.shape
+    assert x.shape[1] == k and k % GROUP_SIZE == 0 and codes.dtype == torch.int8, (x.shape, codes.shape)
+    assert scales.shape == (n, k // GROUP_SIZE), scales.shape
+    codes, scales = _row_major(codes), _row_major(scales)
+    args = (codes, scales, codes.stride(0), scales.stride(0))
+    return _launch(_int8_kernel, INT8_CONFIG, x, n, args, bias, out_dtype)

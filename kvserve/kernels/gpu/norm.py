@@ -1,0 +1,71 @@
+"""RMSNorm, one program per row (batch invariant: a row's sum never depends on the other rows)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.gpu import INTERPRET
+from kvserve.kernels.gpu.common import cast
+
+BLOCK = 1024  # elements of a row per step; the row's squares are summed per lane, then across lanes
+NUM_WARPS = 4  # per row; fixed, as the lanes' final sum follows the layout
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    hidden,
+    eps,
+    stride_x,
+    stride_out,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    lanes = tl.arange(0, BLOCK)
+    squares = tl.zeros((BLOCK,), tl.float32)  # lane i sums elements i, i + BLOCK, ... in that order
+    for start in range(0, hidden, BLOCK):
+        x = tl.load(x_row + start + lanes, mask=start + lanes < hidden, other=0.0).to(tl.float32)
+        squares += x * x
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / hidden + eps)
+    for start in range(0, hidden, BLOCK):
+        mask = start + lanes < hidden
+        x = tl.load(x_row + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        y = cast(x * rstd, x_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # rounded to x's dtype first
+        w = tl.load(weight_ptr + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        tl.store(
+            out_ptr + row * stride_out + start + lanes, cast(w * y, out_ptr.dtype.element_ty, INTERPRET), mask=mask
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x [M, H] (bfloat16, float16 or float32) with weight [H]:
+    `y = (x32 * rsqrt(mean(x32 ** 2) + eps)).to(x.dtype); return weight * y`, x32 = x.float(), as
+    layers/norm.py's RMSNorm, up to the order of the row's sum. The product with the weight is exact
+    in float32 and rounded once, as PyTorch's. Returns [M, H] in x's dtype (promoted with weight's,
+    as PyTorch would, where they differ)."""
+    assert x.dim() == 2 and weight.shape == (x.shape[1],), (x.shape, weight.shape)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    rows, hidden = x.shape
+    out = torch.empty(rows, hidden, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows > 0:
+        _rms_norm_kernel[(rows,)](
+            x,
+            weight,
+            out,
+            hidden,
+            eps,
+            x.stride(0),
+            out.stride(0),
+            BLOCK=BLOCK,
+            INTERPRET=INTERPRET,
+            num_warps=NUM_WARPS,
+        )
+    return out
