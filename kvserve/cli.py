@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from kvserve.errors import KVServeError
+from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.sessions.limits import TTL_BOUNDS, check_ttl
 from kvserve.weights.registry import DEFAULT_MODEL, REGISTRY, is_pulled, kvserve_home, pull
 
 
@@ -186,6 +187,15 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
 
 
+def _session_ttl(text: str) -> float:
+    try:
+        return check_ttl(float(text), "--session-ttl")
+    except InvalidRequestError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
 def _flag(
     p: argparse.ArgumentParser,
     flag: str,
@@ -200,7 +210,7 @@ def _flag(
     env = "KVSERVE_" + flag.lstrip("-").replace("-", "_").upper()
     value = os.environ.get(env)
     if value not in (None, ""):
-        default = type(value)
+        default = value  # a string: argparse converts it with `type`, and reports a bad one as for the flag
     p.add_argument(flag, type=type, default=default, help=f"{help} (env {env}; default {shown_default})", **kwargs)
 
 
@@ -305,8 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         action="append",
         default=[k for k in (_env("API_KEY") or "").split(",") if k],
-        help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several keys "
-        "(env KVSERVE_API_KEY, comma-separated; default: no auth). /health and /metrics stay open.",
+        help="require 'Authorization: Bearer KEY' on /v1/* and /openapi.json (never as ?api_key=, which would "
+        "be logged); repeat for several keys (env KVSERVE_API_KEY, comma-separated; default: no auth). "
+        "/health and /metrics stay open; /docs and /redoc are off, as a browser cannot send the key.",
     )
     _flag(p, "--served-model-name", "the model name clients use; none means the model file's name")
     _flag(p, "--max-num-seqs", "most requests decoded together in one batch", 64, int)
@@ -315,9 +326,23 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "--kv-cache-tokens", "size of the KV pool in tokens; none means 1 GiB worth", None, int)
     _flag(p, "--max-body-bytes", "largest request body accepted; larger gets 413", 4 << 20, int)
     _flag(p, "--max-sessions", "most open sessions; more get 429", 1024, int)
-    _flag(p, "--max-sessions-per-key", "most open sessions one API key may hold; more get 429 (0: no limit)", 256, int)
+    _flag(
+        p,
+        "--max-sessions-per-key",
+        "most open sessions one API key may hold, more get 429; without --api-key all callers are one key "
+        "and share this limit (0: no limit)",
+        256,
+        int,
+    )
     _flag(p, "--session-db", "SQLite file that keeps sessions' transcripts; none means $KVSERVE_HOME/sessions.db")
-    _flag(p, "--session-ttl", "seconds an idle session lives before it is closed and deleted", 3600.0, float)
+    _flag(
+        p,
+        "--session-ttl",
+        f"seconds an idle session lives before it is closed and deleted, {TTL_BOUNDS}; a request's own "
+        "ttl is bounded the same",
+        3600.0,
+        _session_ttl,
+    )
     _flag(
         p,
         "--shutdown-timeout",

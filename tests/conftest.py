@@ -139,6 +139,7 @@ class StepGate:
         self.fault = fault
         self.runner = llm.engine.runner
         self.entered = threading.Event()
+        self.num_entered = 0  # steps that reached the gate
         self._passes = 0.0
         self._changed = threading.Condition()
 
@@ -148,6 +149,8 @@ class StepGate:
         def gated(out, *args):
             self.entered.set()
             with self._changed:
+                self.num_entered += 1
+                self._changed.notify_all()
                 assert self._changed.wait_for(lambda: self._passes > 0, 120), "a test left its step gate closed"
                 self._passes -= 1
             if self.fault is not None:
@@ -164,6 +167,15 @@ class StepGate:
 
     def open(self) -> None:
         self.allow(float("inf"))
+
+    def step(self) -> None:
+        """Let one step through and wait until the next one waits at the gate: by then the engine
+        has applied every message that was in its inbox before the step finished."""
+        with self._changed:
+            arrived = self.num_entered
+            self._passes += 1
+            self._changed.notify_all()
+            assert self._changed.wait_for(lambda: self.num_entered > arrived, 60), "no further step came"
 
     def __exit__(self, *exc) -> None:
         self.open()

@@ -13,7 +13,8 @@ The property (`Fuzzer.execute`), for every response, including the probes that f
     (exactly those keys);
   * a 2xx JSON body is strict JSON (no NaN/Infinity); a 2xx stream is SSE whose data lines are strict
     JSON and whose last one is `data: [DONE]`; an error event inside a stream has the error shape and
-    is not a `server_error` (a 500 in disguise);
+    is not a `server_error` (a 500 in disguise), nor the first thing the stream says (what fails before
+    any output must be a 4xx status, not 200 and an error event);
   * a session the request touched still answers (GET, a 2-token turn, DELETE: all < 500, OpenAI
     errors), and /health is 200 after every case (the engine still serves).
 """
@@ -441,6 +442,7 @@ def explicit_cases() -> list[Case]:
         ("/v1/sessions/{id}/completions", SESSION, {"max_tokens": 2, "top_k": 2**63}),
         ("/v1/sessions/{id}/completions", SESSION, {"max_tokens": 2, "seed": 2**64}),
         ("/v1/sessions/{id}/completions", SESSION, {"max_tokens": 2, "stream": True, "seed": 2**64}),
+        ("/v1/sessions/{id}/completions", SESSION, {"max_tokens": 100_000, "stream": True}),  # past the context
     ]
     return [_case(by_route[route], body, path_id, "k1", "application/json", None) for route, path_id, body in specs]
 
@@ -511,6 +513,7 @@ def check_reply(reply: Reply) -> str | None:
         data = [line[6:] for line in reply.text.split("\n") if line.startswith("data: ")]
         if not data or data[-1] != "[DONE]":
             return "stream does not end with 'data: [DONE]'"
+        has_output = False
         for payload in data[:-1]:
             try:
                 event = _strict_json(payload)
@@ -522,6 +525,9 @@ def check_reply(reply: Reply) -> str | None:
                     return f"stream error event: {problem}"
                 if event["error"]["type"] == "server_error":
                     return f"stream error event of type server_error: {event['error']['message'][:200]}"
+                if not has_output and event["error"]["code"] != "request_timeout":
+                    return f"200 and then an error event before any output: {event['error']['message'][:200]}"
+            has_output = has_output or _has_output(event)
         return None
     if ctype.startswith("application/json"):
         try:
@@ -530,6 +536,17 @@ def check_reply(reply: Reply) -> str | None:
             return f"2xx body is not strict JSON ({exc})"
         return None
     return f"2xx response with content-type {ctype!r}"
+
+
+def _has_output(event: Any) -> bool:
+    """Whether a stream event carries generated output (text, tokens, a finish), not just the role."""
+    if not isinstance(event, dict):
+        return False
+    for choice in event.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("content") or choice.get("finish_reason") or choice.get("logprobs"):
+            return True
+    return "usage" in event
 
 
 def body_features(body: bytes | None) -> tuple[str, ...]:

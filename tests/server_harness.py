@@ -51,11 +51,11 @@ def running_server(settings: ServerSettings, llm=None):
 
 
 @contextmanager
-def serving(app, healthy: bool = True):
+def serving(app, healthy: bool = True, log_level: str = "warning"):
     """Yield the base URL of `app` served by uvicorn; with `healthy`, once /health answered 200,
     else once it answered at all. Stop it (gracefully) on exit."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

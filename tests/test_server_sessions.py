@@ -111,6 +111,26 @@ def test_another_key_cannot_see_append_or_delete(served):
     wait_idle_and_check(engine)
 
 
+def test_a_streamed_turn_the_session_cannot_take_gets_the_unstreamed_status(served):
+    """Nothing new to answer, or a reply that cannot fit the context: streamed or not, the same 4xx
+    status and body before the first byte, never 200 and an error event (issue 33)."""
+    base, engine = served
+    h = auth("alice")
+    sid = httpx.post(f"{base}/v1/sessions", json={"system": "s"}, headers=h).json()["id"]
+    url = f"{base}/v1/sessions/{sid}/completions"
+    for body, param in (({**GREEDY}, "messages"), ({**GREEDY, "max_tokens": 1024}, "max_tokens")):
+        answers = [httpx.post(url, json={**body, "stream": stream}, headers=h) for stream in (False, True)]
+        for r in answers:
+            assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text[:300]
+            assert r.json()["error"]["param"] == param
+        assert answers[0].json() == answers[1].json()
+        httpx.post(f"{base}/v1/sessions/{sid}/messages", json={"role": "user", "content": "hi"}, headers=h)
+    streamed = httpx.post(url, json={**GREEDY, "stream": True}, headers=h)  # and a good turn still streams
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    assert httpx.delete(f"{base}/v1/sessions/{sid}", headers=h).status_code == 200
+    wait_idle_and_check(engine)
+
+
 def _start(tiny_model_dir, home, port) -> subprocess.Popen:
     env = {**os.environ, "KVSERVE_HOME": str(home), "KVSERVE_DTYPE": "float32", "KVSERVE_SERVED_MODEL_NAME": MODEL}
     proc = subprocess.Popen(

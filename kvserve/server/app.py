@@ -1,8 +1,9 @@
 """The HTTP server: OpenAI-compatible routes over one LLM. Routes translate; the engine decides.
 
-`create_app` wires the routers (routes/: openai, sessions, health), the error handlers (errors.py)
-and the LLM's loading. Errors always carry the OpenAI body: a client's mistake is a 4xx, never a
-500, and never harms another request.
+`create_app` wires the routers (routes/: openai, sessions, health), the error handlers (errors.py),
+the edge's checks (edge.py) and the LLM's loading. Errors always carry the OpenAI body: a client's
+mistake is a 4xx, never a 500, and never harms another request. With API keys, the API's schema
+(/openapi.json) needs one too, and the browser docs (/docs, /redoc), which cannot send it, are off.
 """
 
 from __future__ import annotations
@@ -11,15 +12,17 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi.responses import JSONResponse
 
 from kvserve.llm import LLM
+from kvserve.server.edge import HTTPVersionMiddleware, redact_access_log
 from kvserve.server.engine_client import RemoteLLM
 from kvserve.server.engine_process import build_llm
 from kvserve.server.errors import BodyLimitMiddleware, install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.routes import health, openai, sessions
-from kvserve.server.state import ServerSettings, ServerState
+from kvserve.server.state import ServerSettings, ServerState, require_key
 
 __all__ = ["ServerSettings", "create_app"]
 
@@ -33,6 +36,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redact_access_log()  # here: uvicorn has configured its loggers by now
         loader = None
         if llm is not None:
             state.set_llm(llm)
@@ -44,10 +48,24 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
             if state.llm is not None:
                 await asyncio.to_thread(state.llm.close)
 
-    app = FastAPI(title="kvserve", lifespan=lifespan)
+    protected = bool(settings.api_keys)
+    app = FastAPI(
+        title="kvserve",
+        lifespan=lifespan,
+        openapi_url=None if protected else "/openapi.json",
+        docs_url=None if protected else "/docs",
+        redoc_url=None if protected else "/redoc",
+    )
+    if protected:
+
+        @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_key)])
+        async def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
     app.state.kvserve = state
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(HTTPVersionMiddleware)  # added last: runs first
     for router in (health.router, openai.router, sessions.router):
         app.include_router(router)
     return app

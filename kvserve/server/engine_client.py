@@ -93,6 +93,8 @@ class RemoteLLM:
             self.model_path = Path(info["model_path"])
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, self.model_path)
             self.config = SimpleNamespace(max_model_len=info["max_model_len"])
+            self._stats = info["stats"]
+            self.owner_secret: bytes | None = info["owner_secret"]
             self.request_builder = RequestBuilder(self.tokenizer, info["vocab_size"], info["max_model_len"])
         except BaseException:
             loop.remove_reader(self.process.sentinel)
@@ -275,9 +277,14 @@ class RemoteSession:
         self._call("interrupt")
 
     def astream(
-        self, params: SamplingParams | None = None, *, interrupt: bool = False, request_id: str | None = None
+        self,
+        params: SamplingParams | None = None,
+        *,
+        interrupt: bool = False,
+        request_id: str | None = None,
+        announce: bool = False,
     ) -> AsyncIterator[StreamChunk]:
         self.llm._check_alive()
         params = params or SamplingParams(max_tokens=256)
         request_id = request_id or f"{self.id}-turn-{uuid.uuid4().hex[:8]}"
-        return self.llm._stream(request_id, ("turn", self.id, self.owner, params, interrupt, request_id))
+        return self.llm._stream(request_id, ("turn", self.id, self.owner, params, interrupt, request_id, announce))

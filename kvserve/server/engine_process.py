@@ -7,8 +7,9 @@ ZeroMQ PUSH/PULL pipes on Unix sockets, one each way, in pickled tuples:
 
     front end -> engine                               engine -> front end
     ("add", Request)        tokenized and checked     ("ready", info) | ("failed", reason)  once
-    ("turn", session, owner, params, interrupt, id)   ("out", [(request id, chunk | error)], stats)
-    ("abort", [request ids])                              one message per engine loop turn
+    ("turn", session, owner, params, interrupt, id,   ("out", [(request id, chunk | error)], stats)
+        announce)                                         one message per engine loop turn
+    ("abort", [request ids])
     ("call", call id, op, args)  sessions, health     ("result", call id, ok, value)
     ("shutdown",)
 
@@ -177,6 +178,9 @@ def main(settings: ServerSettings, to_engine: str, from_engine: str) -> None:
         "model_path": str(llm.model_path),
         "vocab_size": llm.model.config.vocab_size,
         "max_model_len": llm.config.max_model_len,
+        "stats": llm.stats(),  # /metrics has real figures before the first request
+        # owners are keyed with the store's secret (the front end computes them): they survive restarts
+        "owner_secret": llm.session_store.owner_secret if llm.session_store is not None else None,
     }
     outbox.send(("ready", info))
     try:
@@ -209,10 +213,10 @@ def _serve(llm: LLM, inbox: zmq.Socket, outbox: Outbox) -> None:
                 except Exception as exc:  # the engine is closed
                     outbox.send(("out", [(request.request_id, exc)], None))
             elif kind == "turn":
-                _, session_id, owner, params, interrupt, request_id = message
+                _, session_id, owner, params, interrupt, request_id, announce = message
                 sink = RemoteSink(outbox, request_id)
                 try:
-                    _, start = _session(llm, session_id, owner).start_turn(params, interrupt, request_id)
+                    _, start = _session(llm, session_id, owner).start_turn(params, interrupt, request_id, announce)
                     start(sink)
                 except Exception as exc:
                     outbox.send(("out", [(request_id, exc)], None))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -77,10 +78,26 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def _validation_body(errors: list[dict]) -> dict:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body",)]
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    param = _param(first.get("loc", ()))
+    msg = str(first.get("msg"))
+    message = f"{param}: {msg}" if param and not msg.startswith(param) else msg
     return error_body(message, "invalid_request_error", param)
+
+
+def _param(loc: tuple) -> str | None:
+    """The field a pydantic error location names, as `messages[0].content`: list indices in brackets,
+    without the union member pydantic tried (`str`, `list[int]`, `function-after[...]`)."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part != "body" and not _UNION_MEMBER.search(part):
+            param += f".{part}" if param else part
+    return param or None
+
+
+# How pydantic names a member of a union in an error's location; no request field is spelled so.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list|dict)$|[\[(]|^function-|^[A-Z]")
 
 
 class BodyLimitMiddleware:

@@ -1,6 +1,8 @@
 """Running a completion body: admission, one engine request per choice, and the answer as one
 JSON body or as a server-sent event stream. A client that disconnects, or a request past its time
-limit, aborts its engine requests."""
+limit, aborts its engine requests. Whatever can be refused is refused before the first byte, with
+the status the unstreamed request gets: a body over the admission limit, a live X-Request-Id, and
+a session turn the session cannot take (it is awaited until it starts)."""
 
 from __future__ import annotations
 
@@ -46,18 +48,23 @@ def admit(state: ServerState, num_requests: int) -> Callable[[], None]:
     """Admission control over engine requests (a body's prompts x n): beyond max_num_seqs +
     max_queue in flight, answer 429 with Retry-After before any engine work.
 
+    A body that alone exceeds the limit can never be admitted: 400 saying how to split it (a 429
+    would have a client that obeys Retry-After retry forever).
+
     Returns an idempotent `release` to call when the body's requests are over.
     """
     limit = state.settings.max_num_seqs + state.settings.max_queue
+    if num_requests > limit:
+        raise APIError(
+            400,
+            f"This request creates {num_requests} engine requests (prompts x n), more than the server ever admits "
+            f"at once ({limit}: --max-num-seqs + --max-queue); split it into requests of at most {limit} prompts x n.",
+            "invalid_request_error",
+            code="request_too_large",
+        )
     if state.num_inflight + num_requests > limit:
         state.metrics.rejected.inc()
-        if num_requests > limit:
-            message = (
-                f"This request creates {num_requests} engine requests (prompts x n), more than the server admits "
-                f"at once ({limit}); split it into smaller requests."
-            )
-        else:
-            message = f"The server is at capacity ({limit} engine requests in flight); retry shortly."
+        message = f"The server is at capacity ({limit} engine requests in flight); retry shortly."
         error = APIError(429, message, "rate_limit_error", code="server_overloaded")
         error.headers["Retry-After"] = "1"
         raise error
@@ -80,11 +87,22 @@ def with_seed(params: SamplingParams, seed: int | None, index: int) -> SamplingP
 
 @dataclasses.dataclass
 class Job:
-    """One choice of a response: which prompt it answers, how to start its stream, echoed text."""
+    """One choice of a response: which prompt it answers, how to start its stream, echoed text.
+    A stream that `announces` its start first yields an empty chunk once its request has started
+    (a session turn: once the session took it), or raises why it could not."""
 
     prompt_index: int
     start: Callable[[str], AsyncIterator[StreamChunk]]  # engine request id -> stream (validates now)
     echo: str | None = None
+    announces: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class Running:
+    """A response in flight: its engine requests, and the ids (owner, id) it answers to."""
+
+    engine_ids: list[str]
+    aliases: list[tuple[str | None, str]]
 
 
 def llm_stream(llm: LLM, prompt, params: SamplingParams) -> Callable[[str], AsyncIterator[StreamChunk]]:
@@ -95,23 +113,44 @@ async def run(state, llm, request, owner, response_id, kind, body, jobs: list[Jo
     """Start the engine requests of all choices; answer as one JSON body or as an SSE stream."""
     created = int(time.time())
     engine_ids = [f"{response_id}-{k}" for k in range(len(jobs))]
-    # Validate every prompt before any work starts (raises InvalidRequestError -> 400).
-    streams = [job.start(rid) for job, rid in zip(jobs, engine_ids, strict=True)]
-    prompt_indices = [job.prompt_index for job in jobs]
     aliases = [(owner, response_id)]
     client_id = request.headers.get("x-request-id")
     if client_id:
+        if (owner, client_id) in state.requests:  # the older one stays what DELETE aborts
+            raise APIError(
+                409,
+                f"A request with X-Request-Id {client_id!r} is still running; send another id, or wait for it "
+                "to end (DELETE /v1/requests/{id} aborts it).",
+                "invalid_request_error",
+                "X-Request-Id",
+                code="request_id_in_use",
+            )
         aliases.append((owner, client_id))
+    # Validate every prompt before any work starts (raises InvalidRequestError -> 400).
+    streams = [job.start(rid) for job, rid in zip(jobs, engine_ids, strict=True)]
+    prompt_indices = [job.prompt_index for job in jobs]
+    running = Running(engine_ids, aliases)
     for alias in aliases:
-        state.requests[alias] = engine_ids
+        state.requests[alias] = running
     arrival = time.monotonic()
     formatter = Formatter(llm, response_id, created, state.model_name, kind, chat, [job.echo for job in jobs])
 
     def cleanup() -> None:  # idempotent: the request is over for the server
         for alias in aliases:
-            if state.requests.get(alias) is engine_ids:
+            if state.requests.get(alias) is running:
                 del state.requests[alias]
         release()
+
+    announcing = [stream for job, stream in zip(jobs, streams, strict=True) if job.announces]
+    if announcing:  # a refusal is the status the unstreamed request gets, not 200 and an error event
+        try:
+            await _finish_or_abort(state, request, asyncio.gather(*(anext(s) for s in announcing)))
+        except BaseException:
+            cleanup()
+            for stream in streams:
+                with contextlib.suppress(BaseException):
+                    await stream.aclose()
+            raise
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -145,7 +184,13 @@ async def _collect_or_abort(state, request, streams, arrival) -> list[RequestOut
     async def collect(stream) -> RequestOutput:
         return RequestOutput.from_chunks([chunk async for chunk in _observed(stream, state.metrics, arrival)])
 
-    work = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in streams)))
+    return await _finish_or_abort(state, request, asyncio.gather(*(collect(s) for s in streams)))
+
+
+async def _finish_or_abort(state, request, awaitable):
+    """Await `awaitable` (work on the body's streams); a client disconnect or the time limit cancels
+    it, which aborts its engine requests, and answers 499 or 504."""
+    work = asyncio.ensure_future(awaitable)
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait(

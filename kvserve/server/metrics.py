@@ -1,4 +1,7 @@
-"""Prometheus metrics: engine figures read from LLM.stats() at scrape time, latencies observed here."""
+"""Prometheus metrics: engine figures read from LLM.stats() at scrape time, latencies observed here.
+
+/metrics answers from the server's start: while the model loads every engine figure is 0, and a
+figure the engine has not reported (yet) is 0 rather than a failed scrape."""
 
 from __future__ import annotations
 
@@ -17,9 +20,7 @@ class _EngineCollector(Collector):
         self.stats = stats
 
     def collect(self) -> Iterator[Any]:
-        s = self.stats()
-        if s is None:  # still loading
-            return
+        s = _Figures(self.stats() or {})  # None: still loading
         total = s["kv_blocks_total"] or 1
         yield GaugeMetricFamily("kvserve_requests_running", "Requests in the running batch.", s["num_running"])
         yield GaugeMetricFamily("kvserve_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"])
@@ -44,6 +45,13 @@ class _EngineCollector(Collector):
             ("kvserve_engine_steps", "steps_total", "Engine steps run."),
         ):
             yield CounterMetricFamily(name, doc, value=s[key])
+
+
+class _Figures(dict):
+    """Engine stats where a figure not reported is 0."""
+
+    def __missing__(self, key: str) -> int:
+        return 0
 
 
 class ServerMetrics:

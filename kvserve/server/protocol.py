@@ -1,13 +1,17 @@
 """OpenAI request shapes (pydantic) and their translation to SamplingParams.
 
-Every field kvserve does not support is refused by name (400), never silently ignored.
+Every field kvserve does not support is refused by name (400), never silently ignored. Types are
+strict, as OpenAI's API is: `"max_tokens": "3"`, `true` for an integer, `0` for a boolean, `"0.5"`
+for a number, or floats as token ids are a 400 naming the field; an integer where a number is
+expected (`"temperature": 1`) is a number.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import SamplingParams
@@ -17,15 +21,18 @@ class UnsupportedFieldError(InvalidRequestError):
     pass
 
 
+STRICT = ConfigDict(extra="forbid", strict=True)  # strict: no "3" for 3, no 0 for false, no 1.0 for 1
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Base(BaseModel):
     """Fields common to both routes, including kvserve's extra sampling fields."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     temperature: float | None = None
@@ -92,6 +99,27 @@ class CompletionRequest(_Base):
     logprobs: int | None = None
     echo: bool = False
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_form(cls, value: Any) -> Any:
+        """One error naming `prompt` (rather than one per member of the union), and never a bool or
+        a float taken as a token id."""
+        if isinstance(value, str) or (
+            isinstance(value, list)
+            and (
+                all(isinstance(x, str) for x in value)
+                or all(_is_token_id(x) for x in value)
+                or all(isinstance(x, list) and all(_is_token_id(t) for t in x) for x in value)
+            )
+        ):
+            return value
+        raise PydanticCustomError(
+            "prompt_type",
+            "prompt must be a string, a list of strings, a list of token ids (integers) or a list of lists of "
+            "token ids; got {got}",
+            {"got": _describe(value)},
+        )
+
     def num_requests(self) -> int:
         return len(self.prompts()) * self.n
 
@@ -106,14 +134,25 @@ class CompletionRequest(_Base):
         return list(p)
 
 
+def _is_token_id(value: Any) -> bool:
+    return type(value) is int  # not a bool, not a float
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        kinds = sorted({type(x).__name__ for x in value})
+        return f"a list holding {', '.join(kinds)}"
+    return type(value).__name__
+
+
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -167,7 +206,7 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | i
 
 
 class SessionCreateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str | None = None
     system: str | None = None
     messages: list[ChatMessage] = Field(default_factory=list)
@@ -181,13 +220,13 @@ class SessionCreateRequest(BaseModel):
 
 
 class SessionMessageRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "user", "assistant"]
     content: str
 
 
 class SessionAppendRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     text: str
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ from kvserve.errors import InvalidRequestError, check_text
 from kvserve.llm import LLM
 from kvserve.pipeline.topology import Topology
 from kvserve.server.metrics import ServerMetrics
-from kvserve.sessions.store import key_owner
+from kvserve.sessions.store import OWNER_SECRET_BYTES, key_owner
 
 if TYPE_CHECKING:
     from kvserve.server.engine_client import RemoteLLM
@@ -59,16 +60,23 @@ class ServerState:
     load_error: str | None = None
     model_name: str = "kvserve"
     num_inflight: int = 0  # engine requests (prompts x n of every admitted body) not yet over
-    # (owner, response id or client X-Request-Id) -> engine request ids: only their owner may abort them
-    requests: dict[tuple[str | None, str], list[str]] = field(default_factory=dict)
+    # (owner, response id or client X-Request-Id) -> the response in flight (execution.Running): only
+    # its owner may abort it, and one live request per (owner, id)
+    requests: dict[tuple[str | None, str], Any] = field(default_factory=dict)
     metrics: ServerMetrics | None = None
     key_bytes: tuple[bytes, ...] = field(init=False)  # the API keys, encoded once for authorize
+    owner_secret: bytes | None = None  # what owners are keyed with (key_owner), once the engine is up
 
     def __post_init__(self) -> None:
         self.key_bytes = tuple(key.encode() for key in self.settings.api_keys)
 
     def set_llm(self, llm: LLM) -> None:
         self.model_name = self.settings.served_model_name or llm.model_path.stem
+        # The session store's secret, so that owners survive a restart; without a store, owners live
+        # in memory only and a secret for this process's life does.
+        store = getattr(llm, "session_store", None)  # an LLM; a RemoteLLM has its engine process's secret
+        secret = store.owner_secret if store is not None else getattr(llm, "owner_secret", None)
+        self.owner_secret = secret or secrets.token_bytes(OWNER_SECRET_BYTES)
         self.llm = llm
 
     def ready_llm(self) -> LLM | RemoteLLM:
@@ -82,9 +90,9 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.kvserve
 
 
-async def authorize(request: Request) -> str | None:  # async: no thread-pool hop per request
-    """The caller's owner id, a hash of its API key (None without auth): it owns the requests and
-    sessions the caller creates. Keys are compared in constant time, each of them every time."""
+async def require_key(request: Request) -> bytes | None:  # async: no thread-pool hop per request
+    """The caller's API key (None without auth), or 401. Keys are compared in constant time, each of
+    them every time; a key in the query string is never one (it would end up in logs)."""
     keys = server_state(request).key_bytes
     if not keys:
         return None
@@ -94,17 +102,40 @@ async def authorize(request: Request) -> str | None:  # async: no thread-pool ho
     for key in keys:
         matched |= hmac.compare_digest(token, key)
     if not matched:
+        where = "API keys in the query string are not accepted (they end up in logs)"
+        if "api_key" not in request.url.query.lower().replace("-", "_"):
+            where = "Missing or invalid API key"
         raise APIError(
-            401,
-            "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-            "authentication_error",
-            code="invalid_api_key",
+            401, f"{where}: send 'Authorization: Bearer <key>'.", "authentication_error", code="invalid_api_key"
         )
-    return key_owner(token.decode())
+    return token
+
+
+async def authorize(request: Request) -> str | None:
+    """The caller's owner id (None without auth): a keyed hash of its API key (key_owner). It owns
+    the requests and sessions the caller creates."""
+    token = await require_key(request)
+    if token is None:
+        return None
+    state = server_state(request)
+    if state.owner_secret is None:
+        state.ready_llm()  # 503 while loading
+    return key_owner(token.decode(), state.owner_secret)
 
 
 async def read_json(request: Request) -> Any:
-    """The body as JSON whose every string is valid Unicode (else InvalidRequestError naming the field)."""
+    """The body as JSON whose every string is valid Unicode (else InvalidRequestError naming the field).
+    A compressed body is refused (415) rather than parsed as if it were not."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(
+            415,
+            f"Content-Encoding {encoding!r} is not supported; send the request body uncompressed, without "
+            "a Content-Encoding header.",
+            "invalid_request_error",
+            "Content-Encoding",
+            code="unsupported_content_encoding",
+        )
     raw = await request.body()
     try:
         body = json.loads(raw)

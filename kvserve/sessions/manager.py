@@ -22,7 +22,9 @@ from typing import Any
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.request import Request
 from kvserve.errors import EngineClosedError, InvalidRequestError, KVServeError
+from kvserve.outputs import StreamChunk
 from kvserve.sampling_params import SamplingParams
+from kvserve.sessions.limits import check_ttl
 from kvserve.sessions.store import SessionStore, SessionStoreError
 from kvserve.text.tokenizer import Tokenizer
 
@@ -45,6 +47,7 @@ class Turn:
     params: SamplingParams
     sink: Any
     interrupt: bool = False
+    announce: bool = False  # put an empty chunk in the sink when the turn starts (its checks passed)
 
 
 @dataclass
@@ -101,13 +104,14 @@ class SessionManager:
         self.abort = abort
         self.store = store
         self.max_sessions = max_sessions
-        self.default_ttl = default_ttl
+        self.default_ttl = check_ttl(default_ttl, "session_ttl")
         self.sessions: dict[str, SessionState] = {}
         self.by_request: dict[str, str] = {}  # turn or prefill request id -> session id
 
     # ----- lifecycle ------------------------------------------------------------------------
     def create(self, owner: str | None, messages: list[dict[str, str]], ttl: float | None) -> SessionState:
         """A new session; raises SessionLimitError when full, SessionStoreError when it cannot be stored."""
+        check_ttl(ttl)
         self._check_room(owner)
         session_id = f"sess-{uuid.uuid4().hex}"
         state = SessionState(session_id, owner, ttl if ttl is not None else self.default_ttl, list(messages))
@@ -137,10 +141,12 @@ class SessionManager:
             raise SessionLimitError(
                 f"There are already {self.max_sessions} sessions; close some (or raise max_sessions) first."
             )
+        # Without API keys every caller is the one owner None, and the limit holds for it as for a key.
         limit = self.max_sessions_per_owner
-        if owner is not None and limit is not None and sum(s.owner == owner for s in self.sessions.values()) >= limit:
+        if limit is not None and sum(s.owner == owner for s in self.sessions.values()) >= limit:
+            who = "This API key holds" if owner is not None else "Callers without an API key (no --api-key) hold"
             raise SessionLimitError(
-                f"This API key already has {limit} open sessions (the most one key may hold); close some first."
+                f"{who} {limit} open sessions already, the most one key may hold; close some first."
             )
 
     def close(self, state: SessionState) -> None:
@@ -211,6 +217,8 @@ class SessionManager:
             self._drain(state)
             return
         state.messages, state.open_user = conversation, None
+        if turn.announce:
+            turn.sink.put(StreamChunk(turn.request_id, "", []))
         request = Request(turn.request_id, prompt_ids, turn.params, eos_token_ids=self.tokenizer.stop_token_ids)
         state.turn_request_id = turn.request_id
         self.by_request[turn.request_id] = state.session_id

@@ -46,15 +46,18 @@ class Session:
         text = check_text(str(text), "text")
         self._call(lambda m, s: m.append(s, text))
 
-    def start_turn(self, params: SamplingParams | None, interrupt: bool, request_id: str | None):
+    def start_turn(
+        self, params: SamplingParams | None, interrupt: bool, request_id: str | None, announce: bool = False
+    ):
         """(request id, start): `start(sink)` queues the turn, its chunks going to `sink`. `stream`
-        and `astream` read the sink here; the engine process sends it to its front end."""
+        and `astream` read the sink here; the engine process sends it to its front end. With
+        `announce`, an empty chunk comes first, once the turn has started (its checks passed)."""
         params = params or SamplingParams(max_tokens=256)
         request_id = request_id or f"{self.id}-turn-{uuid.uuid4().hex[:8]}"
         manager, owner, sid = self._manager, self.owner, self.id
 
         def start(sink) -> None:
-            turn = Turn(request_id, params, sink, interrupt)
+            turn = Turn(request_id, params, sink, interrupt, announce)
             self.client.post(lambda: manager.start_turn(manager.get(sid, owner), turn), sink)
 
         return request_id, start
@@ -66,10 +69,16 @@ class Session:
         return self.client.stream_with(*self.start_turn(params, interrupt, request_id))
 
     def astream(
-        self, params: SamplingParams | None = None, *, interrupt: bool = False, request_id: str | None = None
+        self,
+        params: SamplingParams | None = None,
+        *,
+        interrupt: bool = False,
+        request_id: str | None = None,
+        announce: bool = False,
     ) -> AsyncIterator[StreamChunk]:
-        """asyncio twin of `stream`."""
-        return self.client.astream_with(*self.start_turn(params, interrupt, request_id))
+        """asyncio twin of `stream`. With `announce`, an empty chunk comes first once the turn has
+        started, or the reason it cannot start is raised (the server answers before the first token)."""
+        return self.client.astream_with(*self.start_turn(params, interrupt, request_id, announce))
 
     def generate(self, params: SamplingParams | None = None, *, interrupt: bool = False) -> RequestOutput:
         return RequestOutput.from_chunks(list(self.stream(params, interrupt=interrupt)))

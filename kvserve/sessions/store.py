@@ -7,12 +7,19 @@ keeps readers and the writer apart and survives a killed process without corrupt
 The file carries its schema version (table `kvserve_schema`); opening checks it and migrates an
 older kvserve store, and refuses any other database with SessionStoreError. Every SQLite or disk
 failure surfaces as SessionStoreError; `error` keeps the last one until a write succeeds again.
+
+Beside the file lives the install's owner secret (`<file>.secret`, 32 random bytes, mode 0600,
+created once): a session owned through an API key stores an HMAC of the key under it
+(`key_owner`), so the file alone lets no one test guessed keys against its owners.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
+import os
+import secrets
 import sqlite3
 import threading
 import time
@@ -20,7 +27,10 @@ from pathlib import Path
 
 from kvserve.errors import KVServeError
 
-SCHEMA_VERSION = 2  # 1: before the version table (owners stored as given); 2: owners are key hashes
+# 1: before the version table (owners stored as given); 2: owners are "sha256:" + the key's sha256;
+# 3: owners are key_owner's HMAC of that hash under the owner secret
+SCHEMA_VERSION = 3
+OWNER_SECRET_BYTES = 32
 TABLES = """
 CREATE TABLE sessions (
     id TEXT PRIMARY KEY,
@@ -43,14 +53,51 @@ class SessionStoreError(KVServeError):
     """The session store cannot be opened, read or written (a foreign file, a full or read-only disk)."""
 
 
-def key_owner(api_key: str) -> str:
-    """What a session stores as the owner of an API key: a hash, never the key itself."""
-    return "sha256:" + hashlib.sha256(api_key.encode()).hexdigest()
+def key_owner(api_key: str, secret: bytes) -> str:
+    """What a session stores as the owner of an API key: an HMAC-SHA256, under the install's owner
+    secret, of the key's sha256 (what schema 2 stored, so that its owners migrate), never the key."""
+    return _keyed_owner(secret, hashlib.sha256(api_key.encode()).hexdigest())
+
+
+def _keyed_owner(secret: bytes, key_sha256: str) -> str:
+    return "hmac-sha256:" + hmac.new(secret, key_sha256.encode(), hashlib.sha256).hexdigest()
+
+
+def owner_secret(path: Path) -> tuple[bytes, bool]:
+    """(the secret in `path`, whether it was created now): read it, or write a new random one,
+    readable by this user only, atomically (a file is linked into place with its content)."""
+    try:
+        try:
+            secret = path.read_bytes()
+        except FileNotFoundError:
+            pass
+        else:
+            if len(secret) != OWNER_SECRET_BYTES:
+                raise SessionStoreError(f"The owner secret {path} is damaged ({len(secret)} bytes); restore it.")
+            return secret, False
+        secret = secrets.token_bytes(OWNER_SECRET_BYTES)
+        staged = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, secret)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(staged, path)
+        except FileExistsError:  # another process created it first: use that one
+            return owner_secret(path)[0], False
+        finally:
+            staged.unlink()
+    except OSError as exc:
+        raise SessionStoreError(f"Cannot read or create the owner secret {path}: {exc}.") from exc
+    return secret, True
 
 
 class SessionStore:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.secret_path = self.path.with_name(self.path.name + ".secret")
         self.error: str | None = None  # the last failure, until a write succeeds
         self._lock = threading.Lock()
         try:
@@ -74,9 +121,12 @@ class SessionStore:
             ) from exc
 
     def _open_schema(self) -> None:
-        """Create the schema in an empty file, migrate an older kvserve store, refuse anything else."""
+        """Create the schema in an empty file, migrate an older kvserve store, refuse anything else
+        (also a store whose owners are keyed with a secret that is gone). Reads or creates the owner
+        secret of a kvserve store."""
         tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not tables:
+            self.owner_secret, _ = owner_secret(self.secret_path)
             with self._db:
                 self._db.execute("BEGIN")
                 for statement in TABLES.split(";"):
@@ -101,15 +151,31 @@ class SessionStore:
                 f"{self.path} was written by a newer kvserve (schema {version}, this one reads up to "
                 f"{SCHEMA_VERSION}); upgrade kvserve or use another --session-db."
             )
+        self.owner_secret, secret_created = owner_secret(self.secret_path)
         if version < SCHEMA_VERSION:
-            self._migrate_from_v1()
+            self._migrate(version)
+        elif secret_created and self._db.execute("SELECT 1 FROM sessions WHERE owner LIKE 'hmac-sha256:%'").fetchone():
+            self.secret_path.unlink()  # a new secret would orphan every key's sessions: keep none
+            raise SessionStoreError(
+                f"{self.path} holds sessions owned through API keys, but the owner secret beside it "
+                f"({self.secret_path}) is missing; restore it, or move the store away to start afresh."
+            )
 
-    def _migrate_from_v1(self) -> None:
-        """Version 1 stored the API key itself as a session's owner; version 2 stores its hash."""
+    def _migrate(self, version: int) -> None:
+        """Version 1 stored the API key itself as a session's owner, version 2 its sha256; version 3
+        stores key_owner's HMAC of that hash. Owners a Python caller gave (not hashes) stay as they are."""
         with self._db:
             self._db.execute("BEGIN")
             owners = self._db.execute("SELECT id, owner FROM sessions WHERE owner IS NOT NULL").fetchall()
-            self._db.executemany("UPDATE sessions SET owner = ? WHERE id = ?", [(key_owner(o), i) for i, o in owners])
+            if version == 1:
+                rehashed = [(key_owner(o, self.owner_secret), i) for i, o in owners]
+            else:
+                rehashed = [
+                    (_keyed_owner(self.owner_secret, o.removeprefix("sha256:")), i)
+                    for i, o in owners
+                    if o.startswith("sha256:")
+                ]
+            self._db.executemany("UPDATE sessions SET owner = ? WHERE id = ?", rehashed)
             self._db.execute("CREATE TABLE IF NOT EXISTS kvserve_schema (version INTEGER NOT NULL)")
             self._db.execute("DELETE FROM kvserve_schema")
             self._db.execute("INSERT INTO kvserve_schema VALUES (?)", (SCHEMA_VERSION,))

@@ -27,10 +27,13 @@ async def models(request: Request) -> dict:
 @router.delete("/requests/{request_id}")
 async def abort(request_id: str, request: Request, owner: str | None = Depends(authorize)) -> dict:
     state = server_state(request)
-    engine_ids = state.requests.get((owner, request_id))
-    if engine_ids is None:  # also another key's request: it is not this caller's to see
+    running = state.requests.get((owner, request_id))
+    if running is None:  # also another key's request: it is not this caller's to see
         raise APIError(404, f"No running request with id {request_id!r}.", "not_found_error", "request_id")
-    state.ready_llm().abort(engine_ids)
+    state.ready_llm().abort(running.engine_ids)
+    for alias in running.aliases:  # aborted once: a second DELETE finds nothing running
+        if state.requests.get(alias) is running:
+            del state.requests[alias]
     return {"id": request_id, "object": "request.abort", "aborted": True}
 
 

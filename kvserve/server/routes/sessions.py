@@ -86,6 +86,10 @@ async def session_completion(session_id: str, request: Request, owner: str | Non
             raise InvalidRequestError("A session turn has one choice; n must be 1.", "n")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, body.chat_logprobs(), 512)
-        return [Job(0, lambda rid: session.astream(params, interrupt=body.interrupt, request_id=rid))]
+
+        def stream(rid: str):  # announces its start: a refusal is a status, before the first byte
+            return session.astream(params, interrupt=body.interrupt, request_id=rid, announce=True)
+
+        return [Job(0, stream, announces=True)]
 
     return await handle(request, owner, SessionCompletionRequest, jobs, "chatcmpl", "chat.completion", chat=True)
