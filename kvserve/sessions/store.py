@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from kvserve.errors import KVServeError
+from kvserve.sessions import lock
 
 # 1: before the version table (owners stored as given); 2: owners are "sha256:" + the key's sha256;
 # 3: owners are key_owner's HMAC of that hash under the owner secret
@@ -102,8 +103,18 @@ class SessionStore:
         self._lock = threading.Lock()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._owner_lock = lock.acquire(self.path)
+        except lock.StoreInUseError as exc:
+            raise SessionStoreError(
+                f"The session store {self.path} is in use by another process ({exc}); one process owns a store. "
+                "Stop that one, or give this one another --session-db (KVSERVE_SESSION_DB)."
+            ) from None
+        except OSError as exc:
+            raise SessionStoreError(f"Cannot open the session store {self.path}: {exc}.") from exc
+        try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         except (OSError, sqlite3.Error) as exc:
+            lock.release(self._owner_lock)
             raise SessionStoreError(f"Cannot open the session store {self.path}: {exc}.") from exc
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -112,9 +123,11 @@ class SessionStore:
             self._open_schema()
         except SessionStoreError:
             self._db.close()
+            lock.release(self._owner_lock)
             raise
         except sqlite3.Error as exc:
             self._db.close()
+            lock.release(self._owner_lock)
             raise SessionStoreError(
                 f"{self.path} is not a usable kvserve session store ({exc}); point --session-db "
                 "(KVSERVE_SESSION_DB) at another file or move this one away."
@@ -221,6 +234,7 @@ class SessionStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        lock.release(self._owner_lock)
 
     # ----- internals ----------------------------------------------------------------------
     def _write(self, what: str, write) -> None:
