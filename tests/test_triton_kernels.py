@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("triton")
 
 from kvserve.kernels import gpu
-from kvserve.kernels.gpu import attention, matmul, norm  # noqa: F401
+from kvserve.kernels.gpu import attention, matmul, norm
 
 if not torch.cuda.is_available() and not gpu.INTERPRET:
     pytest.skip("kvserve.kernels.gpu was imported before TRITON_INTERPRET was set", allow_module_level=True)
@@ -188,3 +188,313 @@ def test_int8_group_matmul_each_row_alone():
     x = _randn(m, k, seed=20, dtype=torch.bfloat16)
     out = matmul.int8_group_matmul(x, codes, scales, torch.float32)
     _each_row_alone(lambda rows: matmul.int8_group_matmul(rows, codes, scales, torch.float32), x, out)
+
+
+# --- Paged attention
+
+BLOCK_SIZE = 16
+
+
+@dataclasses.dataclass
+class PagedCache:
+    """A layer's caches holding sequences of the given lengths in scattered blocks. Block 0 belongs to
+    no sequence and pads the block tables; it and every slot past a sequence's length hold NaN, so a
+    kernel that reads a key it should not gives NaN."""
+
+    k: torch.Tensor  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    v: torch.Tensor
+    tables: list[list[int]]  # block ids of each sequence
+
+    @classmethod
+    def make(cls, lengths: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> "PagedCache":
+        g = _generator(seed)
+        needed = [-(-length // BLOCK_SIZE) for length in lengths]
+        num_blocks = 1 + sum(needed) + 3  # three blocks of no one
+        free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+        tables = [[free.pop() for _ in range(n)] for n in needed]
+        shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+        k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        for cache in (k, v):
+            cache[0] = float("nan")
+            for table, length in zip(tables, lengths, strict=True):
+                cache[table[-1], length - (len(table) - 1) * BLOCK_SIZE :] = float("nan")
+        return cls(k.to(dtype).to(DEVICE), v.to(dtype).to(DEVICE), tables)
+
+    def block_tables(self) -> torch.Tensor:
+        width = max(len(t) for t in self.tables)
+        rows = [t + [0] * (width - len(t)) for t in self.tables]
+        return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+
+    def keys(self, seq: int, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [end - begin, Hkv, D] of positions begin..end-1 of a sequence, gathered by hand."""
+        table = torch.tensor(self.tables[seq])
+        pos = torch.arange(begin, end)
+        blocks, offsets = table[pos // BLOCK_SIZE].to(DEVICE), (pos % BLOCK_SIZE).to(DEVICE)
+        return self.k[blocks, offsets], self.v[blocks, offsets]
+
+
+@dataclasses.dataclass
+class Step:
+    """A call's query tokens: per sequence (seq, first position, number of tokens), flattened in order
+    and cut into tiles of `tokens_per_tile`; the first tile of each sequence holds `first_tile` tokens
+    where given (to move the tile boundaries)."""
+
+    spans: list[tuple[int, int, int]]
+    first_tile: int | None = None
+
+    def tensors(self, tokens_per_tile: int):
+        positions, tile_seq, tile_first, tile_len = [], [], [], []
+        for seq, begin, count in self.spans:
+            row = len(positions)
+            positions += range(begin, begin + count)
+            done = 0
+            while done < count:
+                size = min(count - done, self.first_tile if done == 0 and self.first_tile else tokens_per_tile)
+                tile_seq.append(seq)
+                tile_first.append(row + done)
+                tile_len.append(size)
+                done += size
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+        return as_tensor(positions), as_tensor(tile_seq), as_tensor(tile_first), as_tensor(tile_len)
+
+
+def _attend(cache: PagedCache, step: Step, q: torch.Tensor, window: int = 0, num_splits: int = 1, **kwargs):
+    num_heads, num_kv_heads = q.shape[1], cache.k.shape[2]
+    positions, tile_seq, tile_first, tile_len = step.tensors(attention.tokens_per_tile(num_heads, num_kv_heads))
+    scale = q.shape[2] ** -0.5
+    return attention.paged_attention(
+        q, cache.k, cache.v, cache.block_tables(), positions, tile_seq, tile_first, tile_len, scale, window,
+        num_splits, **kwargs,
+    )  # fmt: skip
+
+
+def _reference(cache: PagedCache, step: Step, q: torch.Tensor, window: int) -> torch.Tensor:
+    """Each query token's softmax over its own keys, in float64, from keys gathered by hand."""
+    group = q.shape[1] // cache.k.shape[2]
+    rows = []
+    for seq, begin, count in step.spans:
+        for pos in range(begin, begin + count):
+            k, v = cache.keys(seq, max(0, pos - window + 1) if window else 0, pos + 1)
+            k, v = k.double().repeat_interleave(group, dim=1), v.double().repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,khd->hk", q[len(rows)].double(), k) * q.shape[2] ** -0.5
+            rows.append(torch.einsum("hk,khd->hd", scores.softmax(dim=-1), v))
+    return torch.stack(rows)
+
+
+def test_tokens_per_tile_and_num_splits_for():
+    rows = attention.ROWS
+    assert attention.tokens_per_tile(4, 4) == rows
+    assert attention.tokens_per_tile(8, 2) == rows // 4
+    assert attention.tokens_per_tile(14, 2) == rows // 7  # a group of 7 heads: 2 tokens in 14 of 16 rows
+    assert attention.tokens_per_tile(4 * rows, 2) == 1  # a group wider than ROWS: one token per program
+    assert attention.num_splits_for(0) == 1
+    assert attention.num_splits_for(attention.SPLIT_KEYS - 1) == 1
+    assert attention.num_splits_for(attention.SPLIT_KEYS) == 2
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_store_kv_writes_each_token_at_its_slot_and_skips_negative_slots(cache_dtype, slot_dtype):
+    num_blocks, num_kv_heads, head_dim = 4, 2, 24
+    # each cache is a view behind a guard block, which a write through a negative slot would reach
+    memory = [_randn(1 + num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, seed=s, dtype=cache_dtype) for s in (30, 31)]
+    expected = [m.clone() for m in memory]
+    k = _randn(5, num_kv_heads, head_dim, seed=32)  # float32, rounded to the cache's dtype on the way in
+    v = _randn(5, num_kv_heads, head_dim, seed=33)
+    slots = torch.tensor([37, -1, 0, 63, -5], dtype=slot_dtype, device=DEVICE)
+    attention.store_kv(k, v, memory[0][1:], memory[1][1:], slots)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            for cache, new in zip(expected, (k, v), strict=True):
+                cache[1:].view(-1, num_kv_heads, head_dim)[slot] = new[token].to(cache_dtype)
+    assert torch.equal(memory[0], expected[0]) and torch.equal(memory[1], expected[1])
+
+
+# (sequence lengths in the cache, query spans, query heads, KV heads, head_dim)
+ATTENTION_CASES = {
+    # one token each of three sequences, the longest past two splits of 64
+    "decode-gqa": ([5, 37, 150], [(0, 4, 1), (1, 36, 1), (2, 149, 1)], 4, 2, 32),
+    # two whole prompts, one head per KV head
+    "prefill-mha": ([70, 9], [(0, 0, 70), (1, 0, 9)], 2, 2, 32),
+    # 30 tokens behind a cached prefix of 40, beside a decode; groups of 3 heads, head_dim not a power of 2
+    "chunk-gqa3": ([70, 20], [(0, 40, 30), (1, 19, 1)], 6, 2, 48),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_paged_attention_against_float64(monkeypatch, case, dtype):
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 64)  # splits on short sequences
+    lengths, spans, num_heads, num_kv_heads, head_dim = ATTENTION_CASES[case]
+    cache = PagedCache.make(lengths, num_kv_heads, head_dim, dtype, seed=40)
+    step = Step(spans)
+    q = _randn(sum(n for _, _, n in spans), num_heads, head_dim, seed=41, dtype=dtype)
+    needed = attention.num_splits_for(max(begin + n - 1 for _, begin, n in spans))
+    # bfloat16: the probabilities and the output are rounded to it, each within half an ulp (relative)
+    tolerance = 2 * BF16_ULP if dtype == torch.bfloat16 else 1e-5
+    for window in (0, 20):
+        expected = _reference(cache, step, q, window)
+        for num_splits in sorted({1, needed}):
+            out = _attend(cache, step, q, window, num_splits)
+            assert out.dtype == dtype
+            torch.testing.assert_close(out.double(), expected, rtol=0, atol=tolerance)
+
+
+def test_paged_attention_float32_queries_over_a_float16_cache():
+    lengths, spans, num_heads, num_kv_heads, head_dim = ATTENTION_CASES["decode-gqa"]
+    cache = PagedCache.make(lengths, num_kv_heads, head_dim, torch.float16, seed=42)
+    step = Step(spans)
+    q = _randn(len(spans), num_heads, head_dim, seed=43)
+    out = _attend(cache, step, q)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _reference(cache, step, q, 0), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_a_tokens_attention_is_the_same_bits_in_decode_prefill_chunk_and_batch(monkeypatch, window):
+    """Sequence 0 has 150 tokens: 3 splits of 64 keys. Its tokens' outputs from one prefill (beside a
+    second prompt) are the reference bits for every other way of computing them."""
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 64)
+    num_heads, num_kv_heads, head_dim, length = 4, 2, 32, 150
+    cache = PagedCache.make([length, 9, 30], num_kv_heads, head_dim, torch.bfloat16, seed=50)
+    q_all = _randn(length, num_heads, head_dim, seed=51, dtype=torch.bfloat16)  # sequence 0's queries
+    q_other = _randn(9, num_heads, head_dim, seed=52, dtype=torch.bfloat16)
+    prefill = _attend(cache, Step([(0, 0, length), (1, 0, 9)]), torch.cat([q_all, q_other]), window, num_splits=3)
+    prefill = prefill[:length]
+    torch.testing.assert_close(
+        prefill.double(), _reference(cache, Step([(0, 0, length)]), q_all, window), rtol=0, atol=2 * BF16_ULP
+    )
+
+    # a chunk of 53 tokens behind a cached prefix of 97, its tiles cut at other boundaries: all splits
+    # merged in one program (num_splits = 1), and one program per split with more splits than needed
+    chunk = Step([(0, 97, length - 97)], first_tile=3)
+    for num_splits in (1, 3, 6):
+        assert torch.equal(_attend(cache, chunk, q_all[97:], window, num_splits), prefill[97:]), num_splits
+
+    # decodes, each token alone, its sequence's later slots holding NaN as if not written yet
+    for pos in (0, 63, 64, 100, 127, 128, 149):
+        alone = PagedCache(cache.k.clone(), cache.v.clone(), cache.tables)
+        for later in range(pos + 1, length):
+            block, offset = cache.tables[0][later // BLOCK_SIZE], later % BLOCK_SIZE
+            alone.k[block, offset] = alone.v[block, offset] = float("nan")
+        for num_splits in (1, attention.num_splits_for(pos), 5):
+            out = _attend(alone, Step([(0, pos, 1)]), q_all[pos : pos + 1], window, num_splits)
+            assert torch.equal(out[0], prefill[pos]), (pos, num_splits)
+
+    # a decode batch where the token is the middle one of three sequences
+    batch = Step([(2, 29, 1), (0, length - 1, 1), (1, 8, 1)])
+    q = torch.cat([q_other[:1], q_all[-1:], q_other[1:2]])
+    assert torch.equal(_attend(cache, batch, q, window, num_splits=3)[1], prefill[-1])
+
+
+def test_padding_tiles_and_rows_are_left_alone(monkeypatch):
+    """A CUDA graph's batch: a fixed num_splits past the need, a tile of length 0, and a row of q in no
+    tile, whose output row keeps what it held."""
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 64)
+    cache = PagedCache.make([37, 100], 2, 32, torch.bfloat16, seed=60)
+    q = _randn(3, 4, 32, seed=61, dtype=torch.bfloat16)
+    positions = torch.tensor([36, 0, 99], dtype=torch.int32, device=DEVICE)  # row 1 is padding
+    tiles = [torch.tensor(t, dtype=torch.int32, device=DEVICE) for t in ([0, 0, 1], [0, 1, 2], [1, 0, 1])]
+    out = torch.full_like(q, 7.0)
+    attention.paged_attention(q, cache.k, cache.v, cache.block_tables(), positions, *tiles, 32**-0.5, 0, 8, out=out)
+    assert (out[1] == 7.0).all()
+    step = Step([(0, 36, 1), (1, 99, 1)])
+    expected = _attend(cache, step, q[[0, 2]], num_splits=2)
+    assert torch.equal(out[[0, 2]], expected)
+
+
+# --- Lowering for the GPU, without one
+
+# Run in a fresh interpreter without TRITON_INTERPRET: the JIT is told it has a Hopper GPU (sm_90),
+# each launch becomes a warmup (compile only), and the public functions are called on CPU tensors.
+# Prints one JSON line per launch: [call-size, kernel, tensor-core instructions, TF32 instructions, binary hash].
+_COMPILE_FOR_HOPPER = r"""
+import json, re, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+class OfflineDriver:
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+
+driver.set_active(OfflineDriver())
+call = None
+def launch(kernel, grid):
+    def warmup(*args, **kwargs):
+        compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
+        mma = len(re.findall(r"\bw?gmma\.mma_async|\bmma\.sync", compiled.asm["ptx"]))
+        tf32 = len(re.findall(r"tf32", compiled.asm["ptx"]))
+        print(json.dumps([call, kernel.__name__, mma, tf32, compiled.hash]), flush=True)
+    return warmup
+JITFunction.__getitem__ = launch
+
+from kvserve.kernels.gpu import attention, matmul, norm
+bf16 = torch.bfloat16
+for m in (1, 37):  # the same binaries for 1 row and for 37
+    x = torch.randn(m, 2048).to(bf16)
+    call = f"rms_norm-{m}"; norm.rms_norm(x, torch.ones(2048, dtype=bf16), 1e-6)
+    call = f"matmul-bf16-{m}"; matmul.matmul(x, torch.randn(256, 2048).to(bf16), torch.randn(256).to(bf16))
+    call = f"matmul-fp32-{m}"; matmul.matmul(x.float(), torch.randn(256, 2048))
+    call = f"lm_head-{m}"; matmul.matmul(x, torch.randn(256, 2048).to(bf16), out_dtype=torch.float32)
+    codes = torch.randint(0, 16, (256, 2048), dtype=torch.uint8)
+    scales = torch.rand(256, 64).half()
+    call = f"int4-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales)
+    call = f"int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
+k_cache = torch.zeros(8, 16, 2, 128, dtype=bf16)
+for t in (1, 3):  # a decode of one token, a prefill tile of 3, the metadata at odd offsets of one buffer
+    meta = torch.arange(100, dtype=torch.int32)
+    positions, tile_seq, tile_first, tile_len, slots = meta[:t], meta[t : t + 1], meta[t + 1 : t + 2], meta[t + 2 : t + 3], meta[t + 3 : 2 * t + 3]
+    kv = torch.randn(t, 2, 128).to(bf16)
+    call = f"store_kv-{t}"; attention.store_kv(kv, kv, k_cache, k_cache, slots)
+    args = (torch.randn(t, 8, 128).to(bf16), k_cache, k_cache, meta[5:9].view(1, 4), positions, tile_seq, tile_first, tile_len, 0.1)
+    call = f"attention-{t}"; attention.paged_attention(*args)
+    call = f"attention-splits-{t}"; attention.paged_attention(*args, num_splits=2)
+"""
+
+
+def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
+    """Every launch of the public functions lowers to sm_90 code (this catches a kernel that only the
+    interpreter runs), 16-bit dots use the tensor cores, float32 dots never TF32, and a call compiles
+    to the same binary for 1 row (token) as for many."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    import triton
+
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton has no ptxas to compile for the GPU with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    launches = [json.loads(line) for line in result.stdout.splitlines()]
+    kernels: dict[tuple[str, str], set[str]] = {}
+    for call, kernel, mma, tf32, binary in launches:
+        call = call.rpartition("-")[0]  # without the batch size
+        kernels.setdefault((call, kernel), set()).add(binary)
+        assert tf32 == 0, (call, kernel)
+        uses_dot = kernel in ("_float_kernel", "_int4_kernel", "_int8_kernel", "_attention_kernel")
+        assert (mma > 0) == (uses_dot and call != "matmul-fp32"), (call, kernel, mma)
+    assert set(kernels) == {
+        ("rms_norm", "_rms_norm_kernel"),
+        ("matmul-bf16", "_float_kernel"),
+        ("matmul-fp32", "_float_kernel"),
+        ("lm_head", "_float_kernel"),
+        ("int4", "_int4_kernel"),
+        ("int4", "_sum_splits_kernel"),  # K = 2048: two splits of INT4_CONFIG.k_per_split
+        ("int8", "_int8_kernel"),
+        ("int8", "_sum_splits_kernel"),
+        ("store_kv", "_store_kv_kernel"),
+        ("attention", "_attention_kernel"),
+        ("attention-splits", "_attention_kernel"),
+        ("attention-splits", "_combine_kernel"),
+    }
+    # one binary per call whatever the batch's size: nothing compiled differently for one row
+    assert all(len(binaries) == 1 for binaries in kernels.values()), kernels

@@ -32,7 +32,7 @@ from kvserve.kernels.gpu.common import cast, dot
 ROWS = 16  # query rows (tokens x query heads of a KV head) per program, padded; the same for decode and prefill
 BLOCK_N = 64  # keys per chunk, aligned to absolute positions (chunk c holds keys c * BLOCK_N ...)
 SPLIT_KEYS = 512  # keys per split (a multiple of BLOCK_N): a decode of L keys gets ceil(L / 512) programs per head
-NUM_WARPS = 4
+NUM_WARPS = 8  # at head_dim 128: 80 registers a thread, no spills up to head_dim 256 (4 warps spill there)
 NUM_STAGES = 2  # pipelining depth of the chunk loop
 STORE_NUM_WARPS = 1  # store_kv moves one token's Hkv x D values per program: a warp's worth
 # a row's running max before its first key: finite, so exp(EMPTY_MAX - m) is 0 or 1, never NaN
@@ -57,7 +57,7 @@ def num_splits_for(max_position: int) -> int:
     return max_position // SPLIT_KEYS + 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot_mapping"])
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -85,7 +85,8 @@ def _store_kv_kernel(
     slot = tl.load(slot_mapping + token).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < num_kv_heads) & (d < HEAD_DIM) & (slot >= 0)  # a negative slot is a padding row: nothing written
+    width = tl.where(slot >= 0, HEAD_DIM, 0)  # a negative slot is a padding row: nothing written
+    mask = (h < num_kv_heads) & (d < width)
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask, other=0.0)  # [BLOCK_H, BLOCK_D]
     v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
@@ -197,6 +198,36 @@ def _attend_split(
 
 
 @triton.jit
+def _tile_rows(positions, tile_first, tile, num_tokens, window, GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """A tile's rows (token x query head of the program's KV head), whether each is real, its position
+    and first visible key, and the tile's keys [key_begin, key_end)."""
+    first = tl.load(tile_first + tile)
+    r = tl.arange(0, ROWS)
+    is_row = r < num_tokens * GROUP
+    token = (first + r // GROUP).to(tl.int64)  # [ROWS] row of q
+    pos = tl.load(positions + token, mask=is_row, other=-1)  # [ROWS]; a padding row sees no key
+    first_key = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    first_pos = tl.load(positions + first)  # the tile's positions are consecutive
+    key_begin = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
+    key_end = tl.load(positions + first + num_tokens - 1) + 1
+    return r, is_row, token, pos, first_key, key_begin, key_end
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, INTERPRET):
+    """out[token, head] = acc / denom for the real rows, rounded to out's dtype."""
+    d = tl.arange(0, acc.shape[1])
+    out = acc / tl.where(is_row, denom, 1.0)[:, None]
+    offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    mask = is_row[:, None] & (d < HEAD_DIM)[None, :]
+    tl.store(out_ptr + offsets, cast(out, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+# one binary for every batch: no specialization on the batch's sizes, nor on where its metadata lies
+_BATCH_ARGS = ["block_tables", "positions", "tile_seq", "tile_first", "tile_len", "part_stride"]
+
+
+@triton.jit(do_not_specialize=_BATCH_ARGS)
 def _attention_kernel(
     q_ptr,
     k_cache,
@@ -223,6 +254,7 @@ def _attention_kernel(
     stride_vs,
     stride_vh,
     stride_table,
+    num_heads,
     part_stride,
     DOT_DTYPE: tl.constexpr,
     GROUP: tl.constexpr,
@@ -239,16 +271,10 @@ def _attention_kernel(
     kv_head = tl.program_id(1)
     num_tokens = tl.load(tile_len + tile)
     if num_tokens > 0:  # a tile of length 0 pads a CUDA graph's batch
-        first = tl.load(tile_first + tile)
-        r = tl.arange(0, ROWS)
-        is_row = r < num_tokens * GROUP
-        token = (first + r // GROUP).to(tl.int64)  # [ROWS] row of q
+        r, is_row, token, pos, first_key, key_begin, key_end = _tile_rows(
+            positions, tile_first, tile, num_tokens, window, GROUP, ROWS
+        )
         head = kv_head * GROUP + r % GROUP  # [ROWS] query head
-        pos = tl.load(positions + token, mask=is_row, other=-1)  # a padding row sees no key
-        first_key = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
-        first_pos = tl.load(positions + first)
-        key_begin = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
-        key_end = tl.load(positions + first + num_tokens - 1) + 1  # the tile's keys: [key_begin, key_end)
         d = tl.arange(0, BLOCK_D)
         row_mask = is_row[:, None] & (d < HEAD_DIM)[None, :]
         q = tl.load(
@@ -266,7 +292,7 @@ def _attention_kernel(
                     stride_kb, stride_ks, stride_vb, stride_vs,
                     DOT_DTYPE, ROWS, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SPLIT_KEYS, INTERPRET,
                 )  # fmt: skip
-                state = split * part_stride + token * tl.num_programs(1) * GROUP + head  # [ROWS] into [splits, T, H]
+                state = split * part_stride + token * num_heads + head  # [ROWS] into [splits, T, H]
                 tl.store(part_m + state, m, mask=is_row)
                 tl.store(part_denom + state, denom, mask=is_row)
                 tl.store(part_acc + state[:, None] * HEAD_DIM + d[None, :], acc, mask=row_mask)
@@ -281,12 +307,10 @@ def _attention_kernel(
                     DOT_DTYPE, ROWS, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SPLIT_KEYS, INTERPRET,
                 )  # fmt: skip
                 m, denom, acc = _merge(m, denom, acc, m_split, denom_split, acc_split)
-            out = acc / tl.where(is_row, denom, 1.0)[:, None]
-            out_offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-            tl.store(out_ptr + out_offsets, cast(out, out_ptr.dtype.element_ty, INTERPRET), mask=row_mask)
+            _store_rows(out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, HEAD_DIM, INTERPRET)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_ARGS)
 def _combine_kernel(
     out_ptr,
     part_m,
@@ -298,6 +322,7 @@ def _combine_kernel(
     window,
     stride_ot,
     stride_oh,
+    num_heads,
     part_stride,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
@@ -312,35 +337,28 @@ def _combine_kernel(
     kv_head = tl.program_id(1)
     num_tokens = tl.load(tile_len + tile)
     if num_tokens > 0:
-        first = tl.load(tile_first + tile)
-        r = tl.arange(0, ROWS)
-        is_row = r < num_tokens * GROUP
-        token = (first + r // GROUP).to(tl.int64)
+        r, is_row, token, pos, first_key, key_begin, key_end = _tile_rows(
+            positions, tile_first, tile, num_tokens, window, GROUP, ROWS
+        )
         head = kv_head * GROUP + r % GROUP
-        pos = tl.load(positions + token, mask=is_row, other=0)
-        first_split = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0) // SPLIT_KEYS  # [ROWS]
+        first_split = first_key // SPLIT_KEYS  # [ROWS] the splits holding the row's keys
         last_split = pos // SPLIT_KEYS
         d = tl.arange(0, BLOCK_D)
         row_mask = is_row[:, None] & (d < HEAD_DIM)[None, :]
-        first_pos = tl.load(positions + first)
-        key_begin = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
-        key_end = tl.load(positions + first + num_tokens - 1) + 1
         m = tl.full((ROWS,), EMPTY_MAX, tl.float32)
         denom = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
         for split in range(key_begin // SPLIT_KEYS, tl.cdiv(key_end, SPLIT_KEYS)):
-            # a split without the row's keys reads as the empty state (and may never have been written)
+            # a split without keys of the row holds the empty state: taken as such, not read
             has = is_row & (first_split <= split) & (split <= last_split)
-            state = split * part_stride + token * tl.num_programs(1) * GROUP + head
+            state = split * part_stride + token * num_heads + head
             m_split = tl.load(part_m + state, mask=has, other=EMPTY_MAX)
             denom_split = tl.load(part_denom + state, mask=has, other=0.0)
             acc_split = tl.load(
                 part_acc + state[:, None] * HEAD_DIM + d[None, :], mask=has[:, None] & row_mask, other=0.0
             )
             m, denom, acc = _merge(m, denom, acc, m_split, denom_split, acc_split)
-        out = acc / tl.where(is_row, denom, 1.0)[:, None]
-        out_offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(out_ptr + out_offsets, cast(out, out_ptr.dtype.element_ty, INTERPRET), mask=row_mask)
+        _store_rows(out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, HEAD_DIM, INTERPRET)
 
 
 def paged_attention(
@@ -424,6 +442,7 @@ def paged_attention(
         *k_cache.stride()[:3],
         *v_cache.stride()[:3],
         block_tables.stride(0),
+        num_heads,
         part_stride,
         DOT_DTYPE=dot_dtype,
         BLOCK_SIZE=block_size,
@@ -445,6 +464,7 @@ def paged_attention(
             window,
             out.stride(0),
             out.stride(1),
+            num_heads,
             part_stride,
             num_warps=NUM_WARPS,
             **meta,

@@ -82,7 +82,7 @@ def _below(ks, k_end, EVEN_K: tl.constexpr):
         return ks < k_end
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _sum_splits_kernel(
     partial_ptr,
     bias_ptr,
@@ -105,7 +105,7 @@ def _sum_splits_kernel(
     tl.store(out_ptr + offsets, cast(total, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one binary for every number of rows
 def _float_kernel(
     x_ptr,
     out_ptr,
@@ -154,7 +154,7 @@ def _repeat_rows(values, TIMES: tl.constexpr):
     return tl.reshape(repeated, (num_rows * TIMES, num_cols))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one binary for every number of rows
 def _int4_kernel(
     x_ptr,
     out_ptr,
@@ -208,7 +208,7 @@ def _int4_kernel(
     _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one binary for every number of rows
 def _int8_kernel(
     x_ptr,
     out_ptr,
