@@ -40,6 +40,7 @@ def _terminal_llm(args: argparse.Namespace, **kwargs):
         weights=args.weights,
         activations=args.activations,
         batch_invariant=args.batch_invariant == "on",
+        cuda_graphs=args.cuda_graphs == "on",
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=1,
         **kwargs,
@@ -107,6 +108,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             args.kv_cache_dtype,
             args.batch_invariant == "on",
             device,
+            args.cuda_graphs == "on",
         )
         return run_node(topology, spec)
     settings = ServerSettings(
@@ -122,6 +124,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         weights=args.weights,
         activations=args.activations,
         batch_invariant=args.batch_invariant == "on",
+        cuda_graphs=args.cuda_graphs == "on",
         max_body_bytes=args.max_body_bytes,
         max_sessions=args.max_sessions,
         max_sessions_per_key=args.max_sessions_per_key or None,
@@ -228,8 +231,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "--weights",
         "how weights are kept in memory: q4 (int4 groups of 32; 4-bit GGUF tensors repacked exactly), "
         "q8 (int8 per output row), bf16 or f32 (dequantized; also sets the compute dtype), "
-        "auto (on CPU each tensor as stored: 4-bit as q4, other quantized types as q8, float as float; "
-        "on CUDA bf16/f32). The choice is logged at start-up",
+        "auto (each tensor as stored: 4-bit as q4, other quantized types as int8 with a scale per 32, "
+        "float as float; on a GPU packed on the device). The choice is logged at start-up",
         "auto",
         choices=("auto", "q4", "q8", "bf16", "f32"),
     )
@@ -250,6 +253,15 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "prefix-cache hit or chunking (every row through one arithmetic); off: large batches and fresh "
         "prompts take faster kernels (a GEMM over dequantized weights, a blocked causal attention) whose "
         "rounding depends on the batch",
+        "on",
+        choices=("on", "off"),
+    )
+    _flag(
+        p,
+        "--cuda-graphs",
+        "on a GPU: on captures the decode step once per batch-size bucket (1, 2, 4, 8, then every 16 up to "
+        "--max-num-seqs) at start-up and replays it, instead of launching each kernel from Python; off runs "
+        "every step eagerly (the same tokens, slower)",
         "on",
         choices=("on", "off"),
     )

@@ -113,6 +113,7 @@ def stage_spec(
     kv_cache_dtype: str,
     batch_invariant: bool,
     device: torch.device,
+    cuda_graphs: bool = True,
 ) -> StageSpec:
     """The model file and the resolved settings an LLM runs with (its pipeline stages too; `kvserve
     serve` on a host without rank 0 resolves its flags through this as well)."""
@@ -126,6 +127,7 @@ def stage_spec(
         kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype) or compute,
         batch_invariant=batch_invariant,
         device=str(device),
+        cuda_graphs=cuda_graphs,
     )
 
 
@@ -145,6 +147,7 @@ class LLM:
         weights: str = "auto",
         activations: str = "auto",
         batch_invariant: bool = True,
+        cuda_graphs: bool = True,
         device: str | torch.device | None = None,
         kv_cache_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
@@ -164,7 +167,9 @@ class LLM:
         """`pipeline_parallel` N > 1 splits the model's layers over N processes of this host (this one
         the first stage, and the engine; docs/scale-out.md), each computing on its share of the CPUs
         (this process's torch.set_num_threads then counts its share); `pipeline` gives the Topology
-        across hosts (`kvserve serve --nnodes ...` builds it). Everything else is the same either way."""
+        across hosts (`kvserve serve --nnodes ...` builds it). Everything else is the same either way.
+        `cuda_graphs` (on a GPU): decode steps replay CUDA graphs captured here, one per batch-size
+        bucket up to `max_num_seqs` (engine/cuda_graphs.py); off, every step runs eagerly."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         topology = pipeline or (Topology.from_settings(pipeline_parallel) if pipeline_parallel > 1 else None)
         if topology is not None and not topology.hosts_rank0:
@@ -173,7 +178,7 @@ class LLM:
                 f"{topology.local_ranks} only (kvserve serve does that on its own).",
                 "node_rank",
             )
-        spec = stage_spec(model, dtype, weights, activations, kv_cache_dtype, batch_invariant, self.device)
+        spec = stage_spec(model, dtype, weights, activations, kv_cache_dtype, batch_invariant, self.device, cuda_graphs)
         self.dtype, self.kv_cache_dtype = spec.dtype, spec.kv_cache_dtype
         self.model_path: Path = Path(spec.model)
         model_config = load_config(self.model_path)
@@ -197,7 +202,13 @@ class LLM:
             # Runs on the engine thread: the weights and the KV pool are created by the thread that
             # computes with them. (With OpenMP, a second thread that ever ran parallel torch code makes
             # both thread teams stop spinning between kernels; here that halved decode speed.)
-            sizes = EngineSizes(self.config.num_kv_blocks, block_size, self.tokenizer.stop_token_ids)
+            sizes = EngineSizes(
+                self.config.num_kv_blocks,
+                block_size,
+                self.tokenizer.stop_token_ids,
+                self.config.max_num_seqs,
+                self.config.max_model_len,
+            )
             if topology is not None and topology.stages > 1:
                 return PipelineRunner.start(engine, topology.with_port(), spec, sizes, progress)
             return build_stage(spec, (0, model_config.num_hidden_layers), sizes, progress)  # the whole model
@@ -232,6 +243,7 @@ class LLM:
             if any(getattr(m, "int8_activations", False) for m in self.model.modules())
             else "float",
             "batch_invariant": batch_invariant,
+            "cuda_graphs": getattr(self.engine.runner, "graphs", None) is not None,  # a pipeline runs none
             **weight_summary(self.model),
         }
         self._log_start()

@@ -1,17 +1,23 @@
-"""The engine on a CUDA device (skipped where there is none: CI has no GPU).
+"""The engine on a CUDA device (skipped where there is none: CI has no GPU; tests/test_gpu_path.py runs the
+same path on a CPU through Triton's interpreter).
 
 On a machine with a GPU, LLM() picks CUDA by default, so the rest of the suite runs there too; these
-tests name the device and check what differs on it: the PyTorch forward (the fused decode step is
-CPU-only) against transformers on the same GPU, batching against solo runs, aborts giving blocks
-back, and the CPU-only weight formats refused with a typed error.
+tests name the device and check what differs on it: the model's forward over the Triton kernels and the
+decode step's CUDA graphs, against transformers on the same GPU; batching, preemption, prefix hits and
+graphs on or off against solo runs (R7) in float32 and bfloat16; 4-bit weights packed on the device,
+sixteen concurrent calls each equal to its solo run (the fourth failure report's case); aborts giving
+blocks back; two pipeline stages.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
-from kvserve import LLM, InvalidRequestError, SamplingParams
+from kvserve import LLM, SamplingParams
+from kvserve.layers.gpu import GpuInt4Linear, GpuLinear
 from tests.conftest import wait_idle_and_check
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -39,9 +45,14 @@ def prompt(i: int, length: int) -> str:
     return (f"request {i}: " + "lorem ipsum dolor sit amet " * 40)[:length]
 
 
-def test_engine_runs_on_the_gpu(llm):
+def test_engine_runs_on_the_gpu_through_triton_and_graphs(llm):
     assert llm.device.type == "cuda"
     assert next(llm.model.parameters()).device.type == "cuda"
+    assert isinstance(llm.model.layers[0].mlp.gate_up_proj, GpuLinear)
+    assert llm.engine.runner.graphs is not None and llm.weights["cuda_graphs"]
+    before = llm.runner_timings()["graph_steps"]
+    llm.generate(prompt(9, 20), GREEDY)
+    assert llm.runner_timings()["graph_steps"] >= before + GREEDY.max_tokens - 1
 
 
 def test_greedy_equals_transformers_on_the_same_gpu(llm, tiny_model_dir):
@@ -76,10 +87,42 @@ def test_breaking_out_of_a_stream_gives_the_blocks_back(llm):
     assert wait_idle_and_check(llm)["used"] == 0
 
 
-@pytest.mark.parametrize("weights", ["q4", "q8"])
-def test_cpu_weight_formats_are_refused_with_a_typed_error(tiny_model_dir, weights):
-    with pytest.raises(InvalidRequestError, match="bf16 or auto"):
-        LLM(str(tiny_model_dir), device="cuda", weights=weights, progress=False)
+@pytest.mark.parametrize("weights", ["bf16", "q4", "q8"])
+def test_batched_preempted_and_cached_requests_equal_their_solo_runs(tiny_model_dir, weights):
+    """R7 on the GPU in bfloat16 and with quantized weights: 16 at once, in a pool too small for them
+    (preemption), again behind their cached prefixes, and with graphs off, each equal to its solo run."""
+    texts = [prompt(i, 30 + 11 * i) for i in range(16)]
+    params = [GREEDY, SamplingParams(max_tokens=20, temperature=0.9, seed=7, ignore_eos=True)]
+    options = dict(device="cuda", weights=weights, max_num_seqs=16, progress=False, session_db=False)
+    with LLM(str(tiny_model_dir), kv_cache_tokens=4096, **options) as roomy:
+        solo = [[roomy.generate(t, p).token_ids for t in texts] for p in params]
+        for p, want in zip(params, solo, strict=True):
+            assert [r.token_ids for r in roomy.generate(texts, p)] == want
+            assert [r.token_ids for r in roomy.generate(texts, p)] == want  # behind cached prefixes
+        assert roomy.stats()["prefix_cache_hit_tokens_total"] > 0
+        wait_idle_and_check(roomy)
+    with LLM(str(tiny_model_dir), kv_cache_tokens=16 * 24, **options) as tight:
+        for p, want in zip(params, solo, strict=True):
+            assert [r.token_ids for r in tight.generate(texts, p)] == want
+        assert tight.stats()["num_preemptions_total"] > 0
+        wait_idle_and_check(tight)
+    with LLM(str(tiny_model_dir), kv_cache_tokens=4096, cuda_graphs=False, **options) as eager:
+        for p, want in zip(params, solo, strict=True):
+            assert [r.token_ids for r in eager.generate(texts, p)] == want
+        wait_idle_and_check(eager)
+
+
+def test_four_bit_model_serves_sixteen_concurrent_calls_like_solo(tiny_model_dir):
+    """The fourth failure report: a 4-bit model on a GPU crashed under two concurrent calls. Here 16
+    threads call at once; each gets the tokens it gets alone, and the weights stay packed."""
+    texts = [prompt(i, 40 + 9 * i) for i in range(16)]
+    with LLM(str(tiny_model_dir), device="cuda", weights="q4", progress=False, session_db=False) as q4:
+        assert isinstance(q4.model.layers[0].self_attn.qkv_proj, GpuInt4Linear)
+        solo = [q4.generate(t, GREEDY).token_ids for t in texts]
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(lambda t: q4.generate(t, GREEDY).token_ids, texts))
+        assert together == solo
+        wait_idle_and_check(q4)
 
 
 def test_two_pipeline_stages_on_the_gpu_give_one_process_tokens(llm, tiny_model_dir):

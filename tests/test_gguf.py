@@ -126,16 +126,30 @@ def finish_gguf(writer: GGUFWriter) -> None:
     writer.close()
 
 
-def write_llama_gguf(path, hf_model, arch: str = "llama", qtype: GGMLQuantizationType = T.F32) -> None:
-    """Write a transformers Llama as llama.cpp's converter would (names, metadata, permuted Q/K)."""
+def write_llama_gguf(
+    path,
+    hf_model,
+    arch: str = "llama",
+    qtype: GGMLQuantizationType = T.F32,
+    embedding_qtype: GGMLQuantizationType | None = None,
+    fields: dict | None = None,
+) -> None:
+    """Write a transformers Llama (on the CPU) as llama.cpp's converter would (names, metadata, permuted
+    Q/K; a tied lm_head not stored): matrices in `qtype`, the embedding in `embedding_qtype` (default
+    `qtype`), and `fields` {key: (value, GGUFValueType, array item type or None)} added to the metadata
+    (a tokenizer's, for bench/gpu.py)."""
     cfg = hf_model.config
     writer = gguf_writer(path, arch, cfg, cfg.rope_parameters["rope_theta"])
+    for key, (value, kind, item_kind) in (fields or {}).items():
+        writer.add_key_value(key, value, kind, item_kind)
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
     for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
         data = tensor.float().numpy()
         if name in names:
             gguf_name = names[name]
@@ -147,8 +161,9 @@ def write_llama_gguf(path, hf_model, arch: str = "llama", qtype: GGMLQuantizatio
                 data = _llamacpp_permute(data, cfg.num_attention_heads)
             elif module == "self_attn.k_proj":
                 data = _llamacpp_permute(data, cfg.num_key_value_heads)
-        if data.ndim == 2 and qtype != T.F32 and data.shape[1] % GGML_QUANT_SIZES[qtype][0] == 0:
-            writer.add_tensor(gguf_name, quants.quantize(data, qtype), raw_dtype=qtype)
+        kind = (embedding_qtype or qtype) if gguf_name == "token_embd.weight" else qtype
+        if data.ndim == 2 and kind != T.F32 and data.shape[1] % GGML_QUANT_SIZES[kind][0] == 0:
+            writer.add_tensor(gguf_name, quants.quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(data))
     finish_gguf(writer)

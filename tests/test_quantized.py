@@ -233,18 +233,21 @@ def test_layers_the_int4_kernel_cannot_take_fall_back_to_int8(tmp_path):
 
 
 def test_weight_choices_and_their_errors():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cpu, cuda, mps = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
     assert resolve_weights("auto", None, cpu) == ("auto", None)
     assert resolve_weights("bf16", None, cpu) == ("float", torch.bfloat16)
     assert resolve_weights("f32", torch.float32, cpu) == ("float", torch.float32)
-    assert resolve_weights("auto", None, cuda) == ("float", None)
+    # a GPU keeps quantized weights packed (layers/gpu.py), as the CPU does
+    assert resolve_weights("auto", None, cuda) == ("auto", None)
+    assert resolve_weights("q4", None, cuda) == ("q4", None)
+    assert resolve_weights("auto", None, mps) == ("float", None)
     with pytest.raises(InvalidRequestError, match="weights must be one of") as info:
         resolve_weights("q3", None, cpu)
     assert info.value.param == "weights"
     with pytest.raises(InvalidRequestError, match="drop dtype"):
         resolve_weights("bf16", torch.float32, cpu)
-    with pytest.raises(InvalidRequestError, match="CPU weight-only kernels"):
-        resolve_weights("q4", None, cuda)
+    with pytest.raises(InvalidRequestError, match="CPU or CUDA kernels; on mps use weights=bf16 or auto"):
+        resolve_weights("q4", None, mps)
     assert resolve_activations("int8", cpu, "auto") == "int8" and resolve_activations("float", cuda, "float") == "float"
     with pytest.raises(InvalidRequestError, match="activations must be one of") as info:
         resolve_activations("int4", cpu, "auto")

@@ -6,8 +6,12 @@ On the CPU every step (decode, prefill, chunks, prefix hits, mixed) runs through
 loop, each token attending to its own sequence's cache up to its own position: a token's
 arithmetic is the same in every kind of step and beside any other tokens (batch invariance, on by
 default). With batch_invariant=False, steps of fresh prompts take the faster causal prefill
-attention and large batches the GEMM over dequantized weights. The model's Python forward serves
-where the C++ loop cannot (no compiler, KVSERVE_FUSED_DECODE=0, CUDA).
+attention and large batches the GEMM over dequantized weights.
+
+On a GPU the model's Python forward runs over the Triton kernels (layers/gpu.py,
+layers/attention_triton.py), which keep the same promise, and decode steps replay CUDA graphs
+(engine/cuda_graphs.py). The Python forward with PyTorch's attention serves where neither can (no
+compiler, KVSERVE_FUSED_DECODE=0).
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.engine.cuda_graphs import DecodeGraphs, cuda_capture, eager_capture
 from kvserve.engine.kv_cache import allocate_kv_cache
 from kvserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kernels import build
 from kvserve.layers import fused_decode
 from kvserve.layers.attention import build_batch
+from kvserve.layers.attention_triton import build_triton_batch
 from kvserve.layers.fused_decode import FusedDecoder
+from kvserve.layers.gpu import uses_triton
 from kvserve.layers.quantized import set_batch_invariant
 
 
@@ -39,6 +46,7 @@ class RunnerTimings:
     steps: int = 0
     fused_steps: int = 0  # steps run by the C++ layer loop, each token with its own block table
     fused_prefills: int = 0  # steps of fresh prompts only, run by the same loop
+    graph_steps: int = 0  # decode steps replayed as a CUDA graph (GPU)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -48,6 +56,7 @@ class RunnerTimings:
             "steps": self.steps,
             "fused_steps": self.fused_steps,
             "fused_prefills": self.fused_prefills,
+            "graph_steps": self.graph_steps,
         }
 
 
@@ -70,7 +79,13 @@ class ModelRunner:
         stop_token_ids: tuple[int, ...] = (),
         kv_cache_dtype: torch.dtype | None = None,
         batch_invariant: bool = True,
+        max_num_seqs: int = 64,
+        max_model_len: int = 2048,
+        cuda_graphs: bool = True,
     ) -> None:
+        """`max_num_seqs` and `max_model_len` size the CUDA graphs (GPU, a whole model, `cuda_graphs`):
+        captured here, so start-up includes them. Without a GPU (KVSERVE_KERNELS=triton on a CPU) the
+        graphs' bookkeeping runs with each replay computed eagerly, for tests."""
         self.model = model
         self.batch_invariant = batch_invariant
         set_batch_invariant(model, batch_invariant)
@@ -90,11 +105,25 @@ class ModelRunner:
         # its build (once per machine), so that no step's path depends on when the build finished;
         # otherwise it builds in the background and the Python forward serves until then.
         self.fused: FusedDecoder | None = None
-        self.wants_fused = FusedDecoder.supports(model) and build.is_enabled()
+        self.triton = uses_triton(self.device)
+        self.wants_fused = not self.triton and FusedDecoder.supports(model) and build.is_enabled()
         if self.wants_fused and batch_invariant:
             build.load()
         elif self.wants_fused:
             build.start_loading()
+        self.graphs: DecodeGraphs | None = None
+        if self.triton and cuda_graphs and model.has_embedding and model.has_head:
+            capture = cuda_capture if self.device.type == "cuda" else eager_capture
+            self.graphs = DecodeGraphs(model, block_size, max_num_seqs, max_model_len, capture)
+            self.graphs.capture_all()
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Consecutive query tokens of a sequence that one program of the Triton attention takes."""
+        from kvserve.kernels.gpu.attention import tokens_per_tile
+
+        config = self.model.config
+        return tokens_per_tile(config.num_attention_heads, config.num_key_value_heads)
 
     def _fused_decoder(self) -> FusedDecoder | None:
         if self.fused is None and self.wants_fused and build.loaded() is not None:
@@ -103,7 +132,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, ticket: int = 0) -> RunnerOutput:
-        return self.sample(out.scheduled, self.forward(out.scheduled))
+        items = out.scheduled
+        if self.graphs is not None and self.graphs.covers(
+            [len(s.token_ids) for s in items], [len(s.block_ids) for s in items]
+        ):
+            return self._execute_graph(items)
+        return self.sample(items, self.forward(items))
+
+    def _execute_graph(self, items: list[ScheduledRequest]) -> RunnerOutput:
+        """A decode step replayed as the CUDA graph of its bucket, then the sampler."""
+        t0 = time.perf_counter()
+        ends, rows, ids = self._sampling_rows(items)
+        t1 = time.perf_counter()
+        logits = self.graphs.run(
+            [s.token_ids[0] for s in items], [s.num_computed_tokens for s in items], [s.block_ids for s in items]
+        )
+        if len(ends) < len(items):  # a prefill-only request ending on one token samples nothing
+            logits = logits[torch.tensor(ends, device=self.device)]
+        t2 = time.perf_counter()
+        result = self._sample(logits, rows, ids) if ends else RunnerOutput()
+        self.timings.prepare += t1 - t0
+        self.timings.forward += t2 - t1
+        self.timings.sample += time.perf_counter() - t2
+        self.timings.steps += 1
+        self.timings.graph_steps += 1
+        return result
 
     @torch.inference_mode()
     def forward(self, items: list[ScheduledRequest], hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,14 +189,24 @@ class ModelRunner:
 
     def _prepare_forward(self, items: list, hidden: torch.Tensor | None) -> Callable[[], torch.Tensor]:
         """The step's forward (hidden states [T, hidden] for its T tokens), its inputs built now, on
-        one of three paths: the C++ layer loop with each token's own block table (every CPU step by
+        one of four paths: the C++ layer loop with each token's own block table (every CPU step by
         default); the C++ loop's causal prefill for fresh prompts (batch invariance off); the
-        model's Python forward (CUDA, no compiler)."""
+        model's Python forward over the Triton kernels (GPU); over PyTorch's attention (no compiler)."""
         if hidden is None:
             input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.long).to(self.device)
             hidden = self.model.embed(input_ids)  # [T, hidden]
         else:
             hidden = hidden.to(self.device)
+        if self.triton:
+            positions, metadata = build_triton_batch(
+                [s.block_ids for s in items],
+                [s.num_computed_tokens for s in items],
+                [len(s.token_ids) for s in items],
+                self.block_size,
+                self.tokens_per_tile,
+                self.device,
+            )
+            return lambda: self.model.run_layers(hidden, positions, metadata)
         fused = self._fused_decoder()
         if fused is not None and (self.batch_invariant or any(s.num_computed_tokens for s in items)):
             inputs = self._token_inputs(items)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.layers.attention_triton import TritonAttentionMetadata, triton_paged_attention
+
 PADDING_SLACK = 1.25  # a group's padded work may exceed its members' own work by this factor
 
 
@@ -63,6 +65,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: tuple[AttentionGroup, ...]
     num_tokens: int
+
+
+# What a model's forward takes about a step: the PyTorch path's groups or the Triton kernels' tiles.
+StepMetadata = AttentionMetadata | TritonAttentionMetadata
 
 
 def build_batch(
@@ -181,16 +187,19 @@ def paged_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    metadata: StepMetadata,
     scale: float,
     window: int = 0,
 ) -> torch.Tensor:
     """Write the new K/V into the cache, then attend over each sequence's whole context (each query
-    over the last `window` positions, its own included, where window > 0).
+    over the last `window` positions, its own included, where window > 0): here in PyTorch, or
+    through the Triton kernels for metadata built by `build_triton_batch` (the GPU's path).
 
     q: [T, H, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
     (mutated in place at `slot_mapping`). Returns [T, H, D].
     """
+    if isinstance(metadata, TritonAttentionMetadata):
+        return triton_paged_attention(q, k, v, k_cache, v_cache, metadata, scale, window)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))

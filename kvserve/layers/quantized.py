@@ -91,12 +91,14 @@ def set_activations(model: nn.Module, activations: str) -> None:
 
 
 def set_batch_invariant(model: nn.Module, on: bool) -> None:
-    """With `on` (the default), every Int4Linear and Int8GroupLinear of `model` computes each row
-    with one arithmetic whatever the number of rows: the C++ kernels for every batch size, never
-    the GEMM over a dequantized weight that is faster for many rows, so that a request's tokens do
-    not depend on the requests batched with it."""
+    """With `on` (the default), every layer of `model` that has the choice (a `batch_invariant`
+    attribute: Int4Linear and Int8GroupLinear here, the GPU forms in layers/gpu.py) computes each row
+    with one arithmetic whatever the number of rows: on the CPU the C++ kernels for every batch size,
+    never the GEMM over a dequantized weight that is faster for many rows; on the GPU a Triton kernel
+    of one configuration, never cuBLAS's choice by shape. A request's tokens then do not depend on
+    the requests batched with it."""
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8GroupLinear)):
+        if hasattr(module, "batch_invariant"):
             module.batch_invariant = on
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.layers.attention import AttentionMetadata, paged_attention
+from kvserve.layers.attention import StepMetadata, paged_attention
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import float32_linear
 from kvserve.layers.rotary import RotaryEmbedding, rotate
@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(
-        self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, metadata: AttentionMetadata
+        self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, metadata: StepMetadata
     ) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "bind_kv_cache() first"
         num_tokens = x.shape[0]
@@ -84,7 +84,7 @@ class DecoderLayer(nn.Module):
         self.ffn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
 
     def forward(
-        self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, metadata: AttentionMetadata
+        self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, metadata: StepMetadata
     ) -> torch.Tensor:
         attn = self.self_attn(ropes, self.attn_norm(x), metadata)
         x = x + (attn if self.attn_out_norm is None else self.attn_out_norm(attn))
@@ -141,13 +141,11 @@ class DecoderForCausalLM(nn.Module):
         multiplier = self.config.embedding_multiplier
         return x if multiplier == 1.0 else x * torch.tensor(multiplier, dtype=x.dtype)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: StepMetadata) -> torch.Tensor:
         """input_ids, positions: [T] (a flattened batch). Returns hidden states [T, hidden_size]."""
         return self.run_layers(self.embed(input_ids), positions, attn_metadata)
 
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attn_metadata: StepMetadata) -> torch.Tensor:
         """x [T, hidden] (embeddings, or the previous stage's residual stream) through this model's
         layers, then the final norm where it has one (else the residual stream for the next stage)."""
         ropes = self.rotary.tables(positions, x.dtype)  # one lookup per step, shared by every layer

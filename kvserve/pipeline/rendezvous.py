@@ -62,12 +62,14 @@ class Identity:
 
 @dataclass(frozen=True)
 class EngineSizes:
-    """What rank 0 decides for every stage: the KV pool's blocks (the same ids everywhere) and the
-    tokens the last stage's sampler treats as stops."""
+    """What rank 0 decides for every stage: the KV pool's blocks (the same ids everywhere), the
+    tokens the last stage's sampler treats as stops, and the limits a stage sizes its buffers by."""
 
     num_kv_blocks: int
     block_size: int
     stop_token_ids: tuple[int, ...]
+    max_num_seqs: int
+    max_model_len: int
 
 
 def model_fingerprint(path: str | os.PathLike[str]) -> str:

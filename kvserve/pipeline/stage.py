@@ -31,6 +31,7 @@ class StageSpec:
     kv_cache_dtype: torch.dtype
     batch_invariant: bool
     device: str = "cpu"  # torch.device's spelling, "cuda:1" included
+    cuda_graphs: bool = True  # decode steps of a whole model on a GPU replay CUDA graphs (engine/cuda_graphs.py)
 
     def settings(self, stages: int) -> dict[str, object]:
         """What must be the same on every rank, besides kvserve's version and the model file."""
@@ -76,5 +77,13 @@ def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, pr
         stage=layers,
     )
     return ModelRunner(
-        model, sizes.num_kv_blocks, sizes.block_size, sizes.stop_token_ids, spec.kv_cache_dtype, spec.batch_invariant
+        model,
+        sizes.num_kv_blocks,
+        sizes.block_size,
+        sizes.stop_token_ids,
+        spec.kv_cache_dtype,
+        spec.batch_invariant,
+        sizes.max_num_seqs,
+        sizes.max_model_len,
+        spec.cuda_graphs,
     )

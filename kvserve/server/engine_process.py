@@ -46,6 +46,7 @@ def build_llm(settings: ServerSettings) -> LLM:
         weights=settings.weights,
         activations=settings.activations,
         batch_invariant=settings.batch_invariant,
+        cuda_graphs=settings.cuda_graphs,
         kv_cache_tokens=settings.kv_cache_tokens,
         kv_cache_dtype=settings.kv_cache_dtype,
         max_num_seqs=settings.max_num_seqs,

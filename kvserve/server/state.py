@@ -37,6 +37,7 @@ class ServerSettings:
     weights: str = "auto"
     activations: str = "auto"
     batch_invariant: bool = True
+    cuda_graphs: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_sessions: int = 1024
     max_sessions_per_key: int | None = 256

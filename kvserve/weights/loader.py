@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from kvserve.errors import UnsupportedModelError
+from kvserve.layers.gpu import GpuInt4Linear, GpuInt8GroupLinear, use_triton_forms, uses_triton
 from kvserve.layers.quantized import (
     GROUP_SIZE,
     Int4Linear,
@@ -163,6 +164,8 @@ def load_model(
     if missing:
         raise UnsupportedModelError(f"The checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}.")
     model.rotary.build(torch.device(device), checkpoint.rope_freq_factors())
+    if uses_triton(device):
+        use_triton_forms(model)
     model.eval().requires_grad_(False)
     set_activations(model, activations)
     del params, tensors
@@ -255,26 +258,32 @@ def _build_linear(
     bias = torch.cat([layer.biases[s].read_float() for s in range(layer.num_shards)]) if layer.has_bias else None
     rows = _shard_rows(name, layer, config)
     fmt = plan.linear_format(shards, is_lm_head=name == LM_HEAD)
+    gpu = uses_triton(device)
     if fmt == "int4" and not Int4Linear.supports(layer.out_features, layer.in_features):
         fmt = "int8"
+    if fmt == "int8" and gpu and layer.in_features % GROUP_SIZE == 0:
+        fmt = "int8-groups"  # the GPU's one int8 form: a scale per 32 inputs (float where they do not group)
     if fmt == "int8-groups":
         if layer.in_features % GROUP_SIZE:
             fmt = "int8"
         elif name == LM_HEAD:
-            return _int8_group_linear(shards[0], layer, dtype, model)
+            return _int8_group_linear(shards[0], layer, dtype, device, model)
         else:  # a hidden layer: Q8_0 / Q5_0 shards as stored, others rounded; out in the compute dtype
             parts = [s.int8_groups() for s in shards]
             for i, ((codes, _), n) in enumerate(zip(parts, rows, strict=True)):
                 _check_shape(name, i, tuple(codes.shape), (n, layer.in_features))
             codes, scales = (torch.cat(t) for t in zip(*parts, strict=True))
+            if gpu:
+                return GpuInt8GroupLinear(codes, scales, device, bias, out_dtype=dtype)
             return Int8GroupLinear(codes, scales, dtype, bias=bias, out_dtype=dtype)
     if fmt == "int4":
         groups = [s.int4() for s in shards]
         for i, (g, n) in enumerate(zip(groups, rows, strict=True)):
             _check_shape(name, i, tuple(g.codes.shape), (n, layer.in_features))
-        return Int4Linear(type(groups[0]).cat(groups), dtype, bias)
+        weight = type(groups[0]).cat(groups)
+        return GpuInt4Linear(weight, dtype, device, bias) if gpu else Int4Linear(weight, dtype, bias)
     weight = _stacked_float(name, shards, rows, layer.in_features)
-    if fmt == "int8":
+    if fmt == "int8" and not gpu:
         return Int8Linear(weight, dtype, bias)
     out = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, device=device, dtype=dtype)
     if model is not None and isinstance(getattr(model, EMBEDDING), nn.Embedding):
@@ -287,15 +296,22 @@ def _build_linear(
 
 
 def _int8_group_linear(
-    source: SourceTensor, layer: _PendingLinear, dtype: torch.dtype, model: nn.Module | None
-) -> Int8GroupLinear:
-    """Int8 with a scale per 32 inputs: a tied Q8_0 embedding's own tensors, Q8_0 codes as stored,
-    or rounded from float."""
+    source: SourceTensor,
+    layer: _PendingLinear,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    model: nn.Module | None,
+) -> Int8GroupLinear | GpuInt8GroupLinear:
+    """The lm_head as int8 with a scale per 32 inputs, float32 logits: a tied Q8_0 embedding's own
+    tensors, Q8_0 codes as stored, or rounded from float."""
     embedding = getattr(model, EMBEDDING, None) if model is not None else None
     if isinstance(embedding, Int8Embedding) and embedding.group_size == GROUP_SIZE:
-        return Int8GroupLinear(embedding.codes, embedding.scales, dtype)
-    codes, scales = source.int8_groups()
-    _check_shape(LM_HEAD, 0, tuple(codes.shape), (layer.out_features, layer.in_features))
+        codes, scales = embedding.codes, embedding.scales
+    else:
+        codes, scales = source.int8_groups()
+        _check_shape(LM_HEAD, 0, tuple(codes.shape), (layer.out_features, layer.in_features))
+    if uses_triton(device):
+        return GpuInt8GroupLinear(codes, scales, device, out_dtype=torch.float32)
     return Int8GroupLinear(codes, scales, dtype)
 
 
@@ -316,7 +332,7 @@ def _load_embedding(model: nn.Module, source: SourceTensor, plan: WeightPlan, dt
     if plan.embedding_format(source) == "float":
         _copy(embedding.weight.data, source.read_float(), f"{EMBEDDING}.weight")
         return
-    quantized = Int8Embedding(*source.int8_groups(), dtype)
+    quantized = Int8Embedding(*source.int8_groups(), dtype).to(embedding.weight.device)
     _check_shape(EMBEDDING, 0, (quantized.num_embeddings, quantized.embedding_dim), tuple(embedding.weight.shape))
     model.set_submodule(EMBEDDING, quantized)
 
@@ -325,7 +341,13 @@ def weight_summary(model: nn.Module) -> dict[str, object]:
     """How the weights are held: layer counts per form and the bytes of all parameters and weight buffers."""
     forms: dict[str, int] = {}
     for module in model.modules():
-        forms_by_type = {Int4Linear: "int4", Int8Linear: "int8", Int8GroupLinear: "int8 groups"}
+        forms_by_type = {
+            Int4Linear: "int4",
+            GpuInt4Linear: "int4",
+            Int8Linear: "int8",
+            Int8GroupLinear: "int8 groups",
+            GpuInt8GroupLinear: "int8 groups",
+        }
         form = {**forms_by_type, Int8Embedding: "int8 embedding"}.get(type(module))
         if form is None and isinstance(module, nn.Linear | nn.Embedding):
             form = f"{str(module.weight.dtype).removeprefix('torch.')} {type(module).__name__.lower()}"

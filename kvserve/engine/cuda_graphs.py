@@ -1,0 +1,178 @@
+"""DecodeGraphs: the decode step on a GPU, captured once per batch-size bucket as a CUDA graph.
+
+Eager, a decode step of a small model is a few hundred kernel launches from Python, each costing more
+than the kernel itself. At start every bucket's whole step (embedding, layers, final norm, lm_head ->
+float32 logits) is captured once, largest bucket first, all graphs sharing one memory pool; a decode
+step of B sequences then fills one static int32 buffer (token ids, positions, slots, block tables, one
+attention tile per sequence), copies it to the device in one transfer and replays the graph of the
+smallest bucket >= B. Padding rows write no KV (slot -1) and attend to nothing (tile length 0). Steps
+a graph does not cover (prefills, chunks, batches past the largest bucket) run eagerly through the same
+kernels, which give a row the same bits in both (R7: fixed tile configurations, splits of the keys
+fixed by position, never by the batch).
+
+Everything the engine guarantees stays with the scheduler, which never sees a graph: an abort, a
+preemption or a finished request only changes what the next step's buffer holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvserve.layers.attention_triton import TritonAttentionMetadata
+
+logger = logging.getLogger("kvserve.engine")
+
+# Batch sizes with a graph of their own: small ones exactly, then every 16 (nano-vllm's buckets); a
+# step pads its batch to the next one.
+SMALL_BUCKETS = (1, 2, 4, 8)
+BUCKET_STEP = 16
+
+# capture(fn, pool) -> (replay, out): records fn's kernels once, returning a callable that runs them
+# again on whatever the static buffers then hold, and fn's output tensor, which each replay rewrites.
+Capture = Callable[[Callable[[], torch.Tensor], object], tuple[Callable[[], None], torch.Tensor]]
+
+
+def cuda_capture(fn: Callable[[], torch.Tensor], pool: object) -> tuple[Callable[[], None], torch.Tensor]:
+    """A CUDA graph of fn, after one eager run that compiles and loads its kernels."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph.replay, out
+
+
+def eager_capture(fn: Callable[[], torch.Tensor], pool: object) -> tuple[Callable[[], None], torch.Tensor]:
+    """Stands in for cuda_capture where there is no GPU (tests of the bookkeeping on a CPU): a replay
+    runs fn again over the static buffers and writes its result into the captured output."""
+    out = fn()
+    return (lambda: out.copy_(fn())), out
+
+
+def buckets_for(max_num_seqs: int) -> list[int]:
+    """The batch sizes that get a graph: the buckets below max_num_seqs, and max_num_seqs itself."""
+    sizes = [*SMALL_BUCKETS, *range(BUCKET_STEP, max_num_seqs, BUCKET_STEP)]
+    return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each input lives in the one static int32 buffer of `max_batch` rows."""
+
+    max_batch: int
+    max_blocks: int
+
+    @property
+    def sizes(self) -> list[int]:
+        # token ids, positions, slots, tile lengths, tile rows (0..max_batch-1), block tables
+        return [self.max_batch] * 5 + [self.max_batch * self.max_blocks]
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+class DecodeGraphs:
+    """Decode steps of a whole model (embedding to logits) as CUDA graphs, one per bucket."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        capture: Capture = cuda_capture,
+    ) -> None:
+        from kvserve.kernels.gpu.attention import num_splits_for
+
+        self.model = model
+        self.block_size = block_size
+        self.buckets = buckets_for(max_num_seqs)
+        self.layout = _Layout(self.buckets[-1], math.ceil(max_model_len / block_size))
+        device = next(model.parameters()).device
+        self.host = torch.zeros(self.layout.total, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.static = torch.zeros(self.layout.total, dtype=torch.int32, device=device)
+        self.num_splits = num_splits_for(max_model_len - 1)  # every position a graph may meet
+        self._capture = capture
+        self._replays: dict[int, Callable[[], None]] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        ids, positions, slots, tile_len, rows, tables = buffer.split(self.layout.sizes)
+        return [ids, positions, slots, tile_len, rows, tables.view(self.layout.max_batch, self.layout.max_blocks)]
+
+    def _fill_padding(self) -> None:
+        """Every row a padding row: no KV write (slot -1), no attention (tile length 0)."""
+        ids, positions, slots, tile_len, rows, tables = (v.numpy() for v in self._views(self.host))
+        ids[:], positions[:], slots[:], tile_len[:], tables[:] = 0, 0, -1, 0, 0
+        rows[:] = np.arange(self.layout.max_batch)
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        """The whole step for `batch` rows of the static buffers -> float32 logits [batch, vocab]."""
+        ids, positions, slots, tile_len, rows, tables = (v[:batch] for v in self._views(self.static))
+        metadata = TritonAttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables,
+            positions=positions,
+            tile_seq=rows,
+            tile_first=rows,
+            tile_len=tile_len,
+            num_splits=self.num_splits,
+        )
+        return self.model.compute_logits(self.model(ids, positions, metadata))
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every bucket's step, largest first (the others then fit in its memory pool)."""
+        start = time.perf_counter()
+        self._fill_padding()
+        self.static.copy_(self.host)
+        pool = torch.cuda.graph_pool_handle() if self.static.is_cuda else None
+        for batch in reversed(self.buckets):
+            self._replays[batch], self._logits[batch] = self._capture(lambda b=batch: self._forward(b), pool)
+        self.capture_seconds = time.perf_counter() - start
+        logger.info(
+            "captured %d CUDA graphs of the decode step (batch sizes %s) in %.2f s",
+            len(self.buckets),
+            ", ".join(map(str, self.buckets)),
+            self.capture_seconds,
+        )
+
+    def covers(self, num_new_tokens: list[int], num_blocks: list[int]) -> bool:
+        """Whether a step of sequences adding these token counts, with block tables of these lengths,
+        runs as a graph: one token each, at most the largest bucket of them."""
+        return (
+            0 < len(num_new_tokens) <= self.layout.max_batch
+            and all(n == 1 for n in num_new_tokens)
+            and max(num_blocks) <= self.layout.max_blocks
+        )
+
+    def run(self, token_ids: list[int], num_computed_tokens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """Float32 logits [B, vocab] of one decode step: sequence i adds token_ids[i] at position
+        num_computed_tokens[i] (in its blocks block_tables[i]). A view of the bucket's output, valid
+        until the next run."""
+        batch = len(token_ids)
+        bucket = next(b for b in self.buckets if b >= batch)
+        ids, positions, slots, tile_len, _, tables = (v.numpy() for v in self._views(self.host))
+        for row, table in enumerate(block_tables):  # entries past a sequence's own blocks are never read
+            tables[row, : len(table)] = table
+        computed = np.asarray(num_computed_tokens)
+        ids[:batch], positions[:batch] = token_ids, computed
+        slots[:batch] = (
+            tables[np.arange(batch), computed // self.block_size] * self.block_size + computed % self.block_size
+        )
+        tile_len[:batch] = 1
+        ids[batch:bucket], positions[batch:bucket], slots[batch:bucket], tile_len[batch:bucket] = 0, 0, -1, 0
+        # one transfer; the host buffer is rewritten only after this step's tokens were read back (a sync)
+        self.static.copy_(self.host, non_blocking=True)
+        self._replays[bucket]()
+        return self._logits[bucket][:batch]

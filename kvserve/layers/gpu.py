@@ -1,0 +1,163 @@
+"""The model's layers in their GPU form, over the Triton kernels (kvserve/kernels/gpu).
+
+One model and one engine serve both devices: on a GPU the loader builds these forms instead of the
+CPU ones (layers/quantized.py), and `use_triton_forms` turns the float layers and norms of a loaded
+model into them. Batch invariant (the default), every matmul and norm runs a Triton kernel of one
+fixed configuration, so a row's result never depends on how many rows share the call (cuBLAS picks
+its kernels, and split-K, by the shapes); off, float layers multiply through cuBLAS. Quantized
+weights stay packed on the device:
+
+- `GpuInt4Linear`: 4-bit codes two per byte with a (scale, min) per 32 inputs: GGUF's Q4_0, Q4_1
+  and Q4_K as stored, anything else rounded to nearest (`--weights q4`).
+- `GpuInt8GroupLinear`: int8 codes with a scale per 32 inputs: Q8_0 and Q5_0 as stored, the other
+  quantized types rounded to nearest (`--weights q8`, and `auto` for them).
+
+`KVSERVE_KERNELS=triton` runs these forms (and the Triton attention) on a CPU through Triton's
+interpreter (with TRITON_INTERPRET=1): slow, for tests of the GPU path on machines without one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.quantized import GROUP_SIZE, Int4Groups
+
+
+def uses_triton(device: torch.device | str) -> bool:
+    """Whether a model on `device` runs the GPU path: on CUDA, or anywhere with KVSERVE_KERNELS=triton."""
+    return torch.device(device).type == "cuda" or os.environ.get("KVSERVE_KERNELS") == "triton"
+
+
+class GpuLinear(nn.Module):
+    """y = x @ W.T (+ bias) for a float weight, given in `out_dtype` (the lm_head: float32 logits,
+    summed in float32 and never rounded to the compute dtype)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = bias
+        self.out_dtype = out_dtype
+        self.batch_invariant = True  # see quantized.set_batch_invariant
+
+    @classmethod
+    def of(cls, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> GpuLinear:
+        """The same weight tensor (a tied embedding's stays shared)."""
+        return cls(linear.weight, linear.bias, out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from kvserve.kernels.gpu.matmul import matmul
+
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        out_dtype = self.out_dtype or x.dtype
+        if self.batch_invariant or out_dtype != x.dtype:
+            out = matmul(x2, self.weight, self.bias, out_dtype)
+        else:
+            out = F.linear(x2, self.weight, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def _group_values(values: torch.Tensor) -> torch.Tensor:
+    """A weight's per-group scales or mins: float16 where that holds them exactly (GGUF's Q4_0/Q4_1
+    store them so: half the bytes a decode step reads besides the codes), else float32."""
+    as_half = values.half()
+    return as_half if torch.equal(as_half.float(), values.float()) else values.float()
+
+
+class GpuInt4Linear(nn.Module):
+    """y = x @ W.T (+ bias) with W[n, k] = scales[n, k // 32] * code + mins[n, k // 32], the codes packed
+    two per byte on the device (kernels/gpu/matmul.pack_int4) and dequantized in registers."""
+
+    def __init__(
+        self, weight: Int4Groups, dtype: torch.dtype, device: torch.device | str, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        from kvserve.kernels.gpu.matmul import pack_int4
+
+        if weight.group_size != GROUP_SIZE:
+            raise ValueError(f"the GPU's int4 kernel takes groups of {GROUP_SIZE}, got {weight.group_size}")
+        self.out_features, self.in_features = weight.codes.shape
+        self.dtype = dtype
+        self.batch_invariant = True  # one kernel for every row count either way
+        self.register_buffer("packed", pack_int4(weight.codes.to(device)))
+        self.register_buffer("scales", _group_values(weight.scales).to(device))  # [N, K / 32]
+        self.register_buffer("mins", _group_values(weight.mins).to(device))  # [N, K / 32]
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype).to(device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from kvserve.kernels.gpu.matmul import int4_matmul
+
+        out = int4_matmul(x.reshape(-1, self.in_features), self.packed, self.scales, self.mins, x.dtype, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}"
+
+
+class GpuInt8GroupLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W as int8 codes and a float32 scale per 32 inputs (GGML's Q8_0), given in
+    `out_dtype` (float32 for the lm_head's logits)."""
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        device: torch.device | str,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        if scales.shape[1] * GROUP_SIZE != self.in_features:
+            raise ValueError(f"the GPU's int8 kernel takes a scale per {GROUP_SIZE} inputs")
+        self.out_dtype = out_dtype
+        self.batch_invariant = True  # one kernel for every row count either way
+        self.register_buffer("codes", codes.to(device))  # [N, K] int8
+        self.register_buffer("scales", scales.float().to(device))  # [N, K / 32]
+        self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from kvserve.kernels.gpu.matmul import int8_group_matmul
+
+        out = int8_group_matmul(
+            x.reshape(-1, self.in_features), self.codes, self.scales, self.out_dtype or x.dtype, self.bias
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class GpuRMSNorm(RMSNorm):
+    """RMSNorm through the Triton kernel (one program per row, its sum in one order) while batch
+    invariant; PyTorch's reduction otherwise, whose split of a row may follow the number of rows."""
+
+    batch_invariant = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return super().forward(x)
+        from kvserve.kernels.gpu.norm import rms_norm
+
+        return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+
+def use_triton_forms(model: nn.Module) -> None:
+    """Turn a loaded model's float linear layers into GpuLinear (the lm_head giving float32 logits)
+    and its norms into GpuRMSNorm, in place, sharing their tensors. Quantized layers the loader
+    already built in their GPU forms."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            model.set_submodule(name, GpuLinear.of(module, torch.float32 if name == "lm_head" else None))
+        elif type(module) is RMSNorm:
+            norm = GpuRMSNorm(module.weight.shape[0], module.eps)
+            norm.weight = module.weight
+            model.set_submodule(name, norm)

@@ -1,0 +1,144 @@
+"""The GPU path on a CPU: the model's forward over the Triton kernels (layers/gpu.py,
+layers/attention_triton.py) and the CUDA graphs' bookkeeping (engine/cuda_graphs.py), through the
+whole engine, with Triton's interpreter running the kernels (KVSERVE_KERNELS=triton). A replay here runs
+the captured step again over the static buffers, so everything but the capture itself is what a GPU
+runs: the buckets, the padding rows, the one-copy inputs, the eager steps between graphs.
+
+Checked against independent references: transformers' greedy tokens, each request's solo run (R7), a
+run without graphs, the CPU path's 4-bit arithmetic (first-divergence rule), and the block pool after
+every test. tests/test_cuda.py runs the same path on a real GPU, where there is one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported: the kernels run in its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+pytest.importorskip("transformers")
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.cuda_graphs import buckets_for
+from kvserve.layers.gpu import GpuInt4Linear, GpuLinear, GpuRMSNorm
+from tests.conftest import wait_idle_and_check
+from tests.test_engine_bundled import assert_first_divergence_agrees
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, tests/test_cuda.py runs this path")
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True)
+# distinct lengths: a decode-only batch pads to a bucket; the 70-token prompt spans several attention tiles
+PROMPTS = ["hi", "the quick brown fox", "lorem ipsum dolor sit amet, consectetur", "x" * 70, "ab cd ef"]
+
+
+@pytest.fixture(scope="module")
+def triton_kernels():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSERVE_KERNELS", "triton")
+        yield
+
+
+def _llm(model_dir, **kwargs) -> LLM:
+    options = dict(device="cpu", dtype="float32", kv_cache_tokens=2048, max_num_seqs=8, progress=False)
+    return LLM(str(model_dir), session_db=False, **{**options, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir, triton_kernels):
+    with _llm(tiny_model_dir) as llm:
+        yield llm
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    if "llm" in request.fixturenames:
+        wait_idle_and_check(request.getfixturevalue("llm"))
+
+
+def test_buckets_cover_every_batch_up_to_max_num_seqs():
+    assert buckets_for(1) == [1]
+    assert buckets_for(8) == [1, 2, 4, 8]
+    assert buckets_for(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert buckets_for(50) == [1, 2, 4, 8, 16, 32, 48, 50]
+    assert buckets_for(5) == [1, 2, 4, 5]
+
+
+def test_the_model_runs_its_gpu_forms_and_decode_graphs(llm):
+    runner = llm.engine.runner
+    assert runner.triton and runner.fused is None and not runner.wants_fused
+    layer = llm.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, GpuLinear) and isinstance(layer.attn_norm, GpuRMSNorm)
+    assert isinstance(llm.model.lm_head, GpuLinear) and llm.model.lm_head.out_dtype == torch.float32
+    assert runner.graphs is not None and runner.graphs.buckets == [1, 2, 4, 8] and llm.weights["cuda_graphs"]
+
+
+def test_greedy_equals_transformers(llm, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    before = llm.runner_timings()["graph_steps"]
+    got = [r.token_ids for r in llm.generate(PROMPTS[1:4], GREEDY)]  # prefills together, then decode graphs
+    assert llm.runner_timings()["graph_steps"] > before
+    for text, tokens in zip(PROMPTS[1:4], got, strict=True):
+        ids = llm.tokenizer.encode(text)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None)
+        assert out[0, len(ids) :].tolist() == tokens
+
+
+def test_seeded_samples_batched_equal_solo_with_and_without_graphs(llm, tiny_model_dir):
+    """(Greedy batches against solo runs: the preemption test below.)"""
+    solo = [llm.generate(p, SEEDED).token_ids for p in PROMPTS]
+    assert [r.token_ids for r in llm.generate(PROMPTS, SEEDED)] == solo
+    with _llm(tiny_model_dir, cuda_graphs=False) as eager:
+        assert eager.engine.runner.graphs is None
+        assert [r.token_ids for r in eager.generate(PROMPTS, SEEDED)] == solo
+        wait_idle_and_check(eager)
+
+
+def test_preemption_prefix_hits_and_aborts_keep_every_token(llm, tiny_model_dir):
+    """A pool of 8 blocks for three requests that need 4 each: preempted requests recompute (eagerly)
+    and decode again in graphs; a prompt behind a cached prefix attends over blocks it did not write;
+    a stream left after two chunks gives its blocks back."""
+    prompts = [f"{i} " + "lorem ipsum dolor sit amet " * 2 for i in range(3)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    solo = [llm.generate(p, params).token_ids for p in prompts]
+    with _llm(tiny_model_dir, kv_cache_tokens=8 * 16) as tight:
+        assert [r.token_ids for r in tight.generate(prompts, params)] == solo
+        assert tight.stats()["num_preemptions_total"] > 0
+        hits = tight.stats()["prefix_cache_hit_tokens_total"]
+        assert tight.generate(prompts[0], params).token_ids == solo[0]
+        assert tight.generate(prompts[0], params).token_ids == solo[0]  # behind the blocks the first left cached
+        assert tight.stats()["prefix_cache_hit_tokens_total"] > hits
+        stream = tight.stream(prompts[1], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+        for i, _ in enumerate(stream):
+            if i == 1:
+                break
+        del stream
+        wait_idle_and_check(tight)
+
+
+def test_four_bit_weights_packed_and_batched_like_solo(tiny_model_dir, triton_kernels):
+    """The fourth report's case on the GPU path: 4-bit weights, concurrent requests, each equal to its
+    solo run; and the tokens agree with the CPU's 4-bit kernels under the first-divergence rule."""
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    with _llm(tiny_model_dir, weights="q4") as q4:
+        assert isinstance(q4.model.layers[0].self_attn.qkv_proj, GpuInt4Linear)
+        assert q4.weights["layers"]["int4"] > 0
+        solo = [q4.generate(p, params) for p in PROMPTS]
+        batched = q4.generate(PROMPTS, params)
+        assert [r.token_ids for r in batched] == [r.token_ids for r in solo]
+        wait_idle_and_check(q4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("KVSERVE_KERNELS")
+        with _llm(tiny_model_dir, weights="q4", activations="float") as cpu:
+            assert not cpu.engine.runner.triton
+            expected = [cpu.generate(p, params) for p in PROMPTS]
+            wait_idle_and_check(cpu)
+    for got, want in zip(solo, expected, strict=True):
+        assert_first_divergence_agrees(got, want)
