@@ -35,6 +35,11 @@ logger = logging.getLogger("kvserve.engine")
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16
 
+# Up to this many sequences a graph splits each one's keys into ranges attended by programs of their
+# own (a long context then still occupies the GPU); more sequences occupy it themselves, and one
+# kernel per layer saves the merge. A token's bits are the same either way (kernels/gpu/attention.py).
+MAX_SPLIT_BATCH = 4
+
 # capture(fn, pool) -> (replay, out): records fn's kernels once, returning a callable that runs them
 # again on whatever the static buffers then hold, and fn's output tensor, which each replay rewrites.
 Capture = Callable[[Callable[[], torch.Tensor], object], tuple[Callable[[], None], torch.Tensor]]
@@ -100,7 +105,7 @@ class DecodeGraphs:
         device = next(model.parameters()).device
         self.host = torch.zeros(self.layout.total, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.static = torch.zeros(self.layout.total, dtype=torch.int32, device=device)
-        self.num_splits = num_splits_for(max_model_len - 1)  # every position a graph may meet
+        self.max_splits = num_splits_for(max_model_len - 1)  # every position a graph may meet
         self._capture = capture
         self._replays: dict[int, Callable[[], None]] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -126,7 +131,7 @@ class DecodeGraphs:
             tile_seq=rows,
             tile_first=rows,
             tile_len=tile_len,
-            num_splits=self.num_splits,
+            num_splits=self.max_splits if batch <= MAX_SPLIT_BATCH else 1,
         )
         return self.model.compute_logits(self.model(ids, positions, metadata))
 
