@@ -85,7 +85,7 @@ def _each_row_alone(run, x: torch.Tensor, out: torch.Tensor) -> None:
         assert torch.equal(run(x[row : row + 1])[0], out[row]), row
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_matmul_against_float64_and_each_row_alone(dtype):
     m, k, n = 37, 200, 72  # tails in every dimension of the 64 x 64 x 64 tiles
     x = _randn(m, k, seed=2, dtype=dtype)
@@ -243,6 +243,7 @@ class Step:
     first_tile: int | None = None
 
     def tensors(self, tokens_per_tile: int):
+        assert (self.first_tile or 1) <= tokens_per_tile, "a tile holds at most tokens_per_tile tokens"
         positions, tile_seq, tile_first, tile_len = [], [], [], []
         for seq, begin, count in self.spans:
             row = len(positions)
@@ -401,6 +402,52 @@ def test_padding_tiles_and_rows_are_left_alone(monkeypatch):
     step = Step([(0, 36, 1), (1, 99, 1)])
     expected = _attend(cache, step, q[[0, 2]], num_splits=2)
     assert torch.equal(out[[0, 2]], expected)
+
+
+# --- At model sizes, on a GPU only (the interpreter would take hours)
+
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes need a GPU")
+
+
+@on_gpu
+@pytest.mark.parametrize("kind", ["float", "lm_head", "int4", "int8"])
+def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kind):
+    m, k, n = 300, 4096, 1024
+    x = _randn(m, k, seed=70, dtype=torch.bfloat16)
+    if kind in ("float", "lm_head"):
+        w = _randn(n, k, seed=71, dtype=torch.bfloat16)
+        out_dtype = torch.float32 if kind == "lm_head" else None
+        run = lambda rows: matmul.matmul(rows, w, out_dtype=out_dtype)  # noqa: E731
+    elif kind == "int4":
+        codes, scales, mins, w = _int4_weight(n, k, torch.float16, seed=72)
+        packed = matmul.pack_int4(codes)
+        run = lambda rows: matmul.int4_matmul(rows, packed, scales, mins)  # noqa: E731
+    else:
+        codes, scales, w = _int8_weight(n, k, seed=73)
+        run = lambda rows: matmul.int8_group_matmul(rows, codes, scales)  # noqa: E731
+    out = run(x)
+    _check_matmul(out[:8], x[:8], w.to(x.dtype), None)
+    for rows in ([0], [1], [15], [16], [63], [64], [299], list(range(5, 42)), list(range(64, 128))):
+        part = run(x[rows])
+        assert torch.equal(part, out[rows]), rows
+
+
+@on_gpu
+def test_attention_at_model_sizes_is_the_same_bits_in_decode_prefill_and_chunks():
+    num_heads, num_kv_heads, head_dim, length = 32, 8, 128, 2048  # 4 splits of SPLIT_KEYS = 512
+    cache = PagedCache.make([length, 300], num_kv_heads, head_dim, torch.bfloat16, seed=80)
+    q = _randn(length, num_heads, head_dim, seed=81, dtype=torch.bfloat16)
+    prefill = _attend(cache, Step([(0, 0, length)]), q)  # one program walks all the splits
+    sample = Step([(0, p, 1) for p in (0, 511, 512, 2047)])
+    expected = _reference(cache, sample, q[[0, 511, 512, 2047]], 0)
+    torch.testing.assert_close(prefill[[0, 511, 512, 2047]].double(), expected, rtol=0, atol=2 * BF16_ULP)
+    chunk = Step([(0, 1000, length - 1000)], first_tile=3)
+    assert torch.equal(_attend(cache, chunk, q[1000:], num_splits=4), prefill[1000:])
+    for pos in (0, 511, 512, 1300, 2047):
+        for num_splits in (1, attention.num_splits_for(pos), 16):
+            batch = Step([(1, 299, 1), (0, pos, 1)])
+            out = _attend(cache, batch, torch.cat([q[:1], q[pos : pos + 1]]), num_splits=num_splits)
+            assert torch.equal(out[1], prefill[pos]), (pos, num_splits)
 
 
 # --- Lowering for the GPU, without one

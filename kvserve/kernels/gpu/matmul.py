@@ -33,8 +33,8 @@ class TileConfig:
     num_stages: int  # software-pipelining depth of the K loop
 
 
-# Float weights. 64x64 tiles serve prefill on the tensor cores; no K split, as a prefill would pay
-# M * N * 4 bytes per split for partial sums that a decode's few programs would gain from.
+# Float weights. 64 x 64 tiles serve prefill on the tensor cores. No K split: it would give a decode
+# more programs, but a prefill would pay M * N * 4 bytes of partial sums per split.
 FLOAT_CONFIG = TileConfig(block_m=64, block_n=64, block_k=64, k_per_split=0, num_warps=4, num_stages=3)
 
 # Quantized weights, tuned for decode (M = 1..64, memory-bound): 16 rows is the smallest tl.dot tile,
@@ -43,6 +43,8 @@ FLOAT_CONFIG = TileConfig(block_m=64, block_n=64, block_k=64, k_per_split=0, num
 INT4_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
 # int8 codes are twice the bytes of int4: the same tiles, each step reading 8 KiB of codes.
 INT8_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
+
+SUM_BLOCK = 1024  # outputs per program of the kernel that adds the K splits' partial sums
 
 
 @triton.jit
@@ -97,9 +99,11 @@ def _sum_splits_kernel(
     """out = ((partial[0] + partial[1]) + ...) + bias, elementwise over the [M, N] outputs."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
-    total = tl.load(partial_ptr + offsets, mask=mask, other=0.0)
-    for split in range(1, num_splits):
-        total += tl.load(partial_ptr + split * numel + offsets, mask=mask, other=0.0)
+    partial = partial_ptr + offsets
+    total = tl.load(partial, mask=mask, other=0.0)
+    for _ in range(1, num_splits):
+        partial += numel  # the next split's [M, N]
+        total += tl.load(partial, mask=mask, other=0.0)
     if HAS_BIAS:
         total += tl.load(bias_ptr + offsets % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offsets, cast(total, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
@@ -140,7 +144,9 @@ def _float_kernel(
         w = tl.load(
             w_cols + ks[:, None], mask=_below(ks, k_end, EVEN_K)[:, None] & (cols < N)[None, :], other=0.0
         )  # [BK, BN]
-        acc = dot(x, w.to(x.dtype), acc, INTERPRET)
+        if w.dtype != x.dtype:  # a weight of another float dtype: rounded to x's
+            w = cast(w.to(tl.float32), x.dtype, INTERPRET)
+        acc = dot(x, w, acc, INTERPRET)
     _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
 
 
@@ -307,9 +313,8 @@ def _launch(
         num_stages=config.num_stages,
     )
     if is_split:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            target, bias, out, m * n, n, num_splits, HAS_BIAS=bias is not None, BLOCK=block, INTERPRET=INTERPRET
+        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            target, bias, out, m * n, n, num_splits, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, INTERPRET=INTERPRET
         )
     return out
 
