@@ -12,7 +12,6 @@ works where triton is missing; the kernel modules import triton themselves.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
@@ -20,12 +19,10 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 
 def available() -> bool:
     """Whether the kernels can run here: triton imports, and there is a CUDA device or the
-    interpreter is on."""
-    if importlib.util.find_spec("triton") is None:
-        return False
+    interpreter is on. Never raises."""
     try:
         import torch
         import triton  # noqa: F401
-    except Exception:  # a broken install is as good as none
+    except Exception:  # missing, or a broken install
         return False
     return INTERPRET or torch.cuda.is_available()
