@@ -36,6 +36,14 @@ class RequestBuilder:
             raise InvalidRequestError(f"Token id {shown} is outside the vocabulary (0..{vocab - 1}).", "prompt")
         return prompt_ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What of `params` needs the model to check: logit_bias's token ids are in the vocabulary."""
+        bad = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"logit_bias names token id {bad}, outside the vocabulary (0..{self.vocab_size - 1}).", "logit_bias"
+            )
+
     def build(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Request:
         """A Request for `prompt`, or InvalidRequestError naming the field that is wrong."""
         params = params or SamplingParams()
@@ -48,6 +56,7 @@ class RequestBuilder:
                 f"The prompt has {len(prompt_ids)} tokens; this model's context is {limit}. Shorten the prompt.",
                 "prompt",
             )
+        self.check_params(params)
         if len(prompt_ids) + params.max_tokens > limit:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "

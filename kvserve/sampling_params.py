@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidRequestError, check_text
+from kvserve.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1  # top_k and the token counts: the engine's counters and tensors are int32-safe
 MAX_SEED = 2**63 - 1  # a seed is a signed 64-bit integer, as OpenAI's and torch's generators take it
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,11 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; N: chosen token plus the top N
     skip_special_tokens: bool = True
+    # Added to the named tokens' logits before sampling (OpenAI's logit_bias: -100 bans, 100 forces);
+    # a dict {token id: bias} is kept as (token id, bias) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    # The output must match this grammar (a JSON schema, ...): the engine masks every other token.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string / any iterable for the tuple fields.
@@ -35,6 +42,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(bias.items()))
+        elif not isinstance(bias, tuple):
+            object.__setattr__(self, "logit_bias", tuple(bias or ()))
         self._validate()
 
     def _validate(self) -> None:
@@ -78,6 +90,46 @@ class SamplingParams:
             fail("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not is_int("logprobs", 0, MAX_LOGPROBS):
             fail("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        self._validate_logit_bias()
+        self._validate_structured_output()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are accepted.", "logit_bias"
+            )
+        for entry in bias:
+            token, value = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
+            if not (isinstance(token, int) and not isinstance(token, bool) and 0 <= token <= MAX_INT32):
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids (integers from 0 to {MAX_INT32}), got {token!r:.80}.",
+                    "logit_bias",
+                )
+            if not (isinstance(value, int | float) and not isinstance(value, bool) and -100.0 <= value <= 100.0):
+                raise InvalidRequestError(
+                    f"logit_bias values must be numbers from -100 to 100, got {value!r:.80} for token {token}.",
+                    "logit_bias",
+                )
+
+    def _validate_structured_output(self) -> None:
+        """A grammar decides where the output ends: what would cut it elsewhere is refused."""
+        if self.structured_output is None:
+            return
+        if not isinstance(self.structured_output, StructuredOutput):
+            raise InvalidRequestError("structured_output must be a StructuredOutput.", "structured_output")
+        for name, conflict in (
+            ("stop", self.stop),
+            ("stop_token_ids", self.stop_token_ids),
+            ("min_tokens", self.min_tokens),
+        ):
+            if conflict:
+                raise InvalidRequestError(
+                    f"{name} cannot be combined with structured output (response_format or a required tool call): "
+                    "the grammar decides where the output ends, and it must end where the grammar is complete. "
+                    f"Remove {name}.",
+                    name,
+                )
 
     @property
     def is_greedy(self) -> bool:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.grammar import Grammars
 from kvserve.engine.hooks import EngineHooks
 from kvserve.engine.model_runner import RunnerOutput
 from kvserve.engine.output_processor import RequestTextState
@@ -89,6 +90,11 @@ class _RunnerDied:
     reason: str
 
 
+@dataclass
+class _GrammarReady:
+    request: Request  # its grammar compiled (or failed to): it may be scheduled now
+
+
 class EngineCore:
     def __init__(
         self,
@@ -104,6 +110,7 @@ class EngineCore:
         self._tickets = itertools.count()
         self._stalled = False  # nothing could be scheduled beside the steps in flight: wait for a message
         self.tokenizer = tokenizer
+        self.grammars: Grammars | None = None  # structured output's grammars, once the runner is built
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.states: dict[str, tuple[RequestTextState, Sink]] = {}
         self.num_aborted_total = 0
@@ -182,6 +189,7 @@ class EngineCore:
     def _run(self, build_runner: Callable[[EngineCore], Runner]) -> None:
         try:
             self.runner = build_runner(self)
+            self.grammars = Grammars(self.tokenizer, self.runner.model.config.vocab_size)
         except BaseException as exc:  # reported to the constructor's caller
             self._start_error = exc
             self.is_closed = True
@@ -230,6 +238,8 @@ class EngineCore:
             self._publish_stats()
             self._drain_inbox_after_close()
             self._end_turn()
+            if self.grammars is not None:
+                self.grammars.close()
             if self.runner is not None:
                 self.runner.close()
 
@@ -249,6 +259,8 @@ class EngineCore:
             self.admit(message.request, message.sink)
         elif isinstance(message, _Abort):
             self._abort(message.request_ids, RequestStatus.FINISHED_ABORTED)
+        elif isinstance(message, _GrammarReady):
+            self._grammar_ready(message.request)
         elif isinstance(message, _Call):
             try:
                 message.future.set_result(message.fn())
@@ -263,7 +275,18 @@ class EngineCore:
             return
         if sink is not None:
             self.states[request.request_id] = (RequestTextState(request, self.tokenizer), sink)
+        spec = request.params.structured_output
+        if spec is not None and request.grammar is None:  # it waits in the queue until compiled
+            request.grammar = self.grammars.start(spec, lambda: self.inbox.put(_GrammarReady(request)))
         self.scheduler.add_request(request)
+
+    def _grammar_ready(self, request: Request) -> None:
+        if self.scheduler.requests.get(request.request_id) is not request or request.grammar is None:
+            return  # finished meanwhile
+        problem = request.grammar.take()
+        if problem is not None:
+            error = InvalidRequestError(f"The request's grammar cannot be compiled: {problem}", "response_format")
+            self._fail([request.request_id], error)
 
     def _can_launch(self) -> bool:
         return (
@@ -278,6 +301,13 @@ class EngineCore:
         depth = self.runner.depth
         share = None if depth == 1 else math.ceil((len(self.scheduler.running) + len(self.scheduler.waiting)) / depth)
         out = self.scheduler.schedule(share)
+        failed = self.grammars.fill_masks(out)
+        if failed:  # a grammar hit the engine's limits: its request fails, before the step
+            ids = {request_id for request_id, _ in failed}
+            out.scheduled = [item for item in out.scheduled if item.request_id not in ids]
+            for request_id, why in failed:
+                out.requests.pop(request_id, None)
+                self._fail([request_id], EngineError(f"The request's grammar failed: {why}"))
         if out.is_empty:
             self._stalled = bool(self.in_flight)  # blocks wait for a step in flight: wait for its result
             return
@@ -307,6 +337,8 @@ class EngineCore:
             if request.prefill_only:
                 self._on_finished(request)
                 continue
+            if request.grammar is not None and not request.is_finished and not self._advance_grammar(request):
+                continue
             state, sink = self.states[request.request_id]
             try:  # detokenizing and stop strings: a failure here, too, ends only this request
                 state.add_token(request.output_token_ids[-1], is_last=request.is_finished)
@@ -325,6 +357,18 @@ class EngineCore:
                 self._on_finished(request, state.text)
             sink.put(state.chunk([logprobs] if logprobs is not None else None))
         self._forget(finished)
+
+    def _advance_grammar(self, request: Request) -> bool:
+        """Feed a constrained request's new token to its grammar; where the grammar is complete the
+        request ends. False (the request failed) if the grammar refused the token."""
+        grammar = request.grammar
+        if not grammar.accept(request.output_token_ids[-1]):
+            error = EngineError(f"The output left its grammar ({grammar.error}); the request cannot continue.")
+            self._fail([request.request_id], error)
+            return False
+        if grammar.is_finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _step_failed(self, out: SchedulerOutput, exc: Exception) -> None:
         """A step failed: run each of its requests alone and fail only those that still fail, so one

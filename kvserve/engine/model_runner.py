@@ -245,7 +245,14 @@ class ModelRunner:
                 ids.append(s.request_id)
                 generator = self._generator(s)
                 rows.append(
-                    SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, generator, self.stop_token_ids)
+                    SamplingRow(
+                        s.params,
+                        s.prompt_token_ids,
+                        s.output_token_ids,
+                        generator,
+                        self.stop_token_ids,
+                        s.token_bitmask,
+                    )
                 )
         return ends, rows, ids
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.grammar import Grammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -57,6 +61,7 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     stop_reason: int | str | None = None
     prefill_only: bool = False  # compute the prompt's KV and finish without sampling (eager session prefill)
+    grammar: Grammar | None = None  # its structured output's matcher (engine/grammar.py), set when admitted
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -77,6 +82,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether it may be scheduled: False while its grammar compiles."""
+        return self.grammar is None or self.grammar.is_ready
 
     @property
     def finish_reason(self) -> FinishReason | None:

@@ -1,8 +1,10 @@
 """Batched sampling with per-row parameters and per-request random generators.
 
 Order per row: logprobs of the raw model distribution (if asked), min_tokens masking of stop
-tokens, repetition / frequency / presence penalties, then greedy argmax, or temperature, top-k,
-top-p and min-p followed by a draw. A draw is `argmax(probs / E)` with E ~ Exp(1) (equivalent to
+tokens, logit_bias, repetition / frequency / presence penalties, the grammar's mask (structured
+output: every token it forbids at -inf), then greedy argmax, or temperature, top-k, top-p and min-p
+followed by a draw. Each of these runs on the rows that ask for it only, so a row's result never
+depends on its neighbours'. A draw is `argmax(probs / E)` with E ~ Exp(1) (equivalent to
 sampling from `probs`); a seeded request draws E from its own generator, so it gets the same
 tokens alone or in any batch.
 """
@@ -24,6 +26,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     stop_token_ids: tuple[int, ...]  # masked while fewer than min_tokens were generated
+    token_bitmask: torch.Tensor | None = None  # [ceil(V / 32)] int32: bit t of word t // 32 allows token t
 
 
 @dataclass
@@ -42,13 +45,19 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
         masked = {i: stops for i, row in enumerate(rows) if (stops := _stops_to_mask(row, vocab))}
+        biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
         penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
-        if masked or penalized:  # the caller's logits stay as they are (most steps change none)
+        constrained = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+        if masked or biased or penalized or constrained:  # the caller's logits stay as they are
             logits = logits.clone()
         for i, stops in masked.items():
             logits[i, stops] = float("-inf")
+        for i in biased:
+            _apply_bias(logits[i], rows[i].params.logit_bias)
         for i in penalized:
             _apply_penalties(logits[i], rows[i])
+        for i in constrained:
+            logits[i].masked_fill_(~allowed_tokens(rows[i].token_bitmask, vocab).to(logits.device), float("-inf"))
 
         temperatures = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=logits.device)
         is_greedy = temperatures == 0
@@ -86,6 +95,25 @@ def _stops_to_mask(row: SamplingRow, vocab: int) -> list[int]:
     if not params.min_tokens or len(row.output_token_ids) >= params.min_tokens:
         return []
     return [t for t in (*row.stop_token_ids, *params.stop_token_ids) if t < vocab]
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A grammar's bitmask [W] int32 as a bool tensor [vocab]: token t is allowed where bit t % 32 of
+    word t // 32 is set (ids past the mask's 32 * W are not)."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = ((bitmask.cpu()[:, None] >> shifts) & 1).flatten().bool()  # [32 * W]
+    if bits.numel() < vocab:
+        bits = torch.cat([bits, bits.new_zeros(vocab - bits.numel())])
+    return bits[:vocab]
+
+
+def _apply_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> None:
+    """In place on one row [V]: add each (token id, bias); ids outside the vocabulary are ignored."""
+    vocab = logits.shape[0]
+    pairs = [(t, b) for t, b in bias if t < vocab]
+    if pairs:
+        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=logits.device)
+        logits.index_add_(0, ids, torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device))
 
 
 def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:

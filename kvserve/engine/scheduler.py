@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.engine.block_pool import BlockPool, hash_full_blocks
 from kvserve.engine.request import Request, RequestStatus
@@ -36,6 +37,9 @@ class ScheduledRequest:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # The tokens its grammar allows next (a torch int32 tensor, one bit per token id), set by the
+    # engine before the step runs on the rows that sample under a grammar (engine/grammar.py).
+    token_bitmask: Any = None
 
 
 @dataclass
@@ -89,8 +93,8 @@ class Scheduler:
 
     @property
     def has_ready_work(self) -> bool:
-        """Whether a request could be scheduled now: one waiting, or one running not in flight."""
-        return bool(self.waiting) or len(self.running) > len(self.in_flight)
+        """Whether a request could be scheduled now: one waiting (and ready), or one running not in flight."""
+        return len(self.running) > len(self.in_flight) or any(r.is_ready for r in self.waiting)
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
@@ -125,6 +129,7 @@ class Scheduler:
                 continue
             break
 
+        unready: list[Request] = []  # waiting for their grammars: skipped, and kept in their places
         while (
             self.waiting
             and budget > 0
@@ -133,6 +138,9 @@ class Scheduler:
             and len(out.scheduled) < room
         ):
             request = self.waiting[0]
+            if not request.is_ready:
+                unready.append(self.waiting.popleft())
+                continue
             hit_blocks = []
             if request.num_computed_tokens == 0:
                 hit_blocks = self._lookup_prefix(request)
@@ -155,6 +163,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(unready))
         return self._launched(out)
 
     def _launched(self, out: SchedulerOutput) -> SchedulerOutput:
@@ -222,6 +231,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self._free_blocks(request)
+        request.grammar = None  # its matcher goes with it
         del self.requests[request.request_id]
 
     # ----- internals ------------------------------------------------------------------------

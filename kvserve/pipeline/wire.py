@@ -64,6 +64,7 @@ def trimmed(item: ScheduledRequest) -> ScheduledRequest:
         params=params,
         prompt_token_ids=item.prompt_token_ids if params.has_penalties else [],
         output_token_ids=item.output_token_ids if keep_output else [],
+        token_bitmask=item.token_bitmask,
     )
 
 
