@@ -9,7 +9,7 @@ import sys
 
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.sessions.limits import TTL_BOUNDS, check_ttl
-from kvserve.weights.registry import DEFAULT_MODEL, REGISTRY, is_pulled, kvserve_home, pull
+from kvserve.weights.registry import DEFAULT_MODEL, REGISTRY, is_pulled, kvserve_home, pull, registered_path
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -23,10 +23,19 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
+    from kvserve.weights.loader import recommended_sampling
+
     print(f"KVSERVE_HOME={kvserve_home()}")
     for model in REGISTRY.values():
-        mark = "pulled " if is_pulled(model) else "       "
-        print(f"{mark} {model.name:24} {model.description}")
+        pulled = is_pulled(model)
+        print(f"{'pulled ' if pulled else '       '} {model.name:24} {model.description}")
+        # What generate and chat sample with: the file's recommended values (the card's where it has
+        # none; known once pulled), else the defaults; the flags override each.
+        recommended = recommended_sampling(registered_path(model)) if pulled else dict(model.sampling)
+        values = {**SAMPLING_DEFAULTS, **recommended}
+        source = "the model's recommended values" if recommended else "kvserve's defaults"
+        shown = " ".join(f"{name}={value:g}" for name, value in values.items())
+        print(f"{'':33}sampling: {shown} ({source}; --temperature, --top-k, --top-p, --min-p override)")
     return 0
 
 

@@ -31,6 +31,7 @@ from kvserve.models.config import ModelConfig
 from kvserve.weights.gguf_file import GGUFFile, open_gguf
 from kvserve.weights.names import shard_offsets
 from kvserve.weights.plan import WeightPlan
+from kvserve.weights.registry import card_sampling
 from kvserve.weights.safetensors_folder import SafetensorsFolder
 from kvserve.weights.source import SourceTensor
 
@@ -362,5 +363,6 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def recommended_sampling(path: str | Path) -> dict[str, float]:
-    """The sampling values a model file recommends (temperature, top_k, top_p, min_p), if any."""
-    return open_checkpoint(path).recommended_sampling()
+    """The sampling values a model file recommends (temperature, top_k, top_p, min_p), if any; for a
+    registered model's file that recommends none, its model card's (registry.card_sampling)."""
+    return open_checkpoint(path).recommended_sampling() or card_sampling(path)

