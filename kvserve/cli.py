@@ -140,6 +140,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         session_ttl=args.session_ttl,
         session_db=args.session_db,
         engine_process=args.engine_process == "on",
+        engine_timeout=args.stage_timeout,
         pipeline=topology,
     )
     # A session store that is not kvserve's (or cannot be opened) stops the server before it starts.
@@ -147,8 +148,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.weights.registry import kvserve_home
 
     SessionStore(args.session_db or kvserve_home() / "sessions.db").close()
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
@@ -162,8 +164,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)
             getattr(self, "_captured_signals", []).clear()
 
-    Server(config).run()
-    return 0
+        def engine_died(self, reason: str) -> None:
+            # Nothing can be served without it: exit non-zero, so that a supervisor starts a new server.
+            logging.getLogger("kvserve.server").error("%s: the server exits with status 1", reason)
+            self.exit_status = 1
+            self.should_exit = True
+
+    server = Server(config)
+    server.exit_status = 0
+    app.state.kvserve.on_fatal = server.engine_died
+    server.run()
+    return server.exit_status
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -374,8 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(
         p,
         "--engine-process",
-        "on: the engine (model, KV cache, sessions) runs in a process of its own, beside the HTTP front end; "
-        "off: in a thread of the server's process",
+        "on: the engine (model, KV cache, sessions) runs in a process of its own, beside the HTTP front end "
+        "(if that process dies, or a pipeline stage is lost, the server exits with status 1, for a supervisor "
+        "to restart it); off: in a thread of the server's process",
         "on",
         choices=("on", "off"),
     )
@@ -408,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(
         p,
         "--stage-timeout",
-        "seconds without a heartbeat after which a pipeline stage counts as gone (/health answers 503)",
+        "seconds without a heartbeat after which a pipeline stage counts as gone, or the engine process as "
+        "not answering: requests in flight fail, new ones get 503 and /health says why",
         5.0,
         float,
     )

@@ -5,19 +5,43 @@ does not read its stream holds no slot forever. Real processes, real SQLite file
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 
+from kvserve.server.app import create_app
 from kvserve.sessions.store import SessionStore, SessionStoreError
+from tests.conftest import wait_idle_and_check
+from tests.server_harness import descendants, free_port, serving
+from tests.test_engine_process import MODEL, settings
 
 
 def _python(code: str) -> subprocess.Popen:
     """A Python process running `code`, its stdout piped (it prints 'ready' once set up)."""
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, timeout: float = 60.0):
+    """Poll until `condition()` is truthy (returned); fail after `timeout` s (a hang, not a race)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "the condition did not come true"
+        time.sleep(0.05)
+    return value
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _serve(*flags: str, env: dict | None = None) -> subprocess.Popen:
@@ -59,3 +83,59 @@ def test_one_process_may_open_its_store_twice(tmp_path):
     holder.wait(30)
     second.close()
     SessionStore(tmp_path / "s.db").close()
+
+
+# ----- an engine process that stops answering (2) or dies (7) -------------------------------------
+def _events(response) -> list[str]:
+    return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_stopped_engine_process_fails_requests_fast_and_recovers_on_sigcont(tiny_model_dir, tmp_path):
+    """SIGSTOP of the engine process: once it has not answered for the injected timeout, running
+    streams end with an error event, new requests get 503 at once and /health says why; SIGCONT: it
+    serves again, and the aborted streams' blocks were freed."""
+    app = create_app(settings(tiny_model_dir, tmp_path, engine_timeout=1.0))
+    with serving(app) as base:
+        engine = app.state.kvserve.llm
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        stopped = False
+        try:
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+                events = []
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 1:
+                            os.kill(engine.process.pid, signal.SIGSTOP)
+                            stopped = True
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["type"] == "server_error" and "not answered" in error["message"], error
+            later = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert later.status_code == 503 and "not answered" in later.json()["error"]["message"]
+            assert httpx.post(f"{base}/v1/sessions", json={}).status_code == 503
+            health = httpx.get(f"{base}/health")
+            assert health.status_code == 503 and "not answered" in health.json()["detail"]
+        finally:
+            if stopped:
+                os.kill(engine.process.pid, signal.SIGCONT)
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200)
+        again = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert again.status_code == 200
+        wait_idle_and_check(engine)
+
+
+def test_serve_exits_non_zero_when_its_engine_process_is_killed(tiny_model_dir, tmp_path):
+    """A supervisor restarts what exits: a front end without its engine must not answer 503 forever."""
+    port = free_port()
+    env = {"KVSERVE_SESSION_DB": str(tmp_path / "sessions.db"), "KVSERVE_DTYPE": "float32"}
+    server = _serve("--model", str(tiny_model_dir), "--port", str(port), env=env)
+    try:
+        wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"))
+        (engine,) = descendants(server.pid, b"spawn_main")
+        os.kill(engine, signal.SIGKILL)
+        assert server.wait(60) == 1  # a hang guard: it exits within a moment of the engine's death
+        assert "the engine process exited with code -9" in server.stderr.read()
+    finally:
+        server.kill()
+        server.wait()

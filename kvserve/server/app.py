@@ -78,6 +78,7 @@ async def _load(state: ServerState) -> None:
     try:
         if settings.engine_process:
             loaded = await RemoteLLM.start(settings)
+            loaded.on_death = lambda reason: state.on_fatal(reason) if state.on_fatal is not None else None
         else:
             loaded = await asyncio.to_thread(build_llm, settings)
     except Exception as exc:

@@ -5,7 +5,13 @@ Prompts are tokenized and checked here, in the front end (`RequestBuilder`, as `
 bad prompt never reaches the engine. One asyncio task reads the engine's messages and puts each
 chunk in its request's queue; leaving a stream early sends an abort, applied by the engine at its
 next step boundary. If the engine process dies, every stream and call fails with EngineError at
-once, later ones with EngineClosedError (503), and `problem()` says why (/health answers 503).
+once, later ones with EngineClosedError (503), and `problem()` says why (/health answers 503); then
+`on_death` is called (`kvserve serve` exits non-zero, for a supervisor to restart it).
+
+An engine process that is alive but silent (stopped, hung) is noticed too: the front end pings it
+when it has heard nothing for HEARTBEAT_INTERVAL, and after `engine_timeout` seconds without a word
+it fails every stream and call in flight (aborting them, for when it answers again), refuses new
+ones with 503 and reports it on /health, until the engine process is heard from again.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ import pickle
 import shutil
 import tempfile
 import threading
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,6 +48,7 @@ from kvserve.text.tokenizer import Tokenizer
 logger = logging.getLogger("kvserve.server")
 CALL_TIMEOUT = 600.0  # a session call waits behind the engine's current step, like LLM's calls
 PROBLEM_TIMEOUT = 5.0  # /health: an engine process that does not answer this fast is reported
+HEARTBEAT_INTERVAL = 0.25  # an engine process not heard from for this long is pinged
 
 
 class EngineProcessError(KVServeError):
@@ -69,8 +77,13 @@ class RemoteLLM:
         self._call_ids = itertools.count()
         self._stats: dict[str, Any] = {}
         self.death: str | None = None
+        self.silence: str | None = None  # why the engine process counts as not answering, while it does
+        self.on_death: Callable[[str], None] | None = None  # called once the process has died unasked
+        self._timeout = settings.engine_timeout
+        self._heard = time.monotonic()  # when the engine process last sent anything
         self._closing = False
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
 
     @classmethod
     async def start(cls, settings: ServerSettings) -> RemoteLLM:
@@ -101,7 +114,9 @@ class RemoteLLM:
             await asyncio.to_thread(self.close)
             raise
         died.add_done_callback(lambda _: self._on_death())
+        self._heard = time.monotonic()
         self._reader = asyncio.ensure_future(self._read())
+        self._watcher = asyncio.ensure_future(self._watch())
         return self
 
     # ----- requests ----------------------------------------------------------------------------
@@ -169,8 +184,10 @@ class RemoteLLM:
     def problem(self) -> str | None:
         if self.death is not None:
             return self.death
+        if self.silence is not None:
+            return self.silence
         try:
-            return self.call("problem", timeout=PROBLEM_TIMEOUT)
+            return self.call("problem", timeout=min(PROBLEM_TIMEOUT, self._timeout))
         except KVServeError as exc:
             return str(exc)
 
@@ -188,6 +205,9 @@ class RemoteLLM:
             logger.error("the engine process did not stop within 30 s; killing it")
             self.process.kill()
             self.process.join(5)
+        if self._watcher is not None:
+            with contextlib.suppress(RuntimeError):
+                self._watcher.get_loop().call_soon_threadsafe(self._watcher.cancel)
         if self._reader is not None:  # the reader closes its socket as it ends, on its own loop
             with contextlib.suppress(RuntimeError):  # a closed loop
                 self._reader.get_loop().call_soon_threadsafe(self._reader.cancel)
@@ -200,6 +220,8 @@ class RemoteLLM:
     def _check_alive(self) -> None:
         if self.death is not None:
             raise EngineClosedError(f"The engine is not running ({self.death}); the server cannot serve requests.")
+        if self.silence is not None:
+            raise EngineClosedError(f"The engine is not answering ({self.silence}); retry shortly.")
 
     def _send(self, message: tuple) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -217,6 +239,10 @@ class RemoteLLM:
             self._from_engine.close(linger=0)
 
     def _dispatch(self, message: tuple) -> None:
+        self._heard = time.monotonic()
+        if self.silence is not None:
+            logger.warning("the engine process answers again; the server serves requests again")
+            self.silence = None
         kind = message[0]
         if kind == "out":
             _, items, stats = message
@@ -231,6 +257,34 @@ class RemoteLLM:
             future = self._calls.get(call_id)
             if future is not None and not future.done():
                 future.set_result(value) if ok else future.set_exception(value)
+
+    async def _watch(self) -> None:
+        """Ping the engine process when it has been quiet; declare it silent after engine_timeout."""
+        interval = min(HEARTBEAT_INTERVAL, self._timeout / 4)
+        while self.death is None:
+            await asyncio.sleep(interval)
+            quiet = time.monotonic() - self._heard
+            if quiet >= self._timeout:
+                if self.silence is None and self.death is None:
+                    self._silent(quiet)
+            elif quiet >= interval:
+                with contextlib.suppress(KVServeError):
+                    self._send(("ping",))
+
+    def _silent(self, quiet: float) -> None:
+        """The engine process has not answered for `quiet` seconds: fail (and abort) everything in
+        flight now, refuse everything new until it is heard from again."""
+        self.silence = f"the engine process has not answered for {quiet:.1f} s"
+        logger.error("%s; requests in flight fail and new ones get 503 until it answers", self.silence)
+        error = EngineError(f"The engine process has not answered for {quiet:.1f} s; this request was aborted.")
+        for queue in self.streams.values():
+            queue.put_nowait(error)
+        if self.streams:  # applied when (if) it answers again, so that their blocks are freed
+            with contextlib.suppress(KVServeError):
+                self.abort(list(self.streams))
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(EngineClosedError(f"The engine is not answering ({self.silence})."))
 
     def _on_death(self) -> None:
         """The engine process exited: fail everything in flight now, and everything later."""
@@ -247,6 +301,8 @@ class RemoteLLM:
                 future.set_exception(EngineClosedError(f"The engine is not running ({self.death})."))
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        if not self._closing and self.on_death is not None:
+            self.on_death(self.death)
 
 
 class RemoteSession:

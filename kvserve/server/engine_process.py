@@ -11,6 +11,7 @@ ZeroMQ PUSH/PULL pipes on Unix sockets, one each way, in pickled tuples:
         announce)                                         one message per engine loop turn
     ("abort", [request ids])
     ("call", call id, op, args)  sessions, health     ("result", call id, ok, value)
+    ("ping",)               when it heard nothing     ("pong",)  from the main thread, at once
     ("shutdown",)
 
 A request's chunks are still made on the engine thread (detokenized, cut at stop strings, so a stop
@@ -200,6 +201,9 @@ def _serve(llm: LLM, inbox: zmq.Socket, outbox: Outbox) -> None:
     engine = llm.engine
     try:
         while True:
+            if engine.death is not None:  # a lost pipeline stage: for good; the front end exits too
+                logger.error("the engine stopped (%s); the engine process exits", engine.death)
+                return
             if not inbox.poll(1000):
                 if parent is not None and not parent.is_alive():
                     logger.error("the front end's process is gone; the engine process stops")
@@ -225,6 +229,8 @@ def _serve(llm: LLM, inbox: zmq.Socket, outbox: Outbox) -> None:
                 engine.abort(message[1])
             elif kind == "call":
                 workers.submit(_call, llm, outbox, *message[1:])
+            elif kind == "ping":
+                outbox.send(("pong",))
             elif kind == "shutdown":
                 return
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,7 @@ class ServerSettings:
     session_ttl: float | None = 3600.0
     session_db: str | None = None  # None: $KVSERVE_HOME/sessions.db
     engine_process: bool = True  # the engine in a process of its own (engine_process.py), else a thread here
+    engine_timeout: float = 5.0  # seconds an engine process may go unheard before requests fail (--stage-timeout)
     pipeline: Topology | None = None  # the model's layers over several processes or hosts (kvserve/pipeline)
 
 
@@ -67,6 +69,8 @@ class ServerState:
     metrics: ServerMetrics | None = None
     key_bytes: tuple[bytes, ...] = field(init=False)  # the API keys, encoded once for authorize
     owner_secret: bytes | None = None  # what owners are keyed with (key_owner), once the engine is up
+    # Called (on the event loop) when the engine process died unasked; `kvserve serve` exits non-zero.
+    on_fatal: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         self.key_bytes = tuple(key.encode() for key in self.settings.api_keys)
