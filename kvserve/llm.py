@@ -21,6 +21,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.kv_cache import kv_cache_bytes_per_token
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.monitor import EngineMonitor
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import InvalidRequestError, check_text
@@ -34,6 +35,7 @@ from kvserve.prompts import Messages, Prompt, RequestBuilder
 from kvserve.sampling_params import SamplingParams
 from kvserve.sessions.manager import SessionManager
 from kvserve.sessions.session import Session
+from kvserve.sessions.status import session_holders
 from kvserve.sessions.store import SessionStore
 from kvserve.text.tokenizer import Tokenizer
 from kvserve.weights.loader import load_config, weight_summary
@@ -234,6 +236,9 @@ class LLM:
         make_hooks = make_sessions if enable_prefix_caching else None
         self.engine = EngineCore(scheduler, build_runner, self.tokenizer, make_hooks)
         self.client = EngineClient(self.engine)
+        # What the engine is doing, for status readers (the server's page and status routes); built on
+        # the engine thread, which it watches.
+        self.monitor = self.engine.call(lambda: EngineMonitor(self.engine, lambda: session_holders(self.sessions)))
         self.model = self.engine.runner.model
         self.weights: dict[str, Any] = {
             "choice": weights,

@@ -46,6 +46,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # prefix hash -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._num_cached_free = 0  # blocks with ref_cnt 0 whose content is still registered
+        self.num_evictions_total = 0  # cached blocks whose content was dropped to be reused
 
     # ----- queries --------------------------------------------------------------------------
     @property
@@ -120,6 +121,7 @@ class BlockPool:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hash[block_id] = None
+            self.num_evictions_total += 1
 
     # ----- invariants -----------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -121,6 +121,9 @@ class EngineCore:
         # Called on the engine thread after every loop turn, once that turn's outputs are in their sinks
         # (the engine process sends one message per turn from here: outputs batched per step).
         self.after_turn: list[Callable[[], None]] = []
+        # Told of every request admitted (on_admit) and every one that leaves (on_finished), on the engine
+        # thread: the status monitor (engine/monitor.py).
+        self.observers: list[Any] = []
         # State kept across requests (sessions) rides on the engine only through these hooks.
         self.hooks = make_hooks(self) if make_hooks is not None else None
         if self.hooks is not None:
@@ -279,6 +282,8 @@ class EngineCore:
         if spec is not None and request.grammar is None:  # it waits in the queue until compiled
             request.grammar = self.grammars.start(spec, lambda: self.inbox.put(_GrammarReady(request)))
         self.scheduler.add_request(request)
+        for observer in self.observers:
+            observer.on_admit(request)
 
     def _grammar_ready(self, request: Request) -> None:
         if self.scheduler.requests.get(request.request_id) is not request or request.grammar is None:
@@ -409,6 +414,8 @@ class EngineCore:
     def _on_finished(self, request: Request, text: str = "") -> None:
         if self.hooks is not None:
             self.hooks.on_finished(request, text)
+        for observer in self.observers:
+            observer.on_finished(request)
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR):

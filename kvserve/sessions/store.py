@@ -221,6 +221,20 @@ class SessionStore:
             raise self._failed("read the session", exc) from exc
         return row[0], row[1], [{"role": r, "content": c} for r, c in rows]
 
+    def list_sessions(self, owner: str | None, limit: int = 200) -> list[tuple[str, float, str | None, int]]:
+        """The stored sessions of `owner`, newest first, at most `limit`: (id, created (Unix time), the
+        start of its first user message or None, its number of messages) each."""
+        try:
+            with self._lock:
+                return self._db.execute(
+                    "SELECT s.id, s.created, (SELECT substr(m.content, 1, 80) FROM messages m WHERE m.session_id = "
+                    "s.id AND m.role = 'user' ORDER BY m.seq LIMIT 1), (SELECT COUNT(*) FROM messages m WHERE "
+                    "m.session_id = s.id) FROM sessions s WHERE s.owner IS ? ORDER BY s.created DESC LIMIT ?",
+                    (owner, limit),
+                ).fetchall()
+        except sqlite3.Error as exc:
+            raise self._failed("list the sessions", exc) from exc
+
     def delete(self, session_id: str) -> None:
         self._write("delete the session", lambda: self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,)))
 
