@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels (kvserve/kernels/gpu) run in Triton's interpreter, which triton reads
+# from the environment once, when it is first imported (by kvserve's dependencies, too): set it first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvserve.weights.registry import DEFAULT_MODEL, pull
 

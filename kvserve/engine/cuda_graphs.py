@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvserve.layers.attention_triton import TritonAttentionMetadata
+from kvserve.layers.attention_triton import TritonAttentionMetadata, step_num_splits
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -34,11 +34,6 @@ logger = logging.getLogger("kvserve.engine")
 # step pads its batch to the next one.
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16
-
-# Up to this many sequences a graph splits each one's keys into ranges attended by programs of their
-# own (a long context then still occupies the GPU); more sequences occupy it themselves, and one
-# kernel per layer saves the merge. A token's bits are the same either way (kernels/gpu/attention.py).
-MAX_SPLIT_BATCH = 4
 
 # capture(fn, pool) -> (replay, out): records fn's kernels once, returning a callable that runs them
 # again on whatever the static buffers then hold, and fn's output tensor, which each replay rewrites.
@@ -50,7 +45,8 @@ def cuda_capture(fn: Callable[[], torch.Tensor], pool: object) -> tuple[Callable
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: another thread's CUDA work (a second engine in the process) does not break the capture
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = fn()
     return graph.replay, out
 
@@ -96,8 +92,6 @@ class DecodeGraphs:
         max_model_len: int,
         capture: Capture = cuda_capture,
     ) -> None:
-        from kvserve.kernels.gpu.attention import num_splits_for
-
         self.model = model
         self.block_size = block_size
         self.buckets = buckets_for(max_num_seqs)
@@ -105,7 +99,10 @@ class DecodeGraphs:
         device = next(model.parameters()).device
         self.host = torch.zeros(self.layout.total, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.static = torch.zeros(self.layout.total, dtype=torch.int32, device=device)
-        self.max_splits = num_splits_for(max_model_len - 1)  # every position a graph may meet
+        self.max_position = max_model_len - 1  # the furthest position a graph may meet
+        # the host buffer is rewritten only once its last copy to the device is done (no sampler may have
+        # read anything back since: a step whose rows all skip sampling)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._capture = capture
         self._replays: dict[int, Callable[[], None]] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -131,7 +128,7 @@ class DecodeGraphs:
             tile_seq=rows,
             tile_first=rows,
             tile_len=tile_len,
-            num_splits=self.max_splits if batch <= MAX_SPLIT_BATCH else 1,
+            num_splits=step_num_splits([1] * batch, self.max_position),
         )
         return self.model.compute_logits(self.model(ids, positions, metadata))
 
@@ -167,17 +164,21 @@ class DecodeGraphs:
         until the next run."""
         batch = len(token_ids)
         bucket = next(b for b in self.buckets if b >= batch)
+        computed = np.asarray(num_computed_tokens)
+        assert all(len(t) > c // self.block_size for t, c in zip(block_tables, num_computed_tokens, strict=True))
+        if self._copied is not None:
+            self._copied.synchronize()
         ids, positions, slots, tile_len, _, tables = (v.numpy() for v in self._views(self.host))
         for row, table in enumerate(block_tables):  # entries past a sequence's own blocks are never read
             tables[row, : len(table)] = table
-        computed = np.asarray(num_computed_tokens)
         ids[:batch], positions[:batch] = token_ids, computed
         slots[:batch] = (
             tables[np.arange(batch), computed // self.block_size] * self.block_size + computed % self.block_size
         )
         tile_len[:batch] = 1
         ids[batch:bucket], positions[batch:bucket], slots[batch:bucket], tile_len[batch:bucket] = 0, 0, -1, 0
-        # one transfer; the host buffer is rewritten only after this step's tokens were read back (a sync)
-        self.static.copy_(self.host, non_blocking=True)
+        self.static.copy_(self.host, non_blocking=True)  # one transfer
+        if self._copied is not None:
+            self._copied.record()
         self._replays[bucket]()
         return self._logits[bucket][:batch]

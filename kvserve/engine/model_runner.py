@@ -197,15 +197,14 @@ class ModelRunner:
             hidden = self.model.embed(input_ids)  # [T, hidden]
         else:
             hidden = hidden.to(self.device)
+        # the step's sequences: block tables, tokens already in them, tokens added now
+        batch = (
+            [s.block_ids for s in items],
+            [s.num_computed_tokens for s in items],
+            [len(s.token_ids) for s in items],
+        )
         if self.triton:
-            positions, metadata = build_triton_batch(
-                [s.block_ids for s in items],
-                [s.num_computed_tokens for s in items],
-                [len(s.token_ids) for s in items],
-                self.block_size,
-                self.tokens_per_tile,
-                self.device,
-            )
+            positions, metadata = build_triton_batch(*batch, self.block_size, self.tokens_per_tile, self.device)
             return lambda: self.model.run_layers(hidden, positions, metadata)
         fused = self._fused_decoder()
         if fused is not None and (self.batch_invariant or any(s.num_computed_tokens for s in items)):
@@ -216,15 +215,9 @@ class ModelRunner:
                 return fused.forward_hidden(hidden, *inputs)
 
             return per_token
-        positions, metadata = build_batch(
-            [s.block_ids for s in items],
-            [s.num_computed_tokens for s in items],
-            [len(s.token_ids) for s in items],
-            self.block_size,
-            self.device,
-        )
+        positions, metadata = build_batch(*batch, self.block_size, self.device)
         if fused is not None:
-            starts = [0, *itertools.accumulate(len(s.token_ids) for s in items)]
+            starts = [0, *itertools.accumulate(batch[2])]
 
             def fresh_prompts() -> torch.Tensor:
                 self.timings.fused_prefills += 1

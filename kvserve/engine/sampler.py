@@ -158,7 +158,7 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         remove = ranks >= top_k[:, None]
         sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        mass_before = _row_cumsum(sorted_probs) - sorted_probs
         remove |= mass_before >= top_p[:, None]
         remove[:, 0] = False
         logits[ranked] = sub.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
@@ -169,3 +169,12 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits[floored] = sub.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+def _row_cumsum(values: torch.Tensor) -> torch.Tensor:
+    """cumsum along each row of [b, V], a row's sums in one order whatever rows are beside it. On the
+    CPU torch's scan is sequential per row; CUDA's takes cub's device-wide scan for one row and a
+    row-wise kernel for several, which add in other orders, so there each row is scanned alone."""
+    if values.device.type == "cpu" or values.shape[0] == 1:
+        return values.cumsum(dim=-1)
+    return torch.cat([row.cumsum(dim=-1) for row in values.split(1)])

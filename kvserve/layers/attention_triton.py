@@ -16,6 +16,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# Up to this many sequences of one new token each, a step splits each one's keys into ranges attended by
+# programs of their own (a long decode still occupies the GPU); otherwise the tiles occupy it, and one
+# kernel per layer saves the merge and its workspace (splits x tokens x heads x head_dim floats: a long
+# prefill's would be hundreds of MB). A token's bits are the same either way (kernels/gpu/attention.py).
+MAX_SPLIT_BATCH = 4
+
+
+def step_num_splits(num_new_tokens: Sequence[int], max_position: int) -> int:
+    """Key splits for a step of sequences adding these token counts, the furthest at `max_position`."""
+    from kvserve.kernels.gpu.attention import num_splits_for
+
+    is_few_decodes = len(num_new_tokens) <= MAX_SPLIT_BATCH and all(n == 1 for n in num_new_tokens)
+    return num_splits_for(max_position) if is_few_decodes else 1
+
 
 @dataclass(frozen=True)
 class TritonAttentionMetadata:
@@ -57,8 +71,6 @@ def build_triton_batch(
     """Positions [T] (int32) and the metadata for a step: sequence i has `num_computed_tokens[i]`
     tokens in its blocks and adds `num_new_tokens[i]` (a prompt, a chunk, one decode token). Built on
     the host and copied to the device in one transfer."""
-    from kvserve.kernels.gpu.attention import num_splits_for
-
     positions = np.concatenate(
         [np.arange(c, c + n, dtype=np.int64) for c, n in zip(num_computed_tokens, num_new_tokens, strict=True)]
     )
@@ -82,7 +94,7 @@ def build_triton_batch(
         tile_seq=parts[2],
         tile_first=parts[3],
         tile_len=parts[4],
-        num_splits=num_splits_for(int(positions.max())),
+        num_splits=step_num_splits(num_new_tokens, int(positions.max())),
     )
     return parts[0], metadata
 

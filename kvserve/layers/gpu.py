@@ -74,10 +74,15 @@ def _group_values(values: torch.Tensor) -> torch.Tensor:
 
 class GpuInt4Linear(nn.Module):
     """y = x @ W.T (+ bias) with W[n, k] = scales[n, k // 32] * code + mins[n, k // 32], the codes packed
-    two per byte on the device (kernels/gpu/matmul.pack_int4) and dequantized in registers."""
+    two per byte on the device (kernels/gpu/matmul.pack_int4) and dequantized in registers; given in
+    `out_dtype` (float32 for the lm_head's logits), else in x's dtype. One kernel for every row count."""
 
     def __init__(
-        self, weight: Int4Groups, dtype: torch.dtype, device: torch.device | str, bias: torch.Tensor | None = None
+        self,
+        weight: Int4Groups,
+        device: torch.device | str,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         from kvserve.kernels.gpu.matmul import pack_int4
@@ -85,17 +90,17 @@ class GpuInt4Linear(nn.Module):
         if weight.group_size != GROUP_SIZE:
             raise ValueError(f"the GPU's int4 kernel takes groups of {GROUP_SIZE}, got {weight.group_size}")
         self.out_features, self.in_features = weight.codes.shape
-        self.dtype = dtype
-        self.batch_invariant = True  # one kernel for every row count either way
+        self.out_dtype = out_dtype
         self.register_buffer("packed", pack_int4(weight.codes.to(device)))
         self.register_buffer("scales", _group_values(weight.scales).to(device))  # [N, K / 32]
         self.register_buffer("mins", _group_values(weight.mins).to(device))  # [N, K / 32]
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype).to(device), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from kvserve.kernels.gpu.matmul import int4_matmul
 
-        out = int4_matmul(x.reshape(-1, self.in_features), self.packed, self.scales, self.mins, x.dtype, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        out = int4_matmul(x2, self.packed, self.scales, self.mins, self.out_dtype or x.dtype, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -104,7 +109,7 @@ class GpuInt4Linear(nn.Module):
 
 class GpuInt8GroupLinear(nn.Module):
     """y = x @ W.T (+ bias) with W as int8 codes and a float32 scale per 32 inputs (GGML's Q8_0), given in
-    `out_dtype` (float32 for the lm_head's logits)."""
+    `out_dtype` (float32 for the lm_head's logits), else in x's dtype. One kernel for every row count."""
 
     def __init__(
         self,
@@ -119,7 +124,6 @@ class GpuInt8GroupLinear(nn.Module):
         if scales.shape[1] * GROUP_SIZE != self.in_features:
             raise ValueError(f"the GPU's int8 kernel takes a scale per {GROUP_SIZE} inputs")
         self.out_dtype = out_dtype
-        self.batch_invariant = True  # one kernel for every row count either way
         self.register_buffer("codes", codes.to(device))  # [N, K] int8
         self.register_buffer("scales", scales.float().to(device))  # [N, K / 32]
         self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from kvserve.errors import UnsupportedModelError
-from kvserve.layers.gpu import GpuInt4Linear, GpuInt8GroupLinear, use_triton_forms, uses_triton
+from kvserve.layers.gpu import GpuInt4Linear, GpuInt8GroupLinear, GpuLinear, use_triton_forms, uses_triton
 from kvserve.layers.quantized import (
     GROUP_SIZE,
     Int4Linear,
@@ -275,14 +275,16 @@ def _build_linear(
                 _check_shape(name, i, tuple(codes.shape), (n, layer.in_features))
             codes, scales = (torch.cat(t) for t in zip(*parts, strict=True))
             if gpu:
-                return GpuInt8GroupLinear(codes, scales, device, bias, out_dtype=dtype)
+                return GpuInt8GroupLinear(codes, scales, device, bias)
             return Int8GroupLinear(codes, scales, dtype, bias=bias, out_dtype=dtype)
     if fmt == "int4":
         groups = [s.int4() for s in shards]
         for i, (g, n) in enumerate(zip(groups, rows, strict=True)):
             _check_shape(name, i, tuple(g.codes.shape), (n, layer.in_features))
         weight = type(groups[0]).cat(groups)
-        return GpuInt4Linear(weight, dtype, device, bias) if gpu else Int4Linear(weight, dtype, bias)
+        if gpu:  # the lm_head's logits in float32, as every other form gives them
+            return GpuInt4Linear(weight, device, bias, torch.float32 if name == LM_HEAD else None)
+        return Int4Linear(weight, dtype, bias)
     weight = _stacked_float(name, shards, rows, layer.in_features)
     if fmt == "int8" and not gpu:
         return Int8Linear(weight, dtype, bias)
@@ -350,8 +352,9 @@ def weight_summary(model: nn.Module) -> dict[str, object]:
             GpuInt8GroupLinear: "int8 groups",
         }
         form = {**forms_by_type, Int8Embedding: "int8 embedding"}.get(type(module))
-        if form is None and isinstance(module, nn.Linear | nn.Embedding):
-            form = f"{str(module.weight.dtype).removeprefix('torch.')} {type(module).__name__.lower()}"
+        if form is None and isinstance(module, nn.Linear | nn.Embedding | GpuLinear):
+            kind = "linear" if isinstance(module, GpuLinear) else type(module).__name__.lower()
+            form = f"{str(module.weight.dtype).removeprefix('torch.')} {kind}"
         if form is not None:
             forms[form] = forms.get(form, 0) + 1
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers(recurse=True)) if t is not model.rotary.cos_sin}

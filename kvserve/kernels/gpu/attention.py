@@ -227,7 +227,7 @@ def _store_rows(out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, 
 _BATCH_ARGS = ["block_tables", "positions", "tile_seq", "tile_first", "tile_len", "part_stride"]
 
 
-@triton.jit(do_not_specialize=_BATCH_ARGS)
+@triton.jit(do_not_specialize=[*_BATCH_ARGS, "stride_table"])  # a step's block tables are as wide as its longest
 def _attention_kernel(
     q_ptr,
     k_cache,
