@@ -8,7 +8,7 @@ import os
 import sys
 
 from kvserve.errors import InvalidRequestError, KVServeError
-from kvserve.sessions.limits import TTL_BOUNDS, check_ttl
+from kvserve.sessions.limits import BYTES_PER_TOKEN, TTL_BOUNDS, check_ttl
 from kvserve.weights.registry import DEFAULT_MODEL, REGISTRY, is_pulled, kvserve_home, pull, registered_path
 
 
@@ -139,6 +139,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_sessions_per_key=args.max_sessions_per_key or None,
         session_ttl=args.session_ttl,
         session_db=args.session_db,
+        max_session_tokens=args.max_session_tokens,
+        max_message_bytes=args.max_message_bytes,
         engine_process=args.engine_process == "on",
         engine_timeout=args.stage_timeout,
         pipeline=topology,
@@ -366,7 +368,30 @@ def build_parser() -> argparse.ArgumentParser:
         256,
         int,
     )
-    _flag(p, "--session-db", "SQLite file that keeps sessions' transcripts; none means $KVSERVE_HOME/sessions.db")
+    _flag(
+        p,
+        "--session-db",
+        "SQLite file that keeps sessions' transcripts; none means $KVSERVE_HOME/sessions.db. One server owns it "
+        "(a lock file beside it); a second one on the same file refuses to start, naming the first",
+    )
+    _flag(
+        p,
+        "--max-session-tokens",
+        "most tokens one session may hold (its history and the text streamed into it); a message, append or "
+        "turn that would exceed it gets 400 and is not applied",
+        None,
+        int,
+        shown_default="the model's context",
+    )
+    _flag(
+        p,
+        "--max-message-bytes",
+        "largest text, in UTF-8 bytes, that one session message, append or system prompt may carry (a "
+        "session's first messages together); larger gets 400",
+        None,
+        int,
+        shown_default=f"{BYTES_PER_TOKEN} per token of --max-session-tokens",
+    )
     _flag(
         p,
         "--session-ttl",

@@ -33,6 +33,7 @@ from kvserve.pipeline.stage import StageSpec, build_stage
 from kvserve.pipeline.topology import Topology
 from kvserve.prompts import Messages, Prompt, RequestBuilder
 from kvserve.sampling_params import SamplingParams
+from kvserve.sessions.limits import check_text_bytes
 from kvserve.sessions.manager import SessionManager
 from kvserve.sessions.session import Session
 from kvserve.sessions.status import session_holders
@@ -162,6 +163,8 @@ class LLM:
         max_sessions_per_owner: int | None = None,
         session_ttl: float | None = 3600.0,
         session_db: str | os.PathLike[str] | bool | None = None,
+        max_session_tokens: int | None = None,
+        max_message_bytes: int | None = None,
         progress: bool = True,
         pipeline_parallel: int = 1,
         pipeline: Topology | None = None,
@@ -171,7 +174,10 @@ class LLM:
         (this process's torch.set_num_threads then counts its share); `pipeline` gives the Topology
         across hosts (`kvserve serve --nnodes ...` builds it). Everything else is the same either way.
         `cuda_graphs` (on a GPU): decode steps replay CUDA graphs captured here, one per batch-size
-        bucket up to `max_num_seqs` (engine/cuda_graphs.py); off, every step runs eagerly."""
+        bucket up to `max_num_seqs` (engine/cuda_graphs.py); off, every step runs eagerly.
+        A session holds at most `max_session_tokens` tokens (default and most: the context), and one
+        message, append or system prompt at most `max_message_bytes` UTF-8 bytes (default 16 per
+        token of that); more is refused with InvalidRequestError and not applied."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         topology = pipeline or (Topology.from_settings(pipeline_parallel) if pipeline_parallel > 1 else None)
         if topology is not None and not topology.hosts_rank0:
@@ -230,6 +236,8 @@ class LLM:
                 session_ttl,
                 self.config.max_model_len,
                 max_sessions_per_owner,
+                max_session_tokens,
+                max_message_bytes,
             )
             return self.sessions
 
@@ -359,6 +367,9 @@ class LLM:
             initial.append(
                 {"role": message["role"], "content": check_text(message["content"], f"messages[{i}].content")}
             )
+        # Bounded before the engine thread tokenizes them (the session's tokens are checked there).
+        limit = sessions.max_message_bytes
+        check_text_bytes("".join(m["content"] for m in initial), limit, "system" if not messages else "messages")
         state = self.client.call(lambda: sessions.create(owner, initial, ttl))
         return Session(self.client, sessions, state.session_id, owner)
 

@@ -9,18 +9,49 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
 
-from kvserve.server.app import create_app
+from kvserve import LLM, SamplingParams
+from kvserve.errors import InvalidRequestError
+from kvserve.server.app import ServerSettings, create_app
 from kvserve.sessions.store import SessionStore, SessionStoreError
-from tests.conftest import wait_idle_and_check
-from tests.server_harness import descendants, free_port, serving
+from tests.conftest import StepGate, wait_idle_and_check
+from tests.server_harness import descendants, free_port, running_server, serving
 from tests.test_engine_process import MODEL, settings
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+MAX_SESSION_TOKENS = 200  # the byte tokenizer's tokens are bytes: ~180 characters of text
+
+
+def _llm(model, db, **overrides) -> LLM:
+    options = dict(dtype="float32", kv_cache_tokens=4096, max_session_tokens=MAX_SESSION_TOKENS, progress=False)
+    return LLM(str(model), session_db=db, **{**options, **overrides})
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir, tmp_path_factory):
+    with _llm(tiny_model_dir, tmp_path_factory.mktemp("faults") / "sessions.db") as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def base(llm):
+    with running_server(ServerSettings(served_model_name=MODEL), llm) as base:
+        yield base
+
+
+def _rows(llm: LLM, session_id: str) -> list[tuple[str, str, bool]]:
+    """What the store holds of a session, read from its file by a connection of the test's own."""
+    with sqlite3.connect(llm.session_store.path) as db:
+        query = "SELECT role, content, is_open FROM messages WHERE session_id = ? ORDER BY seq"
+        return [(role, content, bool(is_open)) for role, content, is_open in db.execute(query, (session_id,))]
 
 
 def _python(code: str) -> subprocess.Popen:
@@ -139,3 +170,169 @@ def test_serve_exits_non_zero_when_its_engine_process_is_killed(tiny_model_dir, 
     finally:
         server.kill()
         server.wait()
+
+
+# ----- every acknowledged write is stored first (4), and a session is bounded (3) -------------------
+def test_every_acknowledged_write_is_stored_before_its_answer_in_the_order_it_will_read(llm):
+    """A message and an append are in the file when their call returns, also while a turn runs (queued
+    behind it: stored as the history will read); the turn's reply goes before them."""
+    s = llm.session(system="sys")
+    assert _rows(llm, s.id) == [("system", "sys", False)]
+    s.add_message("user", "hello")
+    s.append("streamed ")
+    s.append("in")  # still open: a later append would join it, after a restart too
+    assert _rows(llm, s.id) == [("system", "sys", False), ("user", "hello", False), ("user", "streamed in", True)]
+    with StepGate(llm) as gate:
+        chunks = []
+        turn = threading.Thread(target=lambda: chunks.extend(s.stream(GREEDY)))
+        turn.start()
+        assert gate.entered.wait(30)  # the turn runs (its first step waits at the gate)
+        queued = threading.Thread(target=s.add_message, args=("user", "queued behind the turn"))
+        queued.start()
+        gate.allow(1)  # one step, then the engine takes the message: queued behind the running turn
+        queued.join(30)
+        assert not queued.is_alive()
+        assert _rows(llm, s.id) == [
+            ("system", "sys", False),
+            ("user", "hello", False),
+            ("user", "streamed in", False),  # closed by the turn that answers it
+            ("user", "queued behind the turn", False),
+        ]
+        gate.open()
+        turn.join(30)
+    reply = "".join(c.text for c in chunks)
+    assert [m["content"] for m in s.info()["messages"]] == [
+        "sys",
+        "hello",
+        "streamed in",
+        reply,
+        "queued behind the turn",
+    ]
+    assert _rows(llm, s.id) == [
+        ("system", "sys", False),
+        ("user", "hello", False),
+        ("user", "streamed in", False),
+        ("assistant", reply, False),
+        ("user", "queued behind the turn", False),
+    ]
+    s.close()
+    assert _rows(llm, s.id) == []
+    wait_idle_and_check(llm)
+
+
+def test_a_session_is_bounded_and_what_would_exceed_it_is_refused_and_not_applied(llm, base):
+    s = llm.session(system="bounded")
+    s.append("a" * 100)
+    before = s.info()
+    for call, param in ((lambda: s.append("b" * 150), "text"), (lambda: s.add_message("user", "c" * 150), "content")):
+        with pytest.raises(InvalidRequestError, match="max-session-tokens") as refused:
+            call()
+        assert refused.value.param == param
+    assert s.info() == before and _rows(llm, s.id)[-1] == ("user", "a" * 100, True)  # nothing applied
+    # Over HTTP: 400 naming the field, and the session as it was.
+    r = httpx.post(f"{base}/v1/sessions/{s.id}/append", json={"text": "d" * 150})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
+    assert httpx.get(f"{base}/v1/sessions/{s.id}").json()["messages"] == before["messages"]
+    # Bytes are bounded before anything is tokenized: 16 per token of the session's bound by default.
+    too_long = "e" * (16 * MAX_SESSION_TOKENS + 1)
+    with pytest.raises(InvalidRequestError, match="max-message-bytes"):
+        s.append(too_long)
+    r = httpx.post(f"{base}/v1/sessions", json={"system": too_long})
+    assert r.status_code == 400 and "max-message-bytes" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/sessions", json={"system": "f" * 300})  # few bytes, too many tokens
+    assert r.status_code == 400 and "max-session-tokens" in r.json()["error"]["message"]
+    # A turn whose reply could take the session past its bound is refused too.
+    with pytest.raises(InvalidRequestError) as refused:
+        s.generate(SamplingParams(max_tokens=150, temperature=0))
+    assert refused.value.param == "max_tokens"
+    s.close()
+    wait_idle_and_check(llm)
+
+
+# ----- /health tells the truth about the store (4, 5) ----------------------------------------------
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+def test_a_removed_store_turns_writes_into_errors_and_health_says_so(tiny_model_dir, tmp_path):
+    """SQLite would go on writing into the unlinked file: every write acknowledged and lost. The store
+    checks that its file is the one it opened (device and inode) around every write."""
+    db = tmp_path / "sessions.db"
+    with _llm(tiny_model_dir, db) as llm, running_server(ServerSettings(served_model_name=MODEL), llm) as base:
+        sid = httpx.post(f"{base}/v1/sessions", json={"system": "here"}).json()["id"]
+        db.unlink()
+        for method, path, body in (
+            ("POST", "", {"system": "new"}),
+            ("POST", f"/{sid}/messages", {"role": "user", "content": "x"}),
+            ("POST", f"/{sid}/append", {"text": "x"}),
+            ("DELETE", f"/{sid}", None),
+        ):
+            error = _error(httpx.request(method, f"{base}/v1/sessions{path}", json=body), 503)
+            assert error["code"] == "session_store_error" and "removed" in error["message"], (method, path)
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and "was removed" in health.json()["detail"]
+        stateless = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert stateless.status_code == 200  # only the store's operations fail
+        wait_idle_and_check(llm, pinned=llm.engine.call(lambda: llm.sessions.num_pinned_blocks))
+
+
+def test_a_full_store_answers_errors_health_says_so_delete_frees_space_and_nothing_acknowledged_is_lost(
+    tiny_model_dir, tmp_path
+):
+    db = tmp_path / "sessions.db"
+    acknowledged: dict[str, list[str]] = {}
+    with (
+        _llm(tiny_model_dir, db, max_session_tokens=None) as llm,
+        running_server(ServerSettings(served_model_name=MODEL), llm) as base,
+    ):
+        pages = llm.session_store._db.execute("PRAGMA page_count").fetchone()[0]
+        llm.session_store._db.execute(f"PRAGMA max_page_count = {pages + 6}")  # the fault: room for 6 pages more
+        for i in range(100):  # ~1 KB a session: full long before
+            r = httpx.post(f"{base}/v1/sessions", json={"system": f"{i} " + "s" * 600})
+            if r.status_code != 200:
+                break
+            sid = r.json()["id"]
+            acknowledged[sid] = [f"{i} " + "s" * 600]
+            r = httpx.post(f"{base}/v1/sessions/{sid}/messages", json={"role": "user", "content": "m" * 300})
+            if r.status_code != 200:
+                break
+            acknowledged[sid].append("m" * 300)
+        error = _error(r, 503)
+        assert error["code"] == "session_store_error" and "full" in error["message"]
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and "full" in health.json()["detail"]
+        for sid in list(acknowledged):  # a client can free space: DELETE works on a full store
+            assert httpx.delete(f"{base}/v1/sessions/{sid}").status_code == 200
+            del acknowledged[sid]
+            if httpx.get(f"{base}/health").status_code == 200:  # the probe's write (8 KB) fits again
+                break
+        assert acknowledged, "health said the store was full until every session was deleted"
+        r = httpx.post(f"{base}/v1/sessions", json={"system": "after"})
+        assert r.status_code == 200, r.text
+        acknowledged[r.json()["id"]] = ["after"]
+        wait_idle_and_check(llm, pinned=llm.engine.call(lambda: llm.sessions.num_pinned_blocks))
+    with _llm(tiny_model_dir, db) as again:  # a restart: every acknowledged write is there
+        for sid, contents in acknowledged.items():
+            assert [m["content"] for m in again.session(id=sid).info()["messages"]] == contents
+
+
+def test_a_corrupted_page_is_reported_for_good_and_refused_at_the_next_start(tiny_model_dir, tmp_path):
+    db = tmp_path / "sessions.db"
+    with _llm(tiny_model_dir, db) as llm:
+        sid = llm.session(system="x" * 50, messages=[{"role": "user", "content": "y" * 50}]).id
+    with _llm(tiny_model_dir, db) as llm, running_server(ServerSettings(served_model_name=MODEL), llm) as base:
+        with sqlite3.connect(db) as check:
+            page_size = check.execute("PRAGMA page_size").fetchone()[0]
+            (root,) = check.execute("SELECT rootpage FROM sqlite_master WHERE name = 'messages'").fetchone()
+        with open(db, "r+b") as f:  # the fault: garbage over the messages table's page, under the server
+            f.seek((root - 1) * page_size)
+            f.write(bytes(range(256)) * (page_size // 256))
+        error = _error(httpx.get(f"{base}/v1/sessions/{sid}"), 503)
+        assert error["code"] == "session_store_error" and "malformed" in error["message"]
+        assert httpx.post(f"{base}/v1/sessions", json={"system": "new"}).status_code in (200, 503)
+        for _ in range(2):  # a write that succeeds does not mend it
+            health = httpx.get(f"{base}/health")
+            assert health.status_code == 503 and "malformed" in health.json()["detail"]
+    with pytest.raises(SessionStoreError, match="damaged"):
+        _llm(tiny_model_dir, db)

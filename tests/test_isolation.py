@@ -161,8 +161,8 @@ def test_a_store_that_cannot_write_fails_only_its_operation_and_health_says_so(b
     store._db.execute("PRAGMA query_only = ON")  # the fault: every write now fails inside SQLite
     try:
         turn = post(base, f"sessions/{sid}/completions", {"max_tokens": 8, **GREEDY})
-        assert turn.status_code == 200  # the turn's text reaches its caller
-        reply = turn.json()["choices"][0]["message"]["content"]
+        # Its reply cannot be stored, so it is not acknowledged (R8): an error, and the history as before.
+        assert assert_openai_error(turn, 503)["code"] == "session_store_error"
         health = httpx.get(f"{base}/health")
         assert health.status_code == 503 and "session store" in health.json()["detail"]
         # The engine keeps serving stateless requests; new sessions fail clearly, not with a 500.
@@ -172,11 +172,13 @@ def test_a_store_that_cannot_write_fails_only_its_operation_and_health_says_so(b
     finally:
         store._db.execute("PRAGMA query_only = OFF")
     assert httpx.get(f"{base}/health").status_code == 200  # the probe's write succeeds again
-    # The turn kept in memory is written with the next one: nothing was lost.
+    # The failed turn changed nothing: the same turn is answered now, and every answer is stored.
+    turn = post(base, f"sessions/{sid}/completions", {"max_tokens": 8, **GREEDY})
+    reply = turn.json()["choices"][0]["message"]["content"]
     post(base, f"sessions/{sid}/messages", {"role": "user", "content": "second"})
     assert post(base, f"sessions/{sid}/completions", {"max_tokens": 8, **GREEDY}).status_code == 200
     _, _, stored = store.load(sid)
-    assert [m["content"] for m in stored[:4]] == ["durable", "first", reply, "second"] and len(stored) == 5
+    assert [content for _, content, _ in stored[:4]] == ["durable", "first", reply, "second"] and len(stored) == 5
     assert httpx.delete(f"{base}/v1/sessions/{sid}", headers=auth("alice")).status_code == 200
 
 
@@ -316,7 +318,7 @@ def test_a_version_1_store_is_migrated_and_its_owners_hashed(tmp_path):
         )
     store = SessionStore(path)
     owner = key_owner("alice", store.owner_secret)
-    assert store.load("s1") == (owner, None, [{"role": "user", "content": "hello"}])
+    assert store.load("s1") == (owner, None, [("user", "hello", False)])
     store.close()
     assert SessionStore(path).load("s1")[0] == owner  # migrated once, then read as is
 

@@ -195,7 +195,9 @@ def test_sessions_survive_a_restart(tiny_model_dir, tmp_path):
         s = a.session(system="persist")
         s.add_message("user", "turn one")
         one = s.generate(GREEDY).text
-        s.add_message("user", "turn two (not answered before the crash)")
+        s.add_message("user", "turn two (acknowledged, not answered before the restart)")
+        s.append("streamed ")  # input still streaming in: an open user message
+        s.append("input")
         session_id = s.id
     with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=4096, session_db=db, progress=False) as b:
         again = b.session(id=session_id)
@@ -204,10 +206,14 @@ def test_sessions_survive_a_restart(tiny_model_dir, tmp_path):
             {"role": "system", "content": "persist"},
             {"role": "user", "content": "turn one"},
             {"role": "assistant", "content": one},
-        ]  # the unanswered message was never part of a completed turn
-        again.add_message("user", "turn two")
+            {"role": "user", "content": "turn two (acknowledged, not answered before the restart)"},
+            {"role": "user", "content": "streamed input"},
+        ]  # everything acknowledged was stored before it was (R8), the open message as open
+        again.append(" goes on")  # joins the streamed message, as it would have before the restart
+        messages[-1] = {"role": "user", "content": "streamed input goes on"}
+        assert again.info()["messages"] == messages
         out = again.generate(GREEDY)
-        assert out.text == b.chat([*messages, {"role": "user", "content": "turn two"}], GREEDY).text
+        assert out.text == b.chat(messages, GREEDY).text
         again.close()
         with pytest.raises(SessionNotFoundError):
             b.session(id=session_id)  # closing deletes it from the store too

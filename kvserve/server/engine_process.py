@@ -55,6 +55,8 @@ def build_llm(settings: ServerSettings) -> LLM:
         max_sessions_per_owner=settings.max_sessions_per_key,
         session_ttl=settings.session_ttl,
         session_db=settings.session_db,
+        max_session_tokens=settings.max_session_tokens,
+        max_message_bytes=settings.max_message_bytes,
         pipeline=settings.pipeline,
     )
 

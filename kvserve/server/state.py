@@ -44,6 +44,8 @@ class ServerSettings:
     max_sessions_per_key: int | None = 256
     session_ttl: float | None = 3600.0
     session_db: str | None = None  # None: $KVSERVE_HOME/sessions.db
+    max_session_tokens: int | None = None  # None: the model's context
+    max_message_bytes: int | None = None  # None: 16 bytes per token of max_session_tokens
     engine_process: bool = True  # the engine in a process of its own (engine_process.py), else a thread here
     engine_timeout: float = 5.0  # seconds an engine process may go unheard before requests fail (--stage-timeout)
     pipeline: Topology | None = None  # the model's layers over several processes or hosts (kvserve/pipeline)

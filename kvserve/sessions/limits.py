@@ -18,3 +18,20 @@ def check_ttl(ttl: float | None, param: str = "ttl") -> float | None:
     if ttl is None or (not isinstance(ttl, bool) and MIN_SESSION_TTL <= ttl <= MAX_SESSION_TTL):
         return ttl
     raise InvalidRequestError(f"{param} must be from {TTL_BOUNDS}, got {ttl!r}.", param)
+
+
+# A message's text may take this many UTF-8 bytes per token of --max-session-tokens by default: far
+# more than any tokenizer packs into a token (about 4 for English), so only text that could never
+# fit is refused by its size, before it is tokenized.
+BYTES_PER_TOKEN = 16
+
+
+def check_text_bytes(text: str, limit: int, param: str) -> str:
+    """`text` if its UTF-8 encoding is at most `limit` bytes, else InvalidRequestError saying so."""
+    if len(text) > limit // 4 and len(text.encode()) > limit:  # a character is at most 4 bytes
+        raise InvalidRequestError(
+            f"{param} is {len(text.encode())} bytes, more than the {limit} one message may carry "
+            "(--max-message-bytes); shorten it, or start a new session for it.",
+            param,
+        )
+    return text

@@ -7,6 +7,12 @@ history; the pinned blocks make the scheduler's prefix lookup skip everything al
 While text streams in, an eager prefill request computes the part of the prompt that can no
 longer change. Under memory pressure idle sessions are unpinned least recently used first; their
 next turn simply recomputes. Operations arriving while a turn runs wait behind it, in order.
+
+Every operation a caller is told succeeded is in the store first: a new session, a message, an
+append (written as the history reads once the operations queued behind a turn apply), and a turn's
+reply, whose last chunk is an error instead when it cannot be stored (the history stays as before
+the turn). A session holds at most `max_session_tokens` tokens (the context by default): an
+operation that would exceed it is refused, never applied.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from kvserve.engine.request import Request
 from kvserve.errors import EngineClosedError, InvalidRequestError, KVServeError
 from kvserve.outputs import StreamChunk
 from kvserve.sampling_params import SamplingParams
-from kvserve.sessions.limits import check_ttl
+from kvserve.sessions.limits import BYTES_PER_TOKEN, check_ttl
 from kvserve.sessions.store import SessionStore, SessionStoreError
 from kvserve.text.tokenizer import Tokenizer
 
@@ -50,20 +56,39 @@ class Turn:
     announce: bool = False  # put an empty chunk in the sink when the turn starts (its checks passed)
 
 
+class _ReplySink:
+    """A turn's sink: its last chunk becomes `failed` where the reply could not be stored (set by
+    on_finished, which runs before the engine delivers that chunk)."""
+
+    __slots__ = ("failed", "sink")
+
+    def __init__(self, sink: Any) -> None:
+        self.sink, self.failed = sink, None
+
+    def put(self, item: Any) -> None:
+        if self.failed is not None and isinstance(item, StreamChunk) and item.finish_reason is not None:
+            item = self.failed
+        self.sink.put(item)
+
+
+Row = tuple[str, str, bool]  # a stored message: role, content, is_open (the user message being streamed in)
+
+
 @dataclass
 class SessionState:
     session_id: str
     owner: str | None
     ttl: float | None
     messages: list[dict[str, str]]
-    num_persisted: int = 0  # leading messages already in the store
     open_user: str | None = None  # user text being streamed in, not yet part of a turn
+    stored: list[Row] = field(default_factory=list)  # what the store holds of it
     pinned_block_ids: list[int] = field(default_factory=list)
     turn_request_id: str | None = None  # the running turn
     prefill_request_id: str | None = None  # the running eager prefill
     pending: deque = field(default_factory=deque)  # operations waiting for the running turn
     last_used: float = field(default_factory=time.monotonic)
     num_turns: int = 0
+    turn_sink: _ReplySink | None = None  # the running turn's
 
     @property
     def is_generating(self) -> bool:
@@ -95,10 +120,15 @@ class SessionManager:
         default_ttl: float | None,
         max_model_len: int,
         max_sessions_per_owner: int | None = None,
+        max_session_tokens: int | None = None,
+        max_message_bytes: int | None = None,
     ) -> None:
         self.pool = pool
         self.max_sessions_per_owner = max_sessions_per_owner
         self.max_model_len = max_model_len
+        # A session beyond the context could never take a turn: the context bounds the bound.
+        self.max_session_tokens = min(max_session_tokens or max_model_len, max_model_len)
+        self.max_message_bytes = max_message_bytes or BYTES_PER_TOKEN * self.max_session_tokens
         self.tokenizer = tokenizer
         self.submit = submit  # hands a Request (and its sink) to the scheduler
         self.abort = abort
@@ -109,15 +139,20 @@ class SessionManager:
         self.by_request: dict[str, str] = {}  # turn or prefill request id -> session id
 
     # ----- lifecycle ------------------------------------------------------------------------
-    def create(self, owner: str | None, messages: list[dict[str, str]], ttl: float | None) -> SessionState:
-        """A new session; raises SessionLimitError when full, SessionStoreError when it cannot be stored."""
+    def create(
+        self, owner: str | None, messages: list[dict[str, str]], ttl: float | None, open_user: str | None = None
+    ) -> SessionState:
+        """A new session, stored; raises SessionLimitError when full, InvalidRequestError beyond
+        max_session_tokens, SessionStoreError when it cannot be stored."""
         check_ttl(ttl)
         self._check_room(owner)
+        self._check_size(list(messages), open_user, "messages")
         session_id = f"sess-{uuid.uuid4().hex}"
         state = SessionState(session_id, owner, ttl if ttl is not None else self.default_ttl, list(messages))
+        state.open_user = open_user
         if self.store is not None:
-            self.store.create(session_id, owner, state.ttl, state.messages)
-            state.num_persisted = len(state.messages)
+            self.store.create(session_id, owner, state.ttl, state.messages, open_user)
+            state.stored = _rows(state.messages, open_user)
         self.sessions[session_id] = state
         return state
 
@@ -126,10 +161,13 @@ class SessionManager:
         if state is None and self.store is not None:
             loaded = self.store.load(session_id)
             if loaded is not None:
-                stored_owner, ttl, messages = loaded
+                stored_owner, ttl, rows = loaded
                 if stored_owner == owner:
                     self._check_room(owner)
-                    state = SessionState(session_id, stored_owner, ttl, messages, num_persisted=len(messages))
+                    is_open = bool(rows) and rows[-1][2]  # only the last message can still be open
+                    messages = [{"role": role, "content": content} for role, content, _ in rows[: len(rows) - is_open]]
+                    state = SessionState(session_id, stored_owner, ttl, messages, stored=rows)
+                    state.open_user = rows[-1][1] if is_open else None
                     self.sessions[session_id] = state
         if state is None or state.owner != owner:
             raise SessionNotFoundError(f"No session {session_id!r}.")
@@ -150,7 +188,10 @@ class SessionManager:
             )
 
     def close(self, state: SessionState) -> None:
-        """Abort its work, release its blocks, delete it (and its stored transcript)."""
+        """Delete its stored transcript, then abort its work and release its blocks. If the store
+        cannot delete it (SessionStoreError), the session stays as it was."""
+        if self.store is not None:
+            self.store.delete(state.session_id)
         waiting = [op for op in state.pending if isinstance(op, Turn)]
         state.pending.clear()
         self.sessions.pop(state.session_id, None)  # from here on, finishing requests ignore it
@@ -158,8 +199,6 @@ class SessionManager:
         for turn in waiting:
             turn.sink.put(SessionNotFoundError(f"Session {state.session_id!r} was closed."))
         self._unpin(state)
-        if self.store is not None:  # a failure leaves the closed session's transcript behind: say so
-            self.store.delete(state.session_id)
 
     def shutdown(self) -> None:
         """The engine is stopping: turns that never started are told so; nothing new starts."""
@@ -171,26 +210,38 @@ class SessionManager:
 
     def fork(self, state: SessionState) -> SessionState:
         """An independent copy sharing the computed prefix (the pinned blocks get one more reference)."""
-        child = self.create(state.owner, state.messages, state.ttl)
-        child.open_user = state.open_user
+        child = self.create(state.owner, state.messages, state.ttl, state.open_user)
         child.pinned_block_ids = list(state.pinned_block_ids)
         self.pool.touch(child.pinned_block_ids)
         return child
 
     # ----- operations (ordered behind a running turn) ---------------------------------------
     def add_message(self, state: SessionState, role: str, content: str) -> None:
+        """Checked and stored now (InvalidRequestError, SessionStoreError: nothing changes); applied
+        now, or after the running turn."""
+        op = ("add_message", role, content)
+        self._record(state, op, "content")
         if state.is_busy:
-            state.pending.append(("add_message", role, content))
+            state.pending.append(op)
             return
+        self._add_message(state, role, content)
+
+    def append(self, state: SessionState, text: str) -> None:
+        """As add_message, for streamed input: joins the open user message (or opens one)."""
+        op = ("append", text)
+        self._record(state, op, "text")
+        if state.is_busy:
+            state.pending.append(op)
+            return
+        self._append(state, text)
+
+    def _add_message(self, state: SessionState, role: str, content: str) -> None:
         if state.open_user is not None:  # a whole message closes the streamed one first
             state.messages.append({"role": "user", "content": state.open_user})
             state.open_user = None
         state.messages.append({"role": role, "content": content})
 
-    def append(self, state: SessionState, text: str) -> None:
-        if state.is_busy:
-            state.pending.append(("append", text))
-            return
+    def _append(self, state: SessionState, text: str) -> None:
         state.open_user = (state.open_user or "") + text
         self._eager_prefill(state)
 
@@ -206,23 +257,30 @@ class SessionManager:
             self._drain(state)
             return
         prompt_ids = self.tokenizer.encode_chat(conversation)
-        if len(prompt_ids) + turn.params.max_tokens > self.max_model_len:
+        if len(prompt_ids) + turn.params.max_tokens > self.max_session_tokens:
+            limit = (
+                f"the context of {self.max_model_len}"
+                if self.max_session_tokens == self.max_model_len
+                else f"the session's limit of {self.max_session_tokens} (--max-session-tokens)"
+            )
             turn.sink.put(
                 InvalidRequestError(
                     f"The conversation has {len(prompt_ids)} tokens; with max_tokens={turn.params.max_tokens} it "
-                    f"exceeds the context of {self.max_model_len}. Start a new session or lower max_tokens.",
+                    f"exceeds {limit}. Start a new session or lower max_tokens.",
                     "max_tokens",
                 )
             )
             self._drain(state)
             return
         state.messages, state.open_user = conversation, None
+        self._persist(state)  # the open message is closed now: a failure is mended by the next write
         if turn.announce:
             turn.sink.put(StreamChunk(turn.request_id, "", []))
         request = Request(turn.request_id, prompt_ids, turn.params, eos_token_ids=self.tokenizer.stop_token_ids)
         state.turn_request_id = turn.request_id
+        state.turn_sink = _ReplySink(turn.sink)
         self.by_request[turn.request_id] = state.session_id
-        self.submit(request, turn.sink)
+        self.submit(request, state.turn_sink)
 
     # ----- engine hooks (kvserve.engine.hooks.EngineHooks) -------------------------------------
     def on_finished(self, request: Request, text: str = "") -> None:
@@ -245,9 +303,15 @@ class SessionManager:
         reason = request.finish_reason.value if request.finish_reason else "abort"
         if reason in ("stop", "length"):
             state.messages.append({"role": "assistant", "content": text})
-            state.num_turns += 1
-            self._persist(state)
-            self._pin(state, request)
+            error = self._persist(state)
+            if error is None:
+                state.num_turns += 1
+                self._pin(state, request)
+            else:  # not acknowledged: the turn fails, and the history stays as it was before it
+                state.messages.pop()
+                state.turn_sink.failed = SessionStoreError(
+                    f"{error} The reply was not kept; the session's history is as it was before this turn."
+                )
         self._drain(state)
 
     def drop_pending(self, request_ids: set[str]) -> None:
@@ -279,8 +343,8 @@ class SessionManager:
             if state.ttl is not None and not state.is_generating and now - state.last_used > state.ttl:
                 try:
                     self.close(state)
-                except SessionStoreError as exc:  # closed in memory; the store reports itself unhealthy
-                    logger.error("session %s expired but %s", state.session_id, exc)
+                except SessionStoreError as exc:  # kept, and tried again next tick; /health reports the store
+                    logger.debug("session %s expired but %s", state.session_id, exc)
 
     # ----- queries --------------------------------------------------------------------------
     def info(self, state: SessionState) -> dict[str, Any]:
@@ -301,9 +365,15 @@ class SessionManager:
     @staticmethod
     def _projected_messages(state: SessionState) -> list[dict[str, str]]:
         """The history as it reads once the queued messages and appends apply (queued turns aside)."""
+        messages, open_user = SessionManager._projection(state)
+        return messages + ([{"role": "user", "content": open_user}] if open_user is not None else [])
+
+    @staticmethod
+    def _projection(state: SessionState, extra: tuple | None = None) -> tuple[list[dict[str, str]], str | None]:
+        """(messages, open user message) once the queued operations, and `extra`, apply."""
         messages, open_user = list(state.messages), state.open_user
-        for op in state.pending:
-            if isinstance(op, Turn):
+        for op in [*state.pending, extra]:
+            if op is None or isinstance(op, Turn):
                 continue
             if op[0] == "append":
                 open_user = (open_user or "") + op[1]
@@ -312,7 +382,7 @@ class SessionManager:
                     messages.append({"role": "user", "content": open_user})
                     open_user = None
                 messages.append({"role": op[1], "content": op[2]})
-        return messages + ([{"role": "user", "content": open_user}] if open_user is not None else [])
+        return messages, open_user
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -322,28 +392,61 @@ class SessionManager:
         return {"num_sessions": len(self.sessions), "session_kv_blocks": self.num_pinned_blocks}
 
     # ----- internals ------------------------------------------------------------------------
-    def _persist(self, state: SessionState) -> None:
-        """Write the messages not yet stored. A store failure fails only this write: the turn's text
-        still reaches its caller, the session keeps them in memory and the next turn writes them again."""
+    def _record(self, state: SessionState, op: tuple, param: str) -> None:
+        """Before an operation is acknowledged: check the session's size with it applied, and store
+        the history as it then reads. Raises (InvalidRequestError, SessionStoreError) having changed
+        nothing."""
+        messages, open_user = self._projection(state, op)
+        self._check_size(messages, open_user, param)
+        self._store(state, messages, open_user)
+
+    def _check_size(self, messages: list[dict[str, str]], open_user: str | None, param: str) -> None:
+        if open_user is not None:
+            messages = [*messages, {"role": "user", "content": open_user}]
+        if not messages:
+            return
+        num_tokens = len(self.tokenizer.encode_chat(messages, add_generation_prompt=False))
+        if num_tokens > self.max_session_tokens:
+            raise InvalidRequestError(
+                f"The session would hold {num_tokens} tokens, more than its limit of {self.max_session_tokens} "
+                "(--max-session-tokens); this was not applied. Send less, or start a new session.",
+                param,
+            )
+
+    def _store(self, state: SessionState, messages: list[dict[str, str]], open_user: str | None) -> None:
+        """Make the store hold `messages` and `open_user` for the session: the rows from the first
+        that differs from what it holds on. Raises SessionStoreError (the store keeps what it had)."""
         if self.store is None:
             return
+        rows = _rows(messages, open_user)
+        first = next((i for i, (a, b) in enumerate(zip(rows, state.stored, strict=False)) if a != b), None)
+        if first is None:
+            first = min(len(rows), len(state.stored))
+            if len(rows) == len(state.stored):
+                return
+        self.store.write_tail(state.session_id, first, rows[first:])
+        state.stored = rows
+
+    def _persist(self, state: SessionState) -> str | None:
+        """Store the session as it reads now; the failure's text, if it fails (logged)."""
         try:
-            self.store.append_turn(state.session_id, state.num_persisted, state.messages[state.num_persisted :])
+            self._store(state, *self._projection(state))
         except SessionStoreError as exc:
             logger.error("session %s: %s", state.session_id, exc)
-            return
-        state.num_persisted = len(state.messages)
+            return str(exc)
+        return None
 
     def _drain(self, state: SessionState) -> None:
-        """Apply what waited behind the turn, in order, until the next turn starts."""
+        """Apply what waited behind the turn, in order, until the next turn starts (each was
+        checked and stored when it was asked for)."""
         while state.pending and not state.is_busy:
             op = state.pending.popleft()
             if isinstance(op, Turn):
                 self.start_turn(state, op)
             elif op[0] == "add_message":
-                self.add_message(state, op[1], op[2])
+                self._add_message(state, op[1], op[2])
             else:
-                self.append(state, op[1])
+                self._append(state, op[1])
 
     def _pin(self, state: SessionState, request: Request) -> None:
         """Take references on the request's computed full blocks (still cached: same step)."""
@@ -376,3 +479,8 @@ class SessionManager:
         state.prefill_request_id = request_id
         self.by_request[request_id] = state.session_id
         self.submit(request, None)
+
+
+def _rows(messages: list[dict[str, str]], open_user: str | None) -> list[Row]:
+    rows = [(m["role"], m["content"], False) for m in messages]
+    return [*rows, ("user", open_user, True)] if open_user is not None else rows

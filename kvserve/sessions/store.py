@@ -1,12 +1,17 @@
 """SessionStore: sessions' transcripts in SQLite, so that they survive a restart or a crash.
 
-One row per session, one row per message. A completed turn is one transaction (its new user
-messages and the assistant reply together), so a crash mid-turn loses at most that turn. WAL mode
-keeps readers and the writer apart and survives a killed process without corruption.
+One row per session, one row per message (the last may be the user message still being streamed
+in, `is_open`). Every write is one transaction, committed with a sync (synchronous=FULL) before the
+caller answers, so what was acknowledged survives a crash of the process or of the machine; WAL
+mode keeps readers and the writer apart. One process owns a store (lock.py).
 
 The file carries its schema version (table `kvserve_schema`); opening checks it and migrates an
-older kvserve store, and refuses any other database with SessionStoreError. Every SQLite or disk
-failure surfaces as SessionStoreError; `error` keeps the last one until a write succeeds again.
+older kvserve store, and refuses any other database, and one whose pages are damaged, with
+SessionStoreError. Every SQLite or disk failure surfaces as SessionStoreError; `error` keeps the
+last one until a write succeeds again, `broken` what no write can mend (the file was removed or
+replaced while open, or a page is corrupt), until a restart. A write that fails for a full disk (or a
+failed write) is tried once more after the write-ahead log is checkpointed and truncated, which gives its space
+back: so a DELETE, which needs little, still frees space where SQLite can.
 
 Beside the file lives the install's owner secret (`<file>.secret`, 32 random bytes, mode 0600,
 created once): a session owned through an API key stores an HMAC of the key under it
@@ -29,8 +34,8 @@ from kvserve.errors import KVServeError
 from kvserve.sessions import lock
 
 # 1: before the version table (owners stored as given); 2: owners are "sha256:" + the key's sha256;
-# 3: owners are key_owner's HMAC of that hash under the owner secret
-SCHEMA_VERSION = 3
+# 3: owners are key_owner's HMAC of that hash under the owner secret; 4: messages.is_open
+SCHEMA_VERSION = 4
 OWNER_SECRET_BYTES = 32
 TABLES = """
 CREATE TABLE sessions (
@@ -44,10 +49,16 @@ CREATE TABLE messages (
     seq INTEGER NOT NULL,
     role TEXT NOT NULL,
     content TEXT NOT NULL,
+    is_open INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (session_id, seq)
 );
 """
-COLUMNS = {"sessions": ["id", "owner", "created", "ttl"], "messages": ["session_id", "seq", "role", "content"]}
+COLUMNS = {
+    "sessions": ["id", "owner", "created", "ttl"],
+    "messages": ["session_id", "seq", "role", "content", "is_open"],
+}
+COLUMNS_BEFORE_4 = {**COLUMNS, "messages": COLUMNS["messages"][:-1]}
+PROBE_BYTES = 8192  # the health probe's row: more than a page, so that it needs space the disk must have
 
 
 class SessionStoreError(KVServeError):
@@ -100,6 +111,7 @@ class SessionStore:
         self.path = Path(path)
         self.secret_path = self.path.with_name(self.path.name + ".secret")
         self.error: str | None = None  # the last failure, until a write succeeds
+        self.broken: str | None = None  # a failure no write mends (removed or corrupt), until a restart
         self._lock = threading.Lock()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,8 +130,10 @@ class SessionStore:
             raise SessionStoreError(f"Cannot open the session store {self.path}: {exc}.") from exc
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # a commit is on the disk before it is acknowledged
             self._db.execute("PRAGMA foreign_keys=ON")
+            self._file = self._identity()
+            self._check_pages()
             self._open_schema()
         except SessionStoreError:
             self._db.close()
@@ -148,17 +162,20 @@ class SessionStore:
                 self._db.execute("CREATE TABLE kvserve_schema (version INTEGER NOT NULL)")
                 self._db.execute("INSERT INTO kvserve_schema VALUES (?)", (SCHEMA_VERSION,))
             return
+        version = 1
+        if "kvserve_schema" in tables and [c[1] for c in self._db.execute("PRAGMA table_info(kvserve_schema)")] == [
+            "version"
+        ]:
+            row = self._db.execute("SELECT version FROM kvserve_schema").fetchone()
+            version = row[0] if row else 1
         layout = {name: [c[1] for c in self._db.execute(f"PRAGMA table_info({name})")] for name in COLUMNS}
-        if layout != COLUMNS or not tables <= {*COLUMNS, "kvserve_schema"}:
+        expected = COLUMNS if version >= 4 else COLUMNS_BEFORE_4
+        if layout != expected or not tables <= {*COLUMNS, "kvserve_schema"}:
             raise SessionStoreError(
                 f"{self.path} is an SQLite database but not a kvserve session store (tables: "
                 f"{', '.join(sorted(tables))}); point --session-db (KVSERVE_SESSION_DB) at another file or move "
                 "this one away."
             )
-        version = 1
-        if "kvserve_schema" in tables:
-            row = self._db.execute("SELECT version FROM kvserve_schema").fetchone()
-            version = row[0] if row else 1
         if version > SCHEMA_VERSION:
             raise SessionStoreError(
                 f"{self.path} was written by a newer kvserve (schema {version}, this one reads up to "
@@ -176,50 +193,69 @@ class SessionStore:
 
     def _migrate(self, version: int) -> None:
         """Version 1 stored the API key itself as a session's owner, version 2 its sha256; version 3
-        stores key_owner's HMAC of that hash. Owners a Python caller gave (not hashes) stay as they are."""
+        stores key_owner's HMAC of that hash. Owners a Python caller gave (not hashes) stay as they are.
+        Version 4 marks a streamed user message that is still open (none in an older store)."""
         with self._db:
             self._db.execute("BEGIN")
             owners = self._db.execute("SELECT id, owner FROM sessions WHERE owner IS NOT NULL").fetchall()
             if version == 1:
                 rehashed = [(key_owner(o, self.owner_secret), i) for i, o in owners]
-            else:
+            elif version == 2:
                 rehashed = [
                     (_keyed_owner(self.owner_secret, o.removeprefix("sha256:")), i)
                     for i, o in owners
                     if o.startswith("sha256:")
                 ]
+            else:
+                rehashed = []
             self._db.executemany("UPDATE sessions SET owner = ? WHERE id = ?", rehashed)
+            self._db.execute("ALTER TABLE messages ADD COLUMN is_open INTEGER NOT NULL DEFAULT 0")
             self._db.execute("CREATE TABLE IF NOT EXISTS kvserve_schema (version INTEGER NOT NULL)")
             self._db.execute("DELETE FROM kvserve_schema")
             self._db.execute("INSERT INTO kvserve_schema VALUES (?)", (SCHEMA_VERSION,))
 
     # ----- operations (each raises SessionStoreError on failure) --------------------------
-    def create(self, session_id: str, owner: str | None, ttl: float | None, messages: list[dict]) -> None:
+    def create(
+        self, session_id: str, owner: str | None, ttl: float | None, messages: list[dict], open_user: str | None = None
+    ) -> None:
+        """A new session with its first messages (and the user message streaming in, if any), atomically."""
+        rows = [(m["role"], m["content"], False) for m in messages]
+        if open_user is not None:
+            rows.append(("user", open_user, True))
+
         def write() -> None:
             self._db.execute(
                 "INSERT INTO sessions (id, owner, created, ttl) VALUES (?, ?, ?, ?)",
                 (session_id, owner, time.time(), ttl),
             )
-            self._insert(session_id, 0, messages)
+            self._insert(session_id, 0, rows)
 
         self._write("create the session", write)
 
-    def append_turn(self, session_id: str, first_seq: int, messages: list[dict]) -> None:
-        """Store messages[first_seq:] of a completed turn, atomically."""
-        self._write("store the turn", lambda: self._insert(session_id, first_seq, messages))
+    def write_tail(self, session_id: str, first_seq: int, rows: list[tuple[str, str, bool]]) -> None:
+        """Make the session's messages from `first_seq` on be `rows` ((role, content, is_open) each),
+        atomically: what comes after a change is written again, what is gone is deleted."""
 
-    def load(self, session_id: str) -> tuple[str | None, float | None, list[dict]] | None:
+        def write() -> None:
+            self._db.execute("DELETE FROM messages WHERE session_id = ? AND seq >= ?", (session_id, first_seq))
+            self._insert(session_id, first_seq, rows)
+
+        self._write("store the session's messages", write)
+
+    def load(self, session_id: str) -> tuple[str | None, float | None, list[tuple[str, str, bool]]] | None:
+        """(owner, ttl, message rows (role, content, is_open)) of a stored session, None if there is none."""
+        self._check_file()
         try:
             with self._lock:
                 row = self._db.execute("SELECT owner, ttl FROM sessions WHERE id = ?", (session_id,)).fetchone()
                 if row is None:
                     return None
                 rows = self._db.execute(
-                    "SELECT role, content FROM messages WHERE session_id = ? ORDER BY seq", (session_id,)
+                    "SELECT role, content, is_open FROM messages WHERE session_id = ? ORDER BY seq", (session_id,)
                 ).fetchall()
         except sqlite3.Error as exc:
             raise self._failed("read the session", exc) from exc
-        return row[0], row[1], [{"role": r, "content": c} for r, c in rows]
+        return row[0], row[1], [(r, c, bool(o)) for r, c, o in rows]
 
     def list_sessions(self, owner: str | None, limit: int = 200) -> list[tuple[str, float, str | None, int]]:
         """The stored sessions of `owner`, newest first, at most `limit`: (id, created (Unix time), the
@@ -236,14 +272,23 @@ class SessionStore:
             raise self._failed("list the sessions", exc) from exc
 
     def delete(self, session_id: str) -> None:
-        self._write("delete the session", lambda: self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,)))
+        delete = lambda: self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))  # noqa: E731
+        self._write("delete the session", delete, adds=False)
 
     def probe(self) -> str | None:
-        """After a failure: try a real write (one row rewritten) and return the error that remains, if any."""
-        if self.error is not None:
-            with contextlib.suppress(SessionStoreError):  # it sets `error` again if it fails
-                self._write("write", lambda: self._db.execute("UPDATE kvserve_schema SET version = version"))
-        return self.error
+        """Why the store cannot take writes now, or None: what broke it for good, else (after a failed
+        write) the failure a real write still meets: a row of PROBE_BYTES, so that a full disk shows."""
+        with contextlib.suppress(SessionStoreError):  # each sets `broken` or `error`
+            self._check_file()
+        if self.broken is None and self.error is not None:
+            probe = f"kvserve-probe-{'x' * PROBE_BYTES}"
+            with contextlib.suppress(SessionStoreError):
+                self._write(
+                    "write",
+                    lambda: self._db.execute("INSERT INTO sessions (id, created) VALUES (?, 0)", (probe,)),
+                )
+                self._write("write", lambda: self._db.execute("DELETE FROM sessions WHERE id = ?", (probe,)))
+        return self.broken or self.error
 
     def close(self) -> None:
         with self._lock:
@@ -251,22 +296,83 @@ class SessionStore:
         lock.release(self._owner_lock)
 
     # ----- internals ----------------------------------------------------------------------
-    def _write(self, what: str, write) -> None:
-        """One transaction; a failure rolls it back and is kept in `error`."""
+    def _write(self, what: str, write, adds: bool = True) -> None:
+        """One transaction, synced to the disk before this returns; a failure rolls it back and is kept
+        in `error` (or `broken`), which only a write that `adds` data clears (a delete may succeed on a
+        full disk). A full disk gets one more try after the WAL gives its space back. The file is
+        checked before and after: a commit into a removed file would be acknowledged and lost."""
+        self._check_file()
         try:
-            with self._lock, self._db:
-                self._db.execute("BEGIN")
-                write()
+            try:
+                self._transaction(write)
+            except sqlite3.OperationalError as exc:
+                if getattr(exc, "sqlite_errorcode", 0) & 0xFF not in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR):
+                    raise
+                with self._lock:
+                    self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._transaction(write)
         except (sqlite3.Error, OSError) as exc:
             raise self._failed(what, exc) from exc
-        self.error = None
+        self._check_file()
+        if adds:
+            self.error = None
+
+    def _transaction(self, write) -> None:
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            write()
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return info.st_dev, info.st_ino
+
+    def _check_file(self) -> None:
+        """SessionStoreError (for good) once the file this store opened was removed or replaced:
+        SQLite would go on writing into the unlinked file, and every write would be lost."""
+        if self.broken is None and self._identity() != self._file:
+            what = "removed" if self._identity() is None else "replaced by another file"
+            self.broken = (
+                f"the session store {self.path} was {what} while the server ran; nothing can be stored. Restart "
+                "the server (it starts a new store there, or opens the one put back)"
+            )
+        if self.broken is not None:
+            raise SessionStoreError(f"The session store cannot be used: {self.broken}.")
+
+    def _check_pages(self) -> None:
+        """Refuse a store with a damaged page at start (on a connection of its own, whose page cache is
+        dropped: the store's own reads the file afresh)."""
+        check = sqlite3.connect(self.path)
+        try:
+            problems = [row[0] for row in check.execute("PRAGMA quick_check(5)")]
+        except sqlite3.DatabaseError as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF != sqlite3.SQLITE_CORRUPT:
+                raise
+            problems = [str(exc)]
+        finally:
+            check.close()
+        if problems != ["ok"]:
+            raise SessionStoreError(
+                f"{self.path} is damaged ({'; '.join(problems)}); restore it from a backup, or move it away to start "
+                "afresh (sessions in it are lost)."
+            )
 
     def _failed(self, what: str, exc: Exception) -> SessionStoreError:
-        self.error = f"the session store {self.path} failed to {what}: {exc}"
+        reason = f"the session store {self.path} failed to {what}: {exc}"
+        code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary code of an extended one
+        if code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):  # no later write mends a damaged page
+            self.broken = f"{reason}; restore the file from a backup or move it away, then restart the server"
+        else:
+            self.error = reason
         return SessionStoreError(f"The session store could not {what} ({exc}); the server's disk needs attention.")
 
-    def _insert(self, session_id: str, first_seq: int, messages: list[dict]) -> None:
+    def _insert(self, session_id: str, first_seq: int, rows: list[tuple[str, str, bool]]) -> None:
         self._db.executemany(
-            "INSERT OR REPLACE INTO messages (session_id, seq, role, content) VALUES (?, ?, ?, ?)",
-            [(session_id, first_seq + i, m["role"], m["content"]) for i, m in enumerate(messages)],
+            "INSERT INTO messages (session_id, seq, role, content, is_open) VALUES (?, ?, ?, ?, ?)",
+            [
+                (session_id, first_seq + i, role, content, int(is_open))
+                for i, (role, content, is_open) in enumerate(rows)
+            ],
         )
