@@ -41,9 +41,13 @@ class StructuredOutput:
     kind: str  # "json_schema", "json_object", "regex", "lark" or "tool_calls"
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | bool | str, param: str = "response_format") -> StructuredOutput:
-        """Output valid against `schema` (a dict, its JSON text, or `true` for any JSON value)."""
-        return cls.from_grammar(json_schema_grammar(schema, param), "json_schema", param)
+    def json_schema(
+        cls, schema: dict[str, Any] | bool | str, param: str = "response_format", kind: str = "json_schema"
+    ) -> StructuredOutput:
+        """Output valid against `schema` (a dict, its JSON text, or `true` for any JSON value). A
+        schema made of several (kind "tool_calls": every function's) is bounded as a grammar only."""
+        max_bytes = MAX_GRAMMAR_BYTES if kind == "tool_calls" else MAX_SCHEMA_BYTES
+        return cls.from_grammar(json_schema_grammar(schema, param, max_bytes), kind, param)
 
     @classmethod
     def json_object(cls) -> StructuredOutput:
@@ -77,11 +81,13 @@ class StructuredOutput:
         return cls(grammar, kind)
 
 
-def json_schema_grammar(schema: dict[str, Any] | bool | str, param: str = "response_format") -> str:
+def json_schema_grammar(
+    schema: dict[str, Any] | bool | str, param: str = "response_format", max_bytes: int = MAX_SCHEMA_BYTES
+) -> str:
     """llguidance's grammar text for a JSON schema (not yet checked: StructuredOutput.from_grammar does)."""
     if isinstance(schema, str):
-        if len(schema) > MAX_SCHEMA_BYTES:
-            raise _too_large(len(schema), param)
+        if len(schema) > max_bytes:
+            raise _too_large(len(schema), param, max_bytes)
         try:
             schema = json.loads(schema)
         except ValueError as exc:
@@ -96,18 +102,18 @@ def json_schema_grammar(schema: dict[str, Any] | bool | str, param: str = "respo
             param,
         )
     text = json.dumps(schema, separators=(",", ":"))
-    if len(text) > MAX_SCHEMA_BYTES:
-        raise _too_large(len(text), param)
+    if len(text) > max_bytes:
+        raise _too_large(len(text), param, max_bytes)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
     except ValueError as exc:
         raise InvalidRequestError(f"{param}: the schema cannot be used: {exc}.", param) from None
 
 
-def _too_large(size: int, param: str) -> InvalidRequestError:
+def _too_large(size: int, param: str, max_bytes: int) -> InvalidRequestError:
     return InvalidRequestError(
-        f"{param}: the schema is {size} bytes of JSON, more than the {MAX_SCHEMA_BYTES} kvserve compiles; "
-        "send a smaller schema.",
+        f"{param}: the schema is {size} bytes of JSON, more than the {max_bytes} kvserve compiles; "
+        "send a smaller schema (fewer properties or tools).",
         param,
     )
 

@@ -200,7 +200,16 @@ SAMPLING = {
     "user": pick(st.one_of(st.none(), short_text), [5, ["u"]]),
     "min_tokens": ints([0, 1, 3]),
     "ignore_eos": bools(),
-    "response_format": pick([{"type": "text"}, None], [{"type": "json_object"}, {}, "x", {"type": "\ud800"}]),
+    "response_format": pick(
+        [{"type": "text"}, None, {"type": "json_object"}],
+        [
+            {"type": "json_schema"},
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
+            {},
+            "x",
+            {"type": "\ud800"},
+        ],
+    ),
 }
 
 MAX_TOKENS = pick([1, 1, 2, 2, 4, 8, 16], [0, None, *HOSTILE_INTS])

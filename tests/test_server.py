@@ -248,7 +248,8 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": ""}, 400),
     ("completions", {"model": MODEL, "prompt": "x" * 5000}, 400),  # longer than the context
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400),
-    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"1": 2}}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"1": 200}}, 400),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999": 2}}, 400),  # outside the vocabulary
     ("completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400),
     ("completions", {"model": "gpt-4", "prompt": "x"}, 404),
     ("completions", {"model": MODEL, "prompt": "x" * 300_000}, 413),
@@ -258,7 +259,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, 400),
     (
         "chat/completions",
-        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
         400,
     ),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400),

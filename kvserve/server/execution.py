@@ -25,6 +25,7 @@ from kvserve.server.formatting import Formatter, event
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import error_body
 from kvserve.server.state import APIError, ServerState, check_model, read_json, server_state
+from kvserve.text.tool_calls import ToolFormat
 
 
 async def handle(request: Request, owner, body_type, prepare, id_prefix: str, kind: str, chat: bool) -> Response:
@@ -95,6 +96,7 @@ class Job:
     start: Callable[[str], AsyncIterator[StreamChunk]]  # engine request id -> stream (validates now)
     echo: str | None = None
     announces: bool = False
+    tool_format: ToolFormat | None = None  # parse the answer's tool calls in this format
 
 
 @dataclasses.dataclass(eq=False)
@@ -133,7 +135,16 @@ async def run(state, llm, request, owner, response_id, kind, body, jobs: list[Jo
     for alias in aliases:
         state.requests[alias] = running
     arrival = time.monotonic()
-    formatter = Formatter(llm, response_id, created, state.model_name, kind, chat, [job.echo for job in jobs])
+    formatter = Formatter(
+        llm,
+        response_id,
+        created,
+        state.model_name,
+        kind,
+        chat,
+        [job.echo for job in jobs],
+        [j.tool_format for j in jobs],
+    )
 
     def cleanup() -> None:  # idempotent: the request is over for the server
         for alias in aliases:
@@ -246,7 +257,8 @@ async def _sse(state, streams, formatter, arrival, include_usage, cleanup, promp
                 if formatter.echo_texts[index] is not None and formatter.first_chunk[index]:
                     yield event(formatter.chunk_event(index, StreamChunk("", formatter.echo_texts[index], [])))
                 formatter.first_chunk[index] = False
-                yield event(formatter.chunk_event(index, item))
+                for payload in formatter.chunk_events(index, item):
+                    yield event(payload)
                 if item.finish_reason is not None:
                     finals[index] = item
                     remaining -= 1

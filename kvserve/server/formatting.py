@@ -8,6 +8,7 @@ from typing import Any
 from kvserve.engine.sampler import TokenLogprobs
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.server.protocol import usage_dict
+from kvserve.text.tool_calls import Delta, ToolCallParser, ToolFormat, parse
 
 
 def event(payload: dict) -> str:
@@ -18,11 +19,13 @@ def event(payload: dict) -> str:
 class Formatter:
     """OpenAI response and chunk shapes for completions and chat completions."""
 
-    def __init__(self, llm, response_id, created, model, kind, chat, echo_texts) -> None:
+    def __init__(self, llm, response_id, created, model, kind, chat, echo_texts, tool_formats=None) -> None:
         self.tokenizer = llm.tokenizer
         self.id, self.created, self.model, self.kind, self.chat = response_id, created, model, kind, chat
         self.echo_texts = echo_texts
         self.first_chunk = [True] * len(echo_texts)
+        self.tool_formats: list[ToolFormat | None] = tool_formats or [None] * len(echo_texts)
+        self.tool_parsers = [ToolCallParser(f) if f is not None else None for f in self.tool_formats]
 
     def _logprobs(self, logprobs: list[TokenLogprobs] | None, offset: int = 0) -> dict | None:
         if not logprobs:
@@ -50,6 +53,35 @@ class Formatter:
             "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in logprobs],
             "text_offset": offsets,
+        }
+
+    def chunk_events(self, index: int, chunk: StreamChunk) -> list[dict]:
+        """The events of one engine chunk: one, or for an answer parsed for tool calls one per piece
+        (content, a call's id and name, a piece of its arguments), as OpenAI streams them; none
+        while a piece is not decided yet."""
+        parser = self.tool_parsers[index]
+        if parser is None:
+            return [self.chunk_event(index, chunk)]
+        deltas = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason is not None else [])
+        events = [self._chat_event(index, _delta(d), None, None) for d in deltas]
+        if chunk.logprobs or chunk.finish_reason is not None:
+            if not events:
+                events.append(self._chat_event(index, {}, None, None))
+            events[0]["choices"][0]["logprobs"] = self._logprobs(chunk.logprobs)
+            reason = chunk.finish_reason
+            events[-1]["choices"][0]["finish_reason"] = (
+                "tool_calls" if reason == "stop" and parser.num_calls else reason
+            )
+        return events
+
+    def _chat_event(self, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
         }
 
     def chunk_event(self, index: int, chunk: StreamChunk | None, role: bool = False) -> dict:
@@ -113,13 +145,16 @@ class Formatter:
         for index, output in enumerate(outputs):
             text, logprobs = output.text, output.logprobs
             if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                reason = output.finish_reason
+                if self.tool_formats[index] is not None:
+                    answer = parse(text, self.tool_formats[index])
+                    message["content"] = answer.content
+                    if answer.tool_calls:
+                        message["tool_calls"] = [call.as_openai() for call in answer.tool_calls]
+                        reason = "tool_calls" if reason == "stop" else reason
                 choices.append(
-                    {
-                        "index": index,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": self._logprobs(logprobs),
-                        "finish_reason": output.finish_reason,
-                    }
+                    {"index": index, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": reason}
                 )
             else:
                 echo = self.echo_texts[index] or ""
@@ -140,3 +175,13 @@ class Formatter:
             "choices": choices,
             "usage": usage,
         }
+
+
+def _delta(piece: Delta) -> dict[str, Any]:
+    """A parsed piece as a chat chunk's delta."""
+    if piece.content is not None:
+        return {"content": piece.content}
+    if piece.id is not None:
+        function = {"name": piece.name, "arguments": ""}
+        return {"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function", "function": function}]}
+    return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.arguments}}]}

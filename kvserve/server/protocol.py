@@ -8,6 +8,7 @@ expected (`"temperature": 1`) is a number.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -15,6 +16,8 @@ from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output import StructuredOutput
+from kvserve.text.tool_calls import ToolChoice
 
 
 class UnsupportedFieldError(InvalidRequestError):
@@ -53,13 +56,15 @@ class _Base(BaseModel):
     ignore_eos: bool = False
 
     response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
 
     def check_supported(self) -> None:
         """Refuse, by name, every field kvserve does not implement (raises UnsupportedFieldError)."""
-        if self.response_format is not None and self.response_format.get("type") != "text":
+        kind = self.response_format.get("type") if self.response_format is not None else "text"
+        if kind not in ("text", "json_object", "json_schema"):
             raise UnsupportedFieldError(
-                f"response_format {self.response_format.get('type')!r} is not supported; only 'text' is.",
-                "response_format",
+                f"response_format {kind!r:.80} is not supported; send 'text', 'json_object' or 'json_schema'.",
+                "response_format.type",
             )
         extra = sorted((self.model_extra or {}).keys())
         if extra:
@@ -73,6 +78,40 @@ class _Base(BaseModel):
     def num_requests(self) -> int:
         """The engine requests this body creates (what admission counts)."""
         return self.n
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar response_format asks for (400 for a schema the grammar engine refuses)."""
+        format_ = self.response_format or {"type": "text"}
+        if format_["type"] == "json_object":
+            return StructuredOutput.json_object()
+        if format_["type"] != "json_schema":
+            return None
+        spec = format_.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise InvalidRequestError(
+                'response_format.json_schema must be {"name": ..., "schema": {...}, "strict": true}.',
+                "response_format.json_schema",
+            )
+        if not _FORMAT_NAME.match(spec["name"]):
+            raise InvalidRequestError(
+                "response_format.json_schema.name must be 1-64 letters, digits, underscores or dashes.",
+                "response_format.json_schema.name",
+            )
+        if "strict" in spec and not isinstance(spec["strict"], bool | None):
+            raise InvalidRequestError(
+                "response_format.json_schema.strict must be true or false.", "response_format.json_schema.strict"
+            )
+        # strict or not, the output follows the schema: kvserve always constrains it
+        return StructuredOutput.json_schema(spec.get("schema", True), "response_format.json_schema.schema")
+
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with its keys (token ids written as strings, as OpenAI takes them) as integers."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isascii() or not key.isdigit() or len(key) > 10:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r:.80}.", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -90,7 +129,12 @@ class _Base(BaseModel):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            logit_bias=self.token_bias(),
+            structured_output=self.structured_output(),
         )
+
+
+_FORMAT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class CompletionRequest(_Base):
@@ -153,9 +197,27 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: which call it answers
+
+    def as_dict(self, index: int) -> dict[str, Any]:
+        """The message as the chat template takes it (tool calls and results as text/tool_calls.py reads them)."""
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(index),
+        }
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise InvalidRequestError(
+                    f"messages[{index}]: only an assistant message has tool_calls.", f"messages[{index}].tool_calls"
+                )
+            message["tool_calls"] = self.tool_calls
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -179,12 +241,25 @@ class ChatCompletionRequest(_Base):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-            for i, m in enumerate(self.messages)
-        ]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.as_dict(i) for i, m in enumerate(self.messages)]
+
+    def tool_choice_spec(self) -> ToolChoice | None:
+        """The request's tools and tool_choice, checked; a response_format needs tool_choice none."""
+        choice = ToolChoice.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+        format_ = (self.response_format or {}).get("type", "text")
+        if choice is not None and choice.choice != "none" and format_ != "text":
+            raise InvalidRequestError(
+                f"response_format {format_!r} cannot be combined with tools the model may call; send "
+                'tool_choice "none", or leave response_format out (a required tool call is constrained by '
+                "the functions' parameter schemas already).",
+                "response_format",
+            )
+        return choice
 
     def chat_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -213,6 +288,13 @@ class SessionCreateRequest(BaseModel):
     ttl: float | None = Field(default=None, gt=0)
 
     def conversation(self) -> list[dict[str, str]]:
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" or m.tool_calls:
+                raise UnsupportedFieldError(
+                    f"messages[{i}]: a session holds text messages only; tool calls and results are not supported "
+                    "in sessions (use /v1/chat/completions with tools).",
+                    f"messages[{i}].role",
+                )
         return [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
             for i, m in enumerate(self.messages)

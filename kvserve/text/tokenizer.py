@@ -164,9 +164,13 @@ class Tokenizer:
             )
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """`kwargs` are more template variables (`tools=[...]`, as transformers passes them)."""
         # The template writes BOS itself where the model wants one; encoding adds no second one.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     @property
     def vocab_size(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
@@ -10,6 +12,7 @@ from kvserve.llm import LLM
 from kvserve.server.execution import Job, handle, llm_stream, with_seed
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.state import APIError, authorize, server_state
+from kvserve.text import tool_calls
 
 router = APIRouter(prefix="/v1")
 
@@ -62,8 +65,24 @@ def _completion_jobs(llm: LLM, body: CompletionRequest) -> list[Job]:
 
 
 def _chat_jobs(llm: LLM, body: ChatCompletionRequest) -> list[Job]:
-    prompt_ids = llm.tokenizer.encode_chat(body.conversation())
+    """Tools go through the chat template (text/tool_calls.py); a required or named call is
+    constrained by the functions' grammar, and the answer is parsed back into tool_calls."""
+    tokenizer = llm.tokenizer
+    choice = body.tool_choice_spec()
+    fmt = tool_calls.detect_format(tokenizer)
+    messages, variables = tool_calls.render_inputs(body.conversation(), choice, fmt, tokenizer)
+    prompt_ids = tokenizer.encode_chat(messages, **variables)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     default_max = max(1, llm.config.max_model_len - len(prompt_ids))  # as OpenAI: up to the context
     params = body.sampling_params(max_tokens, body.chat_logprobs(), default_max)
-    return [Job(0, llm_stream(llm, prompt_ids, with_seed(params, body.seed, i))) for i in range(body.n)]
+    calls = choice is not None and choice.choice != "none"
+    if calls:
+        grammar = tool_calls.grammar(choice, fmt, tokenizer)
+        keep_special = tool_calls.needs_special_tokens(fmt, tokenizer)
+        params = dataclasses.replace(
+            params, structured_output=grammar or params.structured_output, skip_special_tokens=not keep_special
+        )
+    return [
+        Job(0, llm_stream(llm, prompt_ids, with_seed(params, body.seed, i)), tool_format=fmt if calls else None)
+        for i in range(body.n)
+    ]

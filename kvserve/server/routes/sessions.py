@@ -86,6 +86,7 @@ async def session_completion(session_id: str, request: Request, owner: str | Non
             raise InvalidRequestError("A session turn has one choice; n must be 1.", "n")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, body.chat_logprobs(), 512)
+        llm.request_builder.check_params(params)  # a turn's request is built on the engine's side
 
         def stream(rid: str):  # announces its start: a refusal is a status, before the first byte
             return session.astream(params, interrupt=body.interrupt, request_id=rid, announce=True)

@@ -1,0 +1,359 @@
+"""Tool calls (issue 34, 3): formats from the chat template, tools rendered as transformers renders
+them, grammars that accept exactly a call of the named functions, and the parser: content and calls
+from an answer, the same whether it arrives whole or in any pieces.
+
+The Qwen2.5-style template below is the Hermes tool format that Qwen2.5 and Qwen3 publish; the
+Llama 3.1-style one renders tools into the first user message as Llama 3.1's does.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import llguidance
+import pytest
+
+from kvserve import InvalidRequestError
+from kvserve.text import tool_calls
+from kvserve.text.tokenizer import Tokenizer
+from kvserve.text.tool_calls import ToolChoice, ToolFormat, parse
+
+QWEN_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- for message in messages %}
+    {%- if loop.first and tools is not none and tools and message.role == 'user' %}
+        {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+        {{- "Given the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.\\n\\n" }}
+        {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+        {{- "Do not use variables.\\n\\n" }}
+        {%- for t in tools %}
+            {{- t | tojson(indent=4) }}
+            {{- "\\n\\n" }}
+        {%- endfor %}
+        {{- message.content + '<|eot_id|>' }}
+    {%- elif message.tool_calls %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", "parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {{- message.content + "<|eot_id|>" }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def write_tokenizer(path: Path, template: str, extra: tuple[str, ...] = ("<tool_call>", "</tool_call>")) -> None:
+    """A byte-level BPE tokenizer with ChatML's special tokens and, as Qwen2.5 has them, <tool_call>
+    and </tool_call> as ordinary added tokens."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    from kvserve.text.tokenizer import _byte_alphabet
+
+    vocab = {char: byte for byte, char in _byte_alphabet().items()}
+    backend = Backend(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra])
+    path.mkdir(parents=True, exist_ok=True)
+    backend.save(str(path / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": template}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qwen-tokenizer")
+    write_tokenizer(path, QWEN_TEMPLATE)
+    return path
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+            },
+            {
+                "id": "call_2",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 1}'},
+            },
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'},
+    {"role": "tool", "tool_call_id": "call_2", "content": '{"sky": "rain"}'},
+]
+
+
+def _as_transformers_takes_it(messages):
+    """What a client of transformers passes: arguments as objects."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                for c in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+def test_formats_come_from_the_template(qwen_tokenizer, tmp_path, bundled_gguf):
+    assert tool_calls.detect_format(Tokenizer.from_folder(qwen_tokenizer)) is ToolFormat.HERMES
+    write_tokenizer(tmp_path / "llama", LLAMA3_TEMPLATE)
+    assert tool_calls.detect_format(Tokenizer.from_folder(tmp_path / "llama")) is ToolFormat.LLAMA3
+    assert tool_calls.detect_format(Tokenizer.from_gguf(bundled_gguf)) is ToolFormat.GENERIC  # SmolLM2
+
+
+@pytest.mark.parametrize("template", ["qwen", "llama3"])
+def test_tools_and_tool_messages_render_as_transformers_renders_them(qwen_tokenizer, tmp_path, template):
+    transformers = pytest.importorskip("transformers")
+    path = qwen_tokenizer
+    messages = CONVERSATION
+    if template == "llama3":
+        path = tmp_path / "llama"
+        write_tokenizer(path, LLAMA3_TEMPLATE)
+        messages = [*[m for m in CONVERSATION if m["role"] != "system"][:3], CONVERSATION[3]]
+        messages[1] = {**messages[1], "tool_calls": messages[1]["tool_calls"][:1]}
+    ours = Tokenizer.from_folder(path)
+    choice = ToolChoice.from_request([WEATHER, TIME], "auto", None)
+    fmt = tool_calls.detect_format(ours)
+    rendered, variables = tool_calls.render_inputs(messages, choice, fmt, ours)
+    text = ours.apply_chat_template(rendered, **variables)
+    reference = transformers.AutoTokenizer.from_pretrained(path)
+    expected = reference.apply_chat_template(
+        _as_transformers_takes_it(messages), tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=False
+    )
+    assert text == expected
+    assert '"name": "get_time"' in text and '{"sky": "sunny"}' in text
+
+
+def test_the_generic_format_describes_the_tools_in_a_system_message(bundled_gguf):
+    tokenizer = Tokenizer.from_gguf(bundled_gguf)
+    choice = ToolChoice.from_request([WEATHER], "required", None)
+    rendered, variables = tool_calls.render_inputs(CONVERSATION, choice, ToolFormat.GENERIC, tokenizer)
+    assert variables == {}  # SmolLM2's template renders no tools: kvserve says them itself
+    assert rendered[0]["role"] == "system" and rendered[0]["content"].startswith("You are terse.\n\n")
+    assert '"get_weather"' in rendered[0]["content"] and '{"tool_calls": [' in rendered[0]["content"]
+    assert json.loads(rendered[2]["content"])["tool_calls"][1] == {
+        "name": "get_weather",
+        "arguments": {"city": "Rome", "days": 1},
+    }
+    assert rendered[3]["role"] == "tool" and json.loads(rendered[3]["content"])["name"] == "get_weather"
+
+
+def _accepts(tokenizer: Tokenizer, grammar, text: str) -> bool:
+    ll = llguidance.LLTokenizer(tokenizer.backend.to_str(), eos_token=list(tokenizer.stop_token_ids))
+    matcher = llguidance.LLMatcher(ll, grammar.grammar, log_level=0)
+    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+def test_grammars_accept_exactly_calls_of_the_named_functions(qwen_tokenizer, bundled_gguf):
+    qwen = Tokenizer.from_folder(qwen_tokenizer)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}\n</tool_call>'
+    required = tool_calls.grammar(ToolChoice.from_request([WEATHER, TIME], "required", None), ToolFormat.HERMES, qwen)
+    assert _accepts(qwen, required, call)
+    assert _accepts(
+        qwen,
+        required,
+        call + "\n" + call.replace("get_weather", "get_time").replace('{"city": "Rome", "days": 3}', "{}"),
+    )
+    assert not _accepts(qwen, required, call.replace("Rome", "Oslo"))  # not in the enum
+    assert not _accepts(qwen, required, call.replace("3", "9"))  # above the maximum
+    assert not _accepts(qwen, required, "Sure! " + call)
+    single = tool_calls.grammar(ToolChoice.from_request([WEATHER, TIME], "required", False), ToolFormat.HERMES, qwen)
+    assert not _accepts(qwen, single, call + "\n" + call)
+    named = tool_calls.grammar(
+        ToolChoice.from_request([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, None),
+        ToolFormat.HERMES,
+        qwen,
+    )
+    assert not _accepts(qwen, named, call)
+    assert _accepts(qwen, named, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert tool_calls.grammar(ToolChoice.from_request([WEATHER], "auto", None), ToolFormat.HERMES, qwen) is None
+    assert tool_calls.grammar(ToolChoice.from_request([WEATHER], "none", None), ToolFormat.GENERIC, qwen) is None
+    llama = tool_calls.grammar(ToolChoice.from_request([WEATHER], "required", None), ToolFormat.LLAMA3, qwen)
+    assert _accepts(qwen, llama, '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}')
+    smol = Tokenizer.from_gguf(bundled_gguf)
+    auto = tool_calls.grammar(ToolChoice.from_request([WEATHER], "auto", None), ToolFormat.GENERIC, smol)
+    assert _accepts(smol, auto, '{"content": "It is sunny."}')
+    assert _accepts(smol, auto, '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]}')
+    assert not _accepts(smol, auto, '{"tool_calls": []}')
+
+
+ANSWERS = [
+    (
+        ToolFormat.HERMES,
+        'Checking.\n<tool_call>\n{"name": "a", "arguments": {"x": [1, {"y": "}"}], "z": {}}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>',
+        "Checking.",
+        [("a", '{"x": [1, {"y": "}"}], "z": {}}'), ("b", "{}")],
+    ),
+    (ToolFormat.HERMES, "No calls, just <tool talk.", "No calls, just <tool talk.", []),
+    (
+        ToolFormat.HERMES,
+        '<tool_call>\n{"arguments": {"q": "\\"x\\""}, "name": "late"}\n</tool_call>',
+        None,
+        [("late", '{"q": "\\"x\\""}')],
+    ),
+    (ToolFormat.LLAMA3, '<|python_tag|>{"name": "f", "parameters": {"x": 1}}', None, [("f", '{"x": 1}')]),
+    (ToolFormat.LLAMA3, '{"name": "f", "parameters": "{\\"x\\": 1}"}', None, [("f", '{"x": 1}')]),
+    (ToolFormat.LLAMA3, "Hello there.", "Hello there.", []),
+    (ToolFormat.LLAMA3, '{"x": 1}', '{"x": 1}', []),
+    (
+        ToolFormat.GENERIC,
+        '{"tool_calls": [{"name": "f", "arguments": {"s": "é"}}, {"name": "g", "arguments": {}}]}',
+        None,
+        [("f", '{"s": "é"}'), ("g", "{}")],
+    ),
+    (ToolFormat.GENERIC, '{"content": "caf\\u00e9 \\ud83d\\ude00 \\"q\\" \\\\ done"}', 'café 😀 "q" \\ done', []),
+]
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", ANSWERS)
+def test_answers_parse_the_same_whole_and_in_any_pieces(fmt, text, content, calls):
+    whole = parse(text, fmt)
+    assert whole.content == content
+    assert [(c.name, c.arguments) for c in whole.tool_calls] == calls
+    for seed in range(30):
+        rng = random.Random(seed)
+        parser = tool_calls.ToolCallParser(fmt)
+        deltas, i = [], 0
+        while i < len(text):
+            size = rng.randint(1, 6)
+            deltas += parser.feed(text[i : i + size])
+            i += size
+        deltas += parser.finish()
+        pieces = tool_calls.assemble(deltas)
+        assert (pieces.content, [(c.name, c.arguments) for c in pieces.tool_calls]) == (content, calls)
+        starts = [d for d in deltas if d.id is not None]
+        assert [d.name for d in starts] == [name for name, _ in calls]  # id and name before any argument
+        for d in deltas:
+            if d.index is not None and d.id is None:
+                assert any(s.index == d.index for s in starts[: d.index + 1])
+
+
+@pytest.mark.parametrize(
+    "tools, choice, match",
+    [
+        ([{"type": "function", "function": {"name": "bad name!"}}], None, r"tools\[0\].function.name"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}], None, "parameters"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+            None,
+            "describe an object",
+        ),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}], None, "does not support"),
+        ([{"type": "retrieval"}], None, r"tools\[0\]"),
+        ([WEATHER, WEATHER], None, "twice"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not in tools"),
+        ([WEATHER], "sometimes", "tool_choice must be"),
+        (None, "required", "needs tools"),
+        ([WEATHER] * 129, None, "at most 128"),
+    ],
+    ids=[
+        "name",
+        "bad-schema",
+        "not-object",
+        "unsupported",
+        "not-function",
+        "duplicate",
+        "unknown-choice",
+        "bad-choice",
+        "no-tools",
+        "too-many",
+    ],
+)
+def test_bad_tools_are_refused_by_name(tools, choice, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        ToolChoice.from_request(tools, choice, None)
