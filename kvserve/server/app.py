@@ -21,7 +21,7 @@ from kvserve.server.engine_client import RemoteLLM
 from kvserve.server.engine_process import build_llm
 from kvserve.server.errors import BodyLimitMiddleware, install_error_handlers
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.routes import health, openai, sessions
+from kvserve.server.routes import health, openai, page, sessions, status
 from kvserve.server.state import ServerSettings, ServerState, require_key
 
 __all__ = ["ServerSettings", "create_app"]
@@ -66,8 +66,9 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(HTTPVersionMiddleware)  # added last: runs first
-    for router in (health.router, openai.router, sessions.router):
+    for router in (health.router, openai.router, sessions.router, page.router):
         app.include_router(router)
+    status.install(app, state)  # the status routes, and the ledger of requests they read
     return app
 
 

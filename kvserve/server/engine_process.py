@@ -34,6 +34,7 @@ from kvserve.errors import EngineError, InvalidRequestError
 from kvserve.llm import LLM
 from kvserve.processes import die_with_parent
 from kvserve.server.state import ServerSettings
+from kvserve.server.status_ops import STATUS_OPERATIONS
 from kvserve.sessions.session import Session
 
 logger = logging.getLogger("kvserve.engine")
@@ -156,6 +157,7 @@ OPERATIONS = {
     "problem": lambda llm: llm.problem(),
     "check_integrity": lambda llm: llm.check_integrity(),
     "runner_timings": lambda llm: llm.runner_timings(),
+    **STATUS_OPERATIONS,  # the status routes' reads (status_ops.py)
 }
 SESSION_METHODS = frozenset({"info", "add_message", "append", "fork", "close", "interrupt"})
 
