@@ -143,6 +143,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         engine_process=args.engine_process == "on",
         engine_timeout=args.stage_timeout,
+        stall_timeout=args.stall_timeout,
+        body_timeout=args.body_timeout,
         pipeline=topology,
     )
     # A session store that is not kvserve's (or cannot be opened) stops the server before it starts.
@@ -175,7 +177,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server = Server(config)
     server.exit_status = 0
     app.state.kvserve.on_fatal = server.engine_died
-    server.run()
+    from kvserve.server.backpressure import listening_socket
+
+    server.run(sockets=[listening_socket(args.host, args.port)])
     return server.exit_status
 
 
@@ -359,6 +363,23 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "--request-timeout", "seconds a request may run before it is aborted with 504", 600.0, float)
     _flag(p, "--kv-cache-tokens", "size of the KV pool in tokens; none means 1 GiB worth", None, int)
     _flag(p, "--max-body-bytes", "largest request body accepted; larger gets 413", 4 << 20, int)
+    _flag(
+        p,
+        "--body-timeout",
+        "seconds a request's body may take to arrive, from its headers; a slower one gets 408 and the "
+        "connection is closed",
+        30.0,
+        float,
+    )
+    _flag(
+        p,
+        "--stall-timeout",
+        "a stream whose client stops reading pauses its generation once its buffers are full (about 64 "
+        "events beyond the connection's 64 KiB send buffer: out of the batch, its KV freed, its place kept) "
+        "and resumes when the client reads; paused for this many seconds, it is aborted and frees its slot",
+        60.0,
+        float,
+    )
     _flag(p, "--max-sessions", "most open sessions; more get 429", 1024, int)
     _flag(
         p,

@@ -377,6 +377,12 @@ class LLM:
         """Abort requests by id (idempotent; unknown or finished ids are ignored)."""
         self.client.abort([request_id] if isinstance(request_id, str) else list(request_id))
 
+    def pause(self, request_id: str | list[str], paused: bool = True) -> None:
+        """Hold requests out of the batch (their reader is not keeping up: the server pauses a stream
+        whose client does not read), or with `paused=False` let them back. A paused request keeps its
+        place and its output; its KV blocks are freed and recomputed when it runs again."""
+        self.client.pause([request_id] if isinstance(request_id, str) else list(request_id), paused)
+
     # ----- introspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return {"num_sessions": 0, "session_kv_blocks": 0, **self.engine.stats()}

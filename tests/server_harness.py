@@ -12,6 +12,7 @@ import httpx
 import uvicorn
 
 from kvserve.server.app import ServerSettings, create_app
+from kvserve.server.backpressure import listening_socket
 
 
 def free_port() -> int:
@@ -54,9 +55,10 @@ def running_server(settings: ServerSettings, llm=None):
 def serving(app, healthy: bool = True, log_level: str = "warning"):
     """Yield the base URL of `app` served by uvicorn; with `healthy`, once /health answered 200,
     else once it answered at all. Stop it (gracefully) on exit."""
-    port = free_port()
+    sock = listening_socket("127.0.0.1", 0)  # as `kvserve serve` listens (its connections' send buffers)
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -74,3 +76,4 @@ def serving(app, healthy: bool = True, log_level: str = "warning"):
     finally:
         server.should_exit = True
         thread.join(30)
+        sock.close()

@@ -336,3 +336,70 @@ def test_a_corrupted_page_is_reported_for_good_and_refused_at_the_next_start(tin
             assert health.status_code == 503 and "malformed" in health.json()["detail"]
     with pytest.raises(SessionStoreError, match="damaged"):
         _llm(tiny_model_dir, db)
+
+
+# ----- a client that does not read (8) ---------------------------------------------------------------
+def _silent_stream(base: str, body: dict) -> socket.socket:
+    """A streaming request on a socket that is never read (a receive buffer of a few KB), so the
+    server's writes back up: a client that does not read."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    payload = json.dumps(body).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+# Big events (20 logprobs each, ~2 KB) fill the socket's buffers long before the 1000 tokens are made.
+SILENT = {"model": MODEL, "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True, "logprobs": 20}
+
+
+def test_streams_nobody_reads_are_paused_off_the_batch_and_new_requests_still_run(llm):
+    """max_num_seqs=2 and three streams whose clients do not read: paused once their buffers are full
+    (out of the batch, their KV freed, keeping their place), so a new request still gets its tokens."""
+    settings = ServerSettings(served_model_name=MODEL, max_num_seqs=2, stall_timeout=600.0)
+    with running_server(settings, llm) as base:
+        silent = [_silent_stream(base, SILENT) for _ in range(3)]
+        try:
+            wait_for(lambda: llm.stats()["num_paused"] == 3)
+            counts = llm.check_integrity()
+            assert counts["running"] == 0 and counts["used"] == 0  # out of the batch, no KV block held
+            r = httpx.post(
+                f"{base}/v1/completions", json={"model": MODEL, "prompt": "new", "max_tokens": 8}, timeout=60
+            )
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        finally:
+            for sock in silent:
+                sock.close()  # a disconnect aborts them
+        wait_for(lambda: llm.stats()["num_paused"] == 0)
+    wait_idle_and_check(llm)
+
+
+def test_a_stream_nobody_reads_frees_its_slot_after_the_stall_timeout(llm):
+    settings = ServerSettings(served_model_name=MODEL, stall_timeout=0.5)  # injected: the timeout is the subject
+    app = create_app(settings, llm)
+    aborted = llm.stats()["num_aborted_total"]
+    with serving(app) as base:
+        sock = _silent_stream(base, SILENT)
+        try:
+            wait_for(lambda: llm.stats()["num_aborted_total"] == aborted + 1)  # paused, then aborted
+            wait_idle_and_check(llm)
+            assert app.state.kvserve.num_inflight == 0  # its admission place is free too
+        finally:
+            sock.close()
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_closed(llm):
+    with running_server(ServerSettings(served_model_name=MODEL, body_timeout=0.5), llm) as base:
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            sock.sendall(f"{head}Content-Length: 100\r\n\r\n{{".encode())  # 1 of 100 bytes, then nothing
+            answer = b""
+            while chunk := sock.recv(65536):  # to the end: the server closes the connection
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b'"type":"timeout_error"' in answer.replace(b" ", b"")
+        assert httpx.get(f"{base}/health").status_code == 200

@@ -90,6 +90,9 @@ class EngineClient:
     def abort(self, request_ids: list[str]) -> None:
         self.engine.abort(request_ids)
 
+    def pause(self, request_ids: list[str], paused: bool = True) -> None:
+        self.engine.pause(request_ids, paused)
+
 
 def chunks(sink: ThreadSink) -> Iterator[StreamChunk]:
     """A request's chunks from its sink until the last one; an error in the sink is raised."""

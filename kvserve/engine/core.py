@@ -70,6 +70,12 @@ class _Abort:
 
 
 @dataclass
+class _Pause:
+    request_ids: list[str]
+    paused: bool
+
+
+@dataclass
 class _Call:
     fn: Callable[[], Any]
     future: Future
@@ -150,6 +156,12 @@ class EngineCore:
     def abort(self, request_ids: list[str]) -> None:
         if not self.is_closed:
             self.inbox.put(_Abort(list(request_ids)))
+
+    def pause(self, request_ids: list[str], paused: bool = True) -> None:
+        """Hold requests out of the batch (their reader is not keeping up) or let them back
+        (Scheduler.pause); unknown or finished ids are ignored."""
+        if not self.is_closed:
+            self.inbox.put(_Pause(list(request_ids), paused))
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run `fn` on the engine thread at the next step boundary and return its result."""
@@ -262,6 +274,8 @@ class EngineCore:
             self.admit(message.request, message.sink)
         elif isinstance(message, _Abort):
             self._abort(message.request_ids, RequestStatus.FINISHED_ABORTED)
+        elif isinstance(message, _Pause):
+            self.scheduler.pause(message.request_ids, message.paused)
         elif isinstance(message, _GrammarReady):
             self._grammar_ready(message.request)
         elif isinstance(message, _Call):
@@ -453,6 +467,7 @@ class EngineCore:
         self._stats = {
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
+            "num_paused": s.num_paused,
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used_blocks,
             "kv_blocks_cached": pool.num_cached_blocks,

@@ -62,6 +62,7 @@ class Request:
     stop_reason: int | str | None = None
     prefill_only: bool = False  # compute the prompt's KV and finish without sampling (eager session prefill)
     grammar: Grammar | None = None  # its structured output's matcher (engine/grammar.py), set when admitted
+    is_paused: bool = False  # held out of the batch: its reader is not keeping up (Scheduler.pause)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -85,8 +86,8 @@ class Request:
 
     @property
     def is_ready(self) -> bool:
-        """Whether it may be scheduled: False while its grammar compiles."""
-        return self.grammar is None or self.grammar.is_ready
+        """Whether it may be scheduled: False while its grammar compiles or while it is paused."""
+        return not self.is_paused and (self.grammar is None or self.grammar.is_ready)
 
     @property
     def finish_reason(self) -> FinishReason | None:

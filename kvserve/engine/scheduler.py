@@ -96,6 +96,20 @@ class Scheduler:
         """Whether a request could be scheduled now: one waiting (and ready), or one running not in flight."""
         return len(self.running) > len(self.in_flight) or any(r.is_ready for r in self.waiting)
 
+    @property
+    def num_paused(self) -> int:
+        return sum(request.is_paused for request in self.requests.values())
+
+    def pause(self, request_ids: Iterable[str], paused: bool = True) -> None:
+        """Hold requests out of the batch (a stream whose client does not read) or let them back. A
+        paused request keeps its place and its tokens; the next schedule that finds it running, and
+        not in flight, frees its KV blocks and puts it back at the front of the queue, where it is
+        skipped until resumed, and then recomputed (the same output). Unknown ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.is_paused = paused
+
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
@@ -114,6 +128,12 @@ class Scheduler:
             request = self.running[index]
             if request in self.in_flight:
                 index += 1
+                continue
+            if request.is_paused:  # out of the batch, its blocks back in the pool, its place kept
+                self.running.pop(index)
+                self._free_blocks(request)
+                request.status = RequestStatus.PREEMPTED
+                self.waiting.appendleft(request)
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self._allocate_slots(request, num_new):

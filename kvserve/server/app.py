@@ -16,6 +16,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 
 from kvserve.llm import LLM
+from kvserve.server.body_deadline import BodyDeadlineMiddleware
 from kvserve.server.edge import HTTPVersionMiddleware, redact_access_log
 from kvserve.server.engine_client import RemoteLLM
 from kvserve.server.engine_process import build_llm
@@ -65,6 +66,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
     app.state.kvserve = state
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyDeadlineMiddleware, timeout=settings.body_timeout)
     app.add_middleware(HTTPVersionMiddleware)  # added last: runs first
     for router in (health.router, openai.router, sessions.router, page.router):
         app.include_router(router)

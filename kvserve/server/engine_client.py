@@ -134,6 +134,9 @@ class RemoteLLM:
     def abort(self, request_ids: str | list[str]) -> None:
         self._send(("abort", [request_ids] if isinstance(request_ids, str) else list(request_ids)))
 
+    def pause(self, request_ids: str | list[str], paused: bool = True) -> None:
+        self._send(("pause", [request_ids] if isinstance(request_ids, str) else list(request_ids), paused))
+
     async def _stream(self, request_id: str, message: tuple) -> AsyncIterator[StreamChunk]:
         self._check_alive()
         if request_id in self.streams:

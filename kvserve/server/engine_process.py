@@ -10,6 +10,7 @@ ZeroMQ PUSH/PULL pipes on Unix sockets, one each way, in pickled tuples:
     ("turn", session, owner, params, interrupt, id,   ("out", [(request id, chunk | error)], stats)
         announce)                                         one message per engine loop turn
     ("abort", [request ids])
+    ("pause", [request ids], paused)  a stream's client is not reading (or is again)
     ("call", call id, op, args)  sessions, health     ("result", call id, ok, value)
     ("ping",)               when it heard nothing     ("pong",)  from the main thread, at once
     ("shutdown",)
@@ -231,6 +232,8 @@ def _serve(llm: LLM, inbox: zmq.Socket, outbox: Outbox) -> None:
                     outbox.send(("out", [(request_id, exc)], None))
             elif kind == "abort":
                 engine.abort(message[1])
+            elif kind == "pause":
+                engine.pause(message[1], message[2])
             elif kind == "call":
                 workers.submit(_call, llm, outbox, *message[1:])
             elif kind == "ping":

@@ -17,14 +17,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvserve.errors import EngineError, KVServeError
+from kvserve.errors import EngineClosedError, EngineError, KVServeError
 from kvserve.llm import LLM
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.sampling_params import MAX_SEED, SamplingParams
+from kvserve.server.backpressure import Backpressure, StreamStalledError
 from kvserve.server.formatting import Formatter, event
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import error_body
 from kvserve.server.state import APIError, ServerState, check_model, read_json, server_state
+from kvserve.sessions.store import SessionStoreError
 from kvserve.text.tool_calls import ToolFormat
 
 
@@ -165,8 +167,9 @@ async def run(state, llm, request, owner, response_id, kind, body, jobs: list[Jo
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        flow = Backpressure(llm, engine_ids, state.settings.stall_timeout)  # paced to a client that does not read
         return StreamingResponse(
-            _sse(state, streams, formatter, arrival, include_usage, cleanup, prompt_indices),
+            _sse(state, streams, formatter, arrival, include_usage, cleanup, prompt_indices, flow),
             media_type="text/event-stream",
             headers={"X-Request-Id": response_id},
             background=BackgroundTask(cleanup),  # also when the stream never started
@@ -231,13 +234,22 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _sse(state, streams, formatter, arrival, include_usage, cleanup, prompt_indices) -> AsyncIterator[str]:
+async def _sse(
+    state, streams, formatter, arrival, include_usage, cleanup, prompt_indices, flow: Backpressure
+) -> AsyncIterator[str]:
     queue: asyncio.Queue = asyncio.Queue()
+
+    def stalled() -> None:  # the client has not read for stall_timeout: its requests are aborted
+        queue.put_nowait((0, flow.error()))
+        cleanup()
+
+    flow.on_stall = stalled
 
     async def pump(index: int, stream) -> None:
         try:
             async for chunk in _observed(stream, state.metrics, arrival):
                 await queue.put((index, chunk))
+                flow.update(queue.qsize())
         except BaseException as exc:
             await queue.put((index, exc))
             raise
@@ -252,6 +264,7 @@ async def _sse(state, streams, formatter, arrival, include_usage, cleanup, promp
                     yield event(formatter.chunk_event(i, None, role=True))
             while remaining:
                 index, item = await queue.get()
+                flow.update(queue.qsize())
                 if isinstance(item, BaseException):
                     raise item
                 if formatter.echo_texts[index] is not None and formatter.first_chunk[index]:
@@ -273,8 +286,9 @@ async def _sse(state, streams, formatter, arrival, include_usage, cleanup, promp
             )
         )
     except KVServeError as exc:
-        yield event(error_body(str(exc), "server_error" if isinstance(exc, EngineError) else "invalid_request_error"))
+        yield event(_stream_error(exc))
     finally:
+        flow.close()
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -282,3 +296,14 @@ async def _sse(state, streams, formatter, arrival, include_usage, cleanup, promp
                 await task
         cleanup()
     yield "data: [DONE]\n\n"
+
+
+def _stream_error(exc: KVServeError) -> dict:
+    """The error event that ends a stream, typed as the same error is when it comes before the first byte."""
+    if isinstance(exc, StreamStalledError):
+        return error_body(str(exc), "timeout_error", code="stream_stalled")
+    if isinstance(exc, SessionStoreError):
+        return error_body(str(exc), "service_unavailable", code="session_store_error")
+    if isinstance(exc, EngineClosedError):
+        return error_body(str(exc), "service_unavailable", code=503)
+    return error_body(str(exc), "server_error" if isinstance(exc, EngineError) else "invalid_request_error")

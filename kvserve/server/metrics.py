@@ -25,6 +25,9 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("kvserve_requests_running", "Requests in the running batch.", s["num_running"])
         yield GaugeMetricFamily("kvserve_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"])
         yield GaugeMetricFamily(
+            "kvserve_requests_paused", "Requests held out of the batch: their client is not reading.", s["num_paused"]
+        )
+        yield GaugeMetricFamily(
             "kvserve_kv_cache_usage_ratio", "Fraction of KV blocks in use.", s["kv_blocks_used"] / total
         )
         yield GaugeMetricFamily("kvserve_kv_blocks_used", "KV blocks in use.", s["kv_blocks_used"])

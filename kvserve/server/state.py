@@ -48,6 +48,8 @@ class ServerSettings:
     max_message_bytes: int | None = None  # None: 16 bytes per token of max_session_tokens
     engine_process: bool = True  # the engine in a process of its own (engine_process.py), else a thread here
     engine_timeout: float = 5.0  # seconds an engine process may go unheard before requests fail (--stage-timeout)
+    stall_timeout: float = 60.0  # seconds a stream may stay paused for a client that does not read, then aborted
+    body_timeout: float = 30.0  # seconds a request's body may take to arrive, else 408
     pipeline: Topology | None = None  # the model's layers over several processes or hosts (kvserve/pipeline)
 
 

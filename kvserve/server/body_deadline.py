@@ -1,0 +1,62 @@
+"""A deadline on request bodies: a body still arriving `timeout` seconds after its headers gets 408 and
+the connection is closed. uvicorn bounds an idle keep-alive connection, not a body that trickles in (a
+byte every few seconds holds a connection and a task for as long as the client likes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+from kvserve.server.protocol import error_body
+
+
+class BodyDeadlineMiddleware:
+    def __init__(self, app: Callable, timeout: float) -> None:
+        self.app, self.timeout = app, timeout
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        body_done = False
+        started = False
+
+        async def timed_receive():
+            nonlocal body_done
+            if body_done:  # after the body: a wait for the disconnect, which has no deadline
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise _BodyTimeout from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def watched_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            return await self.app(scope, timed_receive, watched_send)
+        except _BodyTimeout:
+            if started:  # cannot happen for a route that reads its body before answering
+                raise
+            return await self._reject(send)
+
+    async def _reject(self, send) -> None:
+        message = f"The request body did not arrive within {self.timeout:g} s (--body-timeout); send it faster."
+        body = json.dumps(error_body(message, "timeout_error", code=408)).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 408, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTimeout(Exception):
+    pass
