@@ -4,7 +4,8 @@ Kernels: every row of a product computed in a batch of 1, 2, 5, 16, 33, 64 or 51
 row computed in any other batch. Engine, on the bundled model in each configuration this CPU runs:
 16 requests at once against each alone, seeded samples likewise, prompts behind a cached 256-token
 prefix against no prefix cache, prompts prefilled in chunks, a tight KV pool that preempts and
-recomputes, and a session's second turn against the same history sent statelessly.
+recomputes, and a session's second turn against the same history sent statelessly. With structured
+output (issue 34): 16 at once, half of them constrained by a grammar, against their solo runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.layers.quantized import Int4Groups, Int4Linear, Int8GroupLinear, float32_linear, int8_groups_from_float
 from kvserve.llm import default_dtype
+from kvserve.structured_output import StructuredOutput
 from tests.conftest import wait_idle_and_check
 
 ROWS = (1, 2, 5, 16, 33, 64, 512)
@@ -135,6 +137,38 @@ def test_seeded_samples_at_once_equal_their_solo_runs(config):
     params[3] = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, min_p=0.05, seed=3, ignore_eos=True)
     solo = [llm.generate(p, s).token_ids for p, s in zip(sixteen(PROMPTS), params, strict=True)]
     assert at_once(llm, sixteen(PROMPTS), params) == solo
+    wait_idle_and_check(llm)
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 40},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+
+
+def test_sixteen_at_once_half_constrained_equal_their_solo_runs(config):
+    """A grammar's mask is its own row's: the unconstrained requests keep their solo bits beside
+    constrained ones, and each constrained one (greedy or seeded) gives its solo output."""
+    llm = config["llm"]
+    grammar = StructuredOutput.json_schema(ANSWER)
+    kinds = [
+        SamplingParams(max_tokens=16, temperature=0, structured_output=grammar),
+        SamplingParams(max_tokens=16, temperature=0.8, seed=5, structured_output=grammar),
+    ]
+    prompts = sixteen(PROMPTS)
+    params = [GREEDY if i % 2 == 0 else kinds[(i // 4) % 2] for i in range(16)]
+    solo_constrained = {}
+    for i in range(1, 16, 2):
+        key = (prompts[i], (i // 4) % 2)
+        if key not in solo_constrained:
+            solo_constrained[key] = llm.generate(prompts[i], params[i]).token_ids
+    solo = [config["solo"][i % 4] if i % 2 == 0 else solo_constrained[(prompts[i], (i // 4) % 2)] for i in range(16)]
+    assert at_once(llm, prompts, params) == solo
     wait_idle_and_check(llm)
 
 
