@@ -15,6 +15,20 @@ the RSS slope in MB per 1,000 requests fitted over the checkpoints from --warmup
 p50/p99 latency and totals. Writes JSON (bench/results/soak.json by default) and prints a table.
 Bounded: it stops sending after --max-time seconds and always kills the server.
 Smoke test: `python bench/soak.py --quick` (600 requests, checkpoints every 100).
+
+A batch that has not finished --batch-deadline seconds after it started is reported while it goes on:
+each request still out (its X-Request-Id is soak-<i>) with what the client has seen of it (waiting for
+the answer's headers, or streaming: events so far, seconds since the last) and what the server says of
+it (GET /v1/requests/soak-<i>: queued, preempted, prefill, decoding..., tokens, KV blocks), and the
+engine's view (/metrics' running / waiting / paused, the engine view's queues and request states).
+
+--faults adds a fault phase on a server of its own (faults.py in this folder; R8 in docs/reliability.md):
+SIGSTOP and SIGCONT of the engine process, clients that never read their streams, SIGKILL of the
+engine process (the server must exit non-zero; the soak restarts it, as a supervisor would), and a full
+session store (a file-size limit on the server's process); then it restarts the server once more and
+reads back every session write that was acknowledged. It reports the requests acknowledged, the
+acknowledged writes lost (must be 0) and the worst hang (the longest a request waited without a byte
+of its answer; must be under --stage-timeout + 1 s).
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ import httpx
 from common import WORDS, free_port, percentile
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "soak.json"
+MAX_STUCK_REPORTED = 20  # requests described per stalled batch
 MODEL_NAME = "soak"
 CHAT_PATH = "/v1/chat/completions"
 
@@ -252,19 +267,31 @@ def _error_key(response: httpx.Response, body: bytes) -> tuple[str, bool]:
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, kind: str, detail: str, i: int, args: argparse.Namespace, rng: random.Random
+    client: httpx.AsyncClient,
+    url: str,
+    kind: str,
+    detail: str,
+    i: int,
+    args: argparse.Namespace,
+    rng: random.Random,
+    inflight: dict[int, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Send request i; return its outcome: {kind, detail, key, ok, latency_s, ...}."""
+    """Send request i (X-Request-Id soak-<i>); return its outcome: {kind, detail, key, ok, latency_s, ...}.
+    While it runs, `inflight[i]` says what the client has seen of it (for a stalled batch's report)."""
     out: dict[str, Any] = {"kind": kind, "detail": detail}
     start = time.perf_counter()
+    seen = {"kind": kind, "detail": detail, "started": start, "phase": "waiting for headers", "events": 0}
+    if inflight is not None:
+        inflight[i] = seen
+    headers = {"x-request-id": f"soak-{i}"}
     try:
         if kind == "malformed":
             body = malformed_body(detail, rng, i, args.max_tokens)
-            response = await client.post(url, content=body, headers={"content-type": "application/json"})
+            response = await client.post(url, content=body, headers={"content-type": "application/json", **headers})
             out["key"], out["json_error"] = _error_key(response, response.content)
             out["ok"] = 400 <= response.status_code < 500 and out["json_error"]
         elif detail == "json":
-            response = await client.post(url, json=chat_body(rng, i, args.max_tokens, stream=False))
+            response = await client.post(url, json=chat_body(rng, i, args.max_tokens, stream=False), headers=headers)
             if response.status_code == 200:
                 usage = response.json()["usage"]
                 out["key"], out["ok"] = "200", usage["completion_tokens"] == args.max_tokens
@@ -275,7 +302,8 @@ async def one_request(
         else:  # a stream, read to the end or dropped after its first event
             body = chat_body(rng, i, args.max_tokens, stream=True)
             events = 0
-            async with client.stream("POST", url, json=body) as response:
+            async with client.stream("POST", url, json=body, headers=headers) as response:
+                seen["phase"] = "streaming"
                 if response.status_code != 200:
                     raw = await response.aread()
                     out["key"], out["json_error"] = _error_key(response, raw)
@@ -286,6 +314,7 @@ async def one_request(
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         events += 1
+                        seen["events"], seen["last_event"] = events, time.perf_counter()
                         event = json.loads(line[6:])
                         if "error" in event:
                             stream_error = event["error"].get("type", "?")
@@ -300,25 +329,116 @@ async def one_request(
                         out["ok"] = events >= 1 if kind == "disconnect" else events >= args.max_tokens
     except httpx.HTTPError as exc:
         out["key"], out["ok"] = f"transport {type(exc).__name__}", False
+    finally:
+        if inflight is not None:
+            inflight.pop(i, None)
     out["latency_s"] = time.perf_counter() - start
     return out
 
 
 async def run_batch(
-    client: httpx.AsyncClient, url: str, plan: list[tuple[str, str]], first: int, args, rng, deadline: float
+    client: httpx.AsyncClient,
+    base: str,
+    plan: list[tuple[str, str]],
+    first: int,
+    args,
+    rng,
+    deadline: float,
+    stalls: list[dict[str, Any]],
 ) -> list[dict[str, Any]]:
+    """Run `plan`'s requests at --concurrency. Whenever the batch has run --batch-deadline seconds more
+    without finishing, report what is stuck (appended to `stalls`, and printed) and go on waiting."""
     queue: asyncio.Queue = asyncio.Queue()
     for k, item in enumerate(plan):
         queue.put_nowait((first + k, item))
     results: list[dict[str, Any]] = []
+    inflight: dict[int, dict[str, Any]] = {}
 
     async def worker() -> None:
         while not queue.empty() and time.perf_counter() < deadline:
             i, (kind, detail) = queue.get_nowait()
-            results.append(await one_request(client, url, kind, detail, i, args, rng))
+            results.append(await one_request(client, base + CHAT_PATH, kind, detail, i, args, rng, inflight))
 
-    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    workers = {asyncio.ensure_future(worker()) for _ in range(args.concurrency)}
+    started = time.perf_counter()
+    while workers:
+        done, workers = await asyncio.wait(workers, timeout=args.batch_deadline)
+        for task in done:
+            task.result()
+        if workers:
+            stalls.append(await report_stuck(client, base, inflight, first, time.perf_counter() - started))
     return results
+
+
+async def report_stuck(
+    client: httpx.AsyncClient, base: str, inflight: dict[int, dict[str, Any]], first: int, waited: float
+) -> dict[str, Any]:
+    """What the requests still out are doing: the client's side, the server's (GET /v1/requests/{id}),
+    and the engine's view (/metrics, the first event of /v1/engine/events)."""
+    now = time.perf_counter()
+    stuck = []
+    for i, seen in sorted(inflight.items())[:MAX_STUCK_REPORTED]:
+        entry: dict[str, Any] = {
+            "request_id": f"soak-{i}",
+            "kind": f"{seen['kind']} {seen['detail']}",
+            "age_s": round(now - seen["started"], 2),
+            "client": seen["phase"],
+            "events": seen["events"],
+        }
+        if "last_event" in seen:
+            entry["since_last_event_s"] = round(now - seen["last_event"], 2)
+        try:
+            r = await client.get(f"{base}/v1/requests/soak-{i}", timeout=5)
+            status = r.json()
+            entry["server"] = (
+                {k: status.get(k) for k in ("state", "num_output_tokens", "kv_blocks")}
+                if r.status_code == 200
+                else f"{r.status_code} {status.get('error', {}).get('message', '')[:120]}"
+            )
+        except (httpx.HTTPError, ValueError) as exc:
+            entry["server"] = f"no answer ({type(exc).__name__})"
+        stuck.append(entry)
+    engine: dict[str, Any] = {}
+    try:
+        m = parse_metrics((await client.get(base + "/metrics", timeout=5)).text)
+        engine["metrics"] = {
+            key: m.get(f"kvserve_{key}")
+            for key in ("requests_running", "requests_waiting", "requests_paused", "kv_blocks_used")
+        }
+    except httpx.HTTPError as exc:
+        engine["metrics"] = f"no answer ({type(exc).__name__})"
+    engine["view"] = await engine_view(client, base)
+    report = {
+        "batch_first": first,
+        "waited_s": round(waited, 1),
+        "num_out": len(inflight),
+        "stuck": stuck,
+        "engine": engine,
+    }
+    print(f"batch from {first}: {len(inflight)} requests still out after {waited:.0f} s; engine: {engine}")
+    for entry in stuck:
+        print(f"  {entry}")
+    return report
+
+
+async def engine_view(client: httpx.AsyncClient, base: str) -> dict[str, Any] | str:
+    """A summary of the engine's view (its first event on /v1/engine/events): queues, request states."""
+    try:
+        async with asyncio.timeout(5):
+            async with client.stream("GET", base + "/v1/engine/events") as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        view = json.loads(line[6:])
+                        states = collections.Counter(r["state"] for r in view.get("requests", []))
+                        return {
+                            "running": len(view.get("running", [])),
+                            "waiting": len(view.get("waiting", [])),
+                            "request_states": dict(states),
+                            "pool": view.get("pool"),
+                        }
+    except (TimeoutError, httpx.HTTPError, ValueError) as exc:
+        return f"no answer ({type(exc).__name__})"
+    return "no event"
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -355,6 +475,7 @@ async def soak(args: argparse.Namespace, proc: subprocess.Popen, base: str) -> d
     timeout = httpx.Timeout(args.client_timeout, connect=10)
     checkpoints: list[dict[str, Any]] = []
     everything: list[dict[str, Any]] = []
+    stalls: list[dict[str, Any]] = []
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         idle = await wait_idle(client, base, args.idle_timeout)
         checkpoints.append({"requests_done": 0, "elapsed_s": 0.0, **process_memory(proc.pid), **idle})
@@ -367,7 +488,7 @@ async def soak(args: argparse.Namespace, proc: subprocess.Popen, base: str) -> d
         done = 0
         while done < len(plan) and time.perf_counter() < deadline:
             batch = plan[done : done + args.checkpoint_every]
-            results = await run_batch(client, base + CHAT_PATH, batch, done, args, rng, deadline)
+            results = await run_batch(client, base, batch, done, args, rng, deadline, stalls)
             done += len(results)
             everything += results
             if proc.poll() is not None:
@@ -395,6 +516,7 @@ async def soak(args: argparse.Namespace, proc: subprocess.Popen, base: str) -> d
     rss = [c["rss_mb"] for c in checkpoints if "rss_mb" in c]
     return {
         "checkpoints": checkpoints,
+        "stalls": stalls,
         "totals": {
             **summarize(everything),
             "wall_s": round(time.perf_counter() - start, 1),
@@ -437,6 +559,25 @@ def main() -> None:
         "--idle-timeout", type=float, default=5.0, help="seconds to wait for an idle server per checkpoint"
     )
     parser.add_argument("--max-time", type=float, default=3600.0, help="stop sending after this many seconds")
+    parser.add_argument(
+        "--batch-deadline",
+        type=float,
+        default=120.0,
+        help="seconds a batch may run before what is stuck in it is reported (again every as many seconds)",
+    )
+    parser.add_argument("--faults", action="store_true", help="add the fault phase (faults.py) on a server of its own")
+    parser.add_argument(
+        "--stage-timeout",
+        type=float,
+        default=2.0,
+        help="the fault phase server's --stage-timeout (default %(default)s)",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=3.0,
+        help="the fault phase server's --stall-timeout (default %(default)s)",
+    )
     parser.add_argument("--client-timeout", type=float, default=120.0, help="per-request client timeout in seconds")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
     parser.add_argument(
@@ -488,11 +629,17 @@ def main() -> None:
                 "server_env",
                 "seed",
                 "quick",
+                "batch_deadline",
+                "faults",
             )
         },
         "server": {"ready_s": round(ready_s, 2), "exit_code": returncode},
         **result,
     }
+    if args.faults:
+        from faults import run_faults
+
+        report["faults"] = asyncio.run(run_faults(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     t, r = report["totals"], report["rss"]
@@ -506,6 +653,13 @@ def main() -> None:
         f"{r['slope_mb_per_1000_after_warmup']} MB per 1,000 requests "
         f"(server alone {r['server_slope_mb_per_1000_after_warmup']}; children up to {r['max_children_rss_mb']} MB)"
     )
+    if args.faults:
+        f = report["faults"]
+        print(
+            f"fault phase: {f['requests_sent']} requests, {f['requests_acknowledged']} acknowledged; "
+            f"{f['writes_acknowledged']} session writes acknowledged, {f['writes_lost']} lost; worst hang "
+            f"{f['worst_hang_s']} s (bound {f['hang_bound_s']} s): {'passed' if f['passed'] else 'FAILED'}"
+        )
     print(f"wrote {args.out}")
 
 

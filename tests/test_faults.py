@@ -141,7 +141,7 @@ def test_a_stopped_engine_process_fails_requests_fast_and_recovers_on_sigcont(ti
                             stopped = True
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
-            assert error["type"] == "server_error" and "not answered" in error["message"], error
+            assert error["type"] == "service_unavailable" and "not answered" in error["message"], error
             later = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
             assert later.status_code == 503 and "not answered" in later.json()["error"]["message"]
             assert httpx.post(f"{base}/v1/sessions", json={}).status_code == 503

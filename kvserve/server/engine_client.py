@@ -279,7 +279,10 @@ class RemoteLLM:
         flight now, refuse everything new until it is heard from again."""
         self.silence = f"the engine process has not answered for {quiet:.1f} s"
         logger.error("%s; requests in flight fail and new ones get 503 until it answers", self.silence)
-        error = EngineError(f"The engine process has not answered for {quiet:.1f} s; this request was aborted.")
+        # 503 (service_unavailable), as for the requests refused meanwhile: the engine is not broken, only silent.
+        error = EngineClosedError(
+            f"The engine process has not answered for {quiet:.1f} s; this request was aborted. Retry shortly."
+        )
         for queue in self.streams.values():
             queue.put_nowait(error)
         if self.streams:  # applied when (if) it answers again, so that their blocks are freed

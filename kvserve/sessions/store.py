@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import hmac
 import os
+import resource
 import secrets
 import sqlite3
 import threading
@@ -59,6 +60,7 @@ COLUMNS = {
 }
 COLUMNS_BEFORE_4 = {**COLUMNS, "messages": COLUMNS["messages"][:-1]}
 PROBE_BYTES = 8192  # the health probe's row: more than a page, so that it needs space the disk must have
+FILE_LIMIT_HEADROOM_PAGES = 4  # pages kept free below a file-size limit, for the log's frames to fit
 
 
 class SessionStoreError(KVServeError):
@@ -133,6 +135,7 @@ class SessionStore:
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on the disk before it is acknowledged
             self._db.execute("PRAGMA foreign_keys=ON")
             self._file = self._identity()
+            self._bound_by_file_limit()
             self._check_pages()
             self._open_schema()
         except SessionStoreError:
@@ -321,6 +324,15 @@ class SessionStore:
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             write()
+
+    def _bound_by_file_limit(self) -> None:
+        """Under a file-size limit (RLIMIT_FSIZE), keep the database FILE_LIMIT_HEADROOM_PAGES below it:
+        a write then fails as full (SQLITE_FULL) before the log holds pages the database file could
+        never take, so a checkpoint still empties the log and a DELETE still fits."""
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            page_size = self._db.execute("PRAGMA page_size").fetchone()[0]
+            self._db.execute(f"PRAGMA max_page_count = {max(8, limit // page_size - FILE_LIMIT_HEADROOM_PAGES)}")
 
     def _identity(self) -> tuple[int, int] | None:
         try:
