@@ -268,6 +268,8 @@ class RemoteLLM:
             await asyncio.sleep(interval)
             quiet = time.monotonic() - self._heard
             if quiet >= self._timeout:
+                if self._from_engine.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # it spoke; this loop was busy
+                    continue
                 if self.silence is None and self.death is None:
                     self._silent(quiet)
             elif quiet >= interval:
