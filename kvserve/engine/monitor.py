@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 
 MAX_EVENTS = 4096  # the log readers catch up from; a reader further behind is told how many it missed
 MAX_FINISHED = 1024  # finished requests whose status can still be read
-RECENT_FINISHED_S = 30.0  # finished requests a read still shows (their last row on the page)
+RECENT_FINISHED_S = 5.0  # finished requests a read still shows (their last row on the page)...
+MAX_RECENT_FINISHED = 8  # ...at most this many, the latest
 WATCH_S = 2.0  # a reader counts as watching this long after a read
-CAPTURE_INTERVAL_S = 0.05  # while watched, the engine copies its state at most this often without an event
+CAPTURE_INTERVAL_S = 0.1  # while watched, the engine copies its state at most this often without an event
 SERIES_SECONDS = 300  # the per-second figures a snapshot carries: the last five minutes
 
 # Codes of the block map (a snapshot's "map" is run-length encoded: [code, count] pairs); a code from
@@ -72,6 +73,7 @@ class Track:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)  # the request's list as last seen (kept at the end)
     num_blocks_freed: int | None = None
+    _row: dict[str, Any] | None = field(default=None, repr=False)  # a finished request's view row
 
     @property
     def state(self) -> str:
@@ -90,6 +92,24 @@ class Track:
     @property
     def num_output(self) -> int:
         return self.request.num_output_tokens if self.request is not None else self.num_output_tokens
+
+    def row(self) -> dict[str, Any]:
+        """The engine view's row: the status without the Unix times (a finished one's is kept)."""
+        if self._row is not None:
+            return self._row
+        status = self.status_dict(0.0)
+        timings = status["timings"]
+        ttft_s, tokens_per_s = timings["ttft_s"], timings["tokens_per_s"]
+        row = {
+            **status,
+            "timings": {
+                "ttft_s": round(ttft_s, 4) if ttft_s is not None else None,
+                "tokens_per_s": round(tokens_per_s, 1) if tokens_per_s is not None else None,
+            },
+        }
+        if self.finished_at is not None:
+            self._row = row
+        return row
 
     def status_dict(self, offset: float) -> dict[str, Any]:
         """As readers get it; `offset` turns monotonic times into Unix times."""
@@ -281,10 +301,17 @@ class EngineMonitor:
                 found[request_id] = track.status_dict(offset)
         return found
 
-    def read(self, since_seq: int = 0, watch_s: float = WATCH_S, timeout: float | None = 30.0) -> dict[str, Any]:
+    def read(
+        self,
+        since_seq: int = 0,
+        watch_s: float = WATCH_S,
+        series_seconds: int | None = None,
+        timeout: float | None = 30.0,
+    ) -> dict[str, Any]:
         """The engine's state as of its last turn (`build_view` turns it into the block map): the
         pool's reference counts, who holds which blocks, the queues, live and recently finished
-        requests, the log's events after `since_seq`, figures per second.
+        requests, the log's events after `since_seq`, figures per second (the last `series_seconds`
+        of them, or all).
 
         A reader is "watching" for `watch_s` after each read: meanwhile the engine copies its state at
         the end of a turn that logged an event, and at most every CAPTURE_INTERVAL_S otherwise (list
@@ -299,20 +326,25 @@ class EngineMonitor:
             capture = self.engine.call(self._capture, timeout)
         offset = time.time() - time.monotonic()
         now = capture["now"]
-        tracks = capture["tracks"] + [
-            t for t in list(self.finished.values()) if now - t.finished_at < RECENT_FINISHED_S
-        ]
-        events = [e for e in list(self.events) if e["seq"] > since_seq]
+        recent = []
+        for track in reversed(list(self.finished.values())):  # the latest first
+            if len(recent) == MAX_RECENT_FINISHED or now - track.finished_at > RECENT_FINISHED_S:
+                break
+            if track.finished_at <= now:  # after the capture: not yet
+                recent.append(track)
+        logged = list(self.events)  # consecutive numbers: the ones after since_seq are a slice
+        events = logged[max(0, since_seq - logged[0]["seq"] + 1) :] if logged else []
         num_missed = events[0]["seq"] - since_seq - 1 if events and since_seq else 0
+        series = list(self.series)
         return {
             **{k: v for k, v in capture.items() if k not in ("now", "tracks")},
             "time": now + offset,
             "offset": offset,
-            "requests": [track.status_dict(offset) for track in tracks],
+            "requests": [track.row() for track in [*capture["tracks"], *reversed(recent)]],
             "events": events,
             "last_seq": events[-1]["seq"] if events else since_seq,
             "num_missed_events": max(num_missed, 0),
-            "series": [list(bucket) for bucket in list(self.series)],
+            "series": [list(bucket) for bucket in series[-series_seconds if series_seconds else 0 :]],
             "step_time_s": self.step_time_s,
         }
 
@@ -359,7 +391,10 @@ def build_view(state: dict[str, Any]) -> dict[str, Any]:
     sessions, and groups of those that share blocks), the pool's counts, and each request's session.
     Pure: runs wherever the state arrives (the server's front end)."""
     holders: list[dict[str, Any]] = []
-    codes = [CACHED if cached else FREE for cached in state["is_cached"]]
+    ref_cnt, is_cached = state["ref_cnt"], state["is_cached"]
+    codes = list(is_cached)  # FREE or CACHED (0, 1); C-level passes over the blocks from here on
+    for block_id in itertools.compress(range(len(codes)), ref_cnt):
+        codes[block_id] = IN_USE  # until a holder claims it; else held by something the monitor was not told of
     groups: dict[tuple[int, ...], int] = {}
 
     def hold(index: int, block_ids: list[int]) -> None:
@@ -384,11 +419,8 @@ def build_view(state: dict[str, Any]) -> dict[str, Any]:
         if block_ids:
             holders.append({"kind": "session", "id": session_id, "owner": owner})
             hold(len(holders) - 1, block_ids)
-    for block_id, count in enumerate(state["ref_cnt"]):
-        if count and codes[block_id] < HOLDER_BASE:
-            codes[block_id] = IN_USE  # held by something the monitor was not told of
-    num_cached = sum(state["is_cached"][b] and not c for b, c in enumerate(state["ref_cnt"]))
-    num_used = sum(1 for c in state["ref_cnt"] if c)
+    num_cached = sum(itertools.compress(is_cached, map(operator.not_, ref_cnt)))
+    num_used = len(ref_cnt) - ref_cnt.count(0)
     for request in state["requests"]:
         request["session"] = session_of.get(request["id"])
     return {
@@ -411,13 +443,7 @@ def build_view(state: dict[str, Any]) -> dict[str, Any]:
 
 def _runs(codes: list[int]) -> list[list[int]]:
     """Run-length encoding: [[code, count], ...]."""
-    runs: list[list[int]] = []
-    for code in codes:
-        if runs and runs[-1][0] == code:
-            runs[-1][1] += 1
-        else:
-            runs.append([code, 1])
-    return runs
+    return [[code, len(list(run))] for code, run in itertools.groupby(codes)]
 
 
 def _shift(t: float | None, offset: float) -> float | None:

@@ -11,9 +11,10 @@ from kvserve.sessions.status import owner_sessions
 from kvserve.weights.loader import recommended_sampling
 
 
-def status_read(llm: LLM, since_seq: int, watch_s: float) -> dict[str, Any]:
-    """The engine's state for the engine view (EngineMonitor.read), with the log's events after `since_seq`."""
-    return llm.monitor.read(since_seq, watch_s)
+def status_read(llm: LLM, since_seq: int, watch_s: float, series_seconds: int | None) -> dict[str, Any]:
+    """The engine's state for the engine view (EngineMonitor.read), with the log's events after
+    `since_seq` and the last `series_seconds` of the per-second figures (None: all)."""
+    return llm.monitor.read(since_seq, watch_s, series_seconds)
 
 
 def status_requests(llm: LLM, request_ids: list[str]) -> dict[str, dict[str, Any]]:

@@ -22,13 +22,13 @@ import contextlib
 import json
 import logging
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvserve.engine.monitor import HOLDER_BASE, IN_USE, build_view
+from kvserve.engine.monitor import HOLDER_BASE, IN_USE, SERIES_SECONDS, build_view
 from kvserve.errors import KVServeError
 from kvserve.server.engine_client import RemoteLLM
 from kvserve.server.state import APIError, ServerState, authorize, server_state
@@ -39,6 +39,8 @@ router = APIRouter(prefix="/v1")
 STATUS_INTERVAL_S = 0.25  # the engine is read at most this often, whatever the number of listeners
 MAX_REMEMBERED = 4096  # ended requests whose owner and ids are remembered (GET after the end)
 KEEPALIVE_S = 15.0  # an SSE comment when a listener has had nothing for this long
+SERIES_EVERY = 20  # the whole per-second series goes out every this many reads (and first); else its tail
+SERIES_TAIL = 3
 _MISSING = object()
 
 
@@ -100,14 +102,17 @@ class Mailbox:
     def __init__(self) -> None:
         self.view: dict[str, Any] | None = None
         self.events: list[dict[str, Any]] = []
+        self.tick = 0
+        self.merged = False  # more than one read's events wait: this listener's message is its own
         self.ready = asyncio.Event()
 
-    def put(self, view: dict[str, Any], events: list[dict[str, Any]]) -> None:
-        self.view = view
+    def put(self, view: dict[str, Any], events: list[dict[str, Any]], tick: int) -> None:
+        self.merged |= self.ready.is_set()
+        self.view, self.tick = view, tick
         self.events.extend(events)
         self.ready.set()
 
-    async def take(self, timeout: float) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    async def take(self, timeout: float) -> tuple[dict[str, Any], list[dict[str, Any]], int, bool] | None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self.ready.wait()
@@ -115,20 +120,26 @@ class Mailbox:
             return None
         self.ready.clear()
         events, self.events = self.events, []
-        return self.view, events
+        merged, self.merged = self.merged, False
+        return self.view, events, self.tick, merged
 
 
 class StatusFeed:
     """Reads the engine while anyone listens, at most every STATUS_INTERVAL_S, and hands each
-    listener the view (build_view) and the new events; keeps the last events for late listeners."""
+    listener the view (build_view) and the new events; keeps the last events for late listeners.
+    Listeners of one key that are up to date get one encoding of each read's view between them."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.listeners: set[Mailbox] = set()
         self.recent: deque[dict[str, Any]] = deque(maxlen=MAX_REMEMBERED)
         self.last_seq = 0
+        self.tick = 0  # reads so far
+        self.series: OrderedDict[int, list[float]] = OrderedDict()  # the engine's per-second figures, merged
         self.view: dict[str, Any] | None = None
         self._task: asyncio.Task | None = None
+        self._encoded: dict[str | None, str] = {}  # this tick's message per owner
+        self._encoded_tick = -1
 
     @contextlib.asynccontextmanager
     async def listen(self) -> AsyncIterator[Mailbox]:
@@ -141,25 +152,44 @@ class StatusFeed:
         finally:
             self.listeners.discard(mailbox)
 
+    def encoded(self, tick: int, owner: str | None, encode: Callable[[], str]) -> str:
+        """This tick's message for `owner`, encoded once for all its listeners."""
+        if tick != self._encoded_tick:
+            self._encoded.clear()
+            self._encoded_tick = tick
+        if owner not in self._encoded:
+            self._encoded[owner] = encode()
+        return self._encoded[owner]
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while self.listeners:
             started = loop.time()
             try:
                 # watch_s: the engine keeps copies fresh until the next read is due, and a little more
-                state = await call_op(self.state, "status_read", self.last_seq, 8 * STATUS_INTERVAL_S)
+                whole = self.tick % SERIES_EVERY == 0  # else only the last seconds travel
+                state = await call_op(
+                    self.state, "status_read", self.last_seq, 8 * STATUS_INTERVAL_S, None if whole else SERIES_TAIL
+                )
             except (APIError, KVServeError) as exc:  # loading, or the engine stopped: try again later
                 logger.debug("the status feed could not read the engine: %s", exc)
             else:
                 if state["last_seq"] < self.last_seq:  # a new engine (its log starts again)
                     self.recent.clear()
                 self.last_seq = state["last_seq"]
+                if whole:
+                    self.series.clear()
+                self.series.update((bucket[0], bucket) for bucket in state["series"])
+                while len(self.series) > SERIES_SECONDS:
+                    self.series.popitem(last=False)
+                state["series"] = list(self.series.values())
                 self.view = build_view(state)
                 offset = state["offset"]  # the engine's clock is monotonic: events get Unix times
                 events = [{**e, "t": e["t"] + offset} for e in self.view.pop("events")]
                 self.recent.extend(events)
+                self.tick += 1
                 for mailbox in list(self.listeners):
-                    mailbox.put(self.view, events)
+                    mailbox.put(self.view, events, self.tick)
             await asyncio.sleep(max(0.0, STATUS_INTERVAL_S - (loop.time() - started)))
 
 
@@ -191,8 +221,11 @@ class Visibility:
         return self.request(holder["id"], holder.get("session"))
 
 
-def view_for(view: dict[str, Any], events: list[dict[str, Any]], visible: Visibility) -> dict[str, Any]:
-    """The engine view as one key sees it: its requests and sessions by id, the rest anonymous."""
+def view_for(
+    view: dict[str, Any], events: list[dict[str, Any]], visible: Visibility, full_series: bool = True
+) -> dict[str, Any]:
+    """The engine view as one key sees it: its requests and sessions by id, the rest anonymous. The
+    per-second series whole, or (`full_series` false) its last SERIES_TAIL seconds."""
     holders = view["holders"]
     shown: list[dict[str, Any]] = []
     codes: dict[int, int] = {}  # old holder index -> new code
@@ -242,7 +275,8 @@ def view_for(view: dict[str, Any], events: list[dict[str, Any]], visible: Visibi
         "sessions": sessions,
         "other_sessions": {"count": len(others), "kv_blocks": sum(s["kv_blocks"] for s in others)},
         "events": [_event_for(e, visible) for e in events],
-        "series": view["series"],
+        "series": view["series"] if full_series else view["series"][-SERIES_TAIL:],
+        "series_full": full_series,
         "step_time_s": view["step_time_s"],
         "counters": view["counters"],
         "num_missed_events": view["num_missed_events"],
@@ -325,15 +359,18 @@ async def request_events(request_id: str, request: Request, owner: str | None = 
                 if taken is None:
                     yield ": keepalive\n\n"
                     continue
-                view, events = taken
+                view, events, _, _ = taken
                 for event in events:
                     if event["request_id"] in wanted and event["seq"] not in seen:
                         seen.add(event["seq"])
                         yield _sse(event["kind"], event)
-                statuses = {s["id"]: s for s in view["requests"] if s["id"] in wanted}
-                if statuses:
+                rows = {row["id"]: row for row in view["requests"] if row["id"] in wanted}
+                if rows:  # a view's row has the status's fields but the Unix times: merged into the last
                     known = {c["id"]: c for c in last["choices"]}
-                    now = _request_object(request_id, {**known, **statuses}, engine_ids)
+                    for engine_id, row in rows.items():
+                        before = known.get(engine_id, {"timings": {}})
+                        known[engine_id] = {**before, **row, "timings": {**before["timings"], **row["timings"]}}
+                    now = _request_object(request_id, known, engine_ids)
                     if _progress(now) != _progress(last):
                         yield _sse("status", now)
                     last = now
@@ -369,17 +406,26 @@ async def engine_events(request: Request, owner: str | None = Depends(authorize)
     async def stream() -> AsyncIterator[str]:
         async with status_feed.listen() as mailbox:
             backlog = list(status_feed.recent)
+            first = True
             while True:
                 taken = await mailbox.take(KEEPALIVE_S)
                 if taken is None:
                     yield ": keepalive\n\n"
                     continue
-                view, events = taken
-                if backlog:
+                view, events, tick, merged = taken
+                if first or merged:  # a message of its own: the backlog, or more than one read's events
                     known = {e["seq"] for e in events}
-                    events = [e for e in backlog if e["seq"] not in known] + events
-                    backlog = []
-                yield _sse("engine", view_for(view, events, Visibility(state, owner, view)))
+                    events = [e for e in backlog if e["seq"] not in known] + events if first else events
+                    yield _sse("engine", view_for(view, events, Visibility(state, owner, view)))
+                    first = False
+                    continue
+                yield status_feed.encoded(
+                    tick,
+                    owner,
+                    lambda view=view, events=events, tick=tick: _sse(
+                        "engine", view_for(view, events, Visibility(state, owner, view), tick % SERIES_EVERY == 0)
+                    ),
+                )
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 

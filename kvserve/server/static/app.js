@@ -15,6 +15,7 @@ const state = {
   messages: [], // the open session's history: {role, content}
   turn: null, // the running turn: {requestId, item}
   cells: [],
+  series: new Map(), // the engine's per-second figures by second
   engineStream: null,
 };
 
@@ -579,7 +580,11 @@ function chart(selector, values) {
 }
 
 function renderSeries(view) {
-  const series = view.series;
+  // The whole five minutes come now and then; in between, the last seconds, merged in here.
+  if (view.series_full) state.series = new Map();
+  for (const bucket of view.series) state.series.set(bucket[0], bucket);
+  const series = [...state.series.values()].sort((a, b) => a[0] - b[0]).slice(-300);
+  state.series = new Map(series.map((bucket) => [bucket[0], bucket]));
   const end = series.length ? series[series.length - 1][0] : 0;
   const tokens = new Array(300).fill(0);
   const step = new Array(300).fill(null);
