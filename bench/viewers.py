@@ -5,10 +5,11 @@ The server runs as bench/serve.py starts it (the bundled GGUF, the engine in its
 --kvserve-args says otherwise). Each round streams 16 completions of --max-tokens tokens (ignore_eos,
 distinct prompts, all released together) and reports aggregate tokens/s; rounds alternate between
 no viewers and ten viewers (none, ten, ten, none, ...), so that drift in the machine's speed falls on
-both alike, and the medians are compared. The viewers run in a process of their own (as browsers
-would), each reading and parsing every message. Also reported: the messages each viewer got per
-second and their size, and the engine thread's time in the status monitor (EngineMonitor's own
-count) per second of load. Writes JSON (default bench/results/viewers.json).
+both alike; the medians are compared, and each block of four rounds gives a ratio of its own. The
+viewers run in a process of their own (as browsers would), each reading and parsing every message.
+Also reported: the messages each viewer got per second and their size, the engine thread's time in
+the status monitor (EngineMonitor's own count), and the CPU seconds per second of the front end, the
+engine process and the viewers. Writes JSON (default bench/results/viewers.json).
 
     python bench/viewers.py                      # 8 rounds of each
     python bench/viewers.py --quick              # a smoke run: 2 rounds of 4 streams
@@ -182,6 +183,14 @@ def main() -> None:
     none = [r["tokens_per_s"] for r in rounds if r["viewers"] == 0]
     watched = [r["tokens_per_s"] for r in rounds if r["viewers"]]
     ratio = statistics.median(watched) / statistics.median(none)
+    # Each block of four rounds (none, ten, ten, none) gives a ratio of its own: the machine's drift
+    # over the run falls on both sides of each one.
+    blocks = [rounds[i : i + 4] for i in range(0, len(rounds) - 3, 4)]
+    block_ratios = [
+        statistics.mean(r["tokens_per_s"] for r in block if r["viewers"])
+        / statistics.mean(r["tokens_per_s"] for r in block if not r["viewers"])
+        for block in blocks
+    ]
     summary = {
         "streams": args.streams,
         "viewers": args.viewers,
@@ -190,6 +199,8 @@ def main() -> None:
         "tokens_per_s_none_median": statistics.median(none),
         "tokens_per_s_viewers_median": statistics.median(watched),
         "ratio_viewers_to_none": ratio,
+        "ratio_per_block": block_ratios,
+        "ratio_per_block_median": statistics.median(block_ratios) if block_ratios else None,
         "within_3_percent": ratio >= 0.97,
         "viewer_messages_per_s": statistics.median(r["viewer_messages_per_s"] for r in rounds if r["viewers"]),
         "viewer_bytes_per_message": statistics.median(r["viewer_bytes_per_message"] for r in rounds if r["viewers"]),

@@ -167,6 +167,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             # close the engine, and exit 0 instead of re-raising the signal as uvicorn would.
             super().handle_exit(sig, frame)
             getattr(self, "_captured_signals", []).clear()
+            app.state.status_feed.close_soon()  # open pages' status streams end rather than hold the shutdown
 
         def engine_died(self, reason: str) -> None:
             # Nothing can be served without it: exit non-zero, so that a supervisor starts a new server.

@@ -238,3 +238,26 @@ def test_the_page_is_served_from_the_package_with_a_strict_policy(base):
     assert httpx.get(f"{base}/v1/engine").status_code == 401
     info = httpx.get(f"{base}/v1/engine", headers=auth("bob")).json()
     assert (info["model"], info["block_size"], info["num_kv_blocks"]) == ("tiny", 16, 128)
+
+
+def test_status_streams_end_when_the_server_stops(llm):
+    """At SIGTERM `kvserve serve` closes the feed: an open page's streams end instead of holding the
+    graceful shutdown open for --shutdown-timeout."""
+    app = create_app(SETTINGS, llm)
+    with serving(app) as base:
+        names: list[str] = []
+        got_first = threading.Event()
+
+        def follow() -> None:
+            with httpx.stream("GET", f"{base}/v1/engine/events", headers=auth("alice"), timeout=60) as r:
+                for name, _ in sse(r):
+                    names.append(name)
+                    got_first.set()
+
+        follower = in_thread(follow)
+        assert got_first.wait(30)
+        app.state.status_feed.close_soon()
+        follower.join(30)
+        assert not follower.is_alive() and names[0] == "engine"
+        with httpx.stream("GET", f"{base}/v1/engine/events", headers=auth("alice"), timeout=60) as r:
+            assert list(sse(r)) == []  # a stream opened afterwards ends at once

@@ -96,6 +96,10 @@ async def call_op(state: ServerState, op: str, *args: Any) -> Any:
 
 
 # ----- the feed --------------------------------------------------------------------------------
+class FeedClosed(Exception):
+    """The server is stopping: status streams end (an open page would hold its shutdown open)."""
+
+
 class Mailbox:
     """One listener's: the latest view, and every event since it last took one (never dropped)."""
 
@@ -105,6 +109,11 @@ class Mailbox:
         self.tick = 0
         self.merged = False  # more than one read's events wait: this listener's message is its own
         self.ready = asyncio.Event()
+        self.is_closed = False
+
+    def close(self) -> None:
+        self.is_closed = True
+        self.ready.set()
 
     def put(self, view: dict[str, Any], events: list[dict[str, Any]], tick: int) -> None:
         self.merged |= self.ready.is_set()
@@ -116,6 +125,8 @@ class Mailbox:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self.ready.wait()
+        if self.is_closed:
+            raise FeedClosed
         if not self.ready.is_set():
             return None
         self.ready.clear()
@@ -140,10 +151,28 @@ class StatusFeed:
         self._task: asyncio.Task | None = None
         self._encoded: dict[str | None, str] = {}  # this tick's message per owner
         self._encoded_tick = -1
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.is_closed = False
+
+    def close_soon(self) -> None:
+        """End every status stream, now and from now on (the server is stopping). Safe from any
+        thread and from a signal handler."""
+        if self._loop is None:
+            self.is_closed = True
+        else:
+            self._loop.call_soon_threadsafe(self._close)
+
+    def _close(self) -> None:
+        self.is_closed = True
+        for mailbox in self.listeners:
+            mailbox.close()
 
     @contextlib.asynccontextmanager
     async def listen(self) -> AsyncIterator[Mailbox]:
+        self._loop = asyncio.get_running_loop()
         mailbox = Mailbox()
+        if self.is_closed:
+            mailbox.close()
         self.listeners.add(mailbox)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
@@ -345,6 +374,11 @@ async def request_events(request_id: str, request: Request, owner: str | None = 
     status_feed = feed(request)
 
     async def stream() -> AsyncIterator[str]:
+        with contextlib.suppress(FeedClosed):
+            async for message in follow():
+                yield message
+
+    async def follow() -> AsyncIterator[str]:
         async with status_feed.listen() as mailbox:
             wanted = set(engine_ids)
             seen: set[int] = set()
@@ -404,6 +438,11 @@ async def engine_events(request: Request, owner: str | None = Depends(authorize)
     status_feed = feed(request)
 
     async def stream() -> AsyncIterator[str]:
+        with contextlib.suppress(FeedClosed):
+            async for message in follow():
+                yield message
+
+    async def follow() -> AsyncIterator[str]:
         async with status_feed.listen() as mailbox:
             backlog = list(status_feed.recent)
             first = True
