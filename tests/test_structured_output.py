@@ -326,8 +326,12 @@ SCHEMAS = st.recursive(
 )
 
 
-@settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+@settings(  # a fixed sequence of examples (derandomized): the suite's outcome does not vary by run
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(schema=SCHEMAS, seed=st.integers(0, 2**16), data=st.data())
 def test_random_schemas_outputs_validate_and_instances_are_accepted(llm, schema, seed, data):
@@ -339,7 +343,8 @@ def test_random_schemas_outputs_validate_and_instances_are_accepted(llm, schema,
         jsonschema.validate(json.loads(result.text), schema)
     # The other direction: any instance, written as the engine writes JSON, is one the grammar allows.
     instance = data.draw(instances(schema), label="instance")
-    text = json.dumps(instance, ensure_ascii=False, separators=(", ", ": "))
+    # (llguidance writes DEL escaped, as \u007f, and takes it only so; JSON allows it either way)
+    text = json.dumps(instance, ensure_ascii=False, separators=(", ", ": ")).replace("\x7f", "\\u007f")
     matcher = _matcher(llm, spec)
     assert matcher.consume_tokens(llm.tokenizer.encode(text, add_special_tokens=False)), matcher.get_error()
     assert matcher.is_accepting(), text
@@ -382,3 +387,31 @@ def _matcher(llm, spec):
     import llguidance
 
     return llguidance.LLMatcher(llm.engine.grammars.ll_tokenizer(), spec.grammar, log_level=0)
+
+
+def test_the_mask_kernel_and_its_pytorch_form_equal_a_plain_reference(extension):
+    """Token t is allowed by bit t % 32 of word t // 32; ids past the mask are forbidden; rows
+    without a mask are untouched."""
+    import torch
+
+    from kvserve.engine.sampler import bitmask_bias
+    from kvserve.kernels import ops
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, words = 32 * 5 - 7, 4  # the mask covers 128 of 153 ids
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=generator)
+    bitmask[1] = -1  # a row that allows every id the mask covers
+    logits = torch.randn(5, vocab, generator=generator)
+    rows = [0, 2, 4]
+    expected = logits.clone()
+    for i, row in enumerate(rows):
+        for t in range(vocab):
+            word = t // 32
+            if word >= words or not (int(bitmask[i, word]) >> (t % 32)) & 1:
+                expected[row, t] = float("-inf")
+    kernel = logits.clone()
+    ops.apply_token_bitmask(kernel, torch.tensor(rows), bitmask)
+    assert torch.equal(kernel, expected)
+    pytorch = logits.clone()
+    pytorch[rows] += bitmask_bias(bitmask, vocab)
+    assert torch.equal(pytorch, expected)

@@ -15,8 +15,8 @@ A matcher goes with its request (`Request.grammar`), whichever way the request f
 
 from __future__ import annotations
 
-import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +29,6 @@ from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.structured_output import StructuredOutput, parser_limits
 from kvserve.text.tokenizer import Tokenizer
 
-logger = logging.getLogger("kvserve.engine")
 MAX_CACHED_GRAMMARS = 256
 
 
@@ -79,9 +78,10 @@ class Grammars:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Future] = OrderedDict()  # grammar text -> compiled, least recent first
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._executor: llguidance.LLExecutor | None = None
         self.num_compiled = 0
         self.compile_seconds = 0.0
+        self.num_mask_rows = 0  # rows masked, and the engine thread's seconds filling their masks
+        self.mask_seconds = 0.0
 
     # ----- any thread ----------------------------------------------------------------------
     def start(self, spec: StructuredOutput, ready: Callable[[], None]) -> Grammar:
@@ -104,8 +104,6 @@ class Grammars:
 
     # ----- the pool's thread ---------------------------------------------------------------
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
-        import time
-
         started = time.perf_counter()
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():  # not cached: the same text fails the same way, cheaply
@@ -136,18 +134,16 @@ class Grammars:
                 rows.append((item, grammar.matcher))
         if not rows:
             return []
-        bitmask = torch.full((len(rows), self.num_words), -1, dtype=torch.int32)
-        if len(rows) == 1:
-            llguidance.torch.fill_next_token_bitmask(rows[0][1], bitmask, 0)
-        else:  # llguidance's own threads, without the interpreter lock
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(
-                self._executor, [(matcher, i) for i, (_, matcher) in enumerate(rows)], bitmask
-            )
+        started = time.perf_counter()
         failed = []
-        for i, (item, matcher) in enumerate(rows):
+        for item, matcher in rows:
+            # One row at a time on this thread: llguidance's parallel executor was slower here, its
+            # threads competing with the OpenMP threads that spin after a step (bench/results/structured.json).
+            bitmask = torch.empty((1, self.num_words), dtype=torch.int32)
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
             if matcher.is_error():
                 failed.append((item.request_id, matcher.get_error()))
-            item.token_bitmask = bitmask[i].clone()  # its own storage: a pipeline pickles each row alone
+            item.token_bitmask = bitmask[0]
+        self.num_mask_rows += len(rows)
+        self.mask_seconds += time.perf_counter() - started
         return failed

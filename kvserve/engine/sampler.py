@@ -11,6 +11,7 @@ tokens alone or in any batch.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +57,12 @@ class Sampler:
             _apply_bias(logits[i], rows[i].params.logit_bias)
         for i in penalized:
             _apply_penalties(logits[i], rows[i])
-        for i in constrained:
-            logits[i].masked_fill_(~allowed_tokens(rows[i].token_bitmask, vocab).to(logits.device), float("-inf"))
+        if constrained:  # each row's own mask: no row sees another's
+            bitmasks = torch.stack([rows[i].token_bitmask for i in constrained])
+            if logits.device.type == "cpu" and ops.available():
+                ops.apply_token_bitmask(logits, torch.tensor(constrained), bitmasks)
+            else:
+                logits[constrained] += bitmask_bias(bitmasks, vocab).to(logits.device)
 
         temperatures = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=logits.device)
         is_greedy = temperatures == 0
@@ -97,14 +102,20 @@ def _stops_to_mask(row: SamplingRow, vocab: int) -> list[int]:
     return [t for t in (*row.stop_token_ids, *params.stop_token_ids) if t < vocab]
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """A grammar's bitmask [W] int32 as a bool tensor [vocab]: token t is allowed where bit t % 32 of
-    word t // 32 is set (ids past the mask's 32 * W are not)."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = ((bitmask.cpu()[:, None] >> shifts) & 1).flatten().bool()  # [32 * W]
-    if bits.numel() < vocab:
-        bits = torch.cat([bits, bits.new_zeros(vocab - bits.numel())])
-    return bits[:vocab]
+# _BYTE_BIAS[b, j]: 0 where bit j of byte b is set, else -inf
+_BYTE_BIAS = torch.tensor([[0.0 if b >> j & 1 else float("-inf") for j in range(8)] for b in range(256)])
+
+
+def bitmask_bias(bitmasks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Grammars' bitmasks [R, W] int32 as logit offsets [R, vocab]: 0 for a token its row allows, -inf
+    for one it forbids. Token t is bit t % 32 of word t // 32 (llguidance's layout); ids past 32 * W
+    are forbidden. One table lookup per byte of the mask (its words are read as little-endian bytes)."""
+    assert sys.byteorder == "little"
+    num_rows = bitmasks.shape[0]
+    bias = _BYTE_BIAS[bitmasks.cpu().contiguous().view(torch.uint8).long()].view(num_rows, -1)  # [R, 32 * W]
+    if bias.shape[1] < vocab:
+        bias = torch.cat([bias, bias.new_full((num_rows, vocab - bias.shape[1]), float("-inf"))], dim=1)
+    return bias[:, :vocab]
 
 
 def _apply_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> None:

@@ -118,6 +118,12 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return _ext().argmax_rows(logits)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place on float32 logits [B, V]: -inf for every token that row rows[i]'s grammar bitmask
+    (bitmask[i], int32 [W], bit t % 32 of word t // 32 for token t) forbids."""
+    _ext().apply_token_bitmask(logits, rows, bitmask)
+
+
 def linear_kinds() -> Any:
     """The C++ enum LinearKind: how a layer loop's linear weight is stored (Float, Int4, Int8, Int8Groups)."""
     return _ext().LinearKind
