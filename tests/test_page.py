@@ -30,7 +30,7 @@ if CHROMIUM is None:
         allow_module_level=True,
     )
 
-from playwright.sync_api import Page, expect  # noqa: E402  (after the skip: playwright may be absent)
+from playwright.sync_api import Page, expect, sync_playwright  # noqa: E402  (after the skip: playwright may be absent)
 
 # As the machines' notes say: no sandbox as root, and no background connections on a closed network.
 CHROMIUM_ARGS = [
@@ -46,10 +46,26 @@ ANSWER_TIMEOUT_MS = 60_000  # generous: two cores are shared with other work
 ENDED = re.compile("^(stop|length)$")  # a reply the session keeps
 
 
-@pytest.fixture(scope="session")
-def browser_type_launch_args(browser_type_launch_args):
-    """pytest-playwright's launch, on Debian's chromium (a fresh profile per launch is Playwright's)."""
-    return {**browser_type_launch_args, "executable_path": CHROMIUM, "args": CHROMIUM_ARGS}
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium, for this module only: Playwright's sync API runs an asyncio loop on the main
+    thread while it is started, so a session-wide one (pytest-playwright's) broke later tests' asyncio.run."""
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh context (cookies, storage) per test."""
+    context = browser.new_context()
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
 
 
 @pytest.fixture(scope="session")
