@@ -36,7 +36,7 @@ from kvserve.server.status_ops import STATUS_OPERATIONS
 
 logger = logging.getLogger("kvserve.server")
 router = APIRouter(prefix="/v1")
-STATUS_INTERVAL_S = 0.25  # the engine is read at most this often, whatever the number of listeners
+STATUS_INTERVAL_S = 0.5  # the engine is read at most this often, whatever the number of listeners (bench/viewers.py)
 MAX_REMEMBERED = 4096  # ended requests whose owner and ids are remembered (GET after the end)
 KEEPALIVE_S = 15.0  # an SSE comment when a listener has had nothing for this long
 SERIES_EVERY = 20  # the whole per-second series goes out every this many reads (and first); else its tail
