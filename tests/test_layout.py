@@ -97,3 +97,15 @@ def test_the_engine_does_not_import_sessions_the_server_or_the_api():
 
 def test_pipeline_stages_know_the_engine_not_sessions_the_server_or_the_api():
     assert imports_from_outside("kvserve.pipeline") == {}
+
+
+def test_importing_kvserve_leaves_triton_and_torch_compile_alone():
+    """`import kvserve` is every CLI start: triton and torch.compile'd modules load only where used
+    (llguidance.torch's decorator once cost each start ~2 s and imported triton before
+    TRITON_INTERPRET could be set)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, kvserve; print(sorted(m for m in ('triton', 'llguidance.torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

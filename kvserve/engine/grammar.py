@@ -22,7 +22,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
 import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
@@ -139,8 +138,10 @@ class Grammars:
         for item, matcher in rows:
             # One row at a time on this thread: llguidance's parallel executor was slower here, its
             # threads competing with the OpenMP threads that spin after a step (bench/results/structured.json).
+            # The matcher writes the words in place (what llguidance.torch.fill_next_token_bitmask does;
+            # that module is not imported: its torch.compile decorator costs every start ~2 s and imports triton).
             bitmask = torch.empty((1, self.num_words), dtype=torch.int32)
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+            matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
             if matcher.is_error():
                 failed.append((item.request_id, matcher.get_error()))
             item.token_bitmask = bitmask[0]
