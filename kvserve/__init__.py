@@ -31,6 +31,7 @@ from kvserve.outputs import RequestOutput, StreamChunk, Usage
 from kvserve.sampling_params import SamplingParams
 from kvserve.sessions.manager import SessionLimitError, SessionNotFoundError
 from kvserve.sessions.session import Session
+from kvserve.structured_output import StructuredOutput
 from kvserve.text.tokenizer import Tokenizer
 from kvserve.version import __version__
 from kvserve.weights.registry import pull, resolve_model
@@ -49,6 +50,7 @@ __all__ = [
     "SessionLimitError",
     "SessionNotFoundError",
     "StreamChunk",
+    "StructuredOutput",
     "Tokenizer",
     "UnsupportedModelError",
     "UnsupportedTensorTypeError",
