@@ -87,6 +87,7 @@ def test_a_second_process_on_the_same_store_is_refused_naming_the_holder(tmp_pat
         f"from kvserve.sessions.store import SessionStore; s = SessionStore({str(db)!r}); print('ready', flush=True); "
         "import signal; signal.pause()"
     )
+    server = None
     try:
         assert holder.stdout.readline().strip() == "ready"
         with pytest.raises(SessionStoreError, match=f"pid {holder.pid} on {socket.gethostname()}"):
@@ -98,8 +99,10 @@ def test_a_second_process_on_the_same_store_is_refused_naming_the_holder(tmp_pat
         holder.wait(30)
         SessionStore(db).close()
     finally:
-        holder.kill()
-        holder.wait()
+        for process in (holder, server):  # a server the refusal failed to stop must not outlive the test
+            if process is not None:
+                process.kill()
+                process.wait()
 
 
 def test_one_process_may_open_its_store_twice(tmp_path):
