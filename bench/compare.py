@@ -298,6 +298,17 @@ def kvserve_cold_start(weights: str | None, s: Settings) -> dict[str, Any]:
     return out
 
 
+def weights_by_type(llm: LLM, s: Settings) -> dict[str, Any] | None:
+    """Per GGUF tensor type: its bytes in the file and in kvserve's memory once loaded (kvserve/weights/footprint.py)."""
+    path = resolve_model(s.model)
+    if path.suffix != ".gguf":
+        return None
+    from kvserve.weights.footprint import footprint
+    from kvserve.weights.gguf_file import GGUFFile
+
+    return footprint(llm.model, GGUFFile(path).stored())
+
+
 def bench_kvserve(weights: str | None, s: Settings) -> dict[str, Any]:
     """One kvserve engine: start, then every workload."""
     prompts = Prompts(s.seed)
@@ -313,6 +324,7 @@ def bench_kvserve(weights: str | None, s: Settings) -> dict[str, Any]:
             "max_num_seqs": llm.config.max_num_seqs,
             "max_model_len": llm.config.max_model_len,
         }
+        out["weights_by_type"] = weights_by_type(llm, s)
         out.update(kvserve_workloads(llm, prompts, s.for_throughput()))
         out["runner_timings"] = llm.runner_timings()
     finally:
@@ -635,6 +647,16 @@ def markdown(report: dict[str, Any], s: Settings) -> str:
                 f"{m['rss_file_growth_bytes'] / MB:.0f} | {kv} | {m['weights_rss_bytes'] / MB:.0f} | "
                 f"{m['gguf_bytes'] / MB:.0f} | {m['rss_growth_over_gguf']:.2f} | {m['weights_rss_over_gguf']:.2f} |"
             )
+
+    for name, result in engines.items():
+        if result.get("weights_by_type"):
+            lines += ["", f"{name}: weights in memory per GGUF tensor type (kvserve/weights/footprint.py):", ""]
+            lines += ["| type | tensors | file MB | memory MB | memory / file |", "|---|---:|---:|---:|---:|"]
+            for kind, row in result["weights_by_type"].items():
+                lines.append(
+                    f"| {kind} | {row['tensors']} | {row['file_bytes'] / MB:.1f} | {row['memory_bytes'] / MB:.1f} | "
+                    f"{cell(row['memory_per_file'], '.2f')} |"
+                )
 
     for name, cold in report.get("cold_start", {}).items():
         m, warm = cold.get("memory", {}), engines.get(name, {}).get("memory", {})

@@ -277,3 +277,35 @@ def test_llm_reports_int8_activations_only_where_a_layer_takes_them(tiny_model_d
         quantized = [m for m in llm.model.modules() if isinstance(m, (Int4Linear, Int8GroupLinear))]
         assert quantized and all(m.int8_activations for m in quantized)
         wait_idle_and_check(llm)
+
+
+@pytest.mark.parametrize(("qtype", "per_file"), [(T.Q4_1, 1.0), (T.Q8_0, 36 / 34), (T.Q5_0, 36 / 22)])
+def test_weights_in_memory_per_stored_type(tmp_path, qtype, per_file):
+    """footprint() (bench/compare.py's report) against the gguf package's reader and the forms' exact
+    sizes: Q4_1 held as int4 with float16 scale and min (20 bytes per 32, as the file), Q8_0 and Q5_0 as
+    int8 codes with a float32 scale (36 bytes per 32, against 34 and 22). Every byte of the model counted once."""
+    pytest.importorskip("transformers")
+    from gguf import GGUFReader
+
+    from kvserve.weights.footprint import footprint
+    from kvserve.weights.gguf_file import GGUFFile
+
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=26, **INT4_FRIENDLY)
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, hf_model, qtype=qtype)
+    model = load_model(path, progress=False, weights="auto")
+    report = footprint(model, GGUFFile(path).stored())
+    reader = GGUFReader(path)
+    file_bytes: dict[str, int] = {}
+    for tensor in reader.tensors:
+        file_bytes[tensor.tensor_type.name] = file_bytes.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+    assert {kind: row["file_bytes"] for kind, row in report.items()} == file_bytes
+    assert sum(row["memory_bytes"] for row in report.values()) == weight_summary(model)["bytes"]
+    if qtype != T.Q4_1:
+        assert report[qtype.name]["memory_per_file"] == round(per_file, 3)
+    else:  # the 4-bit file's embedding and lm_head are rounded to int8 groups; the layers are held as stored
+        layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+        held = sum(t.numel() * t.element_size() for m in layers for t in m.buffers())
+        kept = [t for t in reader.tensors if t.tensor_type == T.Q4_1 and t.name.startswith("blk.")]
+        assert held == sum(int(t.n_bytes) for t in kept) * per_file
+    assert report["F32"]["memory_per_file"] == 1.0  # the norms' weights

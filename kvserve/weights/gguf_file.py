@@ -322,6 +322,20 @@ class GGUFFile:
         """llama.cpp's per-frequency RoPE divisors (llama3-style scaling), if the file has them."""
         return self._small_tensor(ROPE_FREQS) if ROPE_FREQS in self.tensor_names else None
 
+    def stored(self) -> list[tuple[str, str, int, int]]:
+        """Each model tensor as the file holds it: (kvserve's parameter name, GGML type name, bytes in the
+        file, number of values); a tensor stored fused (Phi-3's qkv) under its fused name."""
+        out = []
+        for tensor in self._tensors:
+            if tensor.name == ROPE_FREQS or tensor.name in LONGROPE_FACTORS:
+                continue
+            match = _LAYER_RE.match(tensor.name)
+            fused = _STORED_FUSED.get(match.group(2)) if match else None
+            # Phi-3's fused ffn_up is the whole gate_up, another family's its second shard: one module either way.
+            name = f"layers.{match.group(1)}.{fused}" if fused is not None else _target(tensor.name).name
+            out.append((name, tensor.qtype.name, tensor.nbytes, int(np.prod(tensor.shape))))
+        return out
+
     def tensors(self, config: ModelConfig) -> Iterator[tuple[WeightTarget, SourceTensor]]:
         """Every model tensor under kvserve's names, read lazily as float32 or (4-bit and Q8_0 types)
         as its codes.
