@@ -42,69 +42,45 @@ PEAK_SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <chrono>
 
-// Independent accumulators (more than the instruction's latency x throughput), `iters` rounds on
-// every thread; returns multiply-adds per second over all threads.
-template <typename Body>
-static double run(int64_t iters, Body body) {
+// 12 independent accumulators (more than the instruction's latency x throughput) on every thread,
+// `iters` rounds of `step`; returns multiply-adds per second over all threads.
+template <typename Init, typename Step>
+static double peak(int64_t iters, int macs_per_op, Init init, Step step) {
   const int threads = at::get_num_threads();
   const auto start = std::chrono::steady_clock::now();
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) { for (int64_t t = b; t < e; ++t) body(iters); });
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      decltype(init(0)) acc[12];
+#pragma GCC unroll 12
+      for (int j = 0; j < 12; ++j) acc[j] = init(j);  // each its own value: equal chains would be computed once
+      for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+        for (int j = 0; j < 12; ++j) acc[j] = step(acc[j]);
+      }
+#pragma GCC unroll 12
+      for (int j = 0; j < 12; ++j) asm volatile("" : : "v"(acc[j]));  // the sums are used
+    }
+  });
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return s;
+  return double(threads) * iters * 12 * macs_per_op / s;
 }
 
 double vnni(int64_t iters) {
-  volatile int sink = 0;
-  const double s = run(iters, [&](int64_t n) {
-    __m512i acc[12];
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_epi32(i);
-    const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
-    for (int64_t i = 0; i < n; ++i) {
-#pragma GCC unroll 12
-      for (int j = 0; j < 12; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b);
-    }
-    int total = 0;
-    for (int j = 0; j < 12; ++j) total += _mm512_reduce_add_epi32(acc[j]);
-    sink = sink + total;
-  });
-  return double(at::get_num_threads()) * iters * 12 * 64 / s;
+  __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  asm volatile("" : "+v"(a), "+v"(b));  // unknown to the compiler: nothing is folded
+  return peak(iters, 64, [](int j) { return _mm512_set1_epi32(j); }, [&](__m512i c) { return _mm512_dpbusd_epi32(c, a, b); });
 }
 
 double bf16(int64_t iters) {
-  volatile float sink = 0;
-  const double s = run(iters, [&](int64_t n) {
-    __m512 acc[12];
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(float(i));
-    const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f80);
-    for (int64_t i = 0; i < n; ++i) {
-#pragma GCC unroll 12
-      for (int j = 0; j < 12; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
-    }
-    float total = 0;
-    for (int j = 0; j < 12; ++j) total += _mm512_reduce_add_ps(acc[j]);
-    sink = sink + total;
-  });
-  return double(at::get_num_threads()) * iters * 12 * 32 / s;
+  __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);
+  asm volatile("" : "+v"(a));
+  return peak(iters, 32, [](int j) { return _mm512_set1_ps(float(j)); }, [&](__m512 c) { return _mm512_dpbf16_ps(c, a, a); });
 }
 
 double fma32(int64_t iters) {
-  volatile float sink = 0;
-  const double s = run(iters, [&](int64_t n) {
-    __m512 acc[12];
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(float(i));
-    const __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(1e-9f);
-    for (int64_t i = 0; i < n; ++i) {
-#pragma GCC unroll 12
-      for (int j = 0; j < 12; ++j) acc[j] = _mm512_fmadd_ps(acc[j], a, b);
-    }
-    float total = 0;
-    for (int j = 0; j < 12; ++j) total += _mm512_reduce_add_ps(acc[j]);
-    sink = sink + total;
-  });
-  return double(at::get_num_threads()) * iters * 12 * 16 / s;
+  __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(1e-9f);
+  asm volatile("" : "+v"(a), "+v"(b));
+  return peak(iters, 16, [](int j) { return _mm512_set1_ps(float(j)); }, [&](__m512 c) { return _mm512_fmadd_ps(c, a, b); });
 }
 """
 
@@ -127,7 +103,7 @@ def peaks() -> dict[str, float | str]:
     out: dict[str, float | str] = {}
     for name in ("vnni", "bf16", "fma32"):
         fn = getattr(module, name)
-        fn(1000)
+        fn(5_000_000)  # ~0.1 s: the cores' clocks settle
         out[name] = round(max(fn(2_000_000) for _ in range(5)) / 1e9, 1)
     return out
 
