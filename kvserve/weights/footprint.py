@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-EMBEDDING, LM_HEAD = "embed_tokens", "lm_head"
+from kvserve.weights.loader import EMBEDDING, LM_HEAD, stage_name
 
 
 def footprint(model: nn.Module, stored: list[tuple[str, str, int, int]]) -> dict[str, dict[str, Any]]:
@@ -67,16 +67,8 @@ def _is_layer(module: nn.Module) -> bool:
 def _place(model: nn.Module, name: str) -> tuple[str | None, str]:
     """(module name in `model`, attribute) of a stored tensor's parameter name; None for another
     pipeline stage's."""
+    name = stage_name(model, name)
+    if name is None:
+        return None, ""
     module_name, attr = name.rsplit(".", 1)
-    if module_name.startswith("layers."):
-        _, index, rest = module_name.split(".", 2)
-        first, end = getattr(model, "first_layer", 0), getattr(model, "end_layer", None)
-        layer = int(index)
-        if end is not None and not first <= layer < end:
-            return None, attr
-        module_name = f"layers.{layer - first}.{rest}"
-    try:
-        model.get_submodule(module_name)
-    except AttributeError:
-        return None, attr
     return module_name, attr

@@ -130,7 +130,7 @@ def load_model(
             tensors, total=checkpoint.num_tensors, desc=f"Loading {Path(path).name}", unit="tensor", leave=False
         )
     for target, source in tensors:
-        name = _stage_name(model, target.name)
+        name = stage_name(model, target.name)
         if name is None:  # another stage's
             continue
         module_name, kind = name.rsplit(".", 1)
@@ -174,7 +174,7 @@ def load_model(
     return model
 
 
-def _stage_name(model: nn.Module, name: str) -> str | None:
+def stage_name(model: nn.Module, name: str) -> str | None:
     """A checkpoint tensor's name in `model` (a pipeline stage numbers its layers from 0), or None
     where it belongs to another stage."""
     if name.startswith("layers."):
