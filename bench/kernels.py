@@ -147,11 +147,12 @@ def kernels(n: int, k: int) -> dict[str, tuple[str, int, Callable[[torch.Tensor]
             torch.float32,
         )
     if ops.int8_quads_usable():
-        quads = layer._quads()
+        quads = Int8GroupLinear(codes, scales, torch.bfloat16)
+        quads.arrange_quads()
         found["int8 quads, int8 inputs"] = (
             "vnni",
             int8_bytes,
-            lambda x: ops.int8_quads_matmul(x, *quads, n),
+            lambda x: ops.int8_quads_matmul(x, quads.quads, quads.quad_scales, n),
             torch.float32,
         )
     if ops.int8_pairs_usable():

@@ -68,7 +68,7 @@ def test_the_kernels_package_imports_nothing_else_of_kvserve():
         )
 
 
-@pytest.mark.parametrize("weights", ["q4", "q8", "float", "q8_0-gguf"])
+@pytest.mark.parametrize("weights", ["q4", "q8", "float", "q8_0-gguf", "q8_0-gguf-int8"])
 def test_fused_decode_passes_the_cpp_enum_of_each_layer_kind(tmp_path, extension, weights):
     pytest.importorskip("transformers")
     from gguf import GGMLQuantizationType
@@ -76,14 +76,17 @@ def test_fused_decode_passes_the_cpp_enum_of_each_layer_kind(tmp_path, extension
     from tests.test_gguf import write_llama_gguf
 
     kinds = ops.linear_kinds()
-    expected_kinds = {"Float": 0, "Int4": 1, "Int8": 2, "Int8Groups": 3}
+    expected_kinds = {"Float": 0, "Int4": 1, "Int8": 2, "Int8Groups": 3, "Int8Quads": 4}
     assert {name: int(value) for name, value in kinds.__members__.items()} == expected_kinds
     hf_model = make_tiny_llama(tmp_path, seed=5, hidden_size=64, intermediate_size=128, vocab_size=320)
-    path = tmp_path
-    if weights == "q8_0-gguf":  # Q8_0 codes kept with their scale per 32: Int8GroupLinear
+    path, activations, groups = tmp_path, "float", kinds.Int8Groups
+    if weights.startswith("q8_0-gguf"):  # Q8_0 codes kept with their scale per 32: Int8GroupLinear
+        if weights.endswith("int8"):  # int8 inputs: held as quads where the CPU has AVX512-VNNI
+            activations = "int8" if extension.int8_activations() else "float"
+            groups = kinds.Int8Quads if activations == "int8" and extension.int8_quads_usable() else groups
         path, weights = tmp_path / "tiny.gguf", "auto"
         write_llama_gguf(path, hf_model, qtype=GGMLQuantizationType.Q8_0)
-    model = load_model(path, torch.float32, progress=False, weights=weights)
+    model = load_model(path, torch.float32, progress=False, weights=weights, activations=activations)
     model.bind_kv_cache(allocate_kv_cache(model.config, 8, 4, torch.float32, "cpu"))
     fused = FusedDecoder(model)
     layers = [
@@ -91,12 +94,12 @@ def test_fused_decode_passes_the_cpp_enum_of_each_layer_kind(tmp_path, extension
         for layer in model.layers
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     ]
-    by_type = {Int4Linear: kinds.Int4, Int8Linear: kinds.Int8, Int8GroupLinear: kinds.Int8Groups}
+    by_type = {Int4Linear: kinds.Int4, Int8Linear: kinds.Int8, Int8GroupLinear: groups}
     expected = [by_type.get(type(m), kinds.Float) for m in layers]
     assert [linear.kind for linear in fused.linears] == expected
-    assert set(expected) == {
-        {"q4": kinds.Int4, "q8": kinds.Int8, "float": kinds.Float, "auto": kinds.Int8Groups}[weights]
-    }
+    assert set(expected) == {{"q4": kinds.Int4, "q8": kinds.Int8, "float": kinds.Float, "auto": groups}[weights]}
+    if groups == kinds.Int8Quads:  # one layout: the row-major codes are gone
+        assert all(m.codes is None and m.quads is not None for m in layers)
 
 
 def test_a_fused_decoder_refuses_caches_bound_after_it(tmp_path, extension):

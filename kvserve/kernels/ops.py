@@ -87,11 +87,10 @@ def int8_quads_usable() -> bool:
     return bool(_ext().int8_quads_usable())
 
 
-def int8_quads_matmul(
-    x: torch.Tensor, quads: torch.Tensor, quad_scales: torch.Tensor, quad_offsets: torch.Tensor, rows: int
-) -> torch.Tensor:
-    """`int8_group_matmul_int8` from the codes as `int8_quads` lays them out (x quantized the same way)."""
-    return _ext().int8_quads_matmul(x, quads, quad_scales, quad_offsets, rows)
+def int8_quads_matmul(x: torch.Tensor, quads: torch.Tensor, quad_scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """`int8_group_matmul_int8` from the codes as `int8_quads` lays them out (x quantized the same way):
+    quads [V / 16, K / 4, 16, 4] uint8, each code + 128; quad_scales [V / 16, K / 32, 16] float32."""
+    return _ext().int8_quads_matmul(x, quads, quad_scales, rows)
 
 
 def int8_group_matmul_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -125,7 +124,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 
 
 def linear_kinds() -> Any:
-    """The C++ enum LinearKind: how a layer loop's linear weight is stored (Float, Int4, Int8, Int8Groups)."""
+    """The C++ enum LinearKind: how a layer loop's linear weight is stored (Float, Int4, Int8, Int8Groups,
+    Int8Quads)."""
     return _ext().LinearKind
 
 
@@ -133,7 +133,8 @@ def linear_kinds() -> Any:
 class Linear:
     """A linear layer of the layer loop: weight [N, ...] as its `kind` stores it (Float: [N, K] in the
     compute dtype; Int4: packed, with scales = scales_mins; Int8: [N, K] codes, with scales [N];
-    Int8Groups: [N, K] codes, with scales [N, K / 32] float32)."""
+    Int8Groups: [N, K] codes, with scales [N, K / 32] float32; Int8Quads: Int8GroupLinear's quads and
+    quad_scales)."""
 
     kind: Any  # a member of linear_kinds()
     weight: torch.Tensor

@@ -166,7 +166,11 @@ def _linear(linear: nn.Module) -> ops.Linear:
         return ops.Linear(kinds.Int4, linear.weight_packed, linear.scales_mins, linear.bias)
     if isinstance(linear, Int8Linear):
         return ops.Linear(kinds.Int8, linear.weight_int8, linear.scales, linear.bias)
+    if isinstance(linear, Int8GroupLinear) and linear.uses_quads():
+        linear.arrange_quads()
+        return ops.Linear(kinds.Int8Quads, linear.quads, linear.quad_scales, linear.bias)
     if isinstance(linear, Int8GroupLinear):
+        linear.arrange_row_major()
         return ops.Linear(kinds.Int8Groups, linear.codes, linear.scales, linear.bias)
     return ops.Linear(kinds.Float, linear.weight, None, linear.bias)
 

@@ -309,11 +309,14 @@ class Int8GroupLinear(nn.Module):
         self.dtype, self.out_dtype = dtype, out_dtype
         self.batch_invariant = True  # see set_batch_invariant: the C++ kernel for every batch size
         self.int8_activations = False  # see set_activations: inputs quantized to int8 per group
+        self.is_grouped = scales.shape[1] * GROUP_SIZE == self.in_features
+        # One layout at a time (arrange_quads, arrange_row_major): row-major codes, or quads.
         self.register_buffer("codes", codes)  # [N, K] int8
         self.register_buffer("scales", scales)  # [N, K / 32] float32
+        self.register_buffer("quads", None)  # [N' / 16, K / 4, 16, 4] uint8, each code + 128 (N' = N to 16)
+        self.register_buffer("quad_scales", None)  # [N' / 16, K / 32, 16] float32
         self.bias = _bias(bias, out_dtype)
         self._pair_layout: tuple[torch.Tensor, torch.Tensor] | None = None  # see _pairs
-        self._quad_layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _quads
 
     def _pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes 16 output rows x 2 inputs interleaved, and the scales 16 rows at a time
@@ -327,18 +330,39 @@ class Int8GroupLinear(nn.Module):
             self._pair_layout = (pairs, _by_16_rows(scales))
         return self._pair_layout
 
-    def _quads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The codes 16 output rows x 4 inputs interleaved, the scales 16 rows at a time, and -128 x
-        each row's sum of codes per group (int8_quads.cpp), for int8 activations on AVX512-VNNI: as
-        many bytes again as the codes, made on the first such call."""
-        if self._quad_layout is None:
-            rows = -(-self.out_features // 16) * 16
-            codes = F.pad(self.codes, (0, 0, 0, rows - self.out_features))
-            scales = F.pad(self.scales, (0, 0, 0, rows - self.out_features))
-            quads = codes.view(rows // 16, 16, self.in_features // 4, 4).permute(0, 2, 1, 3).contiguous()
-            offsets = codes.view(rows, -1, GROUP_SIZE).sum(-1, dtype=torch.int32) * -128
-            self._quad_layout = (quads, _by_16_rows(scales), _by_16_rows(offsets))
-        return self._quad_layout
+    def uses_quads(self) -> bool:
+        """Whether this layer multiplies in the quads layout (int8_quads.cpp): int8 inputs on a CPU with
+        AVX512-VNNI, whole groups, whole vectors of 16 output rows (the layer loop's condition too, so
+        that its steps and this module's are the same bits)."""
+        return self.is_grouped and self.out_features % 16 == 0 and self.takes_int8() and ops.int8_quads_usable()
+
+    def arrange_quads(self) -> None:
+        """Hold the codes 16 output rows x 4 inputs interleaved, each as the unsigned byte code + 128,
+        and the scales 16 rows at a time (int8_quads.cpp), instead of row-major: as many bytes, read by
+        one vpdpbusd per 4 inputs and 16 outputs for any row count (bench/kernels.py: 2.5x the row-major
+        kernel for one row, 4-5x from 16). Arranged once, on the first call that multiplies this way
+        (the C++ kernels load after the weights); a row-major reference held elsewhere (a tied
+        embedding's) stays where it is."""
+        if self.quads is not None:
+            return
+        rows = -(-self.out_features // 16) * 16
+        codes = F.pad(self.codes, (0, 0, 0, rows - self.out_features))
+        scales = F.pad(self.scales, (0, 0, 0, rows - self.out_features))
+        quads = codes.view(torch.uint8).view(rows // 16, 16, self.in_features // 4, 4).permute(0, 2, 1, 3) ^ 0x80
+        self.quads, self.quad_scales = quads.contiguous(), _by_16_rows(scales)
+        self.codes = self.scales = None
+        self._pair_layout = None
+
+    def arrange_row_major(self) -> None:
+        """Back to row-major codes and scales (for float inputs), from the quads."""
+        if self.codes is not None:
+            return
+        rows = self.quads.shape[0] * 16
+        codes = (self.quads ^ 0x80).view(torch.int8).permute(0, 2, 1, 3).reshape(rows, self.in_features)
+        scales = self.quad_scales.permute(0, 2, 1).reshape(rows, -1)
+        self.codes = codes[: self.out_features].contiguous()
+        self.scales = scales[: self.out_features].contiguous()
+        self.quads = self.quad_scales = None
 
     def takes_int8(self) -> bool:
         """Whether the C++ kernels quantize this layer's inputs to int8: asked for, and a CPU with the
@@ -353,12 +377,14 @@ class Int8GroupLinear(nn.Module):
     def _float32(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         kernels = x2.device.type == "cpu" and ops.available()
-        is_grouped = self.scales.shape[1] * GROUP_SIZE == self.in_features
+        is_grouped = self.is_grouped
+        if kernels and self.uses_quads():  # one vpdpbusd per four inputs and 16 output rows, any row count
+            self.arrange_quads()
+            out = ops.int8_quads_matmul(x2, self.quads, self.quad_scales, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
+        self.arrange_row_major()
         if kernels and is_grouped and self.takes_int8():
-            if ops.int8_quads_usable():  # one vpdpbusd per four inputs and 16 output rows, any row count
-                out = ops.int8_quads_matmul(x2, *self._quads(), self.out_features)
-            else:
-                out = ops.int8_group_matmul_int8(x2, self.codes, self.scales)
+            out = ops.int8_group_matmul_int8(x2, self.codes, self.scales)
             return out.view(*x.shape[:-1], self.out_features)
         if kernels and is_grouped and x2.dtype == torch.bfloat16 and not ops.amx() and ops.int8_pairs_usable():
             # one vdpbf16ps per pair of inputs and 16 output rows, any row count (batch-invariant)

@@ -45,7 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("Float", LinearKind::Float)
       .value("Int4", LinearKind::Int4)
       .value("Int8", LinearKind::Int8)
-      .value("Int8Groups", LinearKind::Int8Groups);
+      .value("Int8Groups", LinearKind::Int8Groups)
+      .value("Int8Quads", LinearKind::Int8Quads);
   py::class_<Linear>(m, "Linear", "a linear layer of the layer loop")
       .def(py::init([](LinearKind kind, at::Tensor weight, std::optional<at::Tensor> scales,
                        std::optional<at::Tensor> bias) {
