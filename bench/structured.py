@@ -167,15 +167,20 @@ def bench_llguidance(tokenizer, vocab: int, cases: dict, reps: int) -> dict:
             many.append(t2 - t1)
             assert all(m.consume_token(token) for m in matchers), matchers[0].get_error()
         assert matchers[0].is_accepting()
-        out["schemas"][name] = {
-            "compile_ms": median_ms(compiles),
-            "first_mask_ms": median_ms(firsts),
-            "mask_ms_per_token_1_row": median_ms(one),
-            "mask_ms_per_token_16_rows": median_ms(many),
-            "mask_ms_per_token_1_row_mean": round(statistics.mean(one) * 1e3, 4),
-            "mask_ms_per_token_16_rows_mean": round(statistics.mean(many) * 1e3, 4),
-        }
+        out["schemas"][name] = schema_record(compiles, firsts, one, many)
     return out
+
+
+def schema_record(compiles: list[float], firsts: list[float], one: list[float], many: list[float]) -> dict:
+    """One grammar engine's figures for one schema (seconds in, milliseconds out)."""
+    return {
+        "compile_ms": median_ms(compiles),
+        "first_mask_ms": median_ms(firsts),
+        "mask_ms_per_token_1_row": median_ms(one),
+        "mask_ms_per_token_16_rows": median_ms(many),
+        "mask_ms_per_token_1_row_mean": round(statistics.mean(one) * 1e3, 4),
+        "mask_ms_per_token_16_rows_mean": round(statistics.mean(many) * 1e3, 4),
+    }
 
 
 def bench_xgrammar(tokenizer, vocab: int, cases: dict, reps: int) -> dict:
@@ -213,14 +218,7 @@ def bench_xgrammar(tokenizer, vocab: int, cases: dict, reps: int) -> dict:
             one.append(t1 - t0)
             many.append(t2 - t1)
             assert all(m.accept_token(token) for m in matchers)
-        out["schemas"][name] = {
-            "compile_ms": median_ms(compiles),
-            "first_mask_ms": median_ms(firsts),
-            "mask_ms_per_token_1_row": median_ms(one),
-            "mask_ms_per_token_16_rows": median_ms(many),
-            "mask_ms_per_token_1_row_mean": round(statistics.mean(one) * 1e3, 4),
-            "mask_ms_per_token_16_rows_mean": round(statistics.mean(many) * 1e3, 4),
-        }
+        out["schemas"][name] = schema_record(compiles, firsts, one, many)
     return out
 
 
