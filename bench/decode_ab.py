@@ -5,7 +5,7 @@ percent over minutes, the single-stream decode ratio then says as much about whe
 as about the engines. Here the two engines take turns: each round starts a fresh process per engine
 (one engine in memory at a time, as in compare.py), in the order kvserve, llama.cpp, then llama.cpp,
 kvserve in the next round, and so on (ABBA, so neither always goes first). Each process loads the
-bundled GGUF, warms up, and decodes --max-tokens greedy tokens from a short random prompt --repeats
+GGUF (--model, the bundled one unless told), warms up, and decodes --max-tokens greedy tokens from a short random prompt --repeats
 times; tokens/s is (tokens - 1) / (first token -> last token), as in compare.py. It then prefills a
 random --prompt-len prompt (one generated token) --repeats times: tokens/s is the prompt's length over
 the median time, as in compare.py. A round's ratio is kvserve's median over llama.cpp's median from
@@ -39,7 +39,7 @@ import torch
 from throughput import WARMUP_TOKENS, Prompts, kvserve_decode, kvserve_prefill, machine_info, stream_times
 
 from kvserve.kernels import build
-from kvserve.weights.registry import resolve_model
+from kvserve.weights.registry import DEFAULT_MODEL, resolve_model
 
 DEFAULT_OUT = compare.RESULTS / "decode_ab.json"
 ENGINES = ("kvserve", "llama.cpp")
@@ -53,6 +53,7 @@ def worker_settings(args: argparse.Namespace, seed: int) -> compare.Settings:
         "--prompt-len": max(args.prompt_len, 1),
         "--repeats": args.repeats,
         "--seed": seed,
+        "--model": args.model,
     }
     argv = [str(part) for flag in flags.items() for part in flag]
     settings, _, _ = compare.parse_args([*argv, "--kvserve-weights", args.kvserve_weights])
@@ -91,7 +92,7 @@ def run_worker(engine: str, args: argparse.Namespace, seed: int) -> dict[str, An
     """`measure` in a fresh process (this script with --worker); its JSON from the last stdout line."""
     command = [sys.executable, __file__, "--worker", engine, "--seed", str(seed)]
     command += ["--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats), "--threads", str(args.threads)]
-    command += ["--prompt-len", str(args.prompt_len), "--kvserve-weights", args.kvserve_weights]
+    command += ["--prompt-len", str(args.prompt_len), "--kvserve-weights", args.kvserve_weights, "--model", args.model]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{engine} worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -111,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="threads for both engines (default 2)")
     parser.add_argument("--kvserve-weights", default="auto", help="LLM's weights for kvserve (default auto)")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"a registered name or a .gguf path (default {DEFAULT_MODEL})"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)  # internal: one measuring process
     args = parser.parse_args(argv)
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(args.threads),
-        "model": str(resolve_model(None)),
+        "model": str(resolve_model(args.model)),
         "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
         "rounds": rounds,
         "summary": summary,
