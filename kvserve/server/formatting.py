@@ -89,19 +89,8 @@ class Formatter:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if chunk is not None and chunk.text:
                 delta["content"] = chunk.text
-            choice = {
-                "index": index,
-                "delta": delta,
-                "logprobs": self._logprobs(chunk.logprobs if chunk else None),
-                "finish_reason": chunk.finish_reason if chunk else None,
-            }
-            return {
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
-            }
+            logprobs = self._logprobs(chunk.logprobs if chunk else None)
+            return self._chat_event(index, delta, logprobs, chunk.finish_reason if chunk else None)
         choice = {
             "index": index,
             "text": chunk.text,

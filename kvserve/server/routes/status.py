@@ -362,6 +362,13 @@ async def request_status(request_id: str, request: Request, owner: str | None = 
     return _request_object(request_id, statuses, engine_ids)
 
 
+async def _until_closed(messages: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An SSE stream's messages until the status feed closes (the server stops)."""
+    with contextlib.suppress(FeedClosed):
+        async for message in messages:
+            yield message
+
+
 @router.get("/requests/{request_id}/events")
 async def request_events(request_id: str, request: Request, owner: str | None = Depends(authorize)):
     """The request's lifecycle events as server-sent events: `status` (as GET /v1/requests/{id}) first
@@ -372,11 +379,6 @@ async def request_events(request_id: str, request: Request, owner: str | None = 
     statuses = await call_op(state, "status_requests", engine_ids)
     first = _request_object(request_id, statuses, engine_ids)
     status_feed = feed(request)
-
-    async def stream() -> AsyncIterator[str]:
-        with contextlib.suppress(FeedClosed):
-            async for message in follow():
-                yield message
 
     async def follow() -> AsyncIterator[str]:
         async with status_feed.listen() as mailbox:
@@ -413,7 +415,9 @@ async def request_events(request_id: str, request: Request, owner: str | None = 
                     break
             yield _sse("end", {"id": request_id})
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+    return StreamingResponse(
+        _until_closed(follow()), media_type="text/event-stream", headers={"Cache-Control": "no-store"}
+    )
 
 
 def _progress(status: dict[str, Any]) -> tuple:
@@ -436,11 +440,6 @@ async def engine_events(request: Request, owner: str | None = Depends(authorize)
     state = server_state(request)
     state.ready_llm()
     status_feed = feed(request)
-
-    async def stream() -> AsyncIterator[str]:
-        with contextlib.suppress(FeedClosed):
-            async for message in follow():
-                yield message
 
     async def follow() -> AsyncIterator[str]:
         async with status_feed.listen() as mailbox:
@@ -466,7 +465,9 @@ async def engine_events(request: Request, owner: str | None = Depends(authorize)
                     ),
                 )
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+    return StreamingResponse(
+        _until_closed(follow()), media_type="text/event-stream", headers={"Cache-Control": "no-store"}
+    )
 
 
 @router.get("/sessions")
