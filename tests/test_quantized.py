@@ -309,3 +309,38 @@ def test_weights_in_memory_per_stored_type(tmp_path, qtype, per_file):
         kept = [t for t in reader.tensors if t.tensor_type == T.Q4_1 and t.name.startswith("blk.")]
         assert held == sum(int(t.n_bytes) for t in kept) * per_file
     assert report["F32"]["memory_per_file"] == 1.0  # the norms' weights
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [(T.Q8_0, 8), (T.Q5_0, 5)], ids=lambda v: getattr(v, "name", v))
+def test_q8_0_and_q5_0_are_held_at_the_files_width_where_their_inputs_are_int8(tmp_path, qtype, bits):
+    """With int8 inputs on AVX512-VNNI every int8-group layer and the embedding are held as quads from load
+    (layers/quads.py): Q5_0 at 5 bits and Q8_0 at 8, with the file's float16 scales, so the weights take
+    the file's bytes (footprint 1.0 per type), and their codes are still the gguf package's."""
+    pytest.importorskip("transformers")
+    from kvserve.layers import quads
+    from kvserve.weights.footprint import footprint
+    from kvserve.weights.gguf_file import GGUFFile
+
+    if not quads.vnni_cpu():
+        pytest.skip("the quads layout serves int8 inputs on AVX512-VNNI")
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=27, **INT4_FRIENDLY)
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, hf_model, qtype=qtype)
+    model = load_model(path, progress=False, weights="auto", activations="int8")
+    report = footprint(model, GGUFFile(path).stored())
+    assert report[qtype.name]["memory_per_file"] == 1.0
+    layers = [m for m in model.modules() if isinstance(m, Int8GroupLinear)]
+    assert len(layers) == 9 and model.embed_tokens.codes is None
+    for held in (*layers, model.embed_tokens):
+        assert held.codes is None and quads.code_bits(held.quads) == bits and held.quad_scales.dtype == torch.float16
+
+    def dequantized(weight: torch.Tensor) -> np.ndarray:
+        return quants.dequantize(quants.quantize(weight.detach().numpy(), qtype), qtype)
+
+    assert np.array_equal(
+        model.embed_tokens(torch.arange(320)).numpy(), dequantized(hf_model.model.embed_tokens.weight)
+    )
+    ours, theirs = model.layers[1].mlp.down_proj, hf_model.model.layers[1].mlp.down_proj
+    codes, scales = quads.to_row_major(ours.quads, ours.quad_scales, ours.out_features)
+    got = (codes.view(ours.out_features, -1, 32).float() * scales[..., None]).view(ours.out_features, -1)
+    assert np.array_equal(got.numpy(), dequantized(theirs.weight))

@@ -89,7 +89,9 @@ def int8_quads_usable() -> bool:
 
 def int8_quads_matmul(x: torch.Tensor, quads: torch.Tensor, quad_scales: torch.Tensor, rows: int) -> torch.Tensor:
     """`int8_group_matmul_int8` from the codes as `int8_quads` lays them out (x quantized the same way):
-    quads [V / 16, K / 4, 16, 4] uint8, each code + 128; quad_scales [V / 16, K / 32, 16] float32."""
+    quads [V / 16, K / 4, 16, 4] uint8, each code + 128 (8 bits), or [V / 16, K / 32, 320] uint8 (5 bits:
+    codes in -16..15 + 16, as nibbles and fifth-bit masks); quad_scales [V / 16, K / 32, 16] float32 or
+    float16 (int8_quads.cpp)."""
     return _ext().int8_quads_matmul(x, quads, quad_scales, rows)
 
 

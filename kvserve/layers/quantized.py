@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import ops
+from kvserve.layers import quads
 
 GROUP_SIZE = 32
 # Rows converted per step while quantizing or packing a weight, so that the temporaries (float
@@ -313,10 +314,11 @@ class Int8GroupLinear(nn.Module):
         # One layout at a time (arrange_quads, arrange_row_major): row-major codes, or quads.
         self.register_buffer("codes", codes)  # [N, K] int8
         self.register_buffer("scales", scales)  # [N, K / 32] float32
-        self.register_buffer("quads", None)  # [N' / 16, K / 4, 16, 4] uint8, each code + 128 (N' = N to 16)
-        self.register_buffer("quad_scales", None)  # [N' / 16, K / 32, 16] float32
+        self.register_buffer("quads", None)  # [N' / 16, ...] uint8, 8 or 5 bits (N' = N to 16; layers/quads.py)
+        self.register_buffer("quad_scales", None)  # [N' / 16, K / 32, 16] float16 or float32
         self.bias = _bias(bias, out_dtype)
         self._pair_layout: tuple[torch.Tensor, torch.Tensor] | None = None  # see _pairs
+        self._tied: tuple[Int8Embedding, ...] = ()  # see tie; a tuple, so not a submodule
 
     def _pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes 16 output rows x 2 inputs interleaved, and the scales 16 rows at a time
@@ -337,32 +339,33 @@ class Int8GroupLinear(nn.Module):
         return self.is_grouped and self.out_features % 16 == 0 and self.takes_int8() and ops.int8_quads_usable()
 
     def arrange_quads(self) -> None:
-        """Hold the codes 16 output rows x 4 inputs interleaved, each as the unsigned byte code + 128,
-        and the scales 16 rows at a time (int8_quads.cpp), instead of row-major: as many bytes, read by
-        one vpdpbusd per 4 inputs and 16 outputs for any row count (bench/kernels.py: 2.5x the row-major
-        kernel for one row, 4-5x from 16). Arranged once, on the first call that multiplies this way
-        (the C++ kernels load after the weights); a row-major reference held elsewhere (a tied
-        embedding's) stays where it is."""
+        """Hold the codes 16 output rows x 4 inputs interleaved (layers/quads.py), instead of row-major:
+        at 5 bits where every code fits (GGML's Q5_0: the file's own width), else 8, with float16 scales
+        where the file's are; read by one vpdpbusd per 4 inputs and 16 outputs for any row count
+        (bench/kernels.py: 2.5x the row-major kernel for one row, 4-5x from 16). Arranged at load where
+        the CPU has AVX512-VNNI and the inputs are int8 (loader.py), else on the first call that
+        multiplies this way. A tied embedding then looks its rows up in these quads (one copy)."""
         if self.quads is not None:
             return
-        rows = -(-self.out_features // 16) * 16
-        codes = F.pad(self.codes, (0, 0, 0, rows - self.out_features))
-        scales = F.pad(self.scales, (0, 0, 0, rows - self.out_features))
-        quads = codes.view(torch.uint8).view(rows // 16, 16, self.in_features // 4, 4).permute(0, 2, 1, 3) ^ 0x80
-        self.quads, self.quad_scales = quads.contiguous(), _by_16_rows(scales)
+        self.quads, self.quad_scales = quads.to_quads(self.codes, self.scales)
         self.codes = self.scales = None
         self._pair_layout = None
+        for embedding in self._tied:
+            embedding.read_from(quads=(self.quads, self.quad_scales))
 
     def arrange_row_major(self) -> None:
         """Back to row-major codes and scales (for float inputs), from the quads."""
         if self.codes is not None:
             return
-        rows = self.quads.shape[0] * 16
-        codes = (self.quads ^ 0x80).view(torch.int8).permute(0, 2, 1, 3).reshape(rows, self.in_features)
-        scales = self.quad_scales.permute(0, 2, 1).reshape(rows, -1)
-        self.codes = codes[: self.out_features].contiguous()
-        self.scales = scales[: self.out_features].contiguous()
+        self.codes, self.scales = quads.to_row_major(self.quads, self.quad_scales, self.out_features)
         self.quads = self.quad_scales = None
+        for embedding in self._tied:
+            embedding.read_from(rows=(self.codes, self.scales))
+
+    def tie(self, embedding: Int8Embedding) -> None:
+        """Share this layer's codes with `embedding` (a tied lm_head): it then looks rows up in whichever
+        layout this layer holds."""
+        self._tied = (embedding,)
 
     def takes_int8(self) -> bool:
         """Whether the C++ kernels quantize this layer's inputs to int8: asked for, and a CPU with the
@@ -437,7 +440,8 @@ def float32_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
 
 
 class Int8Embedding(nn.Module):
-    """An embedding table kept as int8 with a scale per group of 32 values of a row."""
+    """An embedding table kept as int8 with a scale per group of 32 values of a row; where the lm_head
+    is tied to it and held as quads (Int8GroupLinear.tie), its rows are looked up there instead."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
@@ -446,11 +450,26 @@ class Int8Embedding(nn.Module):
         self.dtype = dtype
         self.register_buffer("codes", codes.to(torch.int8))  # [V, D]
         self.register_buffer("scales", scales.float())  # [V, D / g]
+        self.register_buffer("quads", None)  # the tied lm_head's, while it holds them (layers/quads.py)
+        self.register_buffer("quad_scales", None)
+
+    def read_from(
+        self,
+        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        quads: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Look rows up in row-major (codes, scales) or in (quads, quad_scales): the tied lm_head's."""
+        self.codes, self.scales = rows or (None, None)
+        self.quads, self.quad_scales = quads or (None, None)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, D]
-        codes = self.codes[input_ids].float().view(-1, self.embedding_dim // self.group_size, self.group_size)
-        rows = codes * self.scales[input_ids].unsqueeze(-1)
+        if self.quads is not None:
+            codes, scales = quads.rows_of(self.quads, self.quad_scales, input_ids.reshape(-1))
+        else:
+            codes, scales = self.codes[input_ids], self.scales[input_ids]
+        groups = codes.float().view(-1, self.embedding_dim // self.group_size, self.group_size)
+        rows = groups * scales.view(groups.shape[0], -1).unsqueeze(-1)
         return rows.view(*input_ids.shape, self.embedding_dim).to(self.dtype)
 
     def extra_repr(self) -> str:

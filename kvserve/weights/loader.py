@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from kvserve.errors import UnsupportedModelError
 from kvserve.layers.gpu import GpuInt4Linear, GpuInt8GroupLinear, GpuLinear, use_triton_forms, uses_triton
+from kvserve.layers.quads import to_quads, vnni_cpu
 from kvserve.layers.quantized import (
     GROUP_SIZE,
     Int4Linear,
@@ -113,7 +114,7 @@ def load_model(
     UnsupportedModelError."""
     checkpoint = open_checkpoint(path)
     config = checkpoint.model_config()
-    plan = WeightPlan(weights)
+    plan = WeightPlan(weights, quads=activations == "int8" and not uses_triton(device) and vnni_cpu())
     with torch.device("meta"), _SkipMetaInit():
         model = MODEL_CLASSES[config.architecture](config, stage)
     pending: dict[str, _PendingLinear] = {}
@@ -144,7 +145,7 @@ def load_model(
                 del pending[module_name]
         elif name == f"{EMBEDDING}.weight":
             if model.has_embedding:
-                _load_embedding(model, source, plan, dtype)
+                _load_embedding(model, source, plan, dtype, tied=config.tie_word_embeddings and model.has_head)
             loaded.add(name)
             if config.tie_word_embeddings and model.has_head:
                 layer = pending.pop(LM_HEAD)
@@ -268,7 +269,7 @@ def _build_linear(
         if layer.in_features % GROUP_SIZE:
             fmt = "int8"
         elif name == LM_HEAD:
-            return _int8_group_linear(shards[0], layer, dtype, device, model)
+            return _int8_group_linear(shards[0], layer, plan, dtype, device, model)
         else:  # a hidden layer: Q8_0 / Q5_0 shards as stored, others rounded; out in the compute dtype
             parts = [s.int8_groups() for s in shards]
             for i, ((codes, _), n) in enumerate(zip(parts, rows, strict=True)):
@@ -276,7 +277,7 @@ def _build_linear(
             codes, scales = (torch.cat(t) for t in zip(*parts, strict=True))
             if gpu:
                 return GpuInt8GroupLinear(codes, scales, device, bias)
-            return Int8GroupLinear(codes, scales, dtype, bias=bias, out_dtype=dtype)
+            return _held(Int8GroupLinear(codes, scales, dtype, bias=bias, out_dtype=dtype), plan)
     if fmt == "int4":
         groups = [s.int4() for s in shards]
         for i, (g, n) in enumerate(zip(groups, rows, strict=True)):
@@ -301,21 +302,35 @@ def _build_linear(
 def _int8_group_linear(
     source: SourceTensor,
     layer: _PendingLinear,
+    plan: WeightPlan,
     dtype: torch.dtype,
     device: torch.device | str,
     model: nn.Module | None,
 ) -> Int8GroupLinear | GpuInt8GroupLinear:
     """The lm_head as int8 with a scale per 32 inputs, float32 logits: a tied Q8_0 embedding's own
-    tensors, Q8_0 codes as stored, or rounded from float."""
+    tensors (one copy, in whichever layout the lm_head holds), Q8_0 codes as stored, or rounded from
+    float."""
     embedding = getattr(model, EMBEDDING, None) if model is not None else None
-    if isinstance(embedding, Int8Embedding) and embedding.group_size == GROUP_SIZE:
+    tied = isinstance(embedding, Int8Embedding) and embedding.group_size == GROUP_SIZE
+    if tied:
         codes, scales = embedding.codes, embedding.scales
     else:
         codes, scales = source.int8_groups()
         _check_shape(LM_HEAD, 0, tuple(codes.shape), (layer.out_features, layer.in_features))
     if uses_triton(device):
         return GpuInt8GroupLinear(codes, scales, device, out_dtype=torch.float32)
-    return Int8GroupLinear(codes, scales, dtype)
+    head = Int8GroupLinear(codes, scales, dtype)
+    if tied:
+        head.tie(embedding)
+    return _held(head, plan)
+
+
+def _held(layer: Int8GroupLinear, plan: WeightPlan) -> Int8GroupLinear:
+    """`layer` in the layout its inputs will be multiplied in: quads from load where the plan says so
+    and the layer's shape allows (whole groups, whole vectors of 16 rows), else row-major."""
+    if plan.quads and layer.is_grouped and layer.out_features % 16 == 0:
+        layer.arrange_quads()
+    return layer
 
 
 def _stacked_float(name: str, shards: list[SourceTensor], rows: list[int], in_features: int) -> torch.Tensor:
@@ -330,13 +345,17 @@ def _check_shape(name: str, shard: int, got: tuple[int, ...], want: tuple[int, .
         raise UnsupportedModelError(f"Tensor for {name}.weight[{shard}] has shape {got}, the model expects {want}.")
 
 
-def _load_embedding(model: nn.Module, source: SourceTensor, plan: WeightPlan, dtype: torch.dtype) -> None:
+def _load_embedding(model: nn.Module, source: SourceTensor, plan: WeightPlan, dtype: torch.dtype, tied: bool) -> None:
+    """The token embedding in its planned form; held as quads (Q5_0 at its 5 bits) where the plan holds
+    its layers so, unless the lm_head is `tied` to it (the head then decides its layout)."""
     embedding = getattr(model, EMBEDDING)
     if plan.embedding_format(source) == "float":
         _copy(embedding.weight.data, source.read_float(), f"{EMBEDDING}.weight")
         return
     quantized = Int8Embedding(*source.int8_groups(), dtype).to(embedding.weight.device)
     _check_shape(EMBEDDING, 0, (quantized.num_embeddings, quantized.embedding_dim), tuple(embedding.weight.shape))
+    if plan.quads and not tied and quantized.group_size == GROUP_SIZE and quantized.num_embeddings % 16 == 0:
+        quantized.read_from(quads=to_quads(quantized.codes, quantized.scales))
     model.set_submodule(EMBEDDING, quantized)
 
 

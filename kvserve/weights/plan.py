@@ -74,9 +74,12 @@ def _cpu_has_avx2() -> bool:
 
 
 class WeightPlan:
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, quads: bool = False) -> None:
         assert mode in MODES, mode
         self.mode = mode
+        # CPU int8-group layers held as quads from load (layers/quads.py: Q5_0 at 5 bits, as in the
+        # file): where their int8 inputs go through int8_quads.cpp (AVX512-VNNI)
+        self.quads = quads
 
     def linear_format(self, shards: list[SourceTensor], is_lm_head: bool = False) -> str:
         """'float', 'int4', 'int8' (a scale per row) or 'int8-groups' (a scale per 32 inputs) for a

@@ -1,0 +1,118 @@
+"""The quads layout of int8-group weights (kvserve/kernels/csrc/int8_quads.cpp): codes stored 16 output
+rows x 4 inputs interleaved, so that one vpdpbusd multiplies 16 rows' codes by four inputs.
+
+Per vector of 16 output rows and group of 32 inputs the codes are eight 64-byte vectors (j = 0..7:
+inputs 4j..4j+3 of the group, each 16 rows x 4), held at one of two widths:
+
+- 8 bits: `[V / 16, K / 4, 16, 4]` uint8, each code + 128 (GGML's Q8_0, and types rounded to int8);
+- 5 bits: `[V / 16, K / 32, 320]` uint8 where every code lies in -16..15 (GGML's Q5_0): each code + 16,
+  bytes 0..255 four vectors of nibbles (vector t: vector 2t's low 4 bits in the low nibble, vector
+  2t + 1's in the high one), bytes 256..319 eight 64-bit masks (mask j's bit i: the fifth bit of
+  vector j's byte i). 5 bits a code, as the file holds them.
+
+The scales are `[V / 16, K / 32, 16]`: float16 where every scale is one (the file's own, Q8_0 and
+Q5_0), float32 otherwise. Either width and scale type gives the kernel the same integers and
+floats, so the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32
+FIVE_BIT_BYTES = 320  # per vector of 16 rows and group of 32 inputs
+_CHUNK_VECTORS = 256  # vectors (of 16 rows) arranged per step: temporaries of a few MB
+
+
+@functools.cache
+def vnni_cpu() -> bool:
+    """Whether this CPU has AVX512-VNNI and AVX512BW, as int8_quads.cpp needs: asked of Linux's
+    /proc/cpuinfo, so that a layer can be arranged at load, before the C++ kernels have loaded (they
+    say for sure: ops.int8_quads_usable(); a layer whose guess was wrong is arranged back on its first
+    call)."""
+    try:
+        flags = next(
+            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
+        ).split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags and "avx512bw" in flags
+
+
+def code_bits(quads: torch.Tensor) -> int:
+    """8 or 5: the width a quads tensor holds its codes at."""
+    return 8 if quads.dim() == 4 else 5
+
+
+def to_quads(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quads, quad_scales) of row-major codes [N, K] int8 and scales [N, K / 32] float32: 5 bits where
+    every code fits, float16 scales where every scale is one; rows past N to a multiple of 16 zero."""
+    n, k = codes.shape
+    rows = -(-n // 16) * 16
+    codes = F.pad(codes, (0, 0, 0, rows - n))
+    scales = F.pad(scales, (0, 0, 0, rows - n))
+    vectors, groups = rows // 16, k // GROUP
+    five = bool(codes.min() >= -16) and bool(codes.max() <= 15)
+    quads = torch.empty((vectors, groups, FIVE_BIT_BYTES) if five else (vectors, k // 4, 16, 4), dtype=torch.uint8)
+    for start in range(0, vectors, _CHUNK_VECTORS):
+        end = min(start + _CHUNK_VECTORS, vectors)
+        # [v, 16, G, 8, 4] -> [v, G, 8, 16, 4]: vector j of group g is 16 rows x inputs 4j..4j+3
+        part = codes[start * 16 : end * 16].view(end - start, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)
+        if five:
+            quads[start:end] = _pack_five((part + 16).view(torch.uint8).reshape(end - start, groups, 8, 64))
+        else:
+            quads[start:end] = (part.view(torch.uint8) ^ 0x80).reshape(end - start, k // 4, 16, 4)
+    by_16 = scales.view(vectors, 16, groups).permute(0, 2, 1).contiguous()
+    half = by_16.half()
+    return quads, half if torch.equal(half.float(), by_16) else by_16
+
+
+def to_row_major(quads: torch.Tensor, quad_scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row-major (codes [n, K] int8, scales [n, K / 32] float32) of to_quads' result."""
+    vectors, groups = quads.shape[0], quad_scales.shape[1]
+    codes = _unsigned_vectors(quads).view(vectors, groups, 8, 16, 4).permute(0, 3, 1, 2, 4)
+    codes = (codes.reshape(vectors * 16, groups * GROUP).to(torch.int16) - _offset(quads)).to(torch.int8)
+    scales = quad_scales.float().permute(0, 2, 1).reshape(vectors * 16, groups)
+    return codes[:n].contiguous(), scales[:n].contiguous()
+
+
+def rows_of(quads: torch.Tensor, quad_scales: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `ids` [T] of the weight as (codes [T, K] int8, scales [T, K / 32] float32): an embedding's
+    lookup from the quads of the lm_head tied to it."""
+    vector, row = ids // 16, ids % 16
+    groups = quad_scales.shape[1]
+    codes = _unsigned_vectors(quads[vector]).view(-1, groups, 8, 16, 4)
+    codes = codes[torch.arange(ids.numel()), :, :, row].reshape(ids.numel(), groups * GROUP)
+    codes = (codes.to(torch.int16) - _offset(quads)).to(torch.int8)
+    return codes, quad_scales[vector, :, row].float()
+
+
+def _offset(quads: torch.Tensor) -> int:
+    return 128 if code_bits(quads) == 8 else 16
+
+
+def _pack_five(u: torch.Tensor) -> torch.Tensor:
+    """[v, G, 8, 64] codes 0..31 (uint8) -> [v, G, 320] in the 5-bit layout."""
+    nibbles = (u[:, :, 0::2] & 0x0F) | ((u[:, :, 1::2] & 0x0F) << 4)  # [v, G, 4, 64]
+    fifth = ((u >> 4) & 1).view(*u.shape[:3], 8, 8)  # [v, G, 8 masks, 8 bytes, 8 bits]
+    masks = torch.zeros(fifth.shape[:-1], dtype=torch.uint8)
+    for bit in range(8):
+        masks |= fifth[..., bit] << bit
+    return torch.cat([nibbles.flatten(2), masks.flatten(2)], dim=2)
+
+
+def _unsigned_vectors(quads: torch.Tensor) -> torch.Tensor:
+    """[v, G, 8, 64] uint8: each vector's codes plus the offset, from either width."""
+    v = quads.shape[0]
+    if code_bits(quads) == 8:
+        return quads.reshape(v, -1, 8, 64)
+    groups = quads.shape[1]
+    nibbles = quads[..., :256].view(v, groups, 4, 64)
+    low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).view(v, groups, 8, 64)
+    masks = quads[..., 256:].view(v, groups, 8, 8, 1)
+    fifth = (masks >> torch.arange(8, dtype=torch.uint8)) & 1  # [v, G, 8 masks, 8 bytes, 8 bits]
+    return low | (fifth.view(v, groups, 8, 64) << 4)

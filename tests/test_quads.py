@@ -1,0 +1,91 @@
+"""The quads layout (kvserve/layers/quads.py): codes held 16 output rows x 4 inputs interleaved, at 5 bits
+where every code fits (GGML's Q5_0) and 8 otherwise, with float16 scales where they are exact.
+
+References: the row-major codes and scales the layout was made from (exact round trips, exact row
+lookups), and the 8-bit layout's products for the 5-bit one (the same integers, so the same bits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.layers import quads
+from kvserve.layers.quantized import Int8Embedding, Int8GroupLinear
+
+
+def _codes(rows: int, cols: int, low: int, high: int, seed: int) -> torch.Tensor:
+    return torch.randint(low, high + 1, (rows, cols), generator=torch.Generator().manual_seed(seed), dtype=torch.int8)
+
+
+def _scales(rows: int, groups: int, half: bool, seed: int) -> torch.Tensor:
+    scales = torch.rand(rows, groups, generator=torch.Generator().manual_seed(seed)) / 50 + 1e-4
+    return scales.half().float() if half else scales  # float16 values: as GGUF stores Q8_0's and Q5_0's
+
+
+@pytest.mark.parametrize("rows", [48, 40], ids=["whole-vectors", "padded"])
+@pytest.mark.parametrize(("low", "high", "bits"), [(-16, 15, 5), (-16, 16, 8), (-127, 127, 8)])
+@pytest.mark.parametrize("half", [True, False], ids=["float16-scales", "float32-scales"])
+def test_quads_round_trip_exactly_at_the_narrowest_width(rows, low, high, bits, half):
+    """Codes in -16..15 are held at 5 bits, any other at 8; float16 scales where every scale is one.
+    Back to row-major gives the same codes and scales, and the layout's bytes are the width's."""
+    codes, scales = _codes(rows, 96, low, high, seed=rows + bits), _scales(rows, 3, half, seed=rows)
+    held, held_scales = quads.to_quads(codes, scales)
+    assert quads.code_bits(held) == bits
+    assert held_scales.dtype == (torch.float16 if half else torch.float32)
+    padded = -(-rows // 16) * 16
+    assert held.numel() == padded * 96 * bits // 8  # as many bytes as the codes' width
+    assert held_scales.shape == (padded // 16, 3, 16)
+    back_codes, back_scales = quads.to_row_major(held, held_scales, rows)
+    assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
+
+
+@pytest.mark.parametrize(("low", "high"), [(-16, 15), (-127, 127)], ids=["5-bit", "8-bit"])
+def test_rows_are_looked_up_in_quads_as_in_the_row_major_table(low, high):
+    codes, scales = _codes(64, 64, low, high, seed=3), _scales(64, 2, half=True, seed=3)
+    held, held_scales = quads.to_quads(codes, scales)
+    ids = torch.tensor([0, 63, 17, 17, 31, 32, 5])
+    got_codes, got_scales = quads.rows_of(held, held_scales, ids)
+    assert torch.equal(got_codes, codes[ids]) and torch.equal(got_scales, scales[ids])
+
+
+def test_a_tied_embedding_looks_up_the_heads_quads_and_holds_no_copy():
+    """A tied lm_head arranged as quads takes the embedding with it (one copy of the codes, counted once);
+    the embedding's rows stay the same bits, and go back with the head to row-major."""
+    codes, scales = _codes(80, 64, -127, 127, seed=4), _scales(80, 2, half=True, seed=4)
+    embedding = Int8Embedding(codes, scales, torch.float32)
+    head = Int8GroupLinear(embedding.codes, embedding.scales, torch.float32)
+    head.tie(embedding)
+    ids = torch.tensor([[1, 79, 40], [16, 15, 0]])
+    before = embedding(ids)
+    head.arrange_quads()
+    assert embedding.codes is None and embedding.quads is head.quads and embedding.quad_scales is head.quad_scales
+    assert not [m for m in head.modules() if m is embedding]  # not a submodule of the head
+    assert torch.equal(embedding(ids), before)
+    head.arrange_row_major()
+    assert embedding.quads is None and embedding.codes is head.codes
+    assert torch.equal(embedding.codes, codes) and torch.equal(embedding(ids), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_five_bit_quads_multiply_to_the_bits_of_eight_bit_quads(extension, dtype):
+    """int8_quads.cpp at 5 bits with float16 scales against itself at 8 bits with float32 scales: the same
+    integer sums and float scales, so every row count gives the same bits; and a row's result alone is
+    its result in a batch."""
+    if not extension.int8_quads_usable():
+        pytest.skip("the quads kernel needs AVX512-VNNI")
+    from kvserve.kernels import ops
+
+    outputs, inputs = 96, 320
+    codes, scales = _codes(outputs, inputs, -16, 15, seed=5), _scales(outputs, inputs // 32, half=True, seed=5)
+    five, five_scales = quads.to_quads(codes, scales)
+    assert quads.code_bits(five) == 5 and five_scales.dtype == torch.float16
+    eight = (codes.view(outputs // 16, 16, inputs // 4, 4).permute(0, 2, 1, 3).view(torch.uint8) ^ 0x80).contiguous()
+    eight_scales = scales.view(outputs // 16, 16, -1).permute(0, 2, 1).contiguous()
+    for rows in (1, 2, 7, 8, 9, 64, 515):  # tiles of 8 rows: every remainder
+        x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        x[0, :32] = 0.0  # an all-zero group: d = 0
+        got = ops.int8_quads_matmul(x, five, five_scales, outputs)
+        assert torch.equal(got, ops.int8_quads_matmul(x, eight, eight_scales, outputs)), rows
+        exact = x.double() @ (codes.double().view(outputs, -1, 32) * scales.double()[..., None]).view(outputs, -1).T
+        assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max(), rows  # int8 inputs' rounding
+        assert torch.equal(ops.int8_quads_matmul(x[-1:], five, five_scales, outputs)[0], got[-1]), rows
