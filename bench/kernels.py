@@ -155,6 +155,15 @@ def kernels(n: int, k: int) -> dict[str, tuple[str, int, Callable[[torch.Tensor]
             lambda x: ops.int8_quads_matmul(x, quads.quads, quads.quad_scales, n),
             torch.float32,
         )
+        # Q5_0's codes (-16..15) and float16 scales: held at 5 bits (layers/quads.py), the same products
+        five = Int8GroupLinear(codes.clamp(-16, 15), scales.half().float(), torch.bfloat16)
+        five.arrange_quads()
+        found["5-bit quads (Q5_0), int8 inputs"] = (
+            "vnni",
+            sum(t.numel() * t.element_size() for t in (five.quads, five.quad_scales)),
+            lambda x: ops.int8_quads_matmul(x, five.quads, five.quad_scales, n),
+            torch.float32,
+        )
     if ops.int8_pairs_usable():
         pairs = layer._pairs()
         found["int8 pairs, bfloat16 inputs"] = (
