@@ -70,7 +70,8 @@ def test_a_tied_embedding_looks_up_the_heads_quads_and_holds_no_copy():
 def test_five_bit_quads_multiply_to_the_bits_of_eight_bit_quads(extension, dtype):
     """int8_quads.cpp at 5 bits with float16 scales against itself at 8 bits with float32 scales: the same
     integer sums and float scales, so every row count gives the same bits; and a row's result alone is
-    its result in a batch."""
+    its result in a batch (one row: vpdpbusd; from 16 rows AMX tiles where the CPU has them, whose
+    integer sums and float steps are the same)."""
     if not extension.int8_quads_usable():
         pytest.skip("the quads kernel needs AVX512-VNNI")
     from kvserve.kernels import ops

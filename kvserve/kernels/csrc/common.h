@@ -69,6 +69,12 @@
 #else
 #define KVSERVE_HAS_AMX_BF16 0
 #endif
+// AMX tiles with int8 products (TDPBSUD: signed bytes by unsigned bytes, summed in int32).
+#if KVSERVE_HAS_AMX_BF16 && defined(__AMX_INT8__)
+#define KVSERVE_HAS_AMX_INT8 1
+#else
+#define KVSERVE_HAS_AMX_INT8 0
+#endif
 
 #if KVSERVE_HAS_AVX
 #include <immintrin.h>

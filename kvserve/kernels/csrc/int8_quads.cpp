@@ -20,6 +20,11 @@
 // beside it, and the same in either width. Row-major codes take a float step per row, group and
 // output row (int8_int8.cpp); this layout takes one per 8 vpdpbusd, 16 outputs at a time
 // (bench/kernels.py: 2.5x for one row, 4-5x from 16 rows).
+// With AMX (int8 tiles), from kAmxQuadRows rows: a group's eight code vectors are exactly the B tile
+// of TDPBSUD (8 rows of 16 outputs x 4 inputs), read from the weight as held (8 bits) or unpacked once
+// per call (5 bits), and 16 rows of q the A tile; one instruction sums a group for 16 rows x 16
+// outputs in int32, the offset's start is added, and the float step is the VNNI kernel's, per row of
+// 16 outputs in group order: the same integers and the same float operations, so the same bits.
 
 #include <type_traits>
 #include <vector>
@@ -131,6 +136,119 @@ void quads_matmul(const int8_t* q, const float* d, const int32_t* start, int64_t
   });
 }
 
+
+#if KVSERVE_HAS_AMX_INT8
+constexpr int64_t kAmxQuadRows = 16;  // from one tile of rows; fewer go through vpdpbusd
+
+struct alignas(64) QuadTileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0 and 3: C, 16 rows x 16 outputs int32 (alternating by group); 1: A, 16 rows x 32 int8
+// inputs; 2: B, 8 rows of 16 outputs x 4 inputs (one group's code vectors).
+inline void load_quad_tile_config() {
+  QuadTileConfig config;
+  config.rows[0] = config.rows[3] = 16;
+  config.colsb[0] = config.colsb[3] = 64;
+  config.rows[1] = 16;
+  config.colsb[1] = 32;
+  config.rows[2] = 8;
+  config.colsb[2] = 64;
+  _tile_loadconfig(&config);
+}
+
+// total[r] = fma(float(c[r] + start), scale * d, total[r]) for the block's rows r: the VNNI kernel's step.
+template <typename S>
+inline void quad_epilogue(__m512* total, const int32_t* c, const S* scales, const float* d, const int32_t* start,
+                          int64_t groups, int64_t rows) {
+  const __m512 scale = load_scales(scales);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512i sum = _mm512_add_epi32(_mm512_load_si512(c + r * 16), _mm512_set1_epi32(start[r * groups]));
+    total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups])), total[r]);
+  }
+}
+
+// Group g: its product into C tile TILE, then the previous group's sums stored from OTHER and scaled
+// into total (a store waits for its multiply: each waits on work issued an iteration earlier).
+// (GCC's tile intrinsics paste the tile number into the instruction: literals only, hence a macro.)
+#define KVSERVE_QUAD_STEP(TILE, OTHER)                                                                       \
+  template <typename S>                                                                                      \
+  inline void quad_step_##TILE(int64_t g, const int8_t* q, int64_t k, const uint8_t* b, int32_t(*c)[256],   \
+                               __m512* total, const S* scales, const float* d, const int32_t* start,        \
+                               int64_t groups, int64_t rows) {                                               \
+    _tile_zero(TILE);                                                                                        \
+    _tile_loadd(1, q + g * 32, k);                                                                           \
+    _tile_loadd(2, b + g * 512, 64);                                                                         \
+    _tile_dpbsud(TILE, 1, 2);                                                                                \
+    if (g >= 1) {                                                                                            \
+      _tile_stored(OTHER, c[(g - 1) & 1], 64);                                                               \
+      quad_epilogue(total, c[(g - 1) & 1], scales + (g - 1) * 16, d + g - 1, start + g - 1, groups, rows);   \
+    }                                                                                                        \
+  }
+KVSERVE_QUAD_STEP(0, 3)
+KVSERVE_QUAD_STEP(3, 0)
+#undef KVSERVE_QUAD_STEP
+
+// quads_matmul on tiles: q, d and start with rows to a multiple of 16 (zero past m).
+template <int Bits, typename S>
+void quads_matmul_amx(const int8_t* q, const float* d, const int32_t* start, int64_t m, int64_t k, const uint8_t* qp,
+                      const S* sp, float* o, int64_t v, int64_t vectors) {
+  const int64_t groups = k / 32, vector_bytes = k * 16 * Bits / 8;
+  at::parallel_for(0, vectors, 1, [&](int64_t begin, int64_t end) {
+    load_quad_tile_config();
+    std::vector<uint8_t> unpacked(Bits == 8 ? 0 : k * 16);  // a vector's codes at 8 bits (+ 16)
+    alignas(64) int32_t c[2][256];
+    for (int64_t vec = begin; vec < end; ++vec) {
+      const int64_t cols = std::min<int64_t>(16, v - vec * 16);
+      if (cols <= 0) continue;
+      const uint8_t* b = qp + vec * vector_bytes;
+      if constexpr (Bits != 8) {
+        for (int64_t g = 0; g < groups; ++g) {
+          __m512i codes[8];
+          load_codes<Bits>(b, g, codes);
+          for (int j = 0; j < 8; ++j) _mm512_storeu_si512(unpacked.data() + (g * 8 + j) * 64, codes[j]);
+        }
+        b = unpacked.data();
+      }
+      const S* vs = sp + vec * groups * 16;
+      for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, m - r0);
+        const int8_t* qr = q + r0 * k;
+        const float* dr = d + r0 * groups;
+        const int32_t* sr = start + r0 * groups;
+        __m512 total[16];
+        for (int r = 0; r < 16; ++r) total[r] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+          if (g & 1) {
+            quad_step_3(g, qr, k, b, c, total, vs, dr, sr, groups, rows);
+          } else {
+            quad_step_0(g, qr, k, b, c, total, vs, dr, sr, groups, rows);
+          }
+        }
+        const int64_t last = groups - 1;
+        if (last & 1) {
+          _tile_stored(3, c[last & 1], 64);
+        } else {
+          _tile_stored(0, c[last & 1], 64);
+        }
+        quad_epilogue(total, c[last & 1], vs + last * 16, dr + last, sr + last, groups, rows);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = o + (r0 + r) * v + vec * 16;
+          if (cols == 16) {
+            _mm512_storeu_ps(dst, total[r]);
+          } else {
+            _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << cols) - 1), total[r]);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 }  // namespace
 
 at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_scales, int64_t v) {
@@ -146,9 +264,10 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
               "int8_quads_matmul: quad_scales [V / 16, K / 32, 16] float32 or float16");
   const int32_t offset = eight ? 128 : 16;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  std::vector<int8_t> q(m * k);
-  std::vector<float> d(m * groups), sums(m * groups);
-  std::vector<int32_t> start(m * groups);
+  const int64_t padded = (m + 15) / 16 * 16;  // whole tiles of rows for AMX, zero past m
+  std::vector<int8_t> q(padded * k, 0);
+  std::vector<float> d(padded * groups, 0.f), sums(padded * groups);
+  std::vector<int32_t> start(padded * groups, 0);
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -162,17 +281,34 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
   const uint8_t* qp = quads.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   const bool half = quad_scales.scalar_type() == at::kHalf;
-  if (eight && !half) {
-    quads_matmul<8, float>(q.data(), d.data(), start.data(), m, k, qp, quad_scales.data_ptr<float>(), o, v, vectors);
-  } else if (eight) {
-    quads_matmul<8, at::Half>(q.data(), d.data(), start.data(), m, k, qp, quad_scales.data_ptr<at::Half>(), o, v,
-                              vectors);
-  } else if (!half) {
-    quads_matmul<5, float>(q.data(), d.data(), start.data(), m, k, qp, quad_scales.data_ptr<float>(), o, v, vectors);
-  } else {
-    quads_matmul<5, at::Half>(q.data(), d.data(), start.data(), m, k, qp, quad_scales.data_ptr<at::Half>(), o, v,
-                              vectors);
+#if KVSERVE_HAS_AMX_INT8
+  const bool tiles = m >= kAmxQuadRows && amx_usable();
+#else
+  const bool tiles = false;
+#endif
+#define KVSERVE_QUADS(BITS, S)                                                                              \
+  if (tiles) {                                                                                              \
+    KVSERVE_QUADS_AMX(BITS, S)                                                                              \
+  } else {                                                                                                  \
+    quads_matmul<BITS, S>(q.data(), d.data(), start.data(), m, k, qp, quad_scales.data_ptr<S>(), o, v, vectors); \
   }
+#if KVSERVE_HAS_AMX_INT8
+#define KVSERVE_QUADS_AMX(BITS, S) \
+  quads_matmul_amx<BITS, S>(q.data(), d.data(), start.data(), m, k, qp, quad_scales.data_ptr<S>(), o, v, vectors);
+#else
+#define KVSERVE_QUADS_AMX(BITS, S)
+#endif
+  if (eight && !half) {
+    KVSERVE_QUADS(8, float)
+  } else if (eight) {
+    KVSERVE_QUADS(8, at::Half)
+  } else if (!half) {
+    KVSERVE_QUADS(5, float)
+  } else {
+    KVSERVE_QUADS(5, at::Half)
+  }
+#undef KVSERVE_QUADS
+#undef KVSERVE_QUADS_AMX
   return out;
 }
 #else
