@@ -32,7 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import build, ops
-from kvserve.layers.quantized import Int4Groups, Int4Linear, Int8GroupLinear, int4_block_rows, int8_groups_from_float
+from kvserve.layers.quantized import (
+    Int4Groups,
+    Int4Linear,
+    Int6Linear,
+    Int8GroupLinear,
+    int4_block_rows,
+    int8_groups_from_float,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -164,6 +171,20 @@ def kernels(n: int, k: int) -> dict[str, tuple[str, int, Callable[[torch.Tensor]
             lambda x: ops.int8_quads_matmul(x, five.quads, five.quad_scales, n),
             torch.float32,
         )
+        if k % 256 == 0 and n % 16 == 0:  # Q6_K's codes and scales (random), held as stored at 6 bits
+            g = torch.Generator().manual_seed(1)
+            six = Int6Linear(
+                torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g),
+                torch.randint(-127, 128, (n, k // 16), dtype=torch.int8, generator=g),
+                (torch.rand(n, k // 256, generator=g) / 1000).half(),
+                torch.bfloat16,
+            )
+            found["6-bit quads (Q6_K), int8 inputs"] = (
+                "vnni",
+                sum(t.numel() * t.element_size() for t in (six.quads, six.k_scales)),
+                lambda x: ops.int8_quads_matmul(x, six.quads, six.k_scales, n),
+                torch.float32,
+            )
     if ops.int8_pairs_usable():
         pairs = layer._pairs()
         found["int8 pairs, bfloat16 inputs"] = (

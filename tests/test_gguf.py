@@ -126,6 +126,28 @@ def finish_gguf(writer: GGUFWriter) -> None:
     writer.close()
 
 
+def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
+    """Round-to-nearest Q6_K blocks of a float [rows, K] matrix (the gguf package quantizes no K-type), as
+    raw bytes [rows, K / 256 * 210] in GGML's layout: ql (low 4 bits), qh (high 2), an int8 scale per 16
+    values, a float16 scale per 256. The gguf package's dequantization is the reference it is read by."""
+    rows, k = weight.shape
+    w = weight.astype(np.float32).reshape(-1, 16, 16)  # [blocks, sub-block, value]
+    sub = np.abs(w).max(-1) / 31  # a sub-block's step, before its int8 rounding
+    d = (sub.max(-1) / 127).astype(np.float16)  # [blocks]
+    inv_d = np.where(d != 0, 1 / np.maximum(d.astype(np.float32), 1e-30), 0)
+    scales = np.clip(np.round(sub * inv_d[:, None]), -127, 127).astype(np.int8)
+    step = d.astype(np.float32)[:, None] * scales.astype(np.float32)
+    inv_step = np.where(step != 0, 1 / np.where(step != 0, step, 1), 0)
+    codes = (np.clip(np.round(w * inv_step[..., None]), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)
+    ql = (codes[:, :, :64] & 0x0F) | ((codes[:, :, 64:] & 0x0F) << 4)  # [blocks, 2, 64]
+    high = (codes >> 4).reshape(-1, 2, 4, 32)  # value 32 t + i of a half: bits 2t, 2t + 1 of qh[i]
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    blocks = np.concatenate(
+        [ql.reshape(-1, 128), qh.reshape(-1, 64), scales.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=1
+    )
+    return blocks.reshape(rows, k // 256 * 210)
+
+
 def write_llama_gguf(
     path,
     hf_model,
@@ -163,7 +185,8 @@ def write_llama_gguf(
                 data = _llamacpp_permute(data, cfg.num_key_value_heads)
         kind = (embedding_qtype or qtype) if gguf_name == "token_embd.weight" else qtype
         if data.ndim == 2 and kind != T.F32 and data.shape[1] % GGML_QUANT_SIZES[kind][0] == 0:
-            writer.add_tensor(gguf_name, quants.quantize(data, kind), raw_dtype=kind)
+            blocks = quantize_q6_k(data) if kind == T.Q6_K else quants.quantize(data, kind)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(data))
     finish_gguf(writer)

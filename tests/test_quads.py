@@ -109,3 +109,60 @@ def test_the_bundled_models_tied_head_and_embedding_hold_one_copy_through_a_step
     assert weight_summary(model)["bytes"] == held
     head, embedding = model.lm_head, model.embed_tokens
     assert embedding.codes is head.codes and embedding.quads is head.quads
+
+
+def _q6_k_raw(rows: int, blocks: int, seed: int) -> torch.Tensor:
+    """Random Q6_K rows (random codes and int8 scales, finite float16 block scales), as raw bytes."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from tests.test_gguf import random_blocks
+
+    raw = random_blocks(GGMLQuantizationType.Q6_K, rows * blocks, np.random.default_rng(seed))
+    return torch.from_numpy(raw.reshape(rows, -1).copy())
+
+
+def test_q6_k_is_held_in_its_own_bytes_and_dequantizes_bit_for_bit():
+    """Q6_K's codes, int8 scales per 16 and float16 scales per 256, in the 6-bit quads: as many bytes as
+    the file, the same parts back, and the weight GGML's dequantization gives, bit for bit."""
+    from gguf import GGMLQuantizationType
+
+    from kvserve.weights.dequant import dequantize, q6_k_parts
+
+    raw = _q6_k_raw(48, 2, seed=6)
+    codes, scales, d = q6_k_parts(raw)
+    assert codes.shape == (48, 512) and int(codes.max()) <= 63
+    held, k_scales = quads.to_k6_quads(codes, scales, d)
+    assert held.numel() + k_scales.numel() == raw.numel()  # 6.5625 bits a weight, as the file
+    back = quads.k6_parts(held, k_scales)
+    assert all(torch.equal(a, b) for a, b in zip(back, (codes, scales, d), strict=True))
+    expected = dequantize(raw, GGMLQuantizationType.Q6_K, 512)
+    assert torch.equal(quads.k6_dequantize(held, k_scales).view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_q6_k_layer_equals_its_integer_reference_and_each_row_alone(extension, dtype):
+    """Int6Linear (int8_quads.cpp, 6 bits, a float step per 16 inputs) against the product in float64 of
+    the dequantized weight and the inputs as the kernel rounds them to int8 (per 32: d = max|x| / 127,
+    q = round(x / d)), within float32's summation; its distance to the float inputs' product within
+    their rounding; and each row alone the same bits as in any batch."""
+    if not extension.int8_quads_usable():
+        pytest.skip("the quads kernel needs AVX512-VNNI")
+    from kvserve.layers.quantized import Int6Linear
+    from kvserve.weights.dequant import q6_k_parts
+
+    layer = Int6Linear(*q6_k_parts(_q6_k_raw(96, 2, seed=9)), dtype, out_dtype=torch.float32)
+    weight = quads.k6_dequantize(layer.quads, layer.k_scales).double()
+    for rows in (1, 2, 7, 8, 9, 64, 515):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        x[0, :32] = 0.0  # an all-zero group: d = 0
+        got = layer(x).double()
+        xg = x.float().view(rows, 16, 32)
+        d = xg.abs().amax(-1) / 127
+        q = torch.round(xg * torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None])
+        reference = (d.double()[..., None] * q.double()).view(rows, 512) @ weight.T
+        assert (got - reference).abs().max() <= 1e-5 * reference.abs().max(), rows
+        bound = (d.double()[..., None] / 2 * weight.abs().view(96, 16, 32).sum(-1).T).sum(1)
+        assert ((got - x.double() @ weight.T).abs() <= bound + 1e-5 * reference.abs().max()).all(), rows
+        for i in {0, rows // 2, rows - 1}:
+            assert torch.equal(layer(x[i : i + 1])[0], got[i].float()), (rows, i)

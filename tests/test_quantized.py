@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.errors import InvalidRequestError
 from kvserve.layers.quantized import (
     Int4Groups,
@@ -23,7 +23,7 @@ from kvserve.weights.dequant import dequantize, int4_groups, q8_0_groups
 from kvserve.weights.loader import load_model, weight_summary
 from kvserve.weights.plan import resolve_activations, resolve_weights
 from tests.conftest import make_tiny_llama, wait_idle_and_check
-from tests.test_gguf import _logits, random_blocks, write_llama_gguf
+from tests.test_gguf import _logits, quantize_q6_k, random_blocks, write_llama_gguf
 
 T = GGMLQuantizationType
 # Dimensions the int4 kernel takes whole (outputs in 16s, inputs in groups of 32).
@@ -344,3 +344,53 @@ def test_q8_0_and_q5_0_are_held_at_the_files_width_where_their_inputs_are_int8(t
     codes, scales = quads.to_row_major(ours.quads, ours.quad_scales, ours.out_features)
     got = (codes.view(ours.out_features, -1, 32).float() * scales[..., None]).view(ours.out_features, -1)
     assert np.array_equal(got.numpy(), dequantized(theirs.weight))
+
+
+def test_q6_k_layers_are_held_as_stored_where_their_inputs_are_int8(tmp_path):
+    """A Q6_K file with int8 inputs on AVX512-VNNI: every matrix, the lm_head too, is an Int6Linear in
+    the file's own bytes whose weight is the gguf package's dequantization bit for bit; the fused layer
+    loop takes them, and an engine serves greedy tokens equal to the module path's."""
+    pytest.importorskip("transformers")
+    from kvserve.layers import quads
+    from kvserve.layers.fused_decode import FusedDecoder
+    from kvserve.layers.quantized import Int6Linear
+    from tests.simple_generate import stream_token_ids
+
+    if not quads.vnni_cpu():
+        pytest.skip("Q6_K is held as stored where the quads kernel serves (int8 inputs, AVX512-VNNI)")
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=28, hidden_size=256, intermediate_size=256, vocab_size=320)
+    path = tmp_path / "tiny-q6_k.gguf"
+    from gguf import GGUFReader
+
+    from kvserve.llm import default_dtype
+    from kvserve.weights.registry import DEFAULT_MODEL, pull
+
+    reader = GGUFReader(pull(DEFAULT_MODEL, progress=False))  # SmolLM2's tokenizer, for the engine
+    fields = {
+        name: (field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+        for name, field in reader.fields.items()
+        if name.startswith("tokenizer.")
+    }
+    write_llama_gguf(path, hf_model, qtype=T.Q6_K, fields=fields)
+
+    dtype = default_dtype(torch.device("cpu"))  # the engine's below
+    model = load_model(path, dtype, progress=False, weights="auto", activations="int8")
+    assert weight_summary(model)["layers"] == {"int6 (Q6_K)": 9, "int8 embedding": 1}
+    layers = [m for m in model.modules() if isinstance(m, Int6Linear)]
+    held = sum(t.numel() * t.element_size() for m in layers for t in m.buffers())
+    size = GGML_QUANT_SIZES[T.Q6_K]
+    assert held == sum(m.out_features * m.in_features // size[0] * size[1] for m in layers)
+    for ours, theirs in (
+        (model.lm_head, hf_model.lm_head),
+        (model.layers[1].mlp.down_proj, hf_model.model.layers[1].mlp.down_proj),
+    ):
+        stored = quants.dequantize(quantize_q6_k(theirs.weight.detach().numpy()), T.Q6_K)
+        assert np.array_equal(quads.k6_dequantize(ours.quads, ours.k_scales).numpy(), stored)
+    assert FusedDecoder.supports(model)
+    prompt = list(range(5, 45))
+    expected = list(stream_token_ids(model, prompt, 8))
+    with LLM(str(path), session_db=False, progress=False) as llm:
+        assert any(isinstance(m, Int6Linear) for m in llm.model.modules())
+        out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert out[0].token_ids == expected
+        wait_idle_and_check(llm)

@@ -13,6 +13,13 @@ inputs 4j..4j+3 of the group, each 16 rows x 4), held at one of two widths:
 The scales are `[V / 16, K / 32, 16]`: float16 where every scale is one (the file's own, Q8_0 and
 Q5_0), float32 otherwise. Either width and scale type gives the kernel the same integers and
 floats, so the same bits.
+
+GGML's Q6_K has a scale per 16 inputs (int8, times a float16 one per 256): `to_k6_quads` holds it
+as stored, 6 bits a code, `[V / 16, K / 32, 384]` (the 5-bit layout's nibbles, then two vectors of
+2-bit crumbs: vector u's byte i, bits 2t and 2t + 1, are the fifth and sixth bits of vector 4u + t's
+byte i), each code as GGML's 0..63, with "K-quant scales" `[V / 16, K / 256, 288]` uint8 (per block of
+256 inputs the int8 scales [16 sub-blocks][16 rows], then the float16 ones of the 16 rows): the file's
+6.5625 bits a weight.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import torch.nn.functional as F
 
 GROUP = 32
 FIVE_BIT_BYTES = 320  # per vector of 16 rows and group of 32 inputs
+SIX_BIT_BYTES = 384
+K_SCALE_BYTES = 288  # per vector of 16 rows and block of 256 inputs (Q6_K's scales)
 _CHUNK_VECTORS = 256  # vectors (of 16 rows) arranged per step: temporaries of a few MB
 
 
@@ -89,6 +98,50 @@ def rows_of(quads: torch.Tensor, quad_scales: torch.Tensor, ids: torch.Tensor) -
     codes = codes[torch.arange(ids.numel()), :, :, row].reshape(ids.numel(), groups * GROUP)
     codes = (codes.to(torch.int16) - _offset(quads)).to(torch.int8)
     return codes, quad_scales[vector, :, row].float()
+
+
+def to_k6_quads(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quads, K-quant scales) of Q6_K's codes [N, K] uint8 in 0..63, scales [N, K / 16] int8 and d
+    [N, K / 256] float16 (dequant.q6_k_parts), N a multiple of 16."""
+    n, k = codes.shape
+    vectors, groups, blocks = n // 16, k // GROUP, k // 256
+    u = codes.view(vectors, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(vectors, groups, 8, 64)
+    nibbles = (u[:, :, 0::2] & 0x0F) | ((u[:, :, 1::2] & 0x0F) << 4)  # [v, G, 4, 64]
+    high = (u >> 4) & 3
+    crumbs = torch.zeros(vectors, groups, 2, 64, dtype=torch.uint8)
+    for t in range(4):
+        crumbs |= high[:, :, t::4] << (2 * t)  # vector 4u + t into crumb vector u
+    quads = torch.cat([nibbles.flatten(2), crumbs.flatten(2)], dim=2)
+    sub = scales.view(vectors, 16, blocks, 16).permute(0, 2, 3, 1).reshape(vectors, blocks, 256).view(torch.uint8)
+    block = d.view(vectors, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)  # [v, B, 32]
+    return quads.contiguous(), torch.cat([sub, block], dim=2).contiguous()
+
+
+def k6_parts(quads: torch.Tensor, k_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (codes, scales, d) to_k6_quads was made from."""
+    vectors, groups = quads.shape[:2]
+    nibbles = quads[..., :256].view(vectors, groups, 4, 64)
+    low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).view(vectors, groups, 8, 64)
+    crumbs = quads[..., 256:].view(vectors, groups, 2, 1, 64)
+    high = (crumbs >> torch.arange(0, 8, 2, dtype=torch.uint8).view(1, 1, 1, 4, 1)) & 3  # [v, G, u, t, 64]
+    codes = low | (high.view(vectors, groups, 8, 64) << 4)
+    codes = codes.view(vectors, groups, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(vectors * 16, groups * GROUP)
+    blocks = k_scales.shape[1]
+    sub = k_scales[..., :256].contiguous().view(torch.int8).view(vectors, blocks, 16, 16)
+    d = k_scales[..., 256:].contiguous().view(torch.float16).view(vectors, blocks, 16)
+    return (
+        codes.contiguous(),
+        sub.permute(0, 3, 1, 2).reshape(vectors * 16, blocks * 16),
+        d.permute(0, 2, 1).reshape(vectors * 16, blocks),
+    )
+
+
+def k6_dequantize(quads: torch.Tensor, k_scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K], as GGML (and dequant._q6_k) computes it: (d * scale) * (code - 32)."""
+    codes, scales, d = k6_parts(quads, k_scales)
+    n, k = codes.shape
+    scale = (d.float().repeat_interleave(16, dim=1) * scales.float()).view(n, k // 16, 1)
+    return (scale * (codes.to(torch.int8) - 32).view(n, k // 16, 16).float()).view(n, k)
 
 
 def _offset(quads: torch.Tensor) -> int:

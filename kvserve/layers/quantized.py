@@ -4,6 +4,9 @@
   group, the codes packed in the layout of `aten._weight_int4pack_mm_for_cpu`. GGML's Q4_0 / Q4_1 / Q4_K blocks are
   exactly this shape (w = scale * code + min), so they are repacked without loss.
 - `Int8Linear`: int8 with one scale per output row, for `aten._weight_int8pack_mm`.
+- `Int8GroupLinear`: int8 codes with a scale per 32 inputs (GGML's Q8_0 and Q5_0 exactly), row-major
+  or in the quads layout (layers/quads.py: Q5_0 at 5 bits) for kvserve's C++ kernels.
+- `Int6Linear`: GGML's Q6_K as stored, 6-bit quads with its scales per 16 and 256 inputs.
 - `Int8Embedding`: int8 rows with one scale per group of 32, dequantized only for the looked-up
   rows (GGML's Q8_0 is exactly this shape).
 
@@ -84,10 +87,10 @@ def int4_few_rows(dtype: torch.dtype) -> int:
 
 
 def set_activations(model: nn.Module, activations: str) -> None:
-    """Make every Int4Linear and Int8GroupLinear (the lm_head among them) of `model` take float
-    ("float") or int8 ("int8") inputs."""
+    """Make every Int4Linear, Int8GroupLinear (the lm_head among them) and Int6Linear of `model` take
+    float ("float") or int8 ("int8") inputs."""
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8GroupLinear)):
+        if isinstance(module, (Int4Linear, Int8GroupLinear, Int6Linear)):
             module.int8_activations = activations == "int8"
 
 
@@ -414,6 +417,52 @@ class Int8GroupLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int6Linear(nn.Module):
+    """y = x @ W.T (+ bias) with W as GGML's Q6_K stores it: 6-bit codes, an int8 scale per 16 inputs
+    and a float16 scale per 256 (w = d * scale * (code - 32)), held in the quads layout at the file's
+    6.5625 bits a weight (layers/quads.py, int8_quads.cpp) for int8 inputs on AVX512-VNNI: the loader
+    makes it only there (WeightPlan.quads). Every row count runs one kernel, so it is batch-invariant.
+    With float inputs (set_activations after load) it multiplies a weight dequantized on each call:
+    exact, and slow."""
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        d: torch.Tensor,
+        dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.dtype, self.out_dtype = dtype, out_dtype or dtype
+        self.int8_activations = True  # see set_activations
+        quads_, k_scales = quads.to_k6_quads(codes, scales, d)
+        self.register_buffer("quads", quads_)  # [N / 16, K / 32, 384] uint8
+        self.register_buffer("k_scales", k_scales)  # [N / 16, K / 256, 288] uint8
+        self.bias = _bias(bias, self.out_dtype)
+
+    @staticmethod
+    def supports(out_features: int, in_features: int) -> bool:
+        return out_features % 16 == 0 and in_features % 256 == 0
+
+    def takes_int8(self) -> bool:
+        return self.int8_activations and ops.available() and ops.int8_quads_usable()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.device.type == "cpu" and self.takes_int8():
+            out = ops.int8_quads_matmul(x2, self.quads, self.k_scales, self.out_features)
+        else:
+            out = F.linear(x2.float(), quads.k6_dequantize(self.quads, self.k_scales))
+        out = out.view(*x.shape[:-1], self.out_features).to(self.out_dtype)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q6_K"
 
 
 def _by_16_rows(per_row: torch.Tensor) -> torch.Tensor:

@@ -239,6 +239,22 @@ def q5_0_groups(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (q.to(torch.int8) - 16).reshape(rows, -1), _f16(blocks[:, :2]).reshape(rows, -1)
 
 
+def q6_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw Q6_K rows -> (codes [rows, K] uint8 in 0..63, scales [rows, K/16] int8, d [rows, K/256]
+    float16): w = (d * scale) * (code - 32) in float32, as `_q6_k` computes it (Int6Linear)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q6_K][1])
+    n = blocks.shape[0]
+    ql = blocks[:, 0:128].reshape(n, 2, 64)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    low = torch.cat((ql & 0x0F, ql >> 4), dim=-1)  # [N, 2, 128]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
+    codes = low | (((qh >> shifts) & 3).reshape(n, 2, 128) << 4)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8)
+    d = blocks[:, 208:210].contiguous().view(torch.float16)
+    return codes.reshape(rows, -1), scales.reshape(rows, -1), d.reshape(rows, -1)
+
+
 # Types whose values are int8 codes times a float scale per 32: kept so, exactly (Int8GroupLinear).
 INT8_GROUP_READERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
     GGMLQuantizationType.Q8_0: q8_0_groups,

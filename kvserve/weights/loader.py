@@ -22,6 +22,7 @@ from kvserve.layers.quads import to_quads, vnni_cpu
 from kvserve.layers.quantized import (
     GROUP_SIZE,
     Int4Linear,
+    Int6Linear,
     Int8Embedding,
     Int8GroupLinear,
     Int8Linear,
@@ -268,6 +269,12 @@ def _build_linear(
     if fmt == "int8-groups":
         if layer.in_features % GROUP_SIZE:
             fmt = "int8"
+        elif _q6_k_held(shards, layer, plan, gpu):  # Q6_K as stored, 6 bits (the lm_head's logits in float32)
+            parts = [s.read_q6_k() for s in shards]
+            for i, ((codes, _, _), n) in enumerate(zip(parts, rows, strict=True)):
+                _check_shape(name, i, tuple(codes.shape), (n, layer.in_features))
+            codes, scales, d = (torch.cat(t) for t in zip(*parts, strict=True))
+            return Int6Linear(codes, scales, d, dtype, bias, out_dtype=torch.float32 if name == LM_HEAD else None)
         elif name == LM_HEAD:
             return _int8_group_linear(shards[0], layer, plan, dtype, device, model)
         else:  # a hidden layer: Q8_0 / Q5_0 shards as stored, others rounded; out in the compute dtype
@@ -325,6 +332,17 @@ def _int8_group_linear(
     return _held(head, plan)
 
 
+def _q6_k_held(shards: list[SourceTensor], layer: _PendingLinear, plan: WeightPlan, gpu: bool) -> bool:
+    """Whether a layer stored as Q6_K is held so (Int6Linear) rather than rounded to int8 groups: every
+    shard Q6_K, a whole number of 16-row vectors, and quads planned (int8 inputs on AVX512-VNNI)."""
+    return (
+        plan.quads
+        and not gpu
+        and all(s.read_q6_k is not None for s in shards)
+        and Int6Linear.supports(layer.out_features, layer.in_features)
+    )
+
+
 def _held(layer: Int8GroupLinear, plan: WeightPlan) -> Int8GroupLinear:
     """`layer` in the layout its inputs will be multiplied in: quads from load where the plan says so
     and the layer's shape allows (whole groups, whole vectors of 16 rows), else row-major."""
@@ -368,6 +386,7 @@ def weight_summary(model: nn.Module) -> dict[str, object]:
             GpuInt4Linear: "int4",
             Int8Linear: "int8",
             Int8GroupLinear: "int8 groups",
+            Int6Linear: "int6 (Q6_K)",
             GpuInt8GroupLinear: "int8 groups",
         }
         form = {**forms_by_type, Int8Embedding: "int8 embedding"}.get(type(module))

@@ -26,6 +26,8 @@ class SourceTensor:
     read_float: Callable[[], torch.Tensor]
     read_int4: Callable[[], Int4Groups] | None = None  # exact codes, for 4-bit GGML types
     read_int8_groups: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None  # exact Q8_0 codes, scales
+    # exact Q6_K (codes, scales per 16, d per 256): dequant.q6_k_parts
+    read_q6_k: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def is_float(self) -> bool:
@@ -57,6 +59,7 @@ class SourceTensor:
         read_float = functools.cache(self.read_float)
         int4 = None if self.read_int4 is None else functools.cache(self.read_int4)
         int8 = None if self.read_int8_groups is None else functools.cache(self.read_int8_groups)
+        q6_k = None if self.read_q6_k is None else functools.cache(self.read_q6_k)
 
         def shard(begin: int, end: int) -> SourceTensor:
             part = slice(begin, end)
@@ -65,6 +68,7 @@ class SourceTensor:
                 lambda: read_float()[part],
                 None if int4 is None else lambda: int4().permute_rows(torch.arange(begin, end)),
                 None if int8 is None else lambda: tuple(t[part] for t in int8()),
+                None if q6_k is None else lambda: tuple(t[part] for t in q6_k()),
             )
 
         return [shard(begin, end) for begin, end in itertools.pairwise(offsets)]

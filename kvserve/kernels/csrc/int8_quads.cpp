@@ -10,6 +10,7 @@
 //     low nibble and vector 2t + 1's in its high one; bytes 256..319 eight 64-bit masks, mask j's
 //     bit i the fifth bit of vector j's byte i (as many bytes as GGML's blocks hold the codes);
 // and quad_scales [V / 16, K / 32, 16] float32, or float16 where the file's scales are (Q8_0, Q5_0).
+// GGML's Q6_K (6-bit codes, a scale per 16 inputs) has a form of its own further below (k6_matmul).
 // Each row's inputs are quantized per group of 32 as int8_group_matmul_int8 quantizes them
 // (quantize_group: x ~ d * q); the offset of the codes (128 or 16) adds offset * sum(q) to a group's
 // sum, which starts from -offset * sum(q) (one value per input row and group): a group's 32 products
@@ -137,6 +138,101 @@ void quads_matmul(const int8_t* q, const float* d, const int32_t* start, int64_t
 }
 
 
+// ----- 6 bits with K-quant scales (GGML's Q6_K) ---------------------------------------------------
+// quads [V / 16, K / 32, 384]: per group the 5-bit layout's four nibble vectors, then two 64-byte
+// vectors of crumbs (vector u's byte i, bits 2t and 2t + 1: bits 4 and 5 of code vector 4u + t's byte
+// i), each code + 32; kscales [V / 16, K / 256, 288] uint8: per block of 256 inputs an int8 scale per
+// 16 inputs and row ([16 sub-blocks][16 rows]), then the block's float16 scale per row. A code's
+// weight is d * scale * (code - 32), as GGML dequantizes it; each 16 inputs are summed in int32 from
+// -32 * sum(q) over them and take their float step: two per group, in input order.
+constexpr int64_t kK6Bytes = 384, kK6ScaleBytes = 288;
+
+inline void load_codes6(const uint8_t* quads, int64_t g, __m512i* codes) {
+  const uint8_t* block = quads + g * kK6Bytes;
+  const __m512i low = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(0x03);
+  for (int t = 0; t < 4; ++t) {
+    const __m512i nibbles = _mm512_loadu_si512(block + t * 64);
+    codes[2 * t] = _mm512_and_si512(nibbles, low);
+    codes[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low);
+  }
+  for (int u = 0; u < 2; ++u) {
+    const __m512i crumbs = _mm512_loadu_si512(block + 256 + u * 64);
+    for (int t = 0; t < 4; ++t) {
+      const __m512i high = _mm512_and_si512(_mm512_srl_epi16(crumbs, _mm_cvtsi32_si128(2 * t)), three);
+      codes[4 * u + t] = _mm512_or_si512(codes[4 * u + t], _mm512_slli_epi16(high, 4));
+    }
+  }
+}
+
+// R rows x one 16-row vector: start2 [R, k / 32, 2] -32 x each half group's sum of q.
+template <int R>
+inline void k6_tile(const int8_t* q, const float* d, const int32_t* start2, int64_t k, const uint8_t* quads,
+                    const uint8_t* kscales, float* out, int64_t ldo, int64_t cols) {
+  const int64_t groups = k / 32;
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i codes[8];
+    load_codes6(quads, g, codes);
+    const uint8_t* ks = kscales + (g / 8) * kK6ScaleBytes;
+    const __m512 block_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + 256)));
+    __m512 scale[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ks + ((g % 8) * 2 + h) * 16));
+      scale[h] = _mm512_mul_ps(block_scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub)));
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        __m512i sum = _mm512_set1_epi32(start2[(r * groups + g) * 2 + h]);
+        for (int j = 4 * h; j < 4 * h + 4; ++j) {
+          int32_t four;  // inputs 4j .. 4j + 3 of the group
+          std::memcpy(&four, q + r * k + g * 32 + 4 * j, sizeof(four));
+          sum = _mm512_dpbusd_epi32(sum, codes[j], _mm512_set1_epi32(four));
+        }
+        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                                   _mm512_mul_ps(scale[h], _mm512_set1_ps(d[r * groups + g])), total[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == 16) {
+      _mm512_storeu_ps(out + r * ldo, total[r]);
+    } else {
+      _mm512_mask_storeu_ps(out + r * ldo, static_cast<__mmask16>((1u << cols) - 1), total[r]);
+    }
+  }
+}
+
+void k6_matmul(const int8_t* q, const float* d, const int32_t* start2, int64_t m, int64_t k, const uint8_t* qp,
+               const uint8_t* sp, float* o, int64_t v, int64_t vectors) {
+  const int64_t groups = k / 32, vector_bytes = groups * kK6Bytes, scale_bytes = k / 256 * kK6ScaleBytes;
+  at::parallel_for(0, (vectors + kQuadBlock - 1) / kQuadBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t vec = begin * kQuadBlock; vec < std::min(end * kQuadBlock, vectors); ++vec) {
+      const int64_t cols = std::min<int64_t>(16, v - vec * 16);
+      if (cols <= 0) continue;
+      for (int64_t r = 0; r < m; r += kQuadTileRows) {
+        const int8_t* qr = q + r * k;
+        const float* dr = d + r * groups;
+        const int32_t* sr = start2 + r * groups * 2;
+        float* dst = o + r * v + vec * 16;
+        const uint8_t* vq = qp + vec * vector_bytes;
+        const uint8_t* vs = sp + vec * scale_bytes;
+        switch (std::min<int64_t>(kQuadTileRows, m - r)) {
+#define KVSERVE_ROWS(R)                                  \
+  case R:                                                \
+    k6_tile<R>(qr, dr, sr, k, vq, vs, dst, v, cols);     \
+    break;
+          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
+          KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
+#undef KVSERVE_ROWS
+          default:
+            TORCH_CHECK(false, "int8_quads_matmul: bad row tile");
+        }
+      }
+    }
+  });
+}
+
 #if KVSERVE_HAS_AMX_INT8
 constexpr int64_t kAmxQuadRows = 16;  // from one tile of rows; fewer go through vpdpbusd
 
@@ -247,6 +343,7 @@ void quads_matmul_amx(const int8_t* q, const float* d, const int32_t* start, int
     _tile_release();
   });
 }
+
 #endif
 
 }  // namespace
@@ -254,20 +351,27 @@ void quads_matmul_amx(const int8_t* q, const float* d, const int32_t* start, int
 at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_scales, int64_t v) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "int8_quads_matmul: x [M, K] with K a multiple of 32");
   const int64_t m = x.size(0), k = x.size(1), groups = k / 32, vectors = quads.size(0);
-  const bool eight = quads.dim() == 4;
+  const bool eight = quads.dim() == 4, six = quads.dim() == 3 && quads.size(2) == kK6Bytes;
   TORCH_CHECK(quads.scalar_type() == at::kByte && quads.is_contiguous() && vectors * 16 >= v &&
                   (eight ? quads.size(1) * 4 == k && quads.size(2) == 16 && quads.size(3) == 4
-                         : quads.dim() == 3 && quads.size(1) == groups && quads.size(2) == 320),
-              "int8_quads_matmul: quads [V / 16, K / 4, 16, 4] (8 bits) or [V / 16, K / 32, 320] (5 bits) uint8");
-  TORCH_CHECK((quad_scales.scalar_type() == at::kFloat || quad_scales.scalar_type() == at::kHalf) &&
-                  quad_scales.is_contiguous() && quad_scales.numel() == vectors * 16 * groups,
-              "int8_quads_matmul: quad_scales [V / 16, K / 32, 16] float32 or float16");
-  const int32_t offset = eight ? 128 : 16;
+                         : quads.dim() == 3 && quads.size(1) == groups && (quads.size(2) == 320 || six)),
+              "int8_quads_matmul: quads [V / 16, K / 4, 16, 4] (8 bits), [V / 16, K / 32, 320] (5 bits) or "
+              "[V / 16, K / 32, 384] (6 bits) uint8");
+  if (six) {
+    TORCH_CHECK(k % 256 == 0 && quad_scales.scalar_type() == at::kByte && quad_scales.is_contiguous() &&
+                    quad_scales.numel() == vectors * (k / 256) * kK6ScaleBytes,
+                "int8_quads_matmul: 6-bit quads take K-quant scales [V / 16, K / 256, 288] uint8");
+  } else {
+    TORCH_CHECK((quad_scales.scalar_type() == at::kFloat || quad_scales.scalar_type() == at::kHalf) &&
+                    quad_scales.is_contiguous() && quad_scales.numel() == vectors * 16 * groups,
+                "int8_quads_matmul: quad_scales [V / 16, K / 32, 16] float32 or float16");
+  }
+  const int32_t offset = eight ? 128 : six ? 32 : 16;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t padded = (m + 15) / 16 * 16;  // whole tiles of rows for AMX, zero past m
   std::vector<int8_t> q(padded * k, 0);
   std::vector<float> d(padded * groups, 0.f), sums(padded * groups);
-  std::vector<int32_t> start(padded * groups, 0);
+  std::vector<int32_t> start(padded * groups, 0), start2(six ? m * groups * 2 : 0);
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -275,11 +379,21 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
       int32_t total = 0;
       for (int j = 0; j < 32; ++j) total += q[i * 32 + j];
       start[i] = -offset * total;
+      if (six) {
+        int32_t first = 0;
+        for (int j = 0; j < 16; ++j) first += q[i * 32 + j];
+        start2[2 * i] = -offset * first;
+        start2[2 * i + 1] = -offset * (total - first);
+      }
     }
   });
   at::Tensor out = at::empty({m, v}, x.options().dtype(at::kFloat));
   const uint8_t* qp = quads.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
+  if (six) {  // vpdpbusd for every row count (two TDPBSUD of 16 inputs a group measured no faster)
+    k6_matmul(q.data(), d.data(), start2.data(), m, k, qp, quad_scales.data_ptr<uint8_t>(), o, v, vectors);
+    return out;
+  }
   const bool half = quad_scales.scalar_type() == at::kHalf;
 #if KVSERVE_HAS_AMX_INT8
   const bool tiles = m >= kAmxQuadRows && amx_usable();

@@ -43,7 +43,8 @@ bool int8_quads_usable();
 // x @ (codes * scales).T in float32 [M, v], x quantized to int8 per group of 32 as
 // int8_group_matmul_int8 quantizes it; quads [V / 16, K / 4, 16, 4] uint8 (8 bits, each code + 128)
 // or [V / 16, K / 32, 320] uint8 (5 bits, nibbles and fifth-bit masks), quad_scales
-// [V / 16, K / 32, 16] float32 or float16.
+// [V / 16, K / 32, 16] float32 or float16; or GGML's Q6_K: quads [V / 16, K / 32, 384] uint8 (6 bits)
+// with K-quant scales [V / 16, K / 256, 288] uint8 (layers/quads.py).
 at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_scales, int64_t v);
 
 // ----- lm_head.cpp: int8 codes with a scale per group of 32 (GGML's Q8_0), and float weights -----
@@ -70,8 +71,8 @@ enum class LinearKind : int64_t {
   Int4 = 1,   // int4 packed (int4_packing.h), scales = scales_mins
   Int8 = 2,   // int8 [N, K] with a scale per row (scales [N])
   Int8Groups = 3,  // int8 [N, K] with a scale per 32 inputs (scales [N, K / 32] float32): Q8_0, Q5_0
-  Int8Quads = 4,   // the same as int8_quads_matmul lays them out (weight [N / 16, ...] uint8 in 8 or 5
-                   // bits, scales [N / 16, K / 32, 16]), for int8 inputs on AVX512-VNNI
+  Int8Quads = 4,   // the same as int8_quads_matmul lays them out (weight [N / 16, ...] uint8 in 8, 5 or
+                   // 6 bits, and its scales), for int8 inputs on AVX512-VNNI
 };
 
 struct Linear {
