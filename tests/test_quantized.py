@@ -346,11 +346,12 @@ def test_q8_0_and_q5_0_are_held_at_the_files_width_where_their_inputs_are_int8(t
     assert np.array_equal(got.numpy(), dequantized(theirs.weight))
 
 
-def test_q6_k_layers_are_held_as_stored_where_their_inputs_are_int8(tmp_path):
+def test_q6_k_layers_are_held_as_stored_where_their_inputs_are_int8(tmp_path, monkeypatch):
     """A Q6_K file with int8 inputs on AVX512-VNNI: every matrix, the lm_head too, is an Int6Linear in
     the file's own bytes whose weight is the gguf package's dequantization bit for bit; the fused layer
     loop takes them, and an engine serves greedy tokens equal to the module path's."""
     pytest.importorskip("transformers")
+    from kvserve.kernels import ops
     from kvserve.layers import quads
     from kvserve.layers.fused_decode import FusedDecoder
     from kvserve.layers.quantized import Int6Linear
@@ -387,6 +388,9 @@ def test_q6_k_layers_are_held_as_stored_where_their_inputs_are_int8(tmp_path):
         stored = quants.dequantize(quantize_q6_k(theirs.weight.detach().numpy()), T.Q6_K)
         assert np.array_equal(quads.k6_dequantize(ours.quads, ours.k_scales).numpy(), stored)
     assert FusedDecoder.supports(model)
+    with monkeypatch.context() as patch:  # the runner asks at its start, before the C++ kernels have loaded
+        patch.setattr(ops, "available", lambda: False)
+        assert FusedDecoder.supports(model)
     prompt = list(range(5, 45))
     expected = list(stream_token_ids(model, prompt, 8))
     with LLM(str(path), session_db=False, progress=False) as llm:

@@ -97,7 +97,9 @@ class FusedDecoder:
         groups = {m.group_size for m in model.modules() if isinstance(m, Int4Linear)}
         linears = (nn.Linear, Int4Linear, Int8Linear, Int8GroupLinear, Int6Linear)
         return len(groups) <= 1 and all(
-            isinstance(m, linears) and (not isinstance(m, Int6Linear) or m.takes_int8())
+            # Int6Linear: int8 inputs asked for (as the loader made it), not takes_int8(): the runner asks
+            # before the C++ kernels have loaded
+            isinstance(m, linears) and (not isinstance(m, Int6Linear) or m.int8_activations)
             for layer in model.layers
             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         )
