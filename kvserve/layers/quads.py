@@ -106,7 +106,7 @@ def to_k6_quads(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> t
     n, k = codes.shape
     vectors, groups, blocks = n // 16, k // GROUP, k // 256
     u = codes.view(vectors, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(vectors, groups, 8, 64)
-    nibbles = (u[:, :, 0::2] & 0x0F) | ((u[:, :, 1::2] & 0x0F) << 4)  # [v, G, 4, 64]
+    nibbles = _nibble_vectors(u)
     high = (u >> 4) & 3
     crumbs = torch.zeros(vectors, groups, 2, 64, dtype=torch.uint8)
     for t in range(4):
@@ -120,8 +120,7 @@ def to_k6_quads(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> t
 def k6_parts(quads: torch.Tensor, k_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (codes, scales, d) to_k6_quads was made from."""
     vectors, groups = quads.shape[:2]
-    nibbles = quads[..., :256].view(vectors, groups, 4, 64)
-    low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).view(vectors, groups, 8, 64)
+    low = _low_vectors(quads)
     crumbs = quads[..., 256:].view(vectors, groups, 2, 1, 64)
     high = (crumbs >> torch.arange(0, 8, 2, dtype=torch.uint8).view(1, 1, 1, 4, 1)) & 3  # [v, G, u, t, 64]
     codes = low | (high.view(vectors, groups, 8, 64) << 4)
@@ -150,7 +149,7 @@ def _offset(quads: torch.Tensor) -> int:
 
 def _pack_five(u: torch.Tensor) -> torch.Tensor:
     """[v, G, 8, 64] codes 0..31 (uint8) -> [v, G, 320] in the 5-bit layout."""
-    nibbles = (u[:, :, 0::2] & 0x0F) | ((u[:, :, 1::2] & 0x0F) << 4)  # [v, G, 4, 64]
+    nibbles = _nibble_vectors(u)
     fifth = ((u >> 4) & 1).view(*u.shape[:3], 8, 8)  # [v, G, 8 masks, 8 bytes, 8 bits]
     masks = torch.zeros(fifth.shape[:-1], dtype=torch.uint8)
     for bit in range(8):
@@ -164,8 +163,19 @@ def _unsigned_vectors(quads: torch.Tensor) -> torch.Tensor:
     if code_bits(quads) == 8:
         return quads.reshape(v, -1, 8, 64)
     groups = quads.shape[1]
-    nibbles = quads[..., :256].view(v, groups, 4, 64)
-    low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).view(v, groups, 8, 64)
+    low = _low_vectors(quads)
     masks = quads[..., 256:].view(v, groups, 8, 8, 1)
     fifth = (masks >> torch.arange(8, dtype=torch.uint8)) & 1  # [v, G, 8 masks, 8 bytes, 8 bits]
     return low | (fifth.view(v, groups, 8, 64) << 4)
+
+
+def _nibble_vectors(u: torch.Tensor) -> torch.Tensor:
+    """[v, G, 8, 64] codes -> [v, G, 4, 64]: vector t holds vector 2t's low 4 bits, then vector 2t + 1's."""
+    return (u[:, :, 0::2] & 0x0F) | ((u[:, :, 1::2] & 0x0F) << 4)
+
+
+def _low_vectors(quads: torch.Tensor) -> torch.Tensor:
+    """The low 4 bits of the eight code vectors [v, G, 8, 64] from the 5- or 6-bit layout's nibbles."""
+    vectors, groups = quads.shape[:2]
+    nibbles = quads[..., :256].view(vectors, groups, 4, 64)
+    return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).view(vectors, groups, 8, 64)

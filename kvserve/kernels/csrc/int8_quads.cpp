@@ -42,6 +42,17 @@ namespace {
 constexpr int kQuadTileRows = 8;  // 8 code vectors, 8 int32 and 8 float accumulators of 32 registers
 constexpr int64_t kQuadBlock = 4;  // 16-row vectors per task: 64 output rows
 
+// The four nibble vectors at `block` (the 5- and 6-bit layouts): vector t's low nibbles are the low 4
+// bits of code vector 2t, its high nibbles those of vector 2t + 1.
+inline void load_nibbles(const uint8_t* block, __m512i* codes) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int t = 0; t < 4; ++t) {
+    const __m512i nibbles = _mm512_loadu_si512(block + t * 64);
+    codes[2 * t] = _mm512_and_si512(nibbles, low);
+    codes[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low);
+  }
+}
+
 // Group g's eight code vectors of one 16-row vector, each byte a code plus its offset.
 template <int Bits>
 inline void load_codes(const uint8_t* quads, int64_t g, __m512i* codes) {
@@ -49,12 +60,8 @@ inline void load_codes(const uint8_t* quads, int64_t g, __m512i* codes) {
     for (int j = 0; j < 8; ++j) codes[j] = _mm512_loadu_si512(quads + (g * 8 + j) * 64);
   } else {
     const uint8_t* block = quads + g * 320;
-    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
-    for (int t = 0; t < 4; ++t) {
-      const __m512i nibbles = _mm512_loadu_si512(block + t * 64);
-      codes[2 * t] = _mm512_and_si512(nibbles, low);
-      codes[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low);
-    }
+    const __m512i fifth = _mm512_set1_epi8(0x10);
+    load_nibbles(block, codes);
     for (int j = 0; j < 8; ++j) {
       uint64_t mask;
       std::memcpy(&mask, block + 256 + 8 * j, sizeof(mask));
@@ -149,12 +156,8 @@ constexpr int64_t kK6Bytes = 384, kK6ScaleBytes = 288;
 
 inline void load_codes6(const uint8_t* quads, int64_t g, __m512i* codes) {
   const uint8_t* block = quads + g * kK6Bytes;
-  const __m512i low = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(0x03);
-  for (int t = 0; t < 4; ++t) {
-    const __m512i nibbles = _mm512_loadu_si512(block + t * 64);
-    codes[2 * t] = _mm512_and_si512(nibbles, low);
-    codes[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low);
-  }
+  const __m512i three = _mm512_set1_epi8(0x03);
+  load_nibbles(block, codes);
   for (int u = 0; u < 2; ++u) {
     const __m512i crumbs = _mm512_loadu_si512(block + 256 + u * 64);
     for (int t = 0; t < 4; ++t) {
