@@ -23,6 +23,12 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+#if KVSERVE_HAS_AMX_INT8
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
 
 // Two consecutive inputs' code bytes for 16 columns of a block, side by side per column (lane 0:
 // columns c*16 .. +7, lane 1: +8 .. +15), still two nibbles per byte (see unpack_codes).
@@ -334,11 +340,96 @@ void q8_block_many(const int8_t* xq, const float* xd, const float* xs, int64_t m
   }
 }
 
+
+#if KVSERVE_HAS_AMX_INT8
+constexpr int64_t kAmxInt4Rows = 16;  // from one tile of rows; fewer go through the AVX kernels
+
+// Tiles 0: C, 16 rows x 16 columns int32; 1: A, 16 rows x 32 int8 inputs; 2: B, 8 rows of 16
+// columns x 4 inputs (one group's codes).
+struct alignas(64) Int4TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void load_int4_tile_config() {
+  Int4TileConfig config;
+  config.rows[0] = 16;
+  config.colsb[0] = 64;
+  config.rows[1] = 16;
+  config.colsb[1] = 32;
+  config.rows[2] = 8;
+  config.colsb[2] = 64;
+  asm volatile("" ::: "memory");  // the stores above before ldtilecfg, which reads them
+  _tile_loadconfig(&config);
+}
+
+// One block of 64 columns (block_n 64) on AMX tiles: its codes unpacked once per call into TDPBSUD's
+// B layout (per 16 columns and group, 8 rows of 16 columns x 4 inputs: bytes), then per 16 rows of
+// xq (zero past m) and group one TDPBSUD gives each row's sum over code * q exactly, as the AVX
+// kernels' integer sums, and the float step is group_step's, in group order: the same bits.
+template <typename S, typename O>
+void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m, const uint8_t* block,
+                  const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, O* out, std::vector<uint8_t>& b) {
+  const int64_t groups = k_len / kInt8Group;
+  b.resize(4 * k_len * 16);
+  for (int w = 0; w < 4; ++w) {  // columns 16w .. 16w + 15: bytes (w % 2) * 16 .., low nibbles for w < 2
+    uint8_t* dst = b.data() + w * k_len * 16;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t k = 0; k < k_len; k += 4) {
+      __m128i a[4];
+      for (int t = 0; t < 4; ++t) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (k + t) * 32 + (w % 2) * 16));
+        a[t] = _mm_and_si128(w < 2 ? bytes : _mm_srli_epi16(bytes, 4), low);
+      }
+      const __m128i ab_lo = _mm_unpacklo_epi8(a[0], a[1]), ab_hi = _mm_unpackhi_epi8(a[0], a[1]);
+      const __m128i cd_lo = _mm_unpacklo_epi8(a[2], a[3]), cd_hi = _mm_unpackhi_epi8(a[2], a[3]);
+      __m128i* o = reinterpret_cast<__m128i*>(dst + k * 16);  // [column][4 inputs] for inputs k .. k + 3
+      _mm_storeu_si128(o, _mm_unpacklo_epi16(ab_lo, cd_lo));
+      _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(ab_lo, cd_lo));
+      _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(ab_hi, cd_hi));
+      _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(ab_hi, cd_hi));
+    }
+  }
+  alignas(64) int32_t c[256];
+  for (int w = 0; w < 4; ++w) {
+    const uint8_t* codes = b.data() + w * k_len * 16;
+    const int64_t col = n0 + 16 * w;
+    for (int64_t r0 = 0; r0 < m; r0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, m - r0);
+      __m512 total[16];
+      for (int r = 0; r < 16; ++r) total[r] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        _tile_zero(0);
+        _tile_loadd(1, xq + r0 * k_len + g * kInt8Group, k_len);
+        _tile_loadd(2, codes + g * 512, 64);
+        _tile_dpbsud(0, 1, 2);
+        _tile_stored(0, c, 64);
+        const __m512 scale = load16(scales_mins + 2 * g * n + col);
+        const __m512 min = load16(scales_mins + (2 * g + 1) * n + col);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = (r0 + r) * groups + g;
+          total[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(xd[i])),
+                                     _mm512_cvtepi32_ps(_mm512_load_si512(c + r * 16)), total[r]);
+          total[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i]), min, total[r]);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, total[r]);
+        for (int j = 0; j < 16; ++j) out[(r0 + r) * n + col + j] = from_float<O>(lanes[j]);
+      }
+    }
+  }
+}
+#endif
+
 template <int NV, typename S, typename O>
 void q8_mm_impl(const float* x, int64_t m, int64_t k_len, const uint8_t* packed, const S* scales_mins, int64_t n,
                 O* out) {
   const int64_t groups = k_len / kInt8Group;
-  std::vector<int8_t> xq(m * k_len);
+  const int64_t padded = (m + 15) / 16 * 16;  // whole tiles of rows for AMX, zero past m
+  std::vector<int8_t> xq(padded * k_len, 0);
   std::vector<float> xd(m * groups), xs(m * groups);
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -346,6 +437,20 @@ void q8_mm_impl(const float* x, int64_t m, int64_t k_len, const uint8_t* packed,
     }
   });
   constexpr int64_t block_n = NV * 8;
+#if KVSERVE_HAS_AMX_INT8
+  if (block_n == 64 && m >= kAmxInt4Rows && amx_usable()) {
+    at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
+      load_int4_tile_config();
+      std::vector<uint8_t> b;
+      for (int64_t blk = begin; blk < end; ++blk) {
+        q8_block_amx(xq.data(), xd.data(), xs.data(), m, packed + blk * (block_n / 2) * k_len, scales_mins, n,
+                     blk * block_n, k_len, out, b);
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m256i> codes;
     std::vector<__m256> scale_min;

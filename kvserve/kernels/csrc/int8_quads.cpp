@@ -255,6 +255,7 @@ inline void load_quad_tile_config() {
   config.colsb[1] = 32;
   config.rows[2] = 8;
   config.colsb[2] = 64;
+  asm volatile("" ::: "memory");  // the stores above before ldtilecfg, which reads them
   _tile_loadconfig(&config);
 }
 
