@@ -344,26 +344,6 @@ void q8_block_many(const int8_t* xq, const float* xd, const float* xs, int64_t m
 #if KVSERVE_HAS_AMX_INT8
 constexpr int64_t kAmxInt4Rows = 16;  // from one tile of rows; fewer go through the AVX kernels
 
-// Tiles 0: C, 16 rows x 16 columns int32; 1: A, 16 rows x 32 int8 inputs; 2: B, 8 rows of 16
-// columns x 4 inputs (one group's codes).
-struct alignas(64) Int4TileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void load_int4_tile_config() {
-  Int4TileConfig config;
-  config.rows[0] = 16;
-  config.colsb[0] = 64;
-  config.rows[1] = 16;
-  config.colsb[1] = 32;
-  config.rows[2] = 8;
-  config.colsb[2] = 64;
-  asm volatile("" ::: "memory");  // the stores above before ldtilecfg, which reads them
-  _tile_loadconfig(&config);
-}
-
 // One block of 64 columns (block_n 64) on AMX tiles: its codes unpacked once per call into TDPBSUD's
 // B layout (per 16 columns and group, 8 rows of 16 columns x 4 inputs: bytes), then per 16 rows of
 // xq (zero past m) and group one TDPBSUD gives each row's sum over code * q exactly, as the AVX
@@ -440,7 +420,7 @@ void q8_mm_impl(const float* x, int64_t m, int64_t k_len, const uint8_t* packed,
 #if KVSERVE_HAS_AMX_INT8
   if (block_n == 64 && m >= kAmxInt4Rows && amx_usable()) {
     at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
-      load_int4_tile_config();
+      load_int8_tile_config();
       std::vector<uint8_t> b;
       for (int64_t blk = begin; blk < end; ++blk) {
         q8_block_amx(xq.data(), xd.data(), xs.data(), m, packed + blk * (block_n / 2) * k_len, scales_mins, n,

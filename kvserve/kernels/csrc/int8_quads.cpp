@@ -103,13 +103,7 @@ inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int
                                  total[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (cols == 16) {
-      _mm512_storeu_ps(out + r * ldo, total[r]);
-    } else {
-      _mm512_mask_storeu_ps(out + r * ldo, static_cast<__mmask16>((1u << cols) - 1), total[r]);
-    }
-  }
+  for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
 }
 
 // The tiles of every vector and row, for one width and scale type.
@@ -197,13 +191,7 @@ inline void k6_tile(const int8_t* q, const float* d, const int32_t* start2, int6
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (cols == 16) {
-      _mm512_storeu_ps(out + r * ldo, total[r]);
-    } else {
-      _mm512_mask_storeu_ps(out + r * ldo, static_cast<__mmask16>((1u << cols) - 1), total[r]);
-    }
-  }
+  for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
 }
 
 void k6_matmul(const int8_t* q, const float* d, const int32_t* start2, int64_t m, int64_t k, const uint8_t* qp,
@@ -238,26 +226,6 @@ void k6_matmul(const int8_t* q, const float* d, const int32_t* start2, int64_t m
 
 #if KVSERVE_HAS_AMX_INT8
 constexpr int64_t kAmxQuadRows = 16;  // from one tile of rows; fewer go through vpdpbusd
-
-struct alignas(64) QuadTileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0 and 3: C, 16 rows x 16 outputs int32 (alternating by group); 1: A, 16 rows x 32 int8
-// inputs; 2: B, 8 rows of 16 outputs x 4 inputs (one group's code vectors).
-inline void load_quad_tile_config() {
-  QuadTileConfig config;
-  config.rows[0] = config.rows[3] = 16;
-  config.colsb[0] = config.colsb[3] = 64;
-  config.rows[1] = 16;
-  config.colsb[1] = 32;
-  config.rows[2] = 8;
-  config.colsb[2] = 64;
-  asm volatile("" ::: "memory");  // the stores above before ldtilecfg, which reads them
-  _tile_loadconfig(&config);
-}
 
 // total[r] = fma(float(c[r] + start), scale * d, total[r]) for the block's rows r: the VNNI kernel's step.
 template <typename S>
@@ -297,7 +265,7 @@ void quads_matmul_amx(const int8_t* q, const float* d, const int32_t* start, int
                       const S* sp, float* o, int64_t v, int64_t vectors) {
   const int64_t groups = k / 32, vector_bytes = k * 16 * Bits / 8;
   at::parallel_for(0, vectors, 1, [&](int64_t begin, int64_t end) {
-    load_quad_tile_config();
+    load_int8_tile_config();
     std::vector<uint8_t> unpacked(Bits == 8 ? 0 : k * 16);  // a vector's codes at 8 bits (+ 16)
     alignas(64) int32_t c[2][256];
     for (int64_t vec = begin; vec < end; ++vec) {
@@ -334,14 +302,7 @@ void quads_matmul_amx(const int8_t* q, const float* d, const int32_t* start, int
           _tile_stored(0, c[last & 1], 64);
         }
         quad_epilogue(total, c[last & 1], vs + last * 16, dr + last, sr + last, groups, rows);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* dst = o + (r0 + r) * v + vec * 16;
-          if (cols == 16) {
-            _mm512_storeu_ps(dst, total[r]);
-          } else {
-            _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << cols) - 1), total[r]);
-          }
-        }
+        for (int64_t r = 0; r < rows; ++r) store_outputs(o + (r0 + r) * v + vec * 16, total[r], cols);
       }
     }
     _tile_release();

@@ -47,6 +47,38 @@ bool int8_quads_usable();
 // with K-quant scales [V / 16, K / 256, 288] uint8 (layers/quads.py).
 at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_scales, int64_t v);
 
+#if KVSERVE_HAS_AMX_INT8
+// The AMX tiles of the int8 kernels (int8_quads.cpp, int4_int8.cpp): 0 and 3 C, 16 rows x 16 outputs
+// int32; 1 A, 16 rows x 32 int8 inputs; 2 B, 8 rows of 16 outputs x 4 inputs (one group's codes).
+// For this thread, before its first tile instruction.
+inline void load_int8_tile_config() {
+  struct alignas(64) Config {
+    uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  config.rows[0] = config.rows[3] = 16;
+  config.colsb[0] = config.colsb[3] = 64;
+  config.rows[1] = 16;
+  config.colsb[1] = 32;
+  config.rows[2] = 8;
+  config.colsb[2] = 64;
+  asm volatile("" ::: "memory");  // the stores above before ldtilecfg, which reads them
+  _tile_loadconfig(&config);
+}
+#endif
+
+// 16 float outputs to dst, or its first `cols` where fewer (a last vector of rows).
+#if KVSERVE_HAS_AVX512
+inline void store_outputs(float* dst, __m512 values, int64_t cols) {
+  if (cols == 16) {
+    _mm512_storeu_ps(dst, values);
+  } else {
+    _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << cols) - 1), values);
+  }
+}
+#endif
+
 // ----- lm_head.cpp: int8 codes with a scale per group of 32 (GGML's Q8_0), and float weights -----
 constexpr int64_t kAmxMinRows = 4;  // where the AMX tiles overtake the float tiles
 // x @ (codes * scales).T in float32 [M, V]; bfloat16 x from amx_min_rows rows on AMX where usable.
