@@ -398,3 +398,21 @@ def test_q6_k_layers_are_held_as_stored_where_their_inputs_are_int8(tmp_path, mo
         out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         assert out[0].token_ids == expected
         wait_idle_and_check(llm)
+
+
+def test_a_tied_q6_k_head_shares_the_embeddings_table(tmp_path):
+    """A tied Q6_K embedding and lm_head stay one table (the head reads the embedding's int8 codes), not a
+    rounded embedding beside a second, 6-bit copy for the head; the other Q6_K matrices are held as stored."""
+    pytest.importorskip("transformers")
+    from kvserve.layers import quads
+
+    if not quads.vnni_cpu():
+        pytest.skip("Q6_K is held as stored where the quads kernel serves (int8 inputs, AVX512-VNNI)")
+    hf_model = make_tiny_llama(
+        tmp_path / "hf", seed=29, hidden_size=256, intermediate_size=256, vocab_size=320, tie_word_embeddings=True
+    )
+    write_llama_gguf(tmp_path / "tied.gguf", hf_model, qtype=T.Q6_K)
+    model = load_model(tmp_path / "tied.gguf", progress=False, weights="auto", activations="int8")
+    assert weight_summary(model)["layers"] == {"int8 embedding": 1, "int6 (Q6_K)": 8, "int8 groups": 1}
+    head, embedding = model.lm_head, model.embed_tokens
+    assert embedding.codes is head.codes and embedding.quads is head.quads

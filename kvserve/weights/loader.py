@@ -269,7 +269,9 @@ def _build_linear(
     if fmt == "int8-groups":
         if layer.in_features % GROUP_SIZE:
             fmt = "int8"
-        elif _q6_k_held(shards, layer, plan, gpu):  # Q6_K as stored, 6 bits (the lm_head's logits in float32)
+        elif model is None and _q6_k_held(shards, layer, plan, gpu):
+            # Q6_K as stored, 6 bits (the lm_head's logits in float32); a tied head (model given) shares the
+            # embedding's table instead of holding a second copy
             parts = [s.read_q6_k() for s in shards]
             for i, ((codes, _, _), n) in enumerate(zip(parts, rows, strict=True)):
                 _check_shape(name, i, tuple(codes.shape), (n, layer.in_features))
