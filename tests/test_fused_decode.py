@@ -306,24 +306,30 @@ def _int8_activation_reference(
     return rounded @ weight.view(-1, k).T, bound
 
 
-@pytest.mark.parametrize("half_scales", [True, False], ids=["float16-scales", "float32-scales"])
+@pytest.mark.parametrize(
+    ("half_scales", "inputs"), [(True, 320), (False, 320), (True, 288), (True, 32)], ids=lambda v: str(v)
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_int4_with_int8_activations_equals_its_integer_reference(extension, dtype, half_scales):
+def test_int4_with_int8_activations_equals_its_integer_reference(extension, dtype, half_scales, inputs):
     """Int4Linear with its inputs quantized to int8 (an AVX2 CPU): against the products computed in
     float64 from the same int8 inputs, for row counts that end in partial register tiles, from one row
     (its own kernel) to a prefill; within the inputs' rounding of the float product; and each row equal,
     bit for bit, to that row computed alone (the integer sums are exact and the float steps per row the
-    same, whatever the batch)."""
+    same, whatever the batch). 192 outputs are three blocks of 64 (split by rows too over two threads
+    on AMX); 10, 9 and 1 groups of inputs end the AMX kernel's pipeline of groups each its own way."""
     if not extension.int8_activations():
         pytest.skip("int8 activations need AVX2 with F16C and FMA")
-    groups = Int4Groups.from_float(torch.randn(192, 320, generator=torch.Generator().manual_seed(7)))
+    groups = Int4Groups.from_float(torch.randn(192, inputs, generator=torch.Generator().manual_seed(7)))
     if half_scales:
         groups = Int4Groups(groups.codes, groups.scales.half().float(), groups.mins.half().float())
     layer = Int4Linear(groups, dtype, int8_activations=True)
     float_inputs = Int4Linear(groups, dtype)
     for rows in (1, 2, 3, 4, 6, 7, 13, 64, 100, 515):  # tiles of 5 rows: every remainder
-        x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        x[0, :32] = 0.0  # an all-zero group: d = 0
+        x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        if inputs > 32:
+            x[0, :32] = 0.0  # an all-zero group: d = 0
+        elif rows > 1:
+            x[-1] = 0.0  # the whole of the last row, beside rows that are not zero
         reference, bound = _int8_activation_reference(x, groups.codes, groups.scales, groups.mins)
         got = layer(x)
         # float32: the per-group float steps' rounding; bfloat16: also the output's own (8-bit mantissa)

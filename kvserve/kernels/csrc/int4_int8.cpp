@@ -346,13 +346,71 @@ constexpr int64_t kAmxInt4Rows = 16;  // from one tile of rows; fewer go through
 
 // One block of 64 columns (block_n 64) on AMX tiles: its codes unpacked once per call into TDPBSUD's
 // B layout (per 16 columns and group, 8 rows of 16 columns x 4 inputs: bytes), then per 16 rows of
-// xq (zero past m) and group one TDPBSUD gives each row's sum over code * q exactly, as the AVX
-// kernels' integer sums, and the float step is group_step's, in group order: the same bits.
+// xq (zero past m), two column tiles at a time, and group, TDPBSUD gives each row's sum over
+// code * q exactly, as the AVX kernels' integer sums, and the float step is group_step's, in group
+// order: the same bits. Software-pipelined, as a tile's sums reach memory only some way after its
+// multiply is issued: group g's two multiplies (C tiles 0 and 4, or 3 and 5 for odd g) are issued,
+// then group g - 1's sums stored from the other pair, then group g - 2's float steps, whose sums
+// were stored an iteration earlier.
+struct Int4Tiles {
+  const int8_t* xq;        // this tile of rows' inputs, row stride k_len
+  const float* xd;         // their group scales, row stride groups
+  const float* xs;         // and the sums of their codes times d
+  const uint8_t* codes;    // the first column tile's codes (B layout); the second's follow at k_len * 16
+  const float* scales_mins;  // per group 64 scales, then 64 mins, of the block; from the pair's first column
+  int64_t k_len, groups, rows;
+  __m512* total;           // [2][16]
+  int32_t (*c)[2][256];    // [2] buffers of two tiles' sums
+
+  void float_steps(int64_t g) const {
+    const int32_t(&sums)[2][256] = c[g & 1];
+    for (int j = 0; j < 2; ++j) {
+      const __m512 scale = _mm512_loadu_ps(scales_mins + 128 * g + 16 * j);
+      const __m512 min = _mm512_loadu_ps(scales_mins + 128 * g + 64 + 16 * j);
+      __m512* t = total + 16 * j;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r * groups + g;
+        t[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(xd[i])),
+                               _mm512_cvtepi32_ps(_mm512_load_si512(sums[j] + r * 16)), t[r]);
+        t[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i]), min, t[r]);
+      }
+    }
+  }
+};
+
+// (GCC's tile intrinsics paste the tile number into the instruction: literals only, hence a macro.)
+#define KVSERVE_INT4_STEP(NAME, C0, C1, P0, P1)                                       \
+  inline void NAME(const Int4Tiles& a, int64_t g) {                                   \
+    _tile_zero(C0);                                                                   \
+    _tile_zero(C1);                                                                   \
+    _tile_loadd(1, a.xq + g * kInt8Group, a.k_len);                                   \
+    _tile_loadd(2, a.codes + g * 512, 64);                                            \
+    _tile_loadd(6, a.codes + a.k_len * 16 + g * 512, 64);                             \
+    _tile_dpbsud(C0, 1, 2);                                                           \
+    _tile_dpbsud(C1, 1, 6);                                                           \
+    if (g >= 1) {                                                                     \
+      _tile_stored(P0, a.c[(g - 1) & 1][0], 64);                                      \
+      _tile_stored(P1, a.c[(g - 1) & 1][1], 64);                                      \
+    }                                                                                 \
+    if (g >= 2) a.float_steps(g - 2);                                                 \
+  }
+KVSERVE_INT4_STEP(int4_step_even, 0, 4, 3, 5)
+KVSERVE_INT4_STEP(int4_step_odd, 3, 5, 0, 4)
+#undef KVSERVE_INT4_STEP
+
 template <typename S, typename O>
 void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m, const uint8_t* block,
-                  const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, O* out, std::vector<uint8_t>& b) {
+                  const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, O* out, std::vector<uint8_t>& b,
+                  std::vector<float>& sm) {
   const int64_t groups = k_len / kInt8Group;
   b.resize(4 * k_len * 16);
+  sm.resize(groups * 128);  // the block's scales and mins as float32, side by side per group
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int v = 0; v < 4; ++v) {
+      _mm512_storeu_ps(sm.data() + 128 * g + 16 * v, load16(scales_mins + 2 * g * n + n0 + 16 * v));
+      _mm512_storeu_ps(sm.data() + 128 * g + 64 + 16 * v, load16(scales_mins + (2 * g + 1) * n + n0 + 16 * v));
+    }
+  }
   for (int w = 0; w < 4; ++w) {  // columns 16w .. 16w + 15: bytes (w % 2) * 16 .., low nibbles for w < 2
     uint8_t* dst = b.data() + w * k_len * 16;
     const __m128i low = _mm_set1_epi8(0x0F);
@@ -371,33 +429,34 @@ void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m,
       _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(ab_hi, cd_hi));
     }
   }
-  alignas(64) int32_t c[256];
-  for (int w = 0; w < 4; ++w) {
-    const uint8_t* codes = b.data() + w * k_len * 16;
-    const int64_t col = n0 + 16 * w;
+  alignas(64) int32_t c[2][2][256];
+  __m512 total[32];
+  for (int pair = 0; pair < 2; ++pair) {  // column tiles 2 pair and 2 pair + 1
+    const int64_t col = n0 + 32 * pair;
     for (int64_t r0 = 0; r0 < m; r0 += 16) {
       const int64_t rows = std::min<int64_t>(16, m - r0);
-      __m512 total[16];
-      for (int r = 0; r < 16; ++r) total[r] = _mm512_setzero_ps();
+      for (__m512& t : total) t = _mm512_setzero_ps();
+      const Int4Tiles a{xq + r0 * k_len, xd + r0 * groups, xs + r0 * groups, b.data() + 2 * pair * k_len * 16,
+                        sm.data() + 32 * pair, k_len, groups, rows, total, c};
       for (int64_t g = 0; g < groups; ++g) {
-        _tile_zero(0);
-        _tile_loadd(1, xq + r0 * k_len + g * kInt8Group, k_len);
-        _tile_loadd(2, codes + g * 512, 64);
-        _tile_dpbsud(0, 1, 2);
-        _tile_stored(0, c, 64);
-        const __m512 scale = load16(scales_mins + 2 * g * n + col);
-        const __m512 min = load16(scales_mins + (2 * g + 1) * n + col);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = (r0 + r) * groups + g;
-          total[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(xd[i])),
-                                     _mm512_cvtepi32_ps(_mm512_load_si512(c + r * 16)), total[r]);
-          total[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i]), min, total[r]);
+        if (g & 1) {
+          int4_step_odd(a, g);
+        } else {
+          int4_step_even(a, g);
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        alignas(64) float lanes[16];
-        _mm512_store_ps(lanes, total[r]);
-        for (int j = 0; j < 16; ++j) out[(r0 + r) * n + col + j] = from_float<O>(lanes[j]);
+      const int64_t last = groups - 1;  // its sums still in tiles; the one before it stored, not stepped
+      if (last & 1) {
+        _tile_stored(3, c[1][0], 64);
+        _tile_stored(5, c[1][1], 64);
+      } else {
+        _tile_stored(0, c[0][0], 64);
+        _tile_stored(4, c[0][1], 64);
+      }
+      if (last >= 1) a.float_steps(last - 1);
+      a.float_steps(last);
+      for (int j = 0; j < 2; ++j) {
+        for (int64_t r = 0; r < rows; ++r) store16(out + (r0 + r) * n + col + 16 * j, total[16 * j + r]);
       }
     }
   }
@@ -419,12 +478,21 @@ void q8_mm_impl(const float* x, int64_t m, int64_t k_len, const uint8_t* packed,
   constexpr int64_t block_n = NV * 8;
 #if KVSERVE_HAS_AMX_INT8
   if (block_n == 64 && m >= kAmxInt4Rows && amx_usable()) {
-    at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
+    // Blocks that do not split evenly over the threads (a 576-wide layer: 9) are split by rows too
+    // where there are many (a prefill), in whole tiles, one part per thread: each part unpacks its
+    // block's codes again, which costs more than the balance gains for a few tiles of rows.
+    const int64_t blocks = n / block_n, threads = at::get_num_threads(), tiles = padded / 16;
+    const int64_t parts = blocks % threads == 0 || tiles < 16 ? 1 : threads;
+    const int64_t part_rows = (tiles + parts - 1) / parts * 16;
+    at::parallel_for(0, blocks * parts, 1, [&](int64_t begin, int64_t end) {
       load_int8_tile_config();
       std::vector<uint8_t> b;
-      for (int64_t blk = begin; blk < end; ++blk) {
-        q8_block_amx(xq.data(), xd.data(), xs.data(), m, packed + blk * (block_n / 2) * k_len, scales_mins, n,
-                     blk * block_n, k_len, out, b);
+      std::vector<float> sm;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t blk = task / parts, r0 = task % parts * part_rows, rows = std::min(part_rows, m - r0);
+        if (rows <= 0) continue;
+        q8_block_amx(xq.data() + r0 * k_len, xd.data() + r0 * groups, xs.data() + r0 * groups, rows,
+                     packed + blk * (block_n / 2) * k_len, scales_mins, n, blk * block_n, k_len, out + r0 * n, b, sm);
       }
       _tile_release();
     });

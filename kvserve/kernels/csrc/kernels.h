@@ -48,8 +48,9 @@ bool int8_quads_usable();
 at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_scales, int64_t v);
 
 #if KVSERVE_HAS_AMX_INT8
-// The AMX tiles of the int8 kernels (int8_quads.cpp, int4_int8.cpp): 0 and 3 C, 16 rows x 16 outputs
-// int32; 1 A, 16 rows x 32 int8 inputs; 2 B, 8 rows of 16 outputs x 4 inputs (one group's codes).
+// The AMX tiles of the int8 kernels (int8_quads.cpp, int4_int8.cpp): 0, 3, 4 and 5 C, 16 rows x 16
+// outputs int32; 1 A, 16 rows x 32 int8 inputs; 2 and 6 B, 8 rows of 16 outputs x 4 inputs (one
+// group's codes).
 // For this thread, before its first tile instruction.
 inline void load_int8_tile_config() {
   struct alignas(64) Config {
@@ -57,12 +58,16 @@ inline void load_int8_tile_config() {
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
   } config;
-  config.rows[0] = config.rows[3] = 16;
-  config.colsb[0] = config.colsb[3] = 64;
+  for (int c : {0, 3, 4, 5}) {
+    config.rows[c] = 16;
+    config.colsb[c] = 64;
+  }
   config.rows[1] = 16;
   config.colsb[1] = 32;
-  config.rows[2] = 8;
-  config.colsb[2] = 64;
+  for (int b : {2, 6}) {
+    config.rows[b] = 8;
+    config.colsb[b] = 64;
+  }
   asm volatile("" ::: "memory");  // the stores above before ldtilecfg, which reads them
   _tile_loadconfig(&config);
 }
@@ -75,6 +80,25 @@ inline void store_outputs(float* dst, __m512 values, int64_t cols) {
     _mm512_storeu_ps(dst, values);
   } else {
     _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << cols) - 1), values);
+  }
+}
+
+// 16 outputs to dst rounded to O as from_float<O> rounds them: bfloat16 to nearest even with NaN as
+// 0x7FC0 (c10::BFloat16's rounding, in integer lanes), float16 one at a time.
+template <typename O>
+inline void store16(O* dst, __m512 values) {
+  if constexpr (std::is_same_v<O, float>) {
+    _mm512_storeu_ps(dst, values);
+  } else if constexpr (std::is_same_v<O, c10::BFloat16>) {
+    const __m512i bits = _mm512_castps_si512(values);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i high = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    high = _mm512_mask_mov_epi32(high, _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(high));
+  } else {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, values);
+    for (int i = 0; i < 16; ++i) dst[i] = from_float<O>(lanes[i]);
   }
 }
 #endif
