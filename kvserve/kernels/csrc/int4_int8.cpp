@@ -83,9 +83,7 @@ inline void q8_block_one(const int8_t* xq, const float* xd, const float* xs, con
       total[v] = group_step(total[v], isum[v], scale, min, xd[g], xs[g]);
     }
   }
-  float lanes[NV * 8];
-  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(lanes + 8 * v, total[v]);
-  for (int64_t j = 0; j < NV * 8; ++j) out[n0 + j] = from_float<O>(lanes[j]);
+  for (int v = 0; v < NV; ++v) store8(out + n0 + 8 * v, total[v]);
 }
 
 // q8_tile (below) for its main tile, 5 rows x 2 vectors, written out in assembly: GCC keeps some of
@@ -208,9 +206,7 @@ inline void q8_rows(const int8_t* xq, const float* xd, const float* xs, int64_t 
     }
   }
   for (int i = 0; i < R; ++i) {
-    float lanes[NT * 8];
-    for (int t = 0; t < NT; ++t) _mm256_storeu_ps(lanes + 8 * t, total[i * NT + t]);
-    for (int64_t j = 0; j < NT * 8; ++j) out[(r + i) * n + n0 + 8 * v + j] = from_float<O>(lanes[j]);
+    for (int t = 0; t < NT; ++t) store8(out + (r + i) * n + n0 + 8 * v + 8 * t, total[i * NT + t]);
   }
 }
 
@@ -260,9 +256,7 @@ inline void q8_rows_vnni(const int8_t* xq, const float* xd, const float* xs, int
     }
   }
   for (int i = 0; i < R; ++i) {
-    float lanes[NT * 16];
-    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(lanes + 16 * t, total[i][t]);
-    for (int64_t j = 0; j < NT * 16; ++j) out[(r + i) * n + n0 + 8 * v + j] = from_float<O>(lanes[j]);
+    for (int t = 0; t < NT; ++t) store16(out + (r + i) * n + n0 + 8 * v + 16 * t, total[i][t]);
   }
 }
 #endif

@@ -145,28 +145,6 @@ void rope_and_cache(T* qkv, const T* cos, const T* sin_signed, const int64_t* sl
   });
 }
 
-#if KVSERVE_HAS_AVX2_FMA
-// Eight bfloat16 values widened to float32 (exact), and float32 rounded to bfloat16 as c10::BFloat16
-// rounds (to nearest even; NaN to 0x7FC0), kept in a float whose low 16 bits are zero.
-inline __m256 load8_bf16(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline __m256 round8_bf16(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
-                                           _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
-  return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
-                          _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-}
-inline void store8_bf16(c10::BFloat16* p, __m256 rounded) {  // rounded: round8_bf16's output
-  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
-#endif
-
 // out = T(act(gate)) * up, rounded like F.silu(gate) * up. Both activations are x * sigmoid(a(x)):
 // SiLU's a(x) = x, GELU-tanh's a(x) = 2 sqrt(2 / pi) (x + 0.044715 x^3), since 0.5 (1 + tanh(y)) =
 // sigmoid(2 y). With AVX2, eight at a time through exp8 rather than std::exp one at a time, a
