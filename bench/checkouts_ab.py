@@ -7,8 +7,8 @@ process imports kvserve from its checkout (PYTHONPATH; its C++ kernels are built
 kvserve/kernels/build.py), loads --model in the default configuration, warms up, then measures, with
 compare.py's definitions: single-stream decode tok/s of --max-tokens greedy tokens (median of
 --repeats), prefill tok/s of a --prompt-len prompt (median of --repeats), and aggregate tok/s of 16
-requests of --max-tokens at once (median of 2). A round's ratio is B over A from its two adjacent
-processes. Writes JSON (--out) with every process's figures, the medians and the ratios.
+and of 64 requests of --max-tokens at once (median of 2 each). A round's ratio is B over A from its
+two adjacent processes. Writes JSON (--out) with every process's figures, the medians and the ratios.
 
     python bench/checkouts_ab.py --a /tmp/before --b . --model gemma3-270m --out results/quads_ab.json
 
@@ -51,21 +51,22 @@ for _ in range(repeats):
     start = time.perf_counter()
     llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0))
     prefill.append(prompt_len / (time.perf_counter() - start))
-aggregate = []
-for _ in range(2):
-    batch = [prompts.short() for _ in range(16)]
-    start = time.perf_counter()
-    results = llm.generate(batch, greedy)
-    aggregate.append(sum(len(r.token_ids) for r in results) / (time.perf_counter() - start))
+aggregate = {16: [], 64: []}
+for streams, rates in aggregate.items():
+    for _ in range(2):
+        batch = [prompts.short() for _ in range(streams)]
+        start = time.perf_counter()
+        results = llm.generate(batch, greedy)
+        rates.append(sum(len(r.token_ids) for r in results) / (time.perf_counter() - start))
 print(json.dumps({
     "decode_tokens_per_s": statistics.median(decode),
     "prefill_tokens_per_s": statistics.median(prefill),
-    "aggregate_tokens_per_s@16": statistics.median(aggregate),
+    **{f"aggregate_tokens_per_s@{streams}": statistics.median(rates) for streams, rates in aggregate.items()},
     "weights": llm.weights,
 }))
 llm.close()
 """
-KEYS = ("decode_tokens_per_s", "prefill_tokens_per_s", "aggregate_tokens_per_s@16")
+KEYS = ("decode_tokens_per_s", "prefill_tokens_per_s", "aggregate_tokens_per_s@16", "aggregate_tokens_per_s@64")
 
 
 def run(checkout: Path, args: argparse.Namespace) -> dict[str, Any]:
