@@ -282,9 +282,16 @@ inline float hsum8(__m256 v) {
 // (Q8_1's s): an int4 layer's min term then sees the same inputs as its codes, so the layer computes
 // W x' for x' = d * q exactly. With the float sum of x instead, the codes' offset (0..15 about 7.5)
 // left the rounding uncancelled: 2.5x the error against W x for random inputs.
-inline void quantize_group(const float* x, int8_t* q, float* d, float* s) {
+// x float32 or bfloat16 (widened exactly first: the same values, so the same q, d and s).
+inline __m256 load8_input(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8_input(const c10::BFloat16* x) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+template <typename X>
+inline void quantize_group(const X* x, int8_t* q, float* d, float* s) {
   __m256 v[4];
-  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  for (int i = 0; i < 4; ++i) v[i] = load8_input(x + 8 * i);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));

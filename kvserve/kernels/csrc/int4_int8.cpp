@@ -357,7 +357,7 @@ struct Int4Tiles {
   int32_t (*c)[2][256];    // [2] buffers of two tiles' sums
 
   void float_steps(int64_t g) const {
-    const int32_t(&sums)[2][256] = c[g & 1];
+    const int32_t(&sums)[2][256] = c[g % 3];
     for (int j = 0; j < 2; ++j) {
       const __m512 scale = _mm512_loadu_ps(scales_mins + 128 * g + 16 * j);
       const __m512 min = _mm512_loadu_ps(scales_mins + 128 * g + 64 + 16 * j);
@@ -383,10 +383,10 @@ struct Int4Tiles {
     _tile_dpbsud(C0, 1, 2);                                                           \
     _tile_dpbsud(C1, 1, 6);                                                           \
     if (g >= 1) {                                                                     \
-      _tile_stored(P0, a.c[(g - 1) & 1][0], 64);                                      \
-      _tile_stored(P1, a.c[(g - 1) & 1][1], 64);                                      \
+      _tile_stored(P0, a.c[(g - 1) % 3][0], 64);                                      \
+      _tile_stored(P1, a.c[(g - 1) % 3][1], 64);                                      \
     }                                                                                 \
-    if (g >= 2) a.float_steps(g - 2);                                                 \
+    if (g >= 3) a.float_steps(g - 3);                                                 \
   }
 KVSERVE_INT4_STEP(int4_step_even, 0, 4, 3, 5)
 KVSERVE_INT4_STEP(int4_step_odd, 3, 5, 0, 4)
@@ -423,7 +423,7 @@ void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m,
       _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(ab_hi, cd_hi));
     }
   }
-  alignas(64) int32_t c[2][2][256];
+  alignas(64) int32_t c[3][2][256];
   __m512 total[32];
   for (int pair = 0; pair < 2; ++pair) {  // column tiles 2 pair and 2 pair + 1
     const int64_t col = n0 + 32 * pair;
@@ -441,14 +441,13 @@ void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m,
       }
       const int64_t last = groups - 1;  // its sums still in tiles; the one before it stored, not stepped
       if (last & 1) {
-        _tile_stored(3, c[1][0], 64);
-        _tile_stored(5, c[1][1], 64);
+        _tile_stored(3, c[last % 3][0], 64);
+        _tile_stored(5, c[last % 3][1], 64);
       } else {
-        _tile_stored(0, c[0][0], 64);
-        _tile_stored(4, c[0][1], 64);
+        _tile_stored(0, c[last % 3][0], 64);
+        _tile_stored(4, c[last % 3][1], 64);
       }
-      if (last >= 1) a.float_steps(last - 1);
-      a.float_steps(last);
+      for (int64_t g = std::max<int64_t>(0, last - 2); g <= last; ++g) a.float_steps(g);
       for (int j = 0; j < 2; ++j) {
         for (int64_t r = 0; r < rows; ++r) store16(out + (r0 + r) * n + col + 16 * j, total[16 * j + r]);
       }
@@ -457,12 +456,13 @@ void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m,
 }
 #endif
 
-template <int NV, typename S, typename O>
-void q8_mm_impl(const float* x, int64_t m, int64_t k_len, const uint8_t* packed, const S* scales_mins, int64_t n,
+template <int NV, typename X, typename S, typename O>
+void q8_mm_impl(const X* x, int64_t m, int64_t k_len, const uint8_t* packed, const S* scales_mins, int64_t n,
                 O* out) {
   const int64_t groups = k_len / kInt8Group;
   const int64_t padded = (m + 15) / 16 * 16;  // whole tiles of rows for AMX, zero past m
-  std::vector<int8_t> xq(padded * k_len, 0);
+  std::vector<int8_t> xq(padded * k_len);
+  std::fill(xq.begin() + m * k_len, xq.end(), 0);
   std::vector<float> xd(m * groups), xs(m * groups);
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -512,18 +512,22 @@ void q8_mm_impl(const float* x, int64_t m, int64_t k_len, const uint8_t* packed,
 
 void int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_mins, int64_t n,
                   int64_t block_n, at::Tensor& out) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kInt8Group == 0,
-              "int4_int8_mm: contiguous float32 x [M, K], whole groups");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
+                  x.size(1) % kInt8Group == 0,
+              "int4_int8_mm: contiguous float32 or bfloat16 x [M, K], whole groups");
   TORCH_CHECK(block_n == 32 || block_n == 64, "int4_int8_mm: blocks of 32 or 64 rows");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   with_scales_mins(scales_mins, [&](auto* sm) {
-    with_compute_type(out.scalar_type(), [&](auto compute) {
-      using O = decltype(compute);
-      if (block_n == 32) {
-        q8_mm_impl<4>(x.data_ptr<float>(), x.size(0), x.size(1), w, sm, n, out.data_ptr<O>());
-      } else {
-        q8_mm_impl<8>(x.data_ptr<float>(), x.size(0), x.size(1), w, sm, n, out.data_ptr<O>());
-      }
+    with_compute_type(x.scalar_type(), [&](auto input) {
+      using X = decltype(input);
+      with_compute_type(out.scalar_type(), [&](auto compute) {
+        using O = decltype(compute);
+        if (block_n == 32) {
+          q8_mm_impl<4>(x.data_ptr<X>(), x.size(0), x.size(1), w, sm, n, out.data_ptr<O>());
+        } else {
+          q8_mm_impl<8>(x.data_ptr<X>(), x.size(0), x.size(1), w, sm, n, out.data_ptr<O>());
+        }
+      });
     });
   });
 }

@@ -424,7 +424,7 @@ at::Tensor int4_mm(at::Tensor x, at::Tensor packed, at::Tensor scales_mins, int6
   const int64_t m = x.size(0), k_len = x.size(1), groups = k_len / group_size;
   at::Tensor out = at::empty({m, n}, x.options());
   if (kInt8Activations && int8_activations && group_size == kInt8Group && (block_n == 32 || block_n == 64)) {
-    int4_int8_mm(x.to(at::kFloat).contiguous(), packed, scales_mins, n, block_n, out);
+    int4_int8_mm(x, packed, scales_mins, n, block_n, out);  // x float32 or bfloat16, quantized as it is
     return out;
   }
   // [M, K / g]: each group summed by one fixed order (kLanes at a time, then the lanes in order),

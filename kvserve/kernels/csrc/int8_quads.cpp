@@ -332,15 +332,22 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
                 "int8_quads_matmul: quad_scales [V / 16, K / 32, 16] float32 or float16");
   }
   const int32_t offset = eight ? 128 : six ? 32 : 16;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   const int64_t padded = (m + 15) / 16 * 16;  // whole tiles of rows for AMX, zero past m
-  std::vector<int8_t> q(padded * k, 0);
+  std::vector<int8_t> q(padded * k);
+  std::fill(q.begin() + m * k, q.end(), 0);
   std::vector<float> d(padded * groups, 0.f), sums(padded * groups);
   std::vector<int32_t> start(padded * groups, 0), start2(six ? m * groups * 2 : 0);
-  const float* xp = xf.data_ptr<float>();
+  const bool bf16 = xf.scalar_type() == at::kBFloat16;  // widened in quantize_group: the same values
+  const c10::BFloat16* xb = bf16 ? xf.data_ptr<c10::BFloat16>() : nullptr;
+  const float* xp = bf16 ? nullptr : xf.data_ptr<float>();
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      quantize_group(xp + i * 32, q.data() + i * 32, &d[i], &sums[i]);
+      if (bf16) {
+        quantize_group(xb + i * 32, q.data() + i * 32, &d[i], &sums[i]);
+      } else {
+        quantize_group(xp + i * 32, q.data() + i * 32, &d[i], &sums[i]);
+      }
       int32_t total = 0;
       for (int j = 0; j < 32; ++j) total += q[i * 32 + j];
       start[i] = -offset * total;
