@@ -342,30 +342,39 @@ def test_int4_with_int8_activations_equals_its_integer_reference(extension, dtyp
         assert not torch.equal(float_inputs(x), got)  # the option is what changed the path
 
 
-@pytest.mark.parametrize("outputs", [200, 208], ids=["row-major", "quads"])
+@pytest.mark.parametrize(
+    ("outputs", "inputs"),
+    [(200, 320), (208, 320), (208, 288), (224, 32)],
+    ids=["row-major", "quads", "quads-9-groups", "quads-1-group"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_int8_groups_with_int8_activations_equal_their_integer_reference(extension, dtype, outputs):
+def test_int8_groups_with_int8_activations_equal_their_integer_reference(extension, dtype, outputs, inputs):
     """Int8GroupLinear (Q8_0 / Q5_0 layers, the lm_head) with its inputs quantized to int8: against the
     products computed in float64 from the same int8 inputs, within the inputs' rounding of the float
-    product, and each row equal, bit for bit, to that row computed alone. 208 outputs (whole vectors of
-    16) on AVX512-VNNI: the codes are held as quads alone (int8_quads.cpp), in as many bytes, and go
-    back to the same row-major codes and scales; 200: row-major (int8_int8.cpp)."""
+    product, and each row equal, bit for bit, to that row computed alone. Whole vectors of 16 outputs
+    on AVX512-VNNI: the codes are held as quads alone (int8_quads.cpp), in as many bytes, and go back
+    to the same row-major codes and scales (10, 9 and 1 groups: the AMX kernel's pipeline over groups
+    ends each its own way); 200: row-major (int8_int8.cpp)."""
     if not extension.int8_activations():
         pytest.skip("int8 activations need AVX2 with F16C and FMA")
-    codes, scales = int8_groups_from_float(torch.randn(outputs, 320, generator=torch.Generator().manual_seed(8)))
+    codes, scales = int8_groups_from_float(torch.randn(outputs, inputs, generator=torch.Generator().manual_seed(8)))
     layer = Int8GroupLinear(codes, scales, dtype, out_dtype=dtype)
     layer.int8_activations = True
     float_inputs = Int8GroupLinear(codes, scales, dtype, out_dtype=dtype)
     quads = outputs % 16 == 0 and extension.int8_quads_usable()
     assert layer.uses_quads() == quads
     for rows in (1, 2, 3, 4, 5, 8, 9, 13, 64, 515):  # tiles of 4 (row-major) or 8 (quads) rows: every remainder
-        x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        x[0, :32] = 0.0  # an all-zero group: d = 0
+        x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        if inputs > 32:
+            x[0, :32] = 0.0  # an all-zero group: d = 0
+        elif rows > 1:
+            x[-1] = 0.0  # the whole of the last row, beside rows that are not zero
         reference, bound = _int8_activation_reference(x, codes, scales, torch.zeros_like(scales))
         got = layer(x)
         rounding = 1e-5 * reference.abs().max() + (0.008 * reference.abs() if dtype == torch.bfloat16 else 0)
         assert ((got.double() - reference).abs() <= rounding).all(), rows
-        exact = x.double() @ (codes.double().view(outputs, 10, 32) * scales.double()[..., None]).view(outputs, 320).T
+        weight = codes.double().view(outputs, inputs // 32, 32) * scales.double()[..., None]
+        exact = x.double() @ weight.view(outputs, inputs).T
         assert ((got.double() - exact).abs() <= bound + rounding).all(), rows
         for i in {0, rows // 2, rows - 1}:
             assert torch.equal(layer(x[i : i + 1])[0], got[i]), (rows, i)

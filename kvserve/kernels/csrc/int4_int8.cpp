@@ -344,8 +344,8 @@ constexpr int64_t kAmxInt4Rows = 16;  // from one tile of rows; fewer go through
 // code * q exactly, as the AVX kernels' integer sums, and the float step is group_step's, in group
 // order: the same bits. Software-pipelined, as a tile's sums reach memory only some way after its
 // multiply is issued: group g's two multiplies (C tiles 0 and 4, or 3 and 5 for odd g) are issued,
-// then group g - 1's sums stored from the other pair, then group g - 2's float steps, whose sums
-// were stored an iteration earlier.
+// then group g - 1's sums stored from the other pair, then group g - 3's float steps, whose sums
+// were stored two iterations earlier (three buffers).
 struct Int4Tiles {
   const int8_t* xq;        // this tile of rows' inputs, row stride k_len
   const float* xd;         // their group scales, row stride groups
@@ -354,7 +354,7 @@ struct Int4Tiles {
   const float* scales_mins;  // per group 64 scales, then 64 mins, of the block; from the pair's first column
   int64_t k_len, groups, rows;
   __m512* total;           // [2][16]
-  int32_t (*c)[2][256];    // [2] buffers of two tiles' sums
+  int32_t (*c)[2][256];    // [3] buffers of two tiles' sums
 
   void float_steps(int64_t g) const {
     const int32_t(&sums)[2][256] = c[g % 3];
@@ -439,7 +439,7 @@ void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m,
           int4_step_even(a, g);
         }
       }
-      const int64_t last = groups - 1;  // its sums still in tiles; the one before it stored, not stepped
+      const int64_t last = groups - 1;  // its sums still in tiles; up to two before it stored, not stepped
       if (last & 1) {
         _tile_stored(3, c[last % 3][0], 64);
         _tile_stored(5, c[last % 3][1], 64);
