@@ -289,6 +289,16 @@ def test_int4_mm_computes_a_row_the_same_whatever_rows_are_beside_it(extension, 
         assert torch.equal(layer(x[i : i + 2])[:1], full[i : i + 1]), i
 
 
+def _zero_a_group(x: torch.Tensor) -> None:
+    """An all-zero group of inputs (d = 0) in x [rows, inputs]: the first row's first group, or with one
+    group a row, the whole last row, beside rows that are not zero (none where x is that one row)."""
+    rows, inputs = x.shape
+    if inputs > 32:
+        x[0, :32] = 0.0
+    elif rows > 1:
+        x[-1] = 0.0
+
+
 def _int8_activation_reference(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,10 +336,7 @@ def test_int4_with_int8_activations_equals_its_integer_reference(extension, dtyp
     float_inputs = Int4Linear(groups, dtype)
     for rows in (1, 2, 3, 4, 6, 7, 13, 64, 100, 515):  # tiles of 5 rows: every remainder
         x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        if inputs > 32:
-            x[0, :32] = 0.0  # an all-zero group: d = 0
-        elif rows > 1:
-            x[-1] = 0.0  # the whole of the last row, beside rows that are not zero
+        _zero_a_group(x)
         reference, bound = _int8_activation_reference(x, groups.codes, groups.scales, groups.mins)
         got = layer(x)
         # float32: the per-group float steps' rounding; bfloat16: also the output's own (8-bit mantissa)
@@ -365,10 +372,7 @@ def test_int8_groups_with_int8_activations_equal_their_integer_reference(extensi
     assert layer.uses_quads() == quads
     for rows in (1, 2, 3, 4, 5, 8, 9, 13, 64, 515):  # tiles of 4 (row-major) or 8 (quads) rows: every remainder
         x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        if inputs > 32:
-            x[0, :32] = 0.0  # an all-zero group: d = 0
-        elif rows > 1:
-            x[-1] = 0.0  # the whole of the last row, beside rows that are not zero
+        _zero_a_group(x)
         reference, bound = _int8_activation_reference(x, codes, scales, torch.zeros_like(scales))
         got = layer(x)
         rounding = 1e-5 * reference.abs().max() + (0.008 * reference.abs() if dtype == torch.bfloat16 else 0)

@@ -276,18 +276,23 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// Eight bfloat16 values widened to float32 (exact).
+inline __m256 load8_bf16(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
 #if KVSERVE_HAS_INT8_ACTIVATIONS
+// Eight inputs as float32: float32 as they are, bfloat16 widened (the same values, so the same q, d
+// and s from quantize_group).
+inline __m256 load8_input(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8_input(const c10::BFloat16* x) { return load8_bf16(x); }
+
 // Activations quantized to int8 per group of 32, as llama.cpp's Q8_0 / Q8_1 (int4_int8.cpp, int8_int8.cpp).
 // One group of 32 inputs: q (int8), d (the scale) and s = d * sum(q), the sum of the rounded inputs
 // (Q8_1's s): an int4 layer's min term then sees the same inputs as its codes, so the layer computes
 // W x' for x' = d * q exactly. With the float sum of x instead, the codes' offset (0..15 about 7.5)
 // left the rounding uncancelled: 2.5x the error against W x for random inputs.
-// x float32 or bfloat16 (widened exactly first: the same values, so the same q, d and s).
-inline __m256 load8_input(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8_input(const c10::BFloat16* x) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
-}
 template <typename X>
 inline void quantize_group(const X* x, int8_t* q, float* d, float* s) {
   __m256 v[4];

@@ -338,26 +338,22 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
   std::fill(q.begin() + m * k, q.end(), 0);
   std::vector<float> d(padded * groups, 0.f), sums(padded * groups);
   std::vector<int32_t> start(padded * groups, 0), start2(six ? m * groups * 2 : 0);
-  const bool bf16 = xf.scalar_type() == at::kBFloat16;  // widened in quantize_group: the same values
-  const c10::BFloat16* xb = bf16 ? xf.data_ptr<c10::BFloat16>() : nullptr;
-  const float* xp = bf16 ? nullptr : xf.data_ptr<float>();
-  at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (bf16) {
-        quantize_group(xb + i * 32, q.data() + i * 32, &d[i], &sums[i]);
-      } else {
+  with_compute_type(xf.scalar_type(), [&](auto input) {  // bfloat16 widened in quantize_group: the same values
+    const auto* xp = xf.data_ptr<decltype(input)>();
+    at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
         quantize_group(xp + i * 32, q.data() + i * 32, &d[i], &sums[i]);
+        int32_t total = 0;
+        for (int j = 0; j < 32; ++j) total += q[i * 32 + j];
+        start[i] = -offset * total;
+        if (six) {
+          int32_t first = 0;
+          for (int j = 0; j < 16; ++j) first += q[i * 32 + j];
+          start2[2 * i] = -offset * first;
+          start2[2 * i + 1] = -offset * (total - first);
+        }
       }
-      int32_t total = 0;
-      for (int j = 0; j < 32; ++j) total += q[i * 32 + j];
-      start[i] = -offset * total;
-      if (six) {
-        int32_t first = 0;
-        for (int j = 0; j < 16; ++j) first += q[i * 32 + j];
-        start2[2 * i] = -offset * first;
-        start2[2 * i + 1] = -offset * (total - first);
-      }
-    }
+    });
   });
   at::Tensor out = at::empty({m, v}, x.options().dtype(at::kFloat));
   const uint8_t* qp = quads.data_ptr<uint8_t>();

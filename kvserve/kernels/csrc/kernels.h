@@ -74,12 +74,8 @@ inline void load_int8_tile_config() {
 #endif
 
 #if KVSERVE_HAS_AVX2_FMA
-// Eight bfloat16 values widened to float32 (exact), and float32 rounded to bfloat16 as c10::BFloat16
-// rounds (to nearest even; NaN to 0x7FC0), kept in a float whose low 16 bits are zero.
-inline __m256 load8_bf16(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
+// float32 rounded to bfloat16 as c10::BFloat16 rounds (to nearest even; NaN to 0x7FC0), kept in a
+// float whose low 16 bits are zero (load8_bf16, the other way, is in common.h).
 inline __m256 round8_bf16(__m256 x) {
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
