@@ -148,6 +148,45 @@ def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, k // 256 * 210)
 
 
+def quantize_q5_k(weight: np.ndarray) -> np.ndarray:
+    """Round-to-nearest Q5_K blocks of a float [rows, K] matrix (the gguf package quantizes no K-type), as
+    raw bytes [rows, K / 256 * 176] in GGML's layout: float16 d and dmin, 6-bit scales and mins per 32
+    values packed in 12 bytes, the fifth bits (qh), the low 4 bits (qs); w ~ (d * scale) * q - dmin * min.
+    The gguf package's dequantization is the reference it is read by."""
+    rows, k = weight.shape
+    w = weight.astype(np.float32).reshape(-1, 8, 32)  # [blocks, sub-block, value]
+    low = np.minimum(w.min(-1), 0)  # a sub-block's offset is subtracted: at most 0
+    step = (w.max(-1) - low) / 31
+    d = (step.max(-1) / 63).astype(np.float16)
+    dmin = (-low.min(-1) / 63).astype(np.float16)
+
+    def six_bits(values: np.ndarray, unit: np.ndarray) -> np.ndarray:
+        unit = unit.astype(np.float32)[:, None]
+        return np.clip(np.round(values / np.where(unit != 0, unit, 1)), 0, 63).astype(np.uint8)
+
+    sc, mn = six_bits(step, d), six_bits(-low, dmin)  # [blocks, 8]
+    scale = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * mn
+    q = np.round((w + offset[..., None]) / np.where(scale != 0, scale, 1)[..., None])
+    q = np.clip(q, 0, 31).astype(np.uint8)  # [blocks, 8, 32]
+    packed = np.concatenate(
+        [
+            sc[:, :4] | (sc[:, 4:] >> 4) << 6,
+            mn[:, :4] | (mn[:, 4:] >> 4) << 6,
+            (sc[:, 4:] & 0x0F) | (mn[:, 4:] & 0x0F) << 4,
+        ],
+        axis=1,
+    )
+    qh = np.zeros((w.shape[0], 32), dtype=np.uint8)
+    for sub in range(8):
+        qh |= ((q[:, sub] >> 4) & 1) << sub
+    qs = (q[:, 0::2] & 0x0F) | ((q[:, 1::2] & 0x0F) << 4)  # [blocks, 4, 32]: sub-blocks 2c and 2c + 1
+    blocks = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qh, qs.reshape(-1, 128)], axis=1
+    )
+    return blocks.reshape(rows, k // 256 * 176)
+
+
 def write_llama_gguf(
     path,
     hf_model,
@@ -185,7 +224,8 @@ def write_llama_gguf(
                 data = _llamacpp_permute(data, cfg.num_key_value_heads)
         kind = (embedding_qtype or qtype) if gguf_name == "token_embd.weight" else qtype
         if data.ndim == 2 and kind != T.F32 and data.shape[1] % GGML_QUANT_SIZES[kind][0] == 0:
-            blocks = quantize_q6_k(data) if kind == T.Q6_K else quants.quantize(data, kind)
+            own = {T.Q6_K: quantize_q6_k, T.Q5_K: quantize_q5_k}.get(kind)
+            blocks = own(data) if own is not None else quants.quantize(data, kind)
             writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(data))

@@ -166,3 +166,78 @@ def test_q6_k_layer_equals_its_integer_reference_and_each_row_alone(extension, d
         assert ((got - x.double() @ weight.T).abs() <= bound + 1e-5 * reference.abs().max()).all(), rows
         for i in {0, rows // 2, rows - 1}:
             assert torch.equal(layer(x[i : i + 1])[0], got[i].float()), (rows, i)
+
+
+def _q5_raw(kind: str, rows: int, blocks: int, seed: int) -> torch.Tensor:
+    """Random Q5_1 / Q5_K rows (random codes and 6-bit scales, finite float16 ones), as raw bytes."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from tests.test_gguf import random_blocks
+
+    raw = random_blocks(GGMLQuantizationType[kind], rows * blocks, np.random.default_rng(seed))
+    return torch.from_numpy(raw.reshape(rows, -1).copy())
+
+
+@pytest.mark.parametrize("kind", ["Q5_1", "Q5_K"])
+def test_q5_types_are_held_at_their_width_and_dequantize_bit_for_bit(kind):
+    """Q5_1's and Q5_K's codes with their scales and mins in the 5-bit quads: Q5_1 in as many bytes as the
+    file, Q5_K in 320 more per 16 rows and 256 inputs than its 2816 (1.023x); the same parts back; and
+    the weight GGML's dequantization gives, bit for bit."""
+    from gguf import GGMLQuantizationType
+
+    from kvserve.weights.dequant import INT5_READERS, dequantize
+
+    qtype = GGMLQuantizationType[kind]
+    raw = _q5_raw(kind, 48, 2 if kind == "Q5_K" else 16, seed=5)
+    parts = INT5_READERS[qtype](raw)
+    assert parts[0].shape == (48, 512) and int(parts[0].max()) == 31
+    held, scales = quads.to_q5_quads(kind, parts)
+    size = held.numel() + scales.numel() * scales.element_size()
+    assert size == raw.numel() if kind == "Q5_1" else size * 2816 == raw.numel() * 2880
+    back = quads.q5_parts(held, scales)
+    assert all(torch.equal(a, b) for a, b in zip(back, parts, strict=True))
+    expected = dequantize(raw, qtype, 512)
+    assert torch.equal(quads.q5_dequantize(held, scales).view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["Q5_1", "Q5_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_q5_layer_equals_its_integer_reference_and_each_row_alone(extension, kind, dtype):
+    """Int5Linear (int8_quads.cpp, 5 bits, a scale and a min per group) against the product in float64 of
+    the dequantized weight and the inputs as the kernel rounds them to int8 (per 32: d = max|x| / 127,
+    q = round(x / d)), within float32's summation; its distance to the float inputs' product within
+    their rounding; and each row alone the same bits as in any batch."""
+    if not extension.int8_quads_usable():
+        pytest.skip("the quads kernel needs AVX512-VNNI")
+    from gguf import GGMLQuantizationType
+
+    from kvserve.layers.quantized import Int5Linear
+    from kvserve.weights.dequant import INT5_READERS
+
+    raw = _q5_raw(kind, 96, 2 if kind == "Q5_K" else 16, seed=8)
+    layer = Int5Linear(kind, INT5_READERS[GGMLQuantizationType[kind]](raw), dtype, out_dtype=torch.float32)
+    weight = quads.q5_dequantize(layer.quads, layer.q5_scales).double()
+    # |scale * code| + |min| per weight: the float steps' terms, which may cancel in the weight
+    codes, *scales = quads.q5_parts(layer.quads, layer.q5_scales)
+    if kind == "Q5_1":
+        scale, mins = (t.double().repeat_interleave(32, dim=1) for t in scales)
+    else:
+        sc, mn, d_k, dmin = (t.double() for t in scales)
+        scale = (d_k.repeat_interleave(8, dim=1) * sc).repeat_interleave(32, dim=1)
+        mins = (dmin.repeat_interleave(8, dim=1) * mn).repeat_interleave(32, dim=1)
+    terms = (scale * codes.double()).abs() + mins.abs()
+    for rows in (1, 2, 7, 8, 9, 64, 515):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        x[0, :32] = 0.0  # an all-zero group: d = 0
+        got = layer(x).double()
+        xg = x.float().view(rows, 16, 32)
+        d = xg.abs().amax(-1) / 127
+        q = torch.round(xg * torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None])
+        rounded = (d.double()[..., None] * q.double()).view(rows, 512)
+        reference = rounded @ weight.T
+        assert ((got - reference).abs() <= 1e-5 * (rounded.abs() @ terms.T)).all(), rows
+        bound = (d.double()[..., None] / 2 * weight.abs().view(96, 16, 32).sum(-1).T).sum(1)
+        assert ((got - x.double() @ weight.T).abs() <= bound + 1e-5 * reference.abs().max()).all(), rows
+        for i in {0, rows // 2, rows - 1}:
+            assert torch.equal(layer(x[i : i + 1])[0], got[i].float()), (rows, i)

@@ -416,3 +416,63 @@ def test_a_tied_q6_k_head_shares_the_embeddings_table(tmp_path):
     assert weight_summary(model)["layers"] == {"int8 embedding": 1, "int6 (Q6_K)": 8, "int8 groups": 1}
     head, embedding = model.lm_head, model.embed_tokens
     assert embedding.codes is head.codes and embedding.quads is head.quads
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_1, T.Q5_K], ids=lambda t: t.name)
+def test_q5_layers_are_held_at_their_width_where_their_inputs_are_int8(tmp_path, qtype):
+    """A Q5_1 or Q5_K file with int8 inputs on AVX512-VNNI: every matrix, the lm_head too, is an
+    Int5Linear at the file's width (Q5_K: 1.023x, its scales a byte each) whose weight is the gguf
+    package's dequantization bit for bit; the fused layer loop takes them, and an engine serves greedy
+    tokens the module path agrees with."""
+    pytest.importorskip("transformers")
+    from gguf import GGUFReader
+
+    from kvserve.layers import quads
+    from kvserve.layers.fused_decode import FusedDecoder
+    from kvserve.layers.quantized import Int5Linear
+    from kvserve.llm import default_dtype
+    from kvserve.weights.registry import DEFAULT_MODEL, pull
+    from tests.test_gguf import quantize_q5_k
+
+    if not quads.vnni_cpu():
+        pytest.skip("Q5_1 and Q5_K are held as stored where the quads kernel serves (int8 inputs, AVX512-VNNI)")
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=29, hidden_size=256, intermediate_size=256, vocab_size=320)
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    reader = GGUFReader(pull(DEFAULT_MODEL, progress=False))  # SmolLM2's tokenizer, for the engine
+    fields = {
+        name: (field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+        for name, field in reader.fields.items()
+        if name.startswith("tokenizer.")
+    }
+    write_llama_gguf(path, hf_model, qtype=qtype, fields=fields)
+
+    model = load_model(path, default_dtype(torch.device("cpu")), progress=False, weights="auto", activations="int8")
+    assert weight_summary(model)["layers"] == {"int5 (Q5_1, Q5_K)": 9, "int8 embedding": 1}
+    layers = [m for m in model.modules() if isinstance(m, Int5Linear)]
+    held = sum(t.numel() * t.element_size() for m in layers for t in m.buffers())
+    size = GGML_QUANT_SIZES[qtype]
+    in_file = sum(m.out_features * m.in_features // size[0] * size[1] for m in layers)
+    assert held == in_file if qtype == T.Q5_1 else held * 2816 == in_file * 2880
+    for ours, theirs in (
+        (model.lm_head, hf_model.lm_head),
+        (model.layers[1].mlp.down_proj, hf_model.model.layers[1].mlp.down_proj),
+    ):
+        weight = theirs.weight.detach().numpy()
+        stored = quantize_q5_k(weight) if qtype == T.Q5_K else quants.quantize(weight, qtype)
+        assert ours.kind == qtype.name
+        assert np.array_equal(quads.q5_dequantize(ours.quads, ours.q5_scales).numpy(), quants.dequantize(stored, qtype))
+    assert FusedDecoder.supports(model)
+    prompt = list(range(5, 45))
+    with LLM(str(path), session_db=False, progress=False) as llm:
+        assert any(isinstance(m, Int5Linear) for m in llm.model.modules())
+        out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert llm.runner_timings()["fused_steps"] >= 7
+        wait_idle_and_check(llm)
+    # The layer loop and the module path round in different orders (test_fused_decode: within 10% of the
+    # largest logit with int8 inputs), and this random model's best logits lie closer than that: each
+    # token the engine chose is, on the module path given the same tokens before it, within that of the best.
+    tokens = out[0].token_ids
+    logits = _logits(model, prompt + tokens)[len(prompt) - 1 : -1]
+    assert tokens[0] == int(logits[0].argmax())  # the prompt's last row: the same in both
+    best = logits.max(-1).values
+    assert (logits[torch.arange(len(tokens)), tokens] >= best - 0.1 * logits.abs().amax(-1)).all()

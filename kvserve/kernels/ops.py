@@ -91,8 +91,10 @@ def int8_quads_matmul(x: torch.Tensor, quads: torch.Tensor, quad_scales: torch.T
     """`int8_group_matmul_int8` from the codes as `int8_quads` lays them out (x quantized the same way):
     quads [V / 16, K / 4, 16, 4] uint8, each code + 128 (8 bits), or [V / 16, K / 32, 320] uint8 (5 bits:
     codes in -16..15 + 16, as nibbles and fifth-bit masks); quad_scales [V / 16, K / 32, 16] float32 or
-    float16; or Q6_K's [V / 16, K / 32, 384] (6 bits) with K-quant scales [V / 16, K / 256, 288] uint8
-    (layers/quads.py, int8_quads.cpp). From 16 rows on AMX tiles where the CPU has them (Q6_K: vpdpbusd for all)."""
+    float16; or Q6_K's [V / 16, K / 32, 384] (6 bits) with K-quant scales [V / 16, K / 256, 288] uint8; or
+    Q5_1's and Q5_K's 5-bit quads (codes 0..31) with scales and mins, [V / 16, K / 32, 2, 16] float16 or
+    [V / 16, K / 256, 320] uint8 (layers/quads.py, int8_quads.cpp). From 16 rows on AMX tiles where the CPU
+    has them (Q6_K, Q5_1, Q5_K: vpdpbusd for all)."""
     return _ext().int8_quads_matmul(x, quads, quad_scales, rows)
 
 
@@ -137,7 +139,7 @@ class Linear:
     """A linear layer of the layer loop: weight [N, ...] as its `kind` stores it (Float: [N, K] in the
     compute dtype; Int4: packed, with scales = scales_mins; Int8: [N, K] codes, with scales [N];
     Int8Groups: [N, K] codes, with scales [N, K / 32] float32; Int8Quads: Int8GroupLinear's quads and
-    quad_scales, or Int6Linear's quads and k_scales)."""
+    quad_scales, Int6Linear's quads and k_scales, or Int5Linear's quads and q5_scales)."""
 
     kind: Any  # a member of linear_kinds()
     weight: torch.Tensor

@@ -14,6 +14,12 @@ The scales are `[V / 16, K / 32, 16]`: float16 where every scale is one (the fil
 Q5_0), float32 otherwise. Either width and scale type gives the kernel the same integers and
 floats, so the same bits.
 
+GGML's Q5_1 and Q5_K have a min per group besides the scale (w = scale * code + min, codes 0..31):
+`to_q5_quads` holds their codes in the 5-bit layout as GGML's 0..31 (no offset), with Q5_1's float16
+scales and mins `[V / 16, K / 32, 2, 16]` (6 bits a weight, as the file), or Q5_K's "K-quant scales"
+`[V / 16, K / 256, 320]` uint8: per block of 256 inputs the 6-bit scales [8 groups][16 rows] and mins
+[8][16] a byte each, then the rows' float16 d [16] and dmin [16] (5.625 bits a weight, the file 5.5).
+
 GGML's Q6_K has a scale per 16 inputs (int8, times a float16 one per 256): `to_k6_quads` holds it
 as stored, 6 bits a code, `[V / 16, K / 32, 384]` (the 5-bit layout's nibbles, then two vectors of
 2-bit crumbs: vector u's byte i, bits 2t and 2t + 1, are the fifth and sixth bits of vector 4u + t's
@@ -34,6 +40,7 @@ GROUP = 32
 FIVE_BIT_BYTES = 320  # per vector of 16 rows and group of 32 inputs
 SIX_BIT_BYTES = 384
 K_SCALE_BYTES = 288  # per vector of 16 rows and block of 256 inputs (Q6_K's scales)
+K5_SCALE_BYTES = 320  # the same for Q5_K's scales and mins
 _CHUNK_VECTORS = 256  # vectors (of 16 rows) arranged per step: temporaries of a few MB
 
 
@@ -141,6 +148,62 @@ def k6_dequantize(quads: torch.Tensor, k_scales: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     scale = (d.float().repeat_interleave(16, dim=1) * scales.float()).view(n, k // 16, 1)
     return (scale * (codes.to(torch.int8) - 32).view(n, k // 16, 16).float()).view(n, k)
+
+
+def to_q5_quads(kind: str, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quads, scales) of Q5_1's (codes [N, K] uint8 in 0..31, scales, mins [N, K / 32] float16) or Q5_K's
+    (codes, scales, mins [N, K / 32] uint8, d, dmin [N, K / 256] float16) (dequant.q5_1_parts /
+    q5_k_parts), N a multiple of 16."""
+    codes = parts[0]
+    n, k = codes.shape
+    vectors, groups = n // 16, k // GROUP
+    u = codes.view(vectors, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(vectors, groups, 8, 64)
+    held = _pack_five(u).contiguous()
+    if kind == "Q5_1":
+        scales, mins = (_by_16(t, vectors) for t in parts[1:])  # [v, G, 16] each
+        return held, torch.stack([scales, mins], dim=2).contiguous()
+    blocks = k // 256
+    sub = [t.view(vectors, 16, blocks, 8).permute(0, 2, 3, 1).reshape(vectors, blocks, 128) for t in parts[1:3]]
+    block = [_by_16(t, vectors).view(torch.uint8) for t in parts[3:]]  # [v, B, 32] each
+    return held, torch.cat([*sub, *block], dim=2).contiguous()
+
+
+def q5_parts(quads: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The parts to_q5_quads was made from (Q5_1's three or Q5_K's five)."""
+    vectors, groups = quads.shape[:2]
+    codes = _unsigned_vectors(quads).view(vectors, groups, 8, 16, 4).permute(0, 3, 1, 2, 4)
+    codes = codes.reshape(vectors * 16, groups * GROUP).contiguous()
+    if scales.dtype == torch.float16:  # Q5_1: [v, G, 2, 16]
+        return codes, *(scales[:, :, i].permute(0, 2, 1).reshape(vectors * 16, groups) for i in range(2))
+    blocks = scales.shape[1]
+    sub = [scales[..., i : i + 128].reshape(vectors, blocks, 8, 16) for i in (0, 128)]
+    block = [scales[..., i : i + 32].contiguous().view(torch.float16) for i in (256, 288)]  # [v, B, 16]
+    return (
+        codes,
+        *(t.permute(0, 3, 1, 2).reshape(vectors * 16, groups) for t in sub),
+        *(t.permute(0, 2, 1).reshape(vectors * 16, blocks) for t in block),
+    )
+
+
+def q5_dequantize(quads: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K], as GGML (dequant._q5_1, _q5_k) computes it: scale * code + min for
+    Q5_1, (d * scale) * code - dmin * min for Q5_K."""
+    parts = q5_parts(quads, scales)
+    codes = parts[0]
+    n, k = codes.shape
+    q = codes.view(n, k // GROUP, GROUP).float()
+    if len(parts) == 3:
+        scale, mins = (t.float()[..., None] for t in parts[1:])
+        return (scale * q + mins).view(n, k)
+    _, sc, mn, d, dmin = parts
+    scale = (d.float().repeat_interleave(8, dim=1) * sc.float())[..., None]
+    offset = (dmin.float().repeat_interleave(8, dim=1) * mn.float())[..., None]
+    return (scale * q - offset).view(n, k)
+
+
+def _by_16(per_row: torch.Tensor, vectors: int) -> torch.Tensor:
+    """[N, G] -> [N / 16, G, 16]: each group's values of 16 rows side by side."""
+    return per_row.view(vectors, 16, -1).permute(0, 2, 1).contiguous()
 
 
 def _offset(quads: torch.Tensor) -> int:

@@ -7,6 +7,7 @@
 - `Int8GroupLinear`: int8 codes with a scale per 32 inputs (GGML's Q8_0 and Q5_0 exactly), row-major
   or in the quads layout (layers/quads.py: Q5_0 at 5 bits) for kvserve's C++ kernels.
 - `Int6Linear`: GGML's Q6_K as stored, 6-bit quads with its scales per 16 and 256 inputs.
+- `Int5Linear`: GGML's Q5_1 and Q5_K as stored, 5-bit quads with a scale and a min per 32 inputs.
 - `Int8Embedding`: int8 rows with one scale per group of 32, dequantized only for the looked-up
   rows (GGML's Q8_0 is exactly this shape).
 
@@ -87,10 +88,10 @@ def int4_few_rows(dtype: torch.dtype) -> int:
 
 
 def set_activations(model: nn.Module, activations: str) -> None:
-    """Make every Int4Linear, Int8GroupLinear (the lm_head among them) and Int6Linear of `model` take
-    float ("float") or int8 ("int8") inputs."""
+    """Make every Int4Linear, Int8GroupLinear (the lm_head among them), Int6Linear and Int5Linear of
+    `model` take float ("float") or int8 ("int8") inputs."""
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8GroupLinear, Int6Linear)):
+        if isinstance(module, (Int4Linear, Int8GroupLinear, Int6Linear, Int5Linear)):
             module.int8_activations = activations == "int8"
 
 
@@ -463,6 +464,53 @@ class Int6Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, Q6_K"
+
+
+class Int5Linear(nn.Module):
+    """y = x @ W.T (+ bias) with W as GGML's Q5_1 or Q5_K stores it: 5-bit codes 0..31 with a scale and a
+    min per 32 inputs (Q5_1: float16 each, w = scale * code + min; Q5_K: 6-bit ones times a float16 d and
+    dmin per 256, w = (d * scale) * code - dmin * min), held in the quads layout at the file's width
+    (layers/quads.py, int8_quads.cpp) for int8 inputs on AVX512-VNNI: the loader makes it only there
+    (WeightPlan.quads). Every row count runs one kernel, so it is batch-invariant. With float inputs
+    (set_activations after load) it multiplies a weight dequantized on each call: exact, and slow."""
+
+    def __init__(
+        self,
+        kind: str,
+        parts: tuple[torch.Tensor, ...],
+        dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.kind = kind  # "Q5_1" or "Q5_K"
+        self.out_features, self.in_features = parts[0].shape
+        self.dtype, self.out_dtype = dtype, out_dtype or dtype
+        self.int8_activations = True  # see set_activations
+        quads_, scales = quads.to_q5_quads(kind, parts)
+        self.register_buffer("quads", quads_)  # [N / 16, K / 32, 320] uint8
+        # Q5_1: [N / 16, K / 32, 2, 16] float16; Q5_K: [N / 16, K / 256, 320] uint8
+        self.register_buffer("q5_scales", scales)
+        self.bias = _bias(bias, self.out_dtype)
+
+    @staticmethod
+    def supports(kind: str, out_features: int, in_features: int) -> bool:
+        return out_features % 16 == 0 and in_features % (256 if kind == "Q5_K" else GROUP_SIZE) == 0
+
+    def takes_int8(self) -> bool:
+        return self.int8_activations and ops.available() and ops.int8_quads_usable()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.device.type == "cpu" and self.takes_int8():
+            out = ops.int8_quads_matmul(x2, self.quads, self.q5_scales, self.out_features)
+        else:
+            out = F.linear(x2.float(), quads.q5_dequantize(self.quads, self.q5_scales))
+        out = out.view(*x.shape[:-1], self.out_features).to(self.out_dtype)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
 
 
 def _by_16_rows(per_row: torch.Tensor) -> torch.Tensor:

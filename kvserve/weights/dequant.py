@@ -255,6 +255,43 @@ def q6_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return codes.reshape(rows, -1), scales.reshape(rows, -1), d.reshape(rows, -1)
 
 
+def q5_1_parts(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Raw Q5_1 rows -> (codes [rows, K] uint8 in 0..31, scales and mins [rows, K/32] float16):
+    w = scale * code + min, as `_q5_1` computes it (Int5Linear)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q5_1][1])
+    q = _nibbles(blocks[:, None, 8:])[:, 0] | (_fifth_bits(blocks[:, 4:8]) << 4)
+    halves = blocks[:, :4].contiguous().view(torch.float16)  # [N, 2]: d, m
+    return q.reshape(rows, -1), halves[:, 0].reshape(rows, -1), halves[:, 1].reshape(rows, -1)
+
+
+def q5_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Raw Q5_K rows -> (codes [rows, K] uint8 in 0..31, 6-bit scales and mins [rows, K/32] uint8, d and
+    dmin [rows, K/256] float16): w = (d * scale) * code - dmin * min in float32, as `_q5_k` (Int5Linear)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q5_K][1])
+    n = blocks.shape[0]
+    sc, mn = _k_scales(blocks[:, 4:16])
+    low = _nibbles(blocks[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
+    shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).view(1, 8, 1)
+    codes = low | (((blocks[:, None, 16:48] >> shifts) & 1) << 4)  # sub-block s takes bit s of qh
+    halves = blocks[:, :4].contiguous().view(torch.float16)  # [N, 2]: d, dmin
+    return (
+        codes.reshape(rows, -1),
+        sc.to(torch.uint8).reshape(rows, -1),
+        mn.to(torch.uint8).reshape(rows, -1),
+        halves[:, 0].reshape(rows, -1),
+        halves[:, 1].reshape(rows, -1),
+    )
+
+
+# Types held as 5-bit codes with a scale and a min per 32 values (Int5Linear), and their readers.
+INT5_READERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] = {
+    GGMLQuantizationType.Q5_1: q5_1_parts,
+    GGMLQuantizationType.Q5_K: q5_k_parts,
+}
+
+
 # Types whose values are int8 codes times a float scale per 32: kept so, exactly (Int8GroupLinear).
 INT8_GROUP_READERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
     GGMLQuantizationType.Q8_0: q8_0_groups,

@@ -26,7 +26,14 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 from kvserve.errors import UnsupportedModelError
 from kvserve.layers.quantized import Int4Groups
 from kvserve.models.config import ModelConfig
-from kvserve.weights.dequant import INT4_GROUP_READERS, INT8_GROUP_READERS, dequantize, int4_groups, q6_k_parts
+from kvserve.weights.dequant import (
+    INT4_GROUP_READERS,
+    INT5_READERS,
+    INT8_GROUP_READERS,
+    dequantize,
+    int4_groups,
+    q6_k_parts,
+)
 from kvserve.weights.names import WeightTarget, shard_offsets
 from kvserve.weights.source import SourceTensor
 
@@ -383,12 +390,17 @@ class GGUFFile:
             parts = q6_k_parts(raw())
             return parts if order is None else tuple(t[order] for t in parts)
 
+        def read_int5() -> tuple[torch.Tensor, ...]:
+            parts = INT5_READERS[qtype](raw())
+            return parts if order is None else tuple(t[order] for t in parts)
+
         return SourceTensor(
             kind=qtype.name,
             read_float=read_float,
             read_int4=read_int4 if qtype in INT4_GROUP_READERS else None,
             read_int8_groups=read_int8_groups if qtype in INT8_GROUP_READERS else None,
             read_q6_k=read_q6_k if qtype == GGMLQuantizationType.Q6_K else None,
+            read_int5=read_int5 if qtype in INT5_READERS else None,
         )
 
 

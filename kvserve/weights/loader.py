@@ -22,6 +22,7 @@ from kvserve.layers.quads import to_quads, vnni_cpu
 from kvserve.layers.quantized import (
     GROUP_SIZE,
     Int4Linear,
+    Int5Linear,
     Int6Linear,
     Int8Embedding,
     Int8GroupLinear,
@@ -277,6 +278,14 @@ def _build_linear(
                 _check_shape(name, i, tuple(codes.shape), (n, layer.in_features))
             codes, scales, d = (torch.cat(t) for t in zip(*parts, strict=True))
             return Int6Linear(codes, scales, d, dtype, bias, out_dtype=torch.float32 if name == LM_HEAD else None)
+        elif model is None and _int5_held(shards, layer, plan, gpu):
+            # Q5_1 / Q5_K as stored, 5 bits with a scale and a min per 32 (as Q6_K above)
+            parts = [s.read_int5() for s in shards]
+            for i, (part, n) in enumerate(zip(parts, rows, strict=True)):
+                _check_shape(name, i, tuple(part[0].shape), (n, layer.in_features))
+            stacked = tuple(torch.cat(t) for t in zip(*parts, strict=True))
+            out_dtype = torch.float32 if name == LM_HEAD else None
+            return Int5Linear(shards[0].kind, stacked, dtype, bias, out_dtype=out_dtype)
         elif name == LM_HEAD:
             return _int8_group_linear(shards[0], layer, plan, dtype, device, model)
         else:  # a hidden layer: Q8_0 / Q5_0 shards as stored, others rounded; out in the compute dtype
@@ -345,6 +354,19 @@ def _q6_k_held(shards: list[SourceTensor], layer: _PendingLinear, plan: WeightPl
     )
 
 
+def _int5_held(shards: list[SourceTensor], layer: _PendingLinear, plan: WeightPlan, gpu: bool) -> bool:
+    """Whether a layer stored as Q5_1 or Q5_K is held so (Int5Linear) rather than rounded to int8 groups:
+    every shard of the one type, a whole number of 16-row vectors (and of 256 inputs for Q5_K), and quads
+    planned (int8 inputs on AVX512-VNNI)."""
+    kind = shards[0].kind
+    return (
+        plan.quads
+        and not gpu
+        and all(s.read_int5 is not None and s.kind == kind for s in shards)
+        and Int5Linear.supports(kind, layer.out_features, layer.in_features)
+    )
+
+
 def _held(layer: Int8GroupLinear, plan: WeightPlan) -> Int8GroupLinear:
     """`layer` in the layout its inputs will be multiplied in: quads from load where the plan says so
     and the layer's shape allows (whole groups, whole vectors of 16 rows), else row-major."""
@@ -389,6 +411,7 @@ def weight_summary(model: nn.Module) -> dict[str, object]:
             Int8Linear: "int8",
             Int8GroupLinear: "int8 groups",
             Int6Linear: "int6 (Q6_K)",
+            Int5Linear: "int5 (Q5_1, Q5_K)",
             GpuInt8GroupLinear: "int8 groups",
         }
         form = {**forms_by_type, Int8Embedding: "int8 embedding"}.get(type(module))

@@ -28,6 +28,8 @@ class SourceTensor:
     read_int8_groups: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None  # exact Q8_0 codes, scales
     # exact Q6_K (codes, scales per 16, d per 256): dequant.q6_k_parts
     read_q6_k: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # exact Q5_1 / Q5_K parts (5-bit codes, a scale and a min per 32): dequant.q5_1_parts / q5_k_parts
+    read_int5: Callable[[], tuple[torch.Tensor, ...]] | None = None
 
     @property
     def is_float(self) -> bool:
@@ -60,6 +62,7 @@ class SourceTensor:
         int4 = None if self.read_int4 is None else functools.cache(self.read_int4)
         int8 = None if self.read_int8_groups is None else functools.cache(self.read_int8_groups)
         q6_k = None if self.read_q6_k is None else functools.cache(self.read_q6_k)
+        int5 = None if self.read_int5 is None else functools.cache(self.read_int5)
 
         def shard(begin: int, end: int) -> SourceTensor:
             part = slice(begin, end)
@@ -69,6 +72,7 @@ class SourceTensor:
                 None if int4 is None else lambda: int4().permute_rows(torch.arange(begin, end)),
                 None if int8 is None else lambda: tuple(t[part] for t in int8()),
                 None if q6_k is None else lambda: tuple(t[part] for t in q6_k()),
+                None if int5 is None else lambda: tuple(t[part] for t in int5()),
             )
 
         return [shard(begin, end) for begin, end in itertools.pairwise(offsets)]

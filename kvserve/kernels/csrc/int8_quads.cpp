@@ -11,6 +11,7 @@
 //     bit i the fifth bit of vector j's byte i (as many bytes as GGML's blocks hold the codes);
 // and quad_scales [V / 16, K / 32, 16] float32, or float16 where the file's scales are (Q8_0, Q5_0).
 // GGML's Q6_K (6-bit codes, a scale per 16 inputs) has a form of its own further below (k6_matmul).
+// So do GGML's Q5_1 and Q5_K (5-bit codes with a scale and a min per group: min5_matmul).
 // Each row's inputs are quantized per group of 32 as int8_group_matmul_int8 quantizes them
 // (quantize_group: x ~ d * q); the offset of the codes (128 or 16) adds offset * sum(q) to a group's
 // sum, which starts from -offset * sum(q) (one value per input row and group): a group's 32 products
@@ -224,6 +225,99 @@ void k6_matmul(const int8_t* q, const float* d, const int32_t* start2, int64_t m
   });
 }
 
+// ----- 5 bits with a min per group (GGML's Q5_1 and Q5_K) ------------------------------------------
+// quads [V / 16, K / 32, 320]: the 5-bit layout, each code as GGML's 0..31 (no offset), and either
+//   Q5_1: scales [V / 16, K / 32, 2, 16] float16, per group the 16 rows' scales, then their mins:
+//     w = scale * code + min (6 bits a weight, as the file);
+//   Q5_K: scales [V / 16, K / 256, 320] uint8, per block of 256 inputs the 6-bit scales [8 groups][16
+//     rows] and mins [8][16] a byte each, then the rows' float16 d [16] and dmin [16]:
+//     w = (d * scale) * code - dmin * min, as GGML dequantizes it (5.625 bits a weight, the file 5.5).
+// A group's sum over code * q is exact in int32 (no offset to undo), and its float step is the int4
+// kernels' (int4_int8.cpp group_step): total = fma(scale * d, float(sum), total), then
+// total = fma(s, min, total), s = d * sum(q) from quantize_group, so the min meets the rounded inputs.
+// vpdpbusd for every row count: one order, the same bits whatever rows are beside a row.
+constexpr int64_t kMin5Bytes = 320, kK5ScaleBytes = 320;
+
+// Group g's scales and mins for one 16-row vector, as float32 (Q5_K's products d * scale and
+// -(dmin * min) exact: an 11-bit mantissa times a 6-bit integer).
+template <bool KQuant>
+inline void min5_scales(const uint8_t* scales, int64_t g, __m512& scale, __m512& min) {
+  if constexpr (KQuant) {
+    const uint8_t* ks = scales + (g / 8) * kK5ScaleBytes;
+    const auto bytes = [&](int64_t at) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ks + at))));
+    };
+    const auto halves = [&](int64_t at) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + at)));
+    };
+    scale = _mm512_mul_ps(halves(256), bytes((g % 8) * 16));
+    min = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(halves(288), bytes(128 + (g % 8) * 16)));
+  } else {
+    const uint8_t* h = scales + g * 64;
+    scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+    min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
+  }
+}
+
+// R rows x one 16-row vector over all groups: s [R, k / 32] d * sum(q) of each row's group.
+template <int R, bool KQuant>
+inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint8_t* quads,
+                      const uint8_t* scales, float* out, int64_t ldo, int64_t cols) {
+  const int64_t groups = k / 32;
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i codes[8];
+    load_codes<5>(quads, g, codes);
+    __m512 scale, min;
+    min5_scales<KQuant>(scales, g, scale, min);
+    for (int r = 0; r < R; ++r) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        int32_t four;  // inputs 4j .. 4j + 3 of the group
+        std::memcpy(&four, q + r * k + g * 32 + 4 * j, sizeof(four));
+        sum = _mm512_dpbusd_epi32(sum, codes[j], _mm512_set1_epi32(four));
+      }
+      const int64_t i = r * groups + g;
+      total[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(d[i])), _mm512_cvtepi32_ps(sum), total[r]);
+      total[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), min, total[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
+}
+
+template <bool KQuant>
+void min5_matmul(const int8_t* q, const float* d, const float* s, int64_t m, int64_t k, const uint8_t* qp,
+                 const uint8_t* sp, float* o, int64_t v, int64_t vectors) {
+  const int64_t groups = k / 32, vector_bytes = groups * kMin5Bytes;
+  const int64_t scale_bytes = KQuant ? k / 256 * kK5ScaleBytes : groups * 64;
+  at::parallel_for(0, (vectors + kQuadBlock - 1) / kQuadBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t vec = begin * kQuadBlock; vec < std::min(end * kQuadBlock, vectors); ++vec) {
+      const int64_t cols = std::min<int64_t>(16, v - vec * 16);
+      if (cols <= 0) continue;
+      for (int64_t r = 0; r < m; r += kQuadTileRows) {
+        const int8_t* qr = q + r * k;
+        const float* dr = d + r * groups;
+        const float* sr = s + r * groups;
+        float* dst = o + r * v + vec * 16;
+        const uint8_t* vq = qp + vec * vector_bytes;
+        const uint8_t* vs = sp + vec * scale_bytes;
+        switch (std::min<int64_t>(kQuadTileRows, m - r)) {
+#define KVSERVE_ROWS(R)                                              \
+  case R:                                                            \
+    min5_tile<R, KQuant>(qr, dr, sr, k, vq, vs, dst, v, cols);       \
+    break;
+          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
+          KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
+#undef KVSERVE_ROWS
+          default:
+            TORCH_CHECK(false, "int8_quads_matmul: bad row tile");
+        }
+      }
+    }
+  });
+}
+
 #if KVSERVE_HAS_AMX_INT8
 constexpr int64_t kAmxQuadRows = 16;  // from one tile of rows; fewer go through vpdpbusd
 
@@ -322,7 +416,17 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
                          : quads.dim() == 3 && quads.size(1) == groups && (quads.size(2) == 320 || six)),
               "int8_quads_matmul: quads [V / 16, K / 4, 16, 4] (8 bits), [V / 16, K / 32, 320] (5 bits) or "
               "[V / 16, K / 32, 384] (6 bits) uint8");
-  if (six) {
+  // 5 bits with a min per group: Q5_1's float16 scales and mins [V / 16, K / 32, 2, 16], or Q5_K's
+  // K-quant scales [V / 16, K / 256, 320] uint8
+  const bool q5_k = !eight && !six && quad_scales.scalar_type() == at::kByte;
+  const bool q5_1 = !eight && !six && quad_scales.scalar_type() == at::kHalf && quad_scales.dim() == 4;
+  if (q5_k) {
+    TORCH_CHECK(k % 256 == 0 && quad_scales.is_contiguous() && quad_scales.numel() == vectors * (k / 256) * kK5ScaleBytes,
+                "int8_quads_matmul: Q5_K's quads take K-quant scales [V / 16, K / 256, 320] uint8");
+  } else if (q5_1) {
+    TORCH_CHECK(quad_scales.is_contiguous() && quad_scales.numel() == vectors * groups * 32,
+                "int8_quads_matmul: Q5_1's quads take scales and mins [V / 16, K / 32, 2, 16] float16");
+  } else if (six) {
     TORCH_CHECK(k % 256 == 0 && quad_scales.scalar_type() == at::kByte && quad_scales.is_contiguous() &&
                     quad_scales.numel() == vectors * (k / 256) * kK6ScaleBytes,
                 "int8_quads_matmul: 6-bit quads take K-quant scales [V / 16, K / 256, 288] uint8");
@@ -331,7 +435,7 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
                     quad_scales.is_contiguous() && quad_scales.numel() == vectors * 16 * groups,
                 "int8_quads_matmul: quad_scales [V / 16, K / 32, 16] float32 or float16");
   }
-  const int32_t offset = eight ? 128 : six ? 32 : 16;
+  const int32_t offset = eight ? 128 : six ? 32 : q5_k || q5_1 ? 0 : 16;
   const at::Tensor xf = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   const int64_t padded = (m + 15) / 16 * 16;  // whole tiles of rows for AMX, zero past m
   std::vector<int8_t> q(padded * k);
@@ -358,6 +462,12 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
   at::Tensor out = at::empty({m, v}, x.options().dtype(at::kFloat));
   const uint8_t* qp = quads.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
+  if (q5_k || q5_1) {  // vpdpbusd for every row count
+    (q5_k ? min5_matmul<true> : min5_matmul<false>)(q.data(), d.data(), sums.data(), m, k, qp,
+                                                     reinterpret_cast<const uint8_t*>(quad_scales.data_ptr()), o, v,
+                                                     vectors);
+    return out;
+  }
   if (six) {  // vpdpbusd for every row count (two TDPBSUD of 16 inputs a group measured no faster)
     k6_matmul(q.data(), d.data(), start2.data(), m, k, qp, quad_scales.data_ptr<uint8_t>(), o, v, vectors);
     return out;
