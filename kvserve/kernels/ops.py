@@ -94,7 +94,7 @@ def int8_quads_matmul(x: torch.Tensor, quads: torch.Tensor, quad_scales: torch.T
     float16; or Q6_K's [V / 16, K / 32, 384] (6 bits) with K-quant scales [V / 16, K / 256, 288] uint8; or
     Q5_1's and Q5_K's 5-bit quads (codes 0..31) with scales and mins, [V / 16, K / 32, 2, 16] float16 or
     [V / 16, K / 256, 320] uint8 (layers/quads.py, int8_quads.cpp). From 16 rows on AMX tiles where the CPU
-    has them (Q6_K, Q5_1, Q5_K: vpdpbusd for all)."""
+    has them (Q6_K: vpdpbusd for all)."""
     return _ext().int8_quads_matmul(x, quads, quad_scales, rows)
 
 

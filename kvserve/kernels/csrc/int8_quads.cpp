@@ -235,7 +235,8 @@ void k6_matmul(const int8_t* q, const float* d, const int32_t* start2, int64_t m
 // A group's sum over code * q is exact in int32 (no offset to undo), and its float step is the int4
 // kernels' (int4_int8.cpp group_step): total = fma(scale * d, float(sum), total), then
 // total = fma(s, min, total), s = d * sum(q) from quantize_group, so the min meets the rounded inputs.
-// vpdpbusd for every row count: one order, the same bits whatever rows are beside a row.
+// vpdpbusd, and from 16 rows AMX tiles where usable (min5_matmul_amx): the same integer sums and float
+// steps in one order, so the same bits whatever rows are beside a row.
 constexpr int64_t kMin5Bytes = 320, kK5ScaleBytes = 320;
 
 // Group g's scales and mins for one 16-row vector, as float32 (Q5_K's products d * scale and
@@ -403,6 +404,87 @@ void quads_matmul_amx(const int8_t* q, const float* d, const int32_t* start, int
   });
 }
 
+// min5_matmul on tiles from kAmxQuadRows rows: a vector's codes unpacked once per call into TDPBSUD's
+// B layout (the 5-bit quads' eight vectors per group, each byte a code 0..31), 16 rows of q the A tile;
+// the int32 sums are min5_tile's and take its float step per row in group order: the same bits.
+template <bool KQuant>
+inline void min5_epilogue(__m512* total, const int32_t* c, const uint8_t* scales, int64_t g, const float* d,
+                          const float* s, int64_t groups, int64_t rows) {
+  __m512 scale, min;
+  min5_scales<KQuant>(scales, g, scale, min);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r * groups + g;
+    total[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(d[i])),
+                               _mm512_cvtepi32_ps(_mm512_load_si512(c + r * 16)), total[r]);
+    total[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), min, total[r]);
+  }
+}
+
+// As quad_step_*: group g's product into TILE, then the previous group's sums stored from OTHER and stepped.
+#define KVSERVE_MIN5_STEP(TILE, OTHER)                                                                        \
+  template <bool KQuant>                                                                                      \
+  inline void min5_step_##TILE(int64_t g, const int8_t* q, int64_t k, const uint8_t* b, int32_t(*c)[256],    \
+                               __m512* total, const uint8_t* scales, const float* d, const float* s,        \
+                               int64_t groups, int64_t rows) {                                               \
+    _tile_zero(TILE);                                                                                        \
+    _tile_loadd(1, q + g * 32, k);                                                                           \
+    _tile_loadd(2, b + g * 512, 64);                                                                         \
+    _tile_dpbsud(TILE, 1, 2);                                                                                \
+    if (g >= 1) {                                                                                            \
+      _tile_stored(OTHER, c[(g - 1) & 1], 64);                                                               \
+      min5_epilogue<KQuant>(total, c[(g - 1) & 1], scales, g - 1, d, s, groups, rows);                      \
+    }                                                                                                        \
+  }
+KVSERVE_MIN5_STEP(0, 3)
+KVSERVE_MIN5_STEP(3, 0)
+#undef KVSERVE_MIN5_STEP
+
+template <bool KQuant>
+void min5_matmul_amx(const int8_t* q, const float* d, const float* s, int64_t m, int64_t k, const uint8_t* qp,
+                     const uint8_t* sp, float* o, int64_t v, int64_t vectors) {
+  const int64_t groups = k / 32, vector_bytes = groups * kMin5Bytes;
+  const int64_t scale_bytes = KQuant ? k / 256 * kK5ScaleBytes : groups * 64;
+  at::parallel_for(0, vectors, 1, [&](int64_t begin, int64_t end) {
+    load_int8_tile_config();
+    std::vector<uint8_t> b(k * 16);  // a vector's codes a byte each
+    alignas(64) int32_t c[2][256];
+    for (int64_t vec = begin; vec < end; ++vec) {
+      const int64_t cols = std::min<int64_t>(16, v - vec * 16);
+      if (cols <= 0) continue;
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512i codes[8];
+        load_codes<5>(qp + vec * vector_bytes, g, codes);
+        for (int j = 0; j < 8; ++j) _mm512_storeu_si512(b.data() + (g * 8 + j) * 64, codes[j]);
+      }
+      const uint8_t* vs = sp + vec * scale_bytes;
+      for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, m - r0);
+        const int8_t* qr = q + r0 * k;
+        const float* dr = d + r0 * groups;
+        const float* sr = s + r0 * groups;
+        __m512 total[16];
+        for (int r = 0; r < 16; ++r) total[r] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+          if (g & 1) {
+            min5_step_3<KQuant>(g, qr, k, b.data(), c, total, vs, dr, sr, groups, rows);
+          } else {
+            min5_step_0<KQuant>(g, qr, k, b.data(), c, total, vs, dr, sr, groups, rows);
+          }
+        }
+        const int64_t last = groups - 1;
+        if (last & 1) {
+          _tile_stored(3, c[last & 1], 64);
+        } else {
+          _tile_stored(0, c[last & 1], 64);
+        }
+        min5_epilogue<KQuant>(total, c[last & 1], vs, last, dr, sr, groups, rows);
+        for (int64_t r = 0; r < rows; ++r) store_outputs(o + (r0 + r) * v + vec * 16, total[r], cols);
+      }
+    }
+    _tile_release();
+  });
+}
+
 #endif
 
 }  // namespace
@@ -462,10 +544,16 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
   at::Tensor out = at::empty({m, v}, x.options().dtype(at::kFloat));
   const uint8_t* qp = quads.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  if (q5_k || q5_1) {  // vpdpbusd for every row count
-    (q5_k ? min5_matmul<true> : min5_matmul<false>)(q.data(), d.data(), sums.data(), m, k, qp,
-                                                     reinterpret_cast<const uint8_t*>(quad_scales.data_ptr()), o, v,
-                                                     vectors);
+  if (q5_k || q5_1) {  // from kAmxQuadRows rows on tiles where usable, else vpdpbusd: the same bits
+    const uint8_t* sp = reinterpret_cast<const uint8_t*>(quad_scales.data_ptr());
+#if KVSERVE_HAS_AMX_INT8
+    if (m >= kAmxQuadRows && amx_usable()) {
+      (q5_k ? min5_matmul_amx<true> : min5_matmul_amx<false>)(q.data(), d.data(), sums.data(), m, k, qp, sp, o, v,
+                                                               vectors);
+      return out;
+    }
+#endif
+    (q5_k ? min5_matmul<true> : min5_matmul<false>)(q.data(), d.data(), sums.data(), m, k, qp, sp, o, v, vectors);
     return out;
   }
   if (six) {  // vpdpbusd for every row count (two TDPBSUD of 16 inputs a group measured no faster)
