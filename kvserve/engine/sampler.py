@@ -4,8 +4,8 @@ Order per row: logprobs of the raw model distribution (if asked), min_tokens mas
 tokens, logit_bias, repetition / frequency / presence penalties, the grammar's mask (structured
 output: every token it forbids at -inf), then greedy argmax, or temperature, top-k, top-p and min-p
 followed by a draw. Each of these runs on the rows that ask for it only, so a row's result never
-depends on its neighbours'. A draw is `argmax(probs / E)` with E ~ Exp(1) (equivalent to
-sampling from `probs`); a seeded request draws E from its own generator, so it gets the same
+depends on its neighbours'. A draw is `argmax(probs / E)` with E = -log(U) ~ Exp(1) (equivalent to
+sampling from `probs`); a seeded request draws U from its own generator, so it gets the same
 tokens alone or in any batch.
 """
 
@@ -73,9 +73,11 @@ class Sampler:
             sub = _filter(sub, [rows[i].params for i in random_rows])
             probs = torch.softmax(sub, dim=-1)
             noise = torch.empty_like(probs)
-            for j, i in enumerate(random_rows):
-                noise[j].exponential_(generator=rows[i].generator)
-            tokens[random_rows] = (probs / noise).argmax(dim=-1)
+            for j, i in enumerate(random_rows):  # U in [0, 1) from the row's own generator
+                noise[j].uniform_(generator=rows[i].generator)
+            # E = -log(U) ~ Exp(1) (U = 0: E = inf, never drawn); torch's exponential_ gives the same law
+            # at 5x the cost on the CPU (50 ms for 64 rows x 49,152 tokens)
+            tokens[random_rows] = (probs / noise.log_().neg_()).argmax(dim=-1)
 
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * num_rows
