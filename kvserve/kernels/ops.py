@@ -122,6 +122,13 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return _ext().argmax_rows(logits)
 
 
+def sample_rows(logits: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """A draw per row of float32 logits [B, V] (temperature and filters applied) under its int64 seed [B]:
+    argmax of exp(logit - max) / E with E = -log(U), U a hash of the seed and the token id (sampling.cpp);
+    a row's draw depends on its logits and its seed only. [B] int64."""
+    return _ext().sample_rows(logits, seeds)
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place on float32 logits [B, V]: -inf for every token that row rows[i]'s grammar bitmask
     (bitmask[i], int32 [W], bit t % 32 of word t // 32 for token t) forbids."""

@@ -30,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx", &amx_usable, "whether this build runs AMX tiles (bfloat16 GEMMs then favour more rows)");
   m.def("amx_min_rows", [] { return kAmxMinRows; }, "rows from which the lm_head's AMX tiles are fastest");
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (NaN largest), [B] int64");
+  m.def("sample_rows", &sample_rows, "a draw per row from softmax(logits) under its seed (the exponential race), [B] int64");
   m.def("apply_token_bitmask", &apply_token_bitmask, "in place: -inf where a row's grammar bitmask forbids a token");
   m.def(
       "decode_attention",
