@@ -1,10 +1,10 @@
 """Serving benchmark: streaming load on `kvserve serve`, llama.cpp's server and vLLM's CPU server, in one run.
 
 For each concurrency level, that many clients each stream one completion of --max-tokens tokens
-(ignore_eos) with a distinct prompt, all released together. Reported per level: aggregate
-tokens/s (all tokens / wall time), time to first token p50/p99, inter-token latency p50/p99; with
---rounds N each level runs N times against the same server and the medians are reported (every
-round is kept in the JSON). Per server: seconds until /health answered, and memory after start-up
+(ignore_eos, greedy unless --temperature) with a distinct prompt, all released together. Reported
+per level: aggregate tokens/s (all tokens / wall time), time to first token p50/p99, inter-token
+latency p50/p99; with --rounds N each level runs N times against the same server and the medians are
+reported (every round is kept in the JSON). Per server: seconds until /health answered, and memory after start-up
 and after the load, summed over the server's process tree (vLLM and kvserve run an engine in a
 child process): RSS, and PSS where psutil can read it (RSS counts shared pages once per process).
 
@@ -154,12 +154,14 @@ def tree_memory_mb(pid: int) -> dict[str, float | int | None]:
     return {"processes": len(pids), "rss_mb": rss / 2**20, "pss_mb": None}
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+async def one_stream(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, temperature: float = 0.0
+) -> dict:
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "temperature": temperature,
         "stream": True,
         "ignore_eos": True,
     }
@@ -176,13 +178,15 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: st
     return {"submitted": submitted, "times": times}
 
 
-async def load(base: str, model: str, concurrency: int, max_tokens: int, rng: random.Random) -> dict[str, Any]:
+async def load(
+    base: str, model: str, concurrency: int, max_tokens: int, rng: random.Random, temperature: float = 0.0
+) -> dict[str, Any]:
     prompts = [f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(24)) for i in range(concurrency)]
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
         results = await asyncio.gather(
-            *(one_stream(client, f"{base}/v1/completions", model, p, max_tokens) for p in prompts)
+            *(one_stream(client, f"{base}/v1/completions", model, p, max_tokens, temperature) for p in prompts)
         )
         wall = max(r["times"][-1] for r in results) - start
     tokens = sum(len(r["times"]) for r in results)
@@ -230,7 +234,7 @@ def run_peer(
         rounds: dict[str, list[dict[str, Any]]] = {str(c): [] for c in levels}
         for _ in range(args.rounds):
             for c in levels:
-                rounds[str(c)].append(asyncio.run(load(server.base, model, c, args.max_tokens, rng)))
+                rounds[str(c)].append(asyncio.run(load(server.base, model, c, args.max_tokens, rng, args.temperature)))
         memory_after = tree_memory_mb(server.proc.pid)
     finally:
         server.stop()
@@ -345,6 +349,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per stream")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="every request's temperature (0: greedy; OpenAI's default is 1)"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="runs of each level per server; medians reported")
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
     parser.add_argument("--dtype", default="auto", help="kvserve --dtype")
@@ -432,6 +439,7 @@ def main() -> None:
         "settings": {
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
             "rounds": args.rounds,
             "dtype": args.dtype,
             "kvserve_args": args.kvserve_args,
