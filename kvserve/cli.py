@@ -125,6 +125,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         api_keys=tuple(args.api_key or ()),
         max_num_seqs=args.max_num_seqs,
+        gather_ms=args.gather_ms,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
         kv_cache_tokens=args.kv_cache_tokens,
@@ -360,6 +361,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _flag(p, "--served-model-name", "the model name clients use; none means the model file's name")
     _flag(p, "--max-num-seqs", "most requests decoded together in one batch", 64, int)
+    _flag(
+        p,
+        "--gather-ms",
+        "from idle, the first step waits until no request has arrived for this many milliseconds (at most 8x) "
+        "so that requests sent together share one prefill; 0 starts at once",
+        3.0,
+        float,
+    )
     _flag(p, "--max-queue", "requests allowed to wait beyond the batch; more get 429 with Retry-After", 256, int)
     _flag(p, "--request-timeout", "seconds a request may run before it is aborted with 504", 600.0, float)
     _flag(p, "--kv-cache-tokens", "size of the KV pool in tokens; none means 1 GiB worth", None, int)

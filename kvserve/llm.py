@@ -168,6 +168,7 @@ class LLM:
         progress: bool = True,
         pipeline_parallel: int = 1,
         pipeline: Topology | None = None,
+        gather_ms: float = 3.0,
     ) -> None:
         """`pipeline_parallel` N > 1 splits the model's layers over N processes of this host (this one
         the first stage, and the engine; docs/scale-out.md), each computing on its share of the CPUs
@@ -177,7 +178,9 @@ class LLM:
         bucket up to `max_num_seqs` (engine/cuda_graphs.py); off, every step runs eagerly.
         A session holds at most `max_session_tokens` tokens (default and most: the context), and one
         message, append or system prompt at most `max_message_bytes` UTF-8 bytes (default 16 per
-        token of that); more is refused with InvalidRequestError and not applied."""
+        token of that); more is refused with InvalidRequestError and not applied.
+        From idle, the first step waits until no request has arrived for `gather_ms` ms (at most 8x), so
+        that requests sent together share one prefill (engine/burst.py); 0 starts at once."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         topology = pipeline or (Topology.from_settings(pipeline_parallel) if pipeline_parallel > 1 else None)
         if topology is not None and not topology.hosts_rank0:
@@ -242,7 +245,7 @@ class LLM:
             return self.sessions
 
         make_hooks = make_sessions if enable_prefix_caching else None
-        self.engine = EngineCore(scheduler, build_runner, self.tokenizer, make_hooks)
+        self.engine = EngineCore(scheduler, build_runner, self.tokenizer, make_hooks, gather=gather_ms / 1000)
         self.client = EngineClient(self.engine)
         # What the engine is doing, for status readers (the server's page and status routes); built on
         # the engine thread, which it watches.

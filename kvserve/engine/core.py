@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.burst import BurstGate
 from kvserve.engine.grammar import Grammars
 from kvserve.engine.hooks import EngineHooks
 from kvserve.engine.model_runner import RunnerOutput
@@ -108,6 +109,7 @@ class EngineCore:
         build_runner: Callable[[EngineCore], Runner],
         tokenizer: Tokenizer,
         make_hooks: Callable[[EngineCore], EngineHooks] | None = None,
+        gather: float = 0.0,
     ) -> None:
         self.scheduler = scheduler
         self.pool: BlockPool = scheduler.pool
@@ -115,6 +117,9 @@ class EngineCore:
         self.in_flight: dict[int, SchedulerOutput] = {}  # steps launched whose results are not back, by ticket
         self._tickets = itertools.count()
         self._stalled = False  # nothing could be scheduled beside the steps in flight: wait for a message
+        # From idle, the first step waits until no request arrived for `gather` s (at most 8x): a burst of
+        # requests then shares one prefill (engine/burst.py); 0 launches at once.
+        self.burst = BurstGate(gather, 8 * gather)
         self.tokenizer = tokenizer
         self.grammars: Grammars | None = None  # structured output's grammars, once the runner is built
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -214,9 +219,13 @@ class EngineCore:
         next_tick = 0.0  # the hooks' periodic work (session expiry) at most once a second, not every step
         try:
             while True:
-                block = not self._can_launch()
+                now = time.monotonic()
+                holding = self.burst.holding(now)  # a first step after idle, waiting for the burst to gather
+                block = holding or not self._can_launch()
                 # Idle: wake up now and then if the hooks have periodic work (sessions to expire).
                 timeout = 1.0 if block and self.hooks is not None and self.hooks.wants_ticks() else None
+                if holding:
+                    timeout = min(timeout or math.inf, self.burst.deadline() - now)
                 try:
                     message = self.inbox.get(block=block, timeout=timeout)
                 except queue.Empty:
@@ -234,12 +243,15 @@ class EngineCore:
                     if isinstance(message, _RunnerDied):
                         self._runner_died(message.reason)
                         return
+                    if isinstance(message, _Add):
+                        idle = not self.in_flight and not self.scheduler.requests
+                        self.burst.arrival(time.monotonic(), idle)
                     self._apply(message)
                     try:
                         message = self.inbox.get_nowait()
                     except queue.Empty:
                         message = None
-                if self._can_launch():
+                if self._can_launch() and not self.burst.holding(time.monotonic()):
                     self._launch()
                 self._publish_stats()
                 self._end_turn()

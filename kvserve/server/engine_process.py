@@ -53,6 +53,7 @@ def build_llm(settings: ServerSettings) -> LLM:
         kv_cache_tokens=settings.kv_cache_tokens,
         kv_cache_dtype=settings.kv_cache_dtype,
         max_num_seqs=settings.max_num_seqs,
+        gather_ms=settings.gather_ms,
         max_sessions=settings.max_sessions,
         max_sessions_per_owner=settings.max_sessions_per_key,
         session_ttl=settings.session_ttl,

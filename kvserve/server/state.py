@@ -30,6 +30,7 @@ class ServerSettings:
     served_model_name: str | None = None
     api_keys: tuple[str, ...] = ()
     max_num_seqs: int = 64
+    gather_ms: float = 3.0
     max_queue: int = 256
     request_timeout: float = 600.0
     kv_cache_tokens: int | None = None
