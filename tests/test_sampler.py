@@ -193,7 +193,8 @@ def test_the_sampling_kernel_follows_the_distribution_under_any_seeds(extension,
     probs = torch.softmax(logits, -1).double()
     rows = 40_000
     for seeds in (torch.arange(rows), torch.randint(0, 2**63 - 1, (rows,), generator=torch.Generator().manual_seed(1))):
-        tokens = extension.sample_rows(logits[None].expand(rows, -1), seeds)
+        ones = torch.ones(rows)
+        tokens = extension.sample_rows(logits[None], torch.zeros(rows, dtype=torch.long), ones, seeds)
         counts = torch.bincount(tokens, minlength=vocab).double()
         assert counts[1] == 0
         expected = rows * probs
@@ -207,18 +208,24 @@ def test_the_sampling_kernel_follows_the_distribution_under_any_seeds(extension,
         quantile = degrees * (1 - 2 / (9 * degrees) + 4.753 * (2 / (9 * degrees)) ** 0.5) ** 3
         assert statistic < quantile, (statistic, degrees)
         for i in (0, 7, rows - 1):
-            alone = extension.sample_rows(logits[None], seeds[i : i + 1])
+            alone = extension.sample_rows(logits[None], torch.zeros(1, dtype=torch.long), ones[:1], seeds[i : i + 1])
             assert int(alone[0]) == int(tokens[i])
 
 
 def test_the_cpu_sampler_draws_through_the_kernel_one_seed_a_row_and_step(extension):
     """On the CPU with the kernels loaded a random row takes one 63-bit seed from its generator per step
-    and sample_rows draws with it: the Sampler's token is the kernel's for that seed."""
+    and sample_rows draws with it: the Sampler's token is the kernel's for that seed, on the logits as
+    they are at 1 / temperature, or on the filtered ones (top-k here) at 1, wherever the row sits."""
     from kvserve.kernels import ops
 
     assert ops.available()
     logits = logits_batch(3, seed=5)
-    params = SamplingParams(temperature=0.7, seed=99)
-    token = Sampler()(logits[1:2], [row(params)])[0][0]
     seed = torch.randint(0, 2**63 - 1, (1,), generator=torch.Generator().manual_seed(99))
-    assert token == int(extension.sample_rows(logits[1:2] / 0.7, seed)[0])
+    plain, top_k = SamplingParams(temperature=0.7, seed=99), SamplingParams(temperature=0.7, top_k=5, seed=99)
+    rows = [row(SamplingParams(temperature=0.0)), row(plain), row(top_k)]
+    tokens = Sampler()(logits, rows)[0]
+    inv = 1 / torch.tensor([0.7])  # as the Sampler makes it, in float32
+    assert tokens[1] == int(extension.sample_rows(logits, torch.tensor([1]), inv, seed)[0])
+    filtered = _filter(logits[2:3] / 0.7, [top_k])
+    assert tokens[2] == int(extension.sample_rows(filtered, torch.tensor([0]), torch.ones(1), seed)[0])
+    assert tokens[0] == int(logits[0].argmax())

@@ -65,14 +65,13 @@ class Sampler:
             else:
                 logits[constrained] += bitmask_bias(bitmasks, vocab).to(logits.device)
 
-        temperatures = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=logits.device)
-        is_greedy = temperatures == 0
-        tokens = _argmax_rows(logits)
-        if not bool(is_greedy.all()):
-            random_rows = (~is_greedy).nonzero().flatten().tolist()
-            sub = logits[random_rows] / temperatures[random_rows, None]
-            sub = _filter(sub, [rows[i].params for i in random_rows])
-            tokens[random_rows] = _draw(sub, [rows[i].generator for i in random_rows])
+        random_rows = [i for i, row in enumerate(rows) if row.params.temperature != 0]
+        if len(random_rows) < num_rows:
+            tokens = _argmax_rows(logits)
+        else:
+            tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+        if random_rows:
+            tokens[random_rows] = _draw(logits, [(i, rows[i]) for i in random_rows])
 
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * num_rows
@@ -91,20 +90,49 @@ class Sampler:
         return token_list, logprobs
 
 
-def _draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of temperature-scaled, filtered logits [b, V]: argmax(probs / E), E ~ Exp(1) per
-    token, each row's randomness from its own generator (the default one where None). On the CPU the
-    C++ kernel in one pass, from one 63-bit seed a row draws from its generator per step; elsewhere
-    E = -log(U) from uniforms the generator draws (torch's exponential_ has the same law, at 5x
-    the cost on a CPU)."""
-    if logits.device.type == "cpu" and ops.available():
-        seeds = torch.cat([torch.randint(0, 2**63 - 1, (1,), generator=g) for g in generators])
-        return ops.sample_rows(logits, seeds)
-    probs = torch.softmax(logits, dim=-1)
-    noise = torch.empty_like(probs)
-    for j, generator in enumerate(generators):  # U in [0, 1): U = 0 gives E = inf, never drawn
-        noise[j].uniform_(generator=generator)
-    return (probs / noise.log_().neg_()).argmax(dim=-1)
+def _draw(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> torch.Tensor:
+    """One token for each (index into logits [B, V], row) at the row's temperature: argmax(probs / E),
+    E ~ Exp(1) per token, each row's randomness from its own generator (the default one where None).
+    On the CPU the C++ kernel in one pass, from one 63-bit seed a row draws from its generator per step,
+    on the logits as they are (rows without top-k, top-p or min-p: no copy) or as filtered; elsewhere
+    E = -log(U) from uniforms the generator draws (torch's exponential_ has the same law, at 5x the
+    cost on a CPU). Which way a row goes depends on its own settings only."""
+    vocab = logits.shape[-1]
+    params = [row.params for _, row in rows]
+    temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    filtered = [j for j, p in enumerate(params) if _filters(p, vocab)]
+    plain = [j for j in range(len(rows)) if j not in set(filtered)]
+    kernel = logits.device.type == "cpu" and ops.available()
+    if kernel and plain:
+        seeds = _seeds([rows[j][1].generator for j in plain])
+        index = torch.tensor([rows[j][0] for j in plain])
+        tokens[plain] = ops.sample_rows(logits, index, 1 / temperatures[plain], seeds)
+    drawn = filtered if kernel else list(range(len(rows)))
+    if drawn:
+        sub = logits[[rows[j][0] for j in drawn]] / temperatures[drawn, None]
+        sub = _filter(sub, [params[j] for j in drawn])
+        generators = [rows[j][1].generator for j in drawn]
+        if kernel:
+            ones = torch.ones(len(drawn), dtype=torch.float32)
+            tokens[drawn] = ops.sample_rows(sub, torch.arange(len(drawn)), ones, _seeds(generators))
+        else:
+            probs = torch.softmax(sub, dim=-1)
+            noise = torch.empty_like(probs)
+            for j, generator in enumerate(generators):  # U in [0, 1): U = 0 gives E = inf, never drawn
+                noise[j].uniform_(generator=generator)
+            tokens[drawn] = (probs / noise.log_().neg_()).argmax(dim=-1)
+    return tokens
+
+
+def _seeds(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """A 63-bit seed from each generator (the default one where None): one draw per row and step."""
+    return torch.cat([torch.randint(0, 2**63 - 1, (1,), generator=g) for g in generators])
+
+
+def _filters(params: SamplingParams, vocab: int) -> bool:
+    """Whether top-k, top-p or min-p removes tokens for this row (_filter)."""
+    return 0 < params.top_k < vocab or params.top_p < 1 or params.min_p > 0
 
 
 def _stops_to_mask(row: SamplingRow, vocab: int) -> list[int]:

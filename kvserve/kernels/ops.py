@@ -122,11 +122,14 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return _ext().argmax_rows(logits)
 
 
-def sample_rows(logits: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """A draw per row of float32 logits [B, V] (temperature and filters applied) under its int64 seed [B]:
-    argmax of exp(logit - max) / E with E = -log(U), U a hash of the seed and the token id (sampling.cpp);
-    a row's draw depends on its logits and its seed only. [B] int64."""
-    return _ext().sample_rows(logits, seeds)
+def sample_rows(
+    logits: torch.Tensor, rows: torch.Tensor, inv_temperatures: torch.Tensor, seeds: torch.Tensor
+) -> torch.Tensor:
+    """A draw from each row rows[i] of float32 logits [B, V] (filters applied) at inverse temperature
+    inv_temperatures[i] (float32) under its int64 seed seeds[i]: argmax of exp((logit - max) / T) / E with
+    E = -log(U), U a hash of the seed and the token id (sampling.cpp); a draw depends on its row, its
+    temperature and its seed only. [R] int64."""
+    return _ext().sample_rows(logits, rows, inv_temperatures, seeds)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:

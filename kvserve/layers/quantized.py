@@ -471,8 +471,9 @@ class Int5Linear(nn.Module):
     min per 32 inputs (Q5_1: float16 each, w = scale * code + min; Q5_K: 6-bit ones times a float16 d and
     dmin per 256, w = (d * scale) * code - dmin * min), held in the quads layout at the file's width
     (layers/quads.py, int8_quads.cpp) for int8 inputs on AVX512-VNNI: the loader makes it only there
-    (WeightPlan.quads). Every row count runs one kernel, so it is batch-invariant. With float inputs
-    (set_activations after load) it multiplies a weight dequantized on each call: exact, and slow."""
+    (WeightPlan.quads). vpdpbusd, and AMX tiles from 16 rows, with the same integer sums and float steps,
+    so it is batch-invariant. With float inputs (set_activations after load) it multiplies a weight
+    dequantized on each call: exact, and slow."""
 
     def __init__(
         self,

@@ -253,9 +253,11 @@ void prefill_attention(const at::Tensor& qkv, at::Tensor& out, const std::vector
 // ----- sampling.cpp -------------------------------------------------------------------------------
 // Each row's first index of its largest value (NaN counts as largest), [B] int64, as torch.argmax.
 at::Tensor argmax_rows(at::Tensor logits);
-// A draw per row of float32 [B, V] logits (temperature and filters applied) from its int64 seed [B]:
-// argmax_v exp(l_v - max) / -log(U_v), U_v a hash of the seed and v; [B] int64.
-at::Tensor sample_rows(at::Tensor logits, const at::Tensor& seeds);
+// A draw from each row rows[i] of float32 [B, V] logits (filters applied) at inverse temperature
+// inv_temperatures[i] under its int64 seed seeds[i]: argmax_v exp((l_v - max) / T) / -log(U_v), U_v a
+// hash of the seed and v; [R] int64.
+at::Tensor sample_rows(at::Tensor logits, const at::Tensor& rows, const at::Tensor& inv_temperatures,
+                       const at::Tensor& seeds);
 // In place: logits[rows[i], t] = -inf wherever bit t % 32 of bitmask[i, t / 32] is clear (its grammar
 // forbids token t; ids past 32 W too). Each row only its own: no row's values depend on another's.
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask);

@@ -2,7 +2,8 @@
 // (row_peak) and over rows in parallel where torch.argmax's CPU kernel runs scalar. NaN counts as
 // the largest, as there: a row holding one takes the scalar loop.
 // Structured output: a grammar's token bitmask applied to its own row's logits.
-// Random sampling (sample_rows): the exponential race argmax_v p_v / E_v in one pass per row.
+// Random sampling (sample_rows): the exponential race argmax_v p_v / E_v in one pass per row, p_v the
+// softmax at the row's temperature, unnormalized (exp((l_v - max) / T): the argmax needs no sum).
 
 #include "kernels.h"
 
@@ -97,21 +98,29 @@ inline __m256 log8(__m256 x) {
 
 }  // namespace
 
-at::Tensor sample_rows(at::Tensor logits, const at::Tensor& seeds) {
+at::Tensor sample_rows(at::Tensor logits, const at::Tensor& rows, const at::Tensor& inv_temperatures,
+                       const at::Tensor& seeds) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "sample_rows: float32 [B, V] logits");
-  TORCH_CHECK(seeds.dim() == 1 && seeds.scalar_type() == at::kLong && seeds.size(0) == logits.size(0),
-              "sample_rows: int64 [B] seeds, one per row");
+  const int64_t draws = rows.numel();
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "sample_rows: int64 [R] row indices");
+  TORCH_CHECK(inv_temperatures.dim() == 1 && inv_temperatures.scalar_type() == at::kFloat &&
+                  inv_temperatures.numel() == draws && seeds.dim() == 1 && seeds.scalar_type() == at::kLong &&
+                  seeds.numel() == draws,
+              "sample_rows: float32 [R] inverse temperatures and int64 [R] seeds, one per row index");
   logits = logits.contiguous();
-  const at::Tensor seeds_c = seeds.contiguous();
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const at::Tensor rows_c = rows.contiguous(), inv_c = inv_temperatures.contiguous(), seeds_c = seeds.contiguous();
+  const int64_t vocab = logits.size(1);
   TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "sample_rows: 1 to 2^31 - 1 tokens a row");
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const int64_t* row_ids = rows_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < draws; ++i) TORCH_CHECK(0 <= row_ids[i] && row_ids[i] < logits.size(0), "row out of range");
+  at::Tensor out = at::empty({draws}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
+  const float* inv_t = inv_c.data_ptr<float>();
   const int64_t* seed = seeds_c.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, draws, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = x + r * vocab;
+      const float* row = x + row_ids[r] * vocab;
       bool nan = false;
       const float peak = row_peak(row, vocab, &nan);
       if (nan || peak == -INFINITY) {  // no distribution: torch's softmax gives NaN and argmax the first
@@ -123,6 +132,7 @@ at::Tensor sample_rows(at::Tensor logits, const at::Tensor& seeds) {
       float best = -1.f;
       int64_t index = 0, v = 0;
 #if KVSERVE_HAS_AVX2_FMA
+      const __m256 inv8 = _mm256_set1_ps(inv_t[r]);
       __m256 best8 = _mm256_set1_ps(-1.f);
       __m256i index8 = _mm256_setzero_si256(), ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       for (; v + 8 <= vocab; v += 8) {
@@ -130,7 +140,7 @@ at::Tensor sample_rows(at::Tensor logits, const at::Tensor& seeds) {
                                                    _mm256_set1_epi32(static_cast<int32_t>(key1))));
         const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0x1p-24f),
                                          _mm256_set1_ps(0x1p-25f));
-        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + v), _mm256_set1_ps(peak)));
+        const __m256 p = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + v), _mm256_set1_ps(peak)), inv8));
         const __m256 score = _mm256_div_ps(p, _mm256_sub_ps(_mm256_setzero_ps(), log8(u)));
         const __m256 better = _mm256_cmp_ps(score, best8, _CMP_GT_OQ);  // strictly: the first index keeps a tie
         best8 = _mm256_blendv_ps(best8, score, better);
@@ -150,7 +160,7 @@ at::Tensor sample_rows(at::Tensor logits, const at::Tensor& seeds) {
 #endif
       for (; v < vocab; ++v) {
         const float u = uniform_of(static_cast<uint32_t>(v), key0, key1);
-        const float score = std::exp(row[v] - peak) / -std::log(u);
+        const float score = std::exp((row[v] - peak) * inv_t[r]) / -std::log(u);
         if (score > best) {
           best = score;
           index = v;
