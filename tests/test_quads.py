@@ -140,6 +140,17 @@ def test_q6_k_is_held_in_its_own_bytes_and_dequantizes_bit_for_bit():
     assert torch.equal(quads.k6_dequantize(held, k_scales).view(torch.int32), expected.view(torch.int32))
 
 
+def _rounded_inputs(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random inputs [rows, 512] (row 0's first group all zero: d = 0), their scales d [rows, 16] and the
+    inputs as the kernels round them to int8, d * q in float64 (per 32: d = max|x| / 127, q = round(x / d))."""
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    x[0, :32] = 0.0
+    xg = x.float().view(rows, 16, 32)
+    d = xg.abs().amax(-1) / 127
+    q = torch.round(xg * torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None])
+    return x, d, (d.double()[..., None] * q.double()).view(rows, 512)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_q6_k_layer_equals_its_integer_reference_and_each_row_alone(extension, dtype):
     """Int6Linear (int8_quads.cpp, 6 bits, a float step per 16 inputs) against the product in float64 of
@@ -154,13 +165,9 @@ def test_q6_k_layer_equals_its_integer_reference_and_each_row_alone(extension, d
     layer = Int6Linear(*q6_k_parts(_q6_k_raw(96, 2, seed=9)), dtype, out_dtype=torch.float32)
     weight = quads.k6_dequantize(layer.quads, layer.k_scales).double()
     for rows in (1, 2, 7, 8, 9, 64, 515):
-        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        x[0, :32] = 0.0  # an all-zero group: d = 0
+        x, d, rounded = _rounded_inputs(rows, dtype)
         got = layer(x).double()
-        xg = x.float().view(rows, 16, 32)
-        d = xg.abs().amax(-1) / 127
-        q = torch.round(xg * torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None])
-        reference = (d.double()[..., None] * q.double()).view(rows, 512) @ weight.T
+        reference = rounded @ weight.T
         assert (got - reference).abs().max() <= 1e-5 * reference.abs().max(), rows
         bound = (d.double()[..., None] / 2 * weight.abs().view(96, 16, 32).sum(-1).T).sum(1)
         assert ((got - x.double() @ weight.T).abs() <= bound + 1e-5 * reference.abs().max()).all(), rows
@@ -228,13 +235,8 @@ def test_q5_layer_equals_its_integer_reference_and_each_row_alone(extension, kin
         mins = (dmin.repeat_interleave(8, dim=1) * mn).repeat_interleave(32, dim=1)
     terms = (scale * codes.double()).abs() + mins.abs()
     for rows in (1, 2, 7, 8, 9, 64, 515):
-        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        x[0, :32] = 0.0  # an all-zero group: d = 0
+        x, d, rounded = _rounded_inputs(rows, dtype)
         got = layer(x).double()
-        xg = x.float().view(rows, 16, 32)
-        d = xg.abs().amax(-1) / 127
-        q = torch.round(xg * torch.where(d != 0, 1 / d, torch.zeros_like(d))[..., None])
-        rounded = (d.double()[..., None] * q.double()).view(rows, 512)
         reference = rounded @ weight.T
         assert ((got - reference).abs() <= 1e-5 * (rounded.abs() @ terms.T)).all(), rows
         bound = (d.double()[..., None] / 2 * weight.abs().view(96, 16, 32).sum(-1).T).sum(1)
