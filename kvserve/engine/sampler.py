@@ -101,8 +101,9 @@ def _draw(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> torch.Te
     params = [row.params for _, row in rows]
     temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    filtered = [j for j, p in enumerate(params) if _filters(p, vocab)]
-    plain = [j for j in range(len(rows)) if j not in set(filtered)]
+    removes = [_ranked(p, vocab) or _floored(p) for p in params]  # top-k, top-p or min-p: _filter
+    filtered = [j for j, r in enumerate(removes) if r]
+    plain = [j for j, r in enumerate(removes) if not r]
     kernel = logits.device.type == "cpu" and ops.available()
     if kernel and plain:
         seeds = _seeds([rows[j][1].generator for j in plain])
@@ -130,9 +131,14 @@ def _seeds(generators: list[torch.Generator | None]) -> torch.Tensor:
     return torch.cat([torch.randint(0, 2**63 - 1, (1,), generator=g) for g in generators])
 
 
-def _filters(params: SamplingParams, vocab: int) -> bool:
-    """Whether top-k, top-p or min-p removes tokens for this row (_filter)."""
-    return 0 < params.top_k < vocab or params.top_p < 1 or params.min_p > 0
+def _ranked(params: SamplingParams, vocab: int) -> bool:
+    """Whether top-k or top-p can remove tokens for this row (_filter's ranked rows)."""
+    return 0 < params.top_k < vocab or params.top_p < 1
+
+
+def _floored(params: SamplingParams) -> bool:
+    """Whether min-p can remove tokens for this row (_filter's floored rows)."""
+    return params.min_p > 0
 
 
 def _stops_to_mask(row: SamplingRow, vocab: int) -> list[int]:
@@ -197,8 +203,8 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """top-k, top-p and min-p masking (to -inf) on temperature-scaled logits [b, V]. Each filter runs
     only on the rows that ask for it, so that a row's result never depends on its neighbours' settings."""
     vocab = logits.shape[-1]
-    ranked = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
-    floored = [i for i, p in enumerate(params) if p.min_p > 0]
+    ranked = [i for i, p in enumerate(params) if _ranked(p, vocab)]
+    floored = [i for i, p in enumerate(params) if _floored(p)]
     if ranked or floored:  # the caller's logits stay as they are
         logits = logits.clone()
     if ranked:

@@ -149,7 +149,7 @@ class Linear:
     """A linear layer of the layer loop: weight [N, ...] as its `kind` stores it (Float: [N, K] in the
     compute dtype; Int4: packed, with scales = scales_mins; Int8: [N, K] codes, with scales [N];
     Int8Groups: [N, K] codes, with scales [N, K / 32] float32; Int8Quads: Int8GroupLinear's quads and
-    quad_scales, Int6Linear's quads and k_scales, or Int5Linear's quads and q5_scales)."""
+        quad_scales, or a StoredQuadsLinear's quads and scales(): Int6Linear's, Int5Linear's)."""
 
     kind: Any  # a member of linear_kinds()
     weight: torch.Tensor

@@ -16,7 +16,7 @@ from torch import nn
 
 from kvserve.kernels import build, ops
 from kvserve.layers import quantized
-from kvserve.layers.quantized import Int4Linear, Int5Linear, Int6Linear, Int8GroupLinear, Int8Linear
+from kvserve.layers.quantized import Int4Linear, Int8GroupLinear, Int8Linear, StoredQuadsLinear
 
 logger = logging.getLogger("kvserve.fused_decode")
 
@@ -37,9 +37,7 @@ class FusedDecoder:
         groups = {m.group_size for m in int4}
         # The C++ loop takes one setting for all its int4 and int8-group layers (set_activations sets
         # them together).
-        layers = [
-            m for m in model.layers.modules() if isinstance(m, Int4Linear | Int8GroupLinear | Int6Linear | Int5Linear)
-        ]
+        layers = [m for m in model.layers.modules() if isinstance(m, Int4Linear | Int8GroupLinear | StoredQuadsLinear)]
         if layers and all(m.int8_activations for m in layers) and not ops.int8_activations():
             logger.warning("activations=int8 needs a CPU with AVX2, F16C and FMA; the layers take float inputs")
         self.int8_activations = bool(layers) and all(m.takes_int8() for m in layers)
@@ -97,11 +95,11 @@ class FusedDecoder:
         if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
             return False
         groups = {m.group_size for m in model.modules() if isinstance(m, Int4Linear)}
-        linears = (nn.Linear, Int4Linear, Int8Linear, Int8GroupLinear, Int6Linear, Int5Linear)
+        linears = (nn.Linear, Int4Linear, Int8Linear, Int8GroupLinear, StoredQuadsLinear)
         return len(groups) <= 1 and all(
-            # Int6Linear, Int5Linear: int8 inputs asked for (as the loader made them), not takes_int8(): the
-            # runner asks before the C++ kernels have loaded
-            isinstance(m, linears) and (not isinstance(m, Int6Linear | Int5Linear) or m.int8_activations)
+            # StoredQuadsLinear: int8 inputs asked for (as the loader made it), not takes_int8(): the runner
+            # asks before the C++ kernels have loaded
+            isinstance(m, linears) and (not isinstance(m, StoredQuadsLinear) or m.int8_activations)
             for layer in model.layers
             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         )
@@ -170,10 +168,8 @@ def _linear(linear: nn.Module) -> ops.Linear:
         return ops.Linear(kinds.Int4, linear.weight_packed, linear.scales_mins, linear.bias)
     if isinstance(linear, Int8Linear):
         return ops.Linear(kinds.Int8, linear.weight_int8, linear.scales, linear.bias)
-    if isinstance(linear, Int6Linear):  # made only where the quads kernel runs (int8 inputs, AVX512-VNNI)
-        return ops.Linear(kinds.Int8Quads, linear.quads, linear.k_scales, linear.bias)
-    if isinstance(linear, Int5Linear):  # the same
-        return ops.Linear(kinds.Int8Quads, linear.quads, linear.q5_scales, linear.bias)
+    if isinstance(linear, StoredQuadsLinear):  # made only where the quads kernel runs (int8 inputs, AVX512-VNNI)
+        return ops.Linear(kinds.Int8Quads, linear.quads, linear.scales(), linear.bias)
     if isinstance(linear, Int8GroupLinear) and linear.uses_quads():
         linear.arrange_quads()
         return ops.Linear(kinds.Int8Quads, linear.quads, linear.quad_scales, linear.bias)

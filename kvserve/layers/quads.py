@@ -82,9 +82,14 @@ def to_quads(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, t
             quads[start:end] = _pack_five((part + 16).view(torch.uint8).reshape(end - start, groups, 8, 64))
         else:
             quads[start:end] = (part.view(torch.uint8) ^ 0x80).reshape(end - start, k // 4, 16, 4)
-    by_16 = scales.view(vectors, 16, groups).permute(0, 2, 1).contiguous()
+    by_16 = by_16_rows(scales)
     half = by_16.half()
     return quads, half if torch.equal(half.float(), by_16) else by_16
+
+
+def by_16_rows(per_row: torch.Tensor) -> torch.Tensor:
+    """[rows, groups] values as [rows / 16, groups, 16]: each group's values of 16 rows side by side."""
+    return per_row.view(per_row.shape[0] // 16, 16, -1).permute(0, 2, 1).contiguous()
 
 
 def to_row_major(quads: torch.Tensor, quad_scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,11 +165,11 @@ def to_q5_quads(kind: str, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tenso
     u = codes.view(vectors, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(vectors, groups, 8, 64)
     held = _pack_five(u).contiguous()
     if kind == "Q5_1":
-        scales, mins = (_by_16(t, vectors) for t in parts[1:])  # [v, G, 16] each
+        scales, mins = (by_16_rows(t) for t in parts[1:])  # [v, G, 16] each
         return held, torch.stack([scales, mins], dim=2).contiguous()
     blocks = k // 256
     sub = [t.view(vectors, 16, blocks, 8).permute(0, 2, 3, 1).reshape(vectors, blocks, 128) for t in parts[1:3]]
-    block = [_by_16(t, vectors).view(torch.uint8) for t in parts[3:]]  # [v, B, 32] each
+    block = [by_16_rows(t).view(torch.uint8) for t in parts[3:]]  # [v, B, 32] each
     return held, torch.cat([*sub, *block], dim=2).contiguous()
 
 
@@ -199,11 +204,6 @@ def q5_dequantize(quads: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     scale = (d.float().repeat_interleave(8, dim=1) * sc.float())[..., None]
     offset = (dmin.float().repeat_interleave(8, dim=1) * mn.float())[..., None]
     return (scale * q - offset).view(n, k)
-
-
-def _by_16(per_row: torch.Tensor, vectors: int) -> torch.Tensor:
-    """[N, G] -> [N / 16, G, 16]: each group's values of 16 rows side by side."""
-    return per_row.view(vectors, 16, -1).permute(0, 2, 1).contiguous()
 
 
 def _offset(quads: torch.Tensor) -> int:

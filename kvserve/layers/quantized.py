@@ -6,8 +6,9 @@
 - `Int8Linear`: int8 with one scale per output row, for `aten._weight_int8pack_mm`.
 - `Int8GroupLinear`: int8 codes with a scale per 32 inputs (GGML's Q8_0 and Q5_0 exactly), row-major
   or in the quads layout (layers/quads.py: Q5_0 at 5 bits) for kvserve's C++ kernels.
-- `Int6Linear`: GGML's Q6_K as stored, 6-bit quads with its scales per 16 and 256 inputs.
-- `Int5Linear`: GGML's Q5_1 and Q5_K as stored, 5-bit quads with a scale and a min per 32 inputs.
+- `StoredQuadsLinear`: a GGML type held as stored in the quads layout, with its own scales:
+  `Int6Linear` (Q6_K: 6-bit quads, scales per 16 and 256 inputs) and `Int5Linear` (Q5_1 and Q5_K:
+  5-bit quads, a scale and a min per 32 inputs).
 - `Int8Embedding`: int8 rows with one scale per group of 32, dequantized only for the looked-up
   rows (GGML's Q8_0 is exactly this shape).
 
@@ -88,10 +89,10 @@ def int4_few_rows(dtype: torch.dtype) -> int:
 
 
 def set_activations(model: nn.Module, activations: str) -> None:
-    """Make every Int4Linear, Int8GroupLinear (the lm_head among them), Int6Linear and Int5Linear of
-    `model` take float ("float") or int8 ("int8") inputs."""
+    """Make every Int4Linear, Int8GroupLinear (the lm_head among them) and StoredQuadsLinear (Int6Linear,
+    Int5Linear) of `model` take float ("float") or int8 ("int8") inputs."""
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8GroupLinear, Int6Linear, Int5Linear)):
+        if isinstance(module, (Int4Linear, Int8GroupLinear, StoredQuadsLinear)):
             module.int8_activations = activations == "int8"
 
 
@@ -333,7 +334,7 @@ class Int8GroupLinear(nn.Module):
             codes = F.pad(self.codes, (0, 0, 0, rows - self.out_features))
             scales = F.pad(self.scales, (0, 0, 0, rows - self.out_features))
             pairs = codes.view(rows // 16, 16, self.in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
-            self._pair_layout = (pairs, _by_16_rows(scales))
+            self._pair_layout = (pairs, quads.by_16_rows(scales))
         return self._pair_layout
 
     def uses_quads(self) -> bool:
@@ -420,13 +421,51 @@ class Int8GroupLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-class Int6Linear(nn.Module):
-    """y = x @ W.T (+ bias) with W as GGML's Q6_K stores it: 6-bit codes, an int8 scale per 16 inputs
-    and a float16 scale per 256 (w = d * scale * (code - 32)), held in the quads layout at the file's
-    6.5625 bits a weight (layers/quads.py, int8_quads.cpp) for int8 inputs on AVX512-VNNI: the loader
-    makes it only there (WeightPlan.quads). Every row count runs one kernel, so it is batch-invariant.
-    With float inputs (set_activations after load) it multiplies a weight dequantized on each call:
-    exact, and slow."""
+class StoredQuadsLinear(nn.Module):
+    """A GGML type held as stored in the quads layout, its scales in a form of its own (layers/quads.py,
+    int8_quads.cpp): y = x @ W.T (+ bias) for int8 inputs on AVX512-VNNI, where the loader makes these
+    layers (WeightPlan.quads). With float inputs (set_activations after load) it multiplies a weight
+    dequantized on each call: exact, and slow. A subclass registers `quads` and its scales buffer."""
+
+    kind: str  # the GGML type, "Q6_K", "Q5_1", "Q5_K"
+    quads: torch.Tensor
+
+    def _setup(self, out_features: int, in_features: int, dtype: torch.dtype, bias, out_dtype) -> None:
+        self.out_features, self.in_features = out_features, in_features
+        self.dtype, self.out_dtype = dtype, out_dtype or dtype
+        self.int8_activations = True  # see set_activations
+        self.bias = _bias(bias, self.out_dtype)
+
+    def scales(self) -> torch.Tensor:
+        """The scales int8_quads_matmul takes beside `quads`."""
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [N, K], as GGML dequantizes it."""
+        raise NotImplementedError
+
+    def takes_int8(self) -> bool:
+        return self.int8_activations and ops.available() and ops.int8_quads_usable()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.device.type == "cpu" and self.takes_int8():
+            out = ops.int8_quads_matmul(x2, self.quads, self.scales(), self.out_features)
+        else:
+            out = F.linear(x2.float(), self.dequantized())
+        out = out.view(*x.shape[:-1], self.out_features).to(self.out_dtype)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+class Int6Linear(StoredQuadsLinear):
+    """GGML's Q6_K: 6-bit codes, an int8 scale per 16 inputs and a float16 scale per 256
+    (w = d * scale * (code - 32)), held at the file's 6.5625 bits a weight. Every row count runs one
+    kernel (vpdpbusd), so it is batch-invariant."""
+
+    kind = "Q6_K"
 
     def __init__(
         self,
@@ -438,42 +477,27 @@ class Int6Linear(nn.Module):
         out_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.out_features, self.in_features = codes.shape
-        self.dtype, self.out_dtype = dtype, out_dtype or dtype
-        self.int8_activations = True  # see set_activations
         quads_, k_scales = quads.to_k6_quads(codes, scales, d)
         self.register_buffer("quads", quads_)  # [N / 16, K / 32, 384] uint8
         self.register_buffer("k_scales", k_scales)  # [N / 16, K / 256, 288] uint8
-        self.bias = _bias(bias, self.out_dtype)
+        self._setup(*codes.shape, dtype, bias, out_dtype)
 
     @staticmethod
     def supports(out_features: int, in_features: int) -> bool:
         return out_features % 16 == 0 and in_features % 256 == 0
 
-    def takes_int8(self) -> bool:
-        return self.int8_activations and ops.available() and ops.int8_quads_usable()
+    def scales(self) -> torch.Tensor:
+        return self.k_scales
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if x2.device.type == "cpu" and self.takes_int8():
-            out = ops.int8_quads_matmul(x2, self.quads, self.k_scales, self.out_features)
-        else:
-            out = F.linear(x2.float(), quads.k6_dequantize(self.quads, self.k_scales))
-        out = out.view(*x.shape[:-1], self.out_features).to(self.out_dtype)
-        return out if self.bias is None else out + self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, Q6_K"
+    def dequantized(self) -> torch.Tensor:
+        return quads.k6_dequantize(self.quads, self.k_scales)
 
 
-class Int5Linear(nn.Module):
-    """y = x @ W.T (+ bias) with W as GGML's Q5_1 or Q5_K stores it: 5-bit codes 0..31 with a scale and a
-    min per 32 inputs (Q5_1: float16 each, w = scale * code + min; Q5_K: 6-bit ones times a float16 d and
-    dmin per 256, w = (d * scale) * code - dmin * min), held in the quads layout at the file's width
-    (layers/quads.py, int8_quads.cpp) for int8 inputs on AVX512-VNNI: the loader makes it only there
-    (WeightPlan.quads). vpdpbusd, and AMX tiles from 16 rows, with the same integer sums and float steps,
-    so it is batch-invariant. With float inputs (set_activations after load) it multiplies a weight
-    dequantized on each call: exact, and slow."""
+class Int5Linear(StoredQuadsLinear):
+    """GGML's Q5_1 or Q5_K: 5-bit codes 0..31 with a scale and a min per 32 inputs (Q5_1: float16 each,
+    w = scale * code + min; Q5_K: 6-bit ones times a float16 d and dmin per 256,
+    w = (d * scale) * code - dmin * min), held at the file's width. vpdpbusd, and AMX tiles from 16
+    rows, with the same integer sums and float steps, so it is batch-invariant."""
 
     def __init__(
         self,
@@ -485,38 +509,21 @@ class Int5Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.kind = kind  # "Q5_1" or "Q5_K"
-        self.out_features, self.in_features = parts[0].shape
-        self.dtype, self.out_dtype = dtype, out_dtype or dtype
-        self.int8_activations = True  # see set_activations
         quads_, scales = quads.to_q5_quads(kind, parts)
         self.register_buffer("quads", quads_)  # [N / 16, K / 32, 320] uint8
         # Q5_1: [N / 16, K / 32, 2, 16] float16; Q5_K: [N / 16, K / 256, 320] uint8
         self.register_buffer("q5_scales", scales)
-        self.bias = _bias(bias, self.out_dtype)
+        self._setup(*parts[0].shape, dtype, bias, out_dtype)
 
     @staticmethod
     def supports(kind: str, out_features: int, in_features: int) -> bool:
         return out_features % 16 == 0 and in_features % (256 if kind == "Q5_K" else GROUP_SIZE) == 0
 
-    def takes_int8(self) -> bool:
-        return self.int8_activations and ops.available() and ops.int8_quads_usable()
+    def scales(self) -> torch.Tensor:
+        return self.q5_scales
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if x2.device.type == "cpu" and self.takes_int8():
-            out = ops.int8_quads_matmul(x2, self.quads, self.q5_scales, self.out_features)
-        else:
-            out = F.linear(x2.float(), quads.q5_dequantize(self.quads, self.q5_scales))
-        out = out.view(*x.shape[:-1], self.out_features).to(self.out_dtype)
-        return out if self.bias is None else out + self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
-
-
-def _by_16_rows(per_row: torch.Tensor) -> torch.Tensor:
-    """[rows, groups] values as [rows / 16, groups, 16]: each group's values of 16 rows side by side."""
-    return per_row.view(per_row.shape[0] // 16, 16, -1).permute(0, 2, 1).contiguous()
+    def dequantized(self) -> torch.Tensor:
+        return quads.q5_dequantize(self.quads, self.q5_scales)
 
 
 def float32_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
