@@ -260,6 +260,13 @@ inline void min5_scales(const uint8_t* scales, int64_t g, __m512& scale, __m512&
   }
 }
 
+// One group's float step for a row's 16 outputs: total = fma(scale * d, float(sum), total), then
+// total = fma(s, min, total); every row count takes it in group order.
+inline __m512 min5_step(__m512 total, __m512i sum, __m512 scale, __m512 min, float d, float s) {
+  total = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(d)), _mm512_cvtepi32_ps(sum), total);
+  return _mm512_fmadd_ps(_mm512_set1_ps(s), min, total);
+}
+
 // R rows x one 16-row vector over all groups: s [R, k / 32] d * sum(q) of each row's group.
 template <int R, bool KQuant>
 inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint8_t* quads,
@@ -279,9 +286,7 @@ inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k
         std::memcpy(&four, q + r * k + g * 32 + 4 * j, sizeof(four));
         sum = _mm512_dpbusd_epi32(sum, codes[j], _mm512_set1_epi32(four));
       }
-      const int64_t i = r * groups + g;
-      total[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(d[i])), _mm512_cvtepi32_ps(sum), total[r]);
-      total[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), min, total[r]);
+      total[r] = min5_step(total[r], sum, scale, min, d[r * groups + g], s[r * groups + g]);
     }
   }
   for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
@@ -413,10 +418,7 @@ inline void min5_epilogue(__m512* total, const int32_t* c, const uint8_t* scales
   __m512 scale, min;
   min5_scales<KQuant>(scales, g, scale, min);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = r * groups + g;
-    total[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(d[i])),
-                               _mm512_cvtepi32_ps(_mm512_load_si512(c + r * 16)), total[r]);
-    total[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), min, total[r]);
+    total[r] = min5_step(total[r], _mm512_load_si512(c + r * 16), scale, min, d[r * groups + g], s[r * groups + g]);
   }
 }
 
