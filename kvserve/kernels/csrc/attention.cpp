@@ -170,8 +170,8 @@ void decode_attention_impl(const Paged<T, C>& a) {
     const int64_t len = static_cast<int64_t>(slots.size());
     const C* keys = a.k_cache + kvh * head_dim;
     const C* values = a.v_cache + kvh * head_dim;
-    scores.resize(group * len);
-    q.resize(group * head_dim);
+    scratch(scores, group * len);
+    scratch(q, group * head_dim);
     for (int64_t i = 0; i < group * head_dim; ++i) q[i] = to_float(a.qkv[b * a.row() + kvh * group * head_dim + i]);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q.data() + g * head_dim;
@@ -279,8 +279,8 @@ void decode_attention_bf16(const Paged<c10::BFloat16, c10::BFloat16>& a) {
     const uint16_t* keys = raw(a.k_cache) + kvh * head_dim;
     const uint16_t* values = raw(a.v_cache) + kvh * head_dim;
     const uint16_t* q = raw(a.qkv) + b * a.row() + kvh * group * head_dim;
-    scores.resize(len + 16);  // room for a last whole vector of scores
-    probs.resize(group * padded + 16);
+    scratch(scores, len + 16);  // room for a last whole vector of scores
+    scratch(probs, group * padded + 16);
     for (int64_t g = 0; g < group; ++g) {
       const uint16_t* qg = q + g * head_dim;
       for (int64_t j = 0; j < len; j += 16) {

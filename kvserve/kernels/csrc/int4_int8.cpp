@@ -9,6 +9,8 @@
 // The integer sums are exact and the float steps per row are the same for one row and for many, so
 // a row's result does not depend on the rows batched with it.
 
+#include <array>
+#include <utility>
 #include <vector>
 
 #include "int4_packing.h"
@@ -275,8 +277,8 @@ void q8_block_many(const int8_t* xq, const float* xd, const float* xs, int64_t m
   // AVX2's 16 registers (3 x 4 needs 18: the compiler then spills accumulators and reloads codes).
   constexpr int kTileRows = 5, kTileVecs = 2;
   const int64_t groups = k_len / kInt8Group;
-  codes.resize(k_len / 4 * NV);
-  scale_min.resize(2 * groups * NV);
+  scratch(codes, k_len / 4 * NV);
+  scratch(scale_min, 2 * groups * NV);
   __m256 *scale = scale_min.data(), *min = scale_min.data() + groups * NV;
   for (int64_t q = 0; q < k_len / 4; ++q) {
     const uint8_t* rows = block + 4 * q * half;
@@ -338,75 +340,36 @@ void q8_block_many(const int8_t* xq, const float* xd, const float* xs, int64_t m
 #if KVSERVE_HAS_AMX_INT8
 constexpr int64_t kAmxInt4Rows = 16;  // from one tile of rows; fewer go through the AVX kernels
 
-// One block of 64 columns (block_n 64) on AMX tiles: its codes unpacked once per call into TDPBSUD's
-// B layout (per 16 columns and group, 8 rows of 16 columns x 4 inputs: bytes), then per 16 rows of
-// xq (zero past m), two column tiles at a time, and group, TDPBSUD gives each row's sum over
-// code * q exactly, as the AVX kernels' integer sums, and the float step is group_step's, in group
-// order: the same bits. Software-pipelined, as a tile's sums reach memory only some way after its
-// multiply is issued: group g's two multiplies (C tiles 0 and 4, or 3 and 5 for odd g) are issued,
-// then group g - 1's sums stored from the other pair, then group g - 3's float steps, whose sums
-// were stored two iterations earlier (three buffers).
-struct Int4Tiles {
-  const int8_t* xq;        // this tile of rows' inputs, row stride k_len
-  const float* xd;         // their group scales, row stride groups
-  const float* xs;         // and the sums of their codes times d
-  const uint8_t* codes;    // the first column tile's codes (B layout); the second's follow at k_len * 16
-  const float* scales_mins;  // per group 64 scales, then 64 mins, of the block; from the pair's first column
-  int64_t k_len, groups, rows;
-  __m512* total;           // [2][16]
-  int32_t (*c)[2][256];    // [3] buffers of two tiles' sums
-
-  void float_steps(int64_t g) const {
-    const int32_t(&sums)[2][256] = c[g % 3];
-    for (int j = 0; j < 2; ++j) {
-      const __m512 scale = _mm512_loadu_ps(scales_mins + 128 * g + 16 * j);
-      const __m512 min = _mm512_loadu_ps(scales_mins + 128 * g + 64 + 16 * j);
-      __m512* t = total + 16 * j;
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = r * groups + g;
-        t[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(xd[i])),
-                               _mm512_cvtepi32_ps(_mm512_load_si512(sums[j] + r * 16)), t[r]);
-        t[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i]), min, t[r]);
+// A block's codes (per input 32 bytes: byte i holds column i low, column i + 32 high) in TDPBSUD's B
+// layout, per column tile w (columns 16w .. 16w + 15) k_len * 16 bytes: per 4 inputs, 16 columns of
+// 4 bytes. With VBMI, one byte permute of 4 inputs' 128 bytes gives tiles 0 and 2 (bytes 0 .. 15,
+// low and high nibbles), another tiles 1 and 3 (bytes 16 .. 31).
+inline void unpack_int4_block(const uint8_t* block, int64_t k_len, uint8_t* b) {
+#if defined(__AVX512VBMI__)
+  alignas(64) static const auto order = [] {
+    std::array<uint8_t, 128> o{};  // output byte 4c + t: input t's byte c, then 16 + c
+    for (int c = 0; c < 16; ++c) {
+      for (int t = 0; t < 4; ++t) {
+        o[4 * c + t] = static_cast<uint8_t>(32 * t + c);
+        o[64 + 4 * c + t] = static_cast<uint8_t>(32 * t + 16 + c);
       }
     }
+    return o;
+  }();
+  const __m512i first_half = _mm512_loadu_si512(order.data()), second_half = _mm512_loadu_si512(order.data() + 64);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t tile = k_len * 16;
+  for (int64_t k = 0; k < k_len; k += 4) {
+    const __m512i a = _mm512_loadu_si512(block + k * 32), c = _mm512_loadu_si512(block + k * 32 + 64);
+    const __m512i p0 = _mm512_permutex2var_epi8(a, first_half, c), p1 = _mm512_permutex2var_epi8(a, second_half, c);
+    _mm512_storeu_si512(b + k * 16, _mm512_and_si512(p0, low));
+    _mm512_storeu_si512(b + tile + k * 16, _mm512_and_si512(p1, low));
+    _mm512_storeu_si512(b + 2 * tile + k * 16, _mm512_and_si512(_mm512_srli_epi16(p0, 4), low));
+    _mm512_storeu_si512(b + 3 * tile + k * 16, _mm512_and_si512(_mm512_srli_epi16(p1, 4), low));
   }
-};
-
-// (GCC's tile intrinsics paste the tile number into the instruction: literals only, hence a macro.)
-#define KVSERVE_INT4_STEP(NAME, C0, C1, P0, P1)                                       \
-  inline void NAME(const Int4Tiles& a, int64_t g) {                                   \
-    _tile_zero(C0);                                                                   \
-    _tile_zero(C1);                                                                   \
-    _tile_loadd(1, a.xq + g * kInt8Group, a.k_len);                                   \
-    _tile_loadd(2, a.codes + g * 512, 64);                                            \
-    _tile_loadd(6, a.codes + a.k_len * 16 + g * 512, 64);                             \
-    _tile_dpbsud(C0, 1, 2);                                                           \
-    _tile_dpbsud(C1, 1, 6);                                                           \
-    if (g >= 1) {                                                                     \
-      _tile_stored(P0, a.c[(g - 1) % 3][0], 64);                                      \
-      _tile_stored(P1, a.c[(g - 1) % 3][1], 64);                                      \
-    }                                                                                 \
-    if (g >= 3) a.float_steps(g - 3);                                                 \
-  }
-KVSERVE_INT4_STEP(int4_step_even, 0, 4, 3, 5)
-KVSERVE_INT4_STEP(int4_step_odd, 3, 5, 0, 4)
-#undef KVSERVE_INT4_STEP
-
-template <typename S, typename O>
-void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m, const uint8_t* block,
-                  const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, O* out, std::vector<uint8_t>& b,
-                  std::vector<float>& sm) {
-  const int64_t groups = k_len / kInt8Group;
-  b.resize(4 * k_len * 16);
-  sm.resize(groups * 128);  // the block's scales and mins as float32, side by side per group
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int v = 0; v < 4; ++v) {
-      _mm512_storeu_ps(sm.data() + 128 * g + 16 * v, load16(scales_mins + 2 * g * n + n0 + 16 * v));
-      _mm512_storeu_ps(sm.data() + 128 * g + 64 + 16 * v, load16(scales_mins + (2 * g + 1) * n + n0 + 16 * v));
-    }
-  }
+#else
   for (int w = 0; w < 4; ++w) {  // columns 16w .. 16w + 15: bytes (w % 2) * 16 .., low nibbles for w < 2
-    uint8_t* dst = b.data() + w * k_len * 16;
+    uint8_t* dst = b + w * k_len * 16;
     const __m128i low = _mm_set1_epi8(0x0F);
     for (int64_t k = 0; k < k_len; k += 4) {
       __m128i a[4];
@@ -423,34 +386,106 @@ void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m,
       _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(ab_hi, cd_hi));
     }
   }
-  alignas(64) int32_t c[3][2][256];
-  __m512 total[32];
-  for (int pair = 0; pair < 2; ++pair) {  // column tiles 2 pair and 2 pair + 1
-    const int64_t col = n0 + 32 * pair;
+#endif
+}
+
+// One block of 64 columns (block_n 64) on AMX tiles: its codes unpacked once per call into TDPBSUD's
+// B layout (unpack_int4_block), then per column tile of 16 and 16 rows of xq (zero past m), and per
+// group, TDPBSUD gives each row's sum over code * q exactly, as the AVX kernels' integer sums, and
+// the float step is group_step's, in group order: the same bits. The R live rows' totals stay in
+// registers through every group. Software-pipelined, as a tile's sums reach memory only some way
+// after its multiply is issued: group g's multiply goes to C tile 0, 3 or 4 (g % 3), then the
+// previous group's sums are stored, then group g - 2's float steps run (three buffers).
+template <int R>
+inline void int4_tile_floats(const int32_t* sums, const float* xd, const float* xs, const float* scales_mins,
+                             int64_t groups, int64_t g, __m512* total) {
+  const __m512 scale = _mm512_loadu_ps(scales_mins + 128 * g);
+  const __m512 min = _mm512_loadu_ps(scales_mins + 128 * g + 64);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    total[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(xd[r * groups + g])),
+                               _mm512_cvtepi32_ps(_mm512_load_si512(sums + r * 16)), total[r]);
+    total[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * groups + g]), min, total[r]);
+  }
+}
+
+// (GCC's tile intrinsics paste the tile number into the instruction: literals only, hence a macro.)
+#define KVSERVE_INT4_STEP(C, PREVIOUS)                \
+  _tile_zero(C);                                      \
+  _tile_loadd(1, xq + g * kInt8Group, k_len);         \
+  _tile_loadd(2, codes + g * 512, 64);                \
+  _tile_dpbsud(C, 1, 2);                              \
+  if (g >= 1) _tile_stored(PREVIOUS, c[(g + 2) % 3], 64);
+
+// R rows (of a tile of 16) times one column tile: codes in B layout, scales_mins from its first column.
+template <int R, typename O>
+void int4_tile(const int8_t* xq, const float* xd, const float* xs, const uint8_t* codes, const float* scales_mins,
+               int64_t k_len, O* out, int64_t n) {
+  const int64_t groups = k_len / kInt8Group;
+  alignas(64) int32_t c[3][256];
+  __m512 total[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    switch (g % 3) {
+      case 0:
+        KVSERVE_INT4_STEP(0, 4)
+        break;
+      case 1:
+        KVSERVE_INT4_STEP(3, 0)
+        break;
+      default:
+        KVSERVE_INT4_STEP(4, 3)
+        break;
+    }
+    if (g >= 2) int4_tile_floats<R>(c[(g + 1) % 3], xd, xs, scales_mins, groups, g - 2, total);
+  }
+  const int64_t last = groups - 1;  // its sums still in a tile; the one before it stored, not stepped
+  switch (last % 3) {
+    case 0:
+      _tile_stored(0, c[0], 64);
+      break;
+    case 1:
+      _tile_stored(3, c[1], 64);
+      break;
+    default:
+      _tile_stored(4, c[2], 64);
+      break;
+  }
+  for (int64_t g = std::max<int64_t>(0, last - 1); g <= last; ++g) {
+    int4_tile_floats<R>(c[g % 3], xd, xs, scales_mins, groups, g, total);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) store16(out + r * n, total[r]);
+}
+#undef KVSERVE_INT4_STEP
+
+// int4_tile for 1 .. 16 rows, by row count.
+template <typename O, int... R>
+constexpr auto int4_tiles(std::integer_sequence<int, R...>) {
+  return std::array{&int4_tile<R + 1, O>...};
+}
+
+template <typename S, typename O>
+void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m, const uint8_t* block,
+                  const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, O* out, std::vector<uint8_t>& b,
+                  std::vector<float>& sm) {
+  const int64_t groups = k_len / kInt8Group;
+  scratch(b, 4 * k_len * 16);
+  scratch(sm, groups * 128);  // the block's scales and mins as float32, side by side per group
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int v = 0; v < 4; ++v) {
+      _mm512_storeu_ps(sm.data() + 128 * g + 16 * v, load16(scales_mins + 2 * g * n + n0 + 16 * v));
+      _mm512_storeu_ps(sm.data() + 128 * g + 64 + 16 * v, load16(scales_mins + (2 * g + 1) * n + n0 + 16 * v));
+    }
+  }
+  unpack_int4_block(block, k_len, b.data());
+  static constexpr auto tiles = int4_tiles<O>(std::make_integer_sequence<int, 16>{});
+  for (int w = 0; w < 4; ++w) {
     for (int64_t r0 = 0; r0 < m; r0 += 16) {
-      const int64_t rows = std::min<int64_t>(16, m - r0);
-      for (__m512& t : total) t = _mm512_setzero_ps();
-      const Int4Tiles a{xq + r0 * k_len, xd + r0 * groups, xs + r0 * groups, b.data() + 2 * pair * k_len * 16,
-                        sm.data() + 32 * pair, k_len, groups, rows, total, c};
-      for (int64_t g = 0; g < groups; ++g) {
-        if (g & 1) {
-          int4_step_odd(a, g);
-        } else {
-          int4_step_even(a, g);
-        }
-      }
-      const int64_t last = groups - 1;  // its sums still in tiles; up to two before it stored, not stepped
-      if (last & 1) {
-        _tile_stored(3, c[last % 3][0], 64);
-        _tile_stored(5, c[last % 3][1], 64);
-      } else {
-        _tile_stored(0, c[last % 3][0], 64);
-        _tile_stored(4, c[last % 3][1], 64);
-      }
-      for (int64_t g = std::max<int64_t>(0, last - 2); g <= last; ++g) a.float_steps(g);
-      for (int j = 0; j < 2; ++j) {
-        for (int64_t r = 0; r < rows; ++r) store16(out + (r0 + r) * n + col + 16 * j, total[16 * j + r]);
-      }
+      tiles[std::min<int64_t>(16, m - r0) - 1](xq + r0 * k_len, xd + r0 * groups, xs + r0 * groups,
+                                               b.data() + w * k_len * 16, sm.data() + 16 * w, k_len,
+                                               out + r0 * n + n0 + 16 * w, n);
     }
   }
 }
@@ -461,12 +496,15 @@ void q8_mm_impl(const X* x, int64_t m, int64_t k_len, const uint8_t* packed, con
                 O* out) {
   const int64_t groups = k_len / kInt8Group;
   const int64_t padded = (m + 15) / 16 * 16;  // whole tiles of rows for AMX, zero past m
-  std::vector<int8_t> xq(padded * k_len);
-  std::fill(xq.begin() + m * k_len, xq.end(), 0);
-  std::vector<float> xd(m * groups), xs(m * groups);
+  thread_local std::vector<int8_t> xq_buffer;
+  thread_local std::vector<float> xd_buffer, xs_buffer;
+  int8_t* const xq = scratch(xq_buffer, padded * k_len);
+  std::fill(xq + m * k_len, xq + padded * k_len, 0);
+  float* const xd = scratch(xd_buffer, m * groups);
+  float* const xs = scratch(xs_buffer, m * groups);
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      quantize_group(x + i * kInt8Group, xq.data() + i * kInt8Group, &xd[i], &xs[i]);
+      quantize_group(x + i * kInt8Group, xq + i * kInt8Group, &xd[i], &xs[i]);
     }
   });
   constexpr int64_t block_n = NV * 8;
@@ -480,12 +518,12 @@ void q8_mm_impl(const X* x, int64_t m, int64_t k_len, const uint8_t* packed, con
     const int64_t part_rows = (tiles + parts - 1) / parts * 16;
     at::parallel_for(0, blocks * parts, 1, [&](int64_t begin, int64_t end) {
       load_int8_tile_config();
-      std::vector<uint8_t> b;
-      std::vector<float> sm;
+      thread_local std::vector<uint8_t> b;  // kept per worker: no allocation or zero fill per call
+      thread_local std::vector<float> sm;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t blk = task / parts, r0 = task % parts * part_rows, rows = std::min(part_rows, m - r0);
         if (rows <= 0) continue;
-        q8_block_amx(xq.data() + r0 * k_len, xd.data() + r0 * groups, xs.data() + r0 * groups, rows,
+        q8_block_amx(xq + r0 * k_len, xd + r0 * groups, xs + r0 * groups, rows,
                      packed + blk * (block_n / 2) * k_len, scales_mins, n, blk * block_n, k_len, out + r0 * n, b, sm);
       }
       _tile_release();
@@ -494,14 +532,14 @@ void q8_mm_impl(const X* x, int64_t m, int64_t k_len, const uint8_t* packed, con
   }
 #endif
   at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m256i> codes;
-    std::vector<__m256> scale_min;
+    thread_local std::vector<__m256i> codes;
+    thread_local std::vector<__m256> scale_min;
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* block = packed + b * (block_n / 2) * k_len;
       if (m == 1) {
-        q8_block_one<NV>(xq.data(), xd.data(), xs.data(), block, scales_mins, n, b * block_n, k_len, out);
+        q8_block_one<NV>(xq, xd, xs, block, scales_mins, n, b * block_n, k_len, out);
       } else {
-        q8_block_many<NV>(xq.data(), xd.data(), xs.data(), m, block, scales_mins, n, b * block_n, k_len, out, codes,
+        q8_block_many<NV>(xq, xd, xs, m, block, scales_mins, n, b * block_n, k_len, out, codes,
                           scale_min);
       }
     }

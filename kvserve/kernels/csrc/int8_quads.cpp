@@ -522,15 +522,23 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
   const int32_t offset = eight ? 128 : six ? 32 : q5_k || q5_1 ? 0 : 16;
   const at::Tensor xf = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   const int64_t padded = (m + 15) / 16 * 16;  // whole tiles of rows for AMX, zero past m
-  std::vector<int8_t> q(padded * k);
-  std::fill(q.begin() + m * k, q.end(), 0);
-  std::vector<float> d(padded * groups, 0.f), sums(padded * groups);
-  std::vector<int32_t> start(padded * groups, 0), start2(six ? m * groups * 2 : 0);
+  thread_local std::vector<int8_t> q_buffer;
+  thread_local std::vector<float> d_buffer, sums_buffer;
+  thread_local std::vector<int32_t> start_buffer, start2_buffer;
+  int8_t* const q = scratch(q_buffer, padded * k);
+  std::fill(q + m * k, q + padded * k, 0);
+  float* const d = scratch(d_buffer, padded * groups);
+  float* const sums = scratch(sums_buffer, padded * groups);
+  int32_t* const start = scratch(start_buffer, padded * groups);
+  int32_t* const start2 = scratch(start2_buffer, six ? m * groups * 2 : 0);
+  std::fill(d + m * groups, d + padded * groups, 0.f);  // the padding rows: zero inputs, scales and sums
+  std::fill(sums + m * groups, sums + padded * groups, 0.f);
+  std::fill(start + m * groups, start + padded * groups, 0);
   with_compute_type(xf.scalar_type(), [&](auto input) {  // bfloat16 widened in quantize_group: the same values
     const auto* xp = xf.data_ptr<decltype(input)>();
     at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        quantize_group(xp + i * 32, q.data() + i * 32, &d[i], &sums[i]);
+        quantize_group(xp + i * 32, q + i * 32, &d[i], &sums[i]);
         int32_t total = 0;
         for (int j = 0; j < 32; ++j) total += q[i * 32 + j];
         start[i] = -offset * total;
@@ -550,16 +558,16 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
     const uint8_t* sp = reinterpret_cast<const uint8_t*>(quad_scales.data_ptr());
 #if KVSERVE_HAS_AMX_INT8
     if (m >= kAmxQuadRows && amx_usable()) {
-      (q5_k ? min5_matmul_amx<true> : min5_matmul_amx<false>)(q.data(), d.data(), sums.data(), m, k, qp, sp, o, v,
+      (q5_k ? min5_matmul_amx<true> : min5_matmul_amx<false>)(q, d, sums, m, k, qp, sp, o, v,
                                                                vectors);
       return out;
     }
 #endif
-    (q5_k ? min5_matmul<true> : min5_matmul<false>)(q.data(), d.data(), sums.data(), m, k, qp, sp, o, v, vectors);
+    (q5_k ? min5_matmul<true> : min5_matmul<false>)(q, d, sums, m, k, qp, sp, o, v, vectors);
     return out;
   }
   if (six) {  // vpdpbusd for every row count (two TDPBSUD of 16 inputs a group measured no faster)
-    k6_matmul(q.data(), d.data(), start2.data(), m, k, qp, quad_scales.data_ptr<uint8_t>(), o, v, vectors);
+    k6_matmul(q, d, start2, m, k, qp, quad_scales.data_ptr<uint8_t>(), o, v, vectors);
     return out;
   }
   const bool half = quad_scales.scalar_type() == at::kHalf;
@@ -572,11 +580,11 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
   if (tiles) {                                                                                              \
     KVSERVE_QUADS_AMX(BITS, S)                                                                              \
   } else {                                                                                                  \
-    quads_matmul<BITS, S>(q.data(), d.data(), start.data(), m, k, qp, quad_scales.data_ptr<S>(), o, v, vectors); \
+    quads_matmul<BITS, S>(q, d, start, m, k, qp, quad_scales.data_ptr<S>(), o, v, vectors); \
   }
 #if KVSERVE_HAS_AMX_INT8
 #define KVSERVE_QUADS_AMX(BITS, S) \
-  quads_matmul_amx<BITS, S>(q.data(), d.data(), start.data(), m, k, qp, quad_scales.data_ptr<S>(), o, v, vectors);
+  quads_matmul_amx<BITS, S>(q, d, start, m, k, qp, quad_scales.data_ptr<S>(), o, v, vectors);
 #else
 #define KVSERVE_QUADS_AMX(BITS, S)
 #endif

@@ -20,6 +20,13 @@ at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_mins, int64_t n,
 // ----- int4_int8.cpp: int4 weights times int8-quantized activations -----------------------------
 constexpr bool kInt8Activations = KVSERVE_HAS_INT8_ACTIVATIONS;
 constexpr int64_t kInt8Group = 32;  // inputs per int8 scale, and the int4 group size this path takes
+// A buffer of at least n elements owned by the calling thread and kept between calls: a layer's
+// quantized inputs need no allocation and no zero fill per call (callers zero what they pad).
+template <typename T>
+inline T* scratch(std::vector<T>& buffer, size_t n) {
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
 // out = x @ W.T for float32 x [M, K], int4 groups of kInt8Group, block_n 32 or 64; out float32 or
 // bfloat16 [M, N]. Needs kInt8Activations.
 void int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_mins, int64_t n,
