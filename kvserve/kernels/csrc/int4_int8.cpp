@@ -418,10 +418,11 @@ inline void int4_tile_floats(const int32_t* sums, const float* xd, const float* 
   if (g >= 1) _tile_stored(PREVIOUS, c[(g + 2) % 3], 64);
 
 // R rows (of a tile of 16) times one column tile: codes in B layout, scales_mins from its first column.
+// ahead: cache lines of the next block's packed codes to fetch into L2 meanwhile, spread over the groups.
 template <int R, typename O>
 void int4_tile(const int8_t* xq, const float* xd, const float* xs, const uint8_t* codes, const float* scales_mins,
-               int64_t k_len, O* out, int64_t n) {
-  const int64_t groups = k_len / kInt8Group;
+               int64_t k_len, O* out, int64_t n, const uint8_t* ahead, int64_t ahead_lines) {
+  const int64_t groups = k_len / kInt8Group, per_group = (ahead_lines + groups - 1) / groups;
   alignas(64) int32_t c[3][256];
   __m512 total[R];
 #pragma GCC unroll 16
@@ -439,6 +440,9 @@ void int4_tile(const int8_t* xq, const float* xd, const float* xs, const uint8_t
         break;
     }
     if (g >= 2) int4_tile_floats<R>(c[(g + 1) % 3], xd, xs, scales_mins, groups, g - 2, total);
+    for (int64_t line = g * per_group; line < std::min(ahead_lines, (g + 1) * per_group); ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T1);
+    }
   }
   const int64_t last = groups - 1;  // its sums still in a tile; the one before it stored, not stepped
   switch (last % 3) {
@@ -469,7 +473,7 @@ constexpr auto int4_tiles(std::integer_sequence<int, R...>) {
 template <typename S, typename O>
 void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m, const uint8_t* block,
                   const S* scales_mins, int64_t n, int64_t n0, int64_t k_len, O* out, std::vector<uint8_t>& b,
-                  std::vector<float>& sm) {
+                  std::vector<float>& sm, const uint8_t* next_block) {
   const int64_t groups = k_len / kInt8Group;
   scratch(b, 4 * k_len * 16);
   scratch(sm, groups * 128);  // the block's scales and mins as float32, side by side per group
@@ -481,11 +485,17 @@ void q8_block_amx(const int8_t* xq, const float* xd, const float* xs, int64_t m,
   }
   unpack_int4_block(block, k_len, b.data());
   static constexpr auto tiles = int4_tiles<O>(std::make_integer_sequence<int, 16>{});
+  // The next block's codes (32 bytes per input) come from memory while this block's tiles run: its
+  // unpack then reads L2, not DRAM. Each of the 4 x row-tile calls fetches an equal share.
+  const int64_t calls = 4 * ((m + 15) / 16), lines = next_block != nullptr ? k_len / 2 : 0;
+  const int64_t share = (lines + calls - 1) / calls;
+  int64_t call = 0;
   for (int w = 0; w < 4; ++w) {
-    for (int64_t r0 = 0; r0 < m; r0 += 16) {
+    for (int64_t r0 = 0; r0 < m; r0 += 16, ++call) {
+      const int64_t first = std::min(lines, call * share), count = std::min(lines, first + share) - first;
       tiles[std::min<int64_t>(16, m - r0) - 1](xq + r0 * k_len, xd + r0 * groups, xs + r0 * groups,
                                                b.data() + w * k_len * 16, sm.data() + 16 * w, k_len,
-                                               out + r0 * n + n0 + 16 * w, n);
+                                               out + r0 * n + n0 + 16 * w, n, next_block + 64 * first, count);
     }
   }
 }
@@ -523,8 +533,10 @@ void q8_mm_impl(const X* x, int64_t m, int64_t k_len, const uint8_t* packed, con
       for (int64_t task = begin; task < end; ++task) {
         const int64_t blk = task / parts, r0 = task % parts * part_rows, rows = std::min(part_rows, m - r0);
         if (rows <= 0) continue;
+        const int64_t next = task + 1 < end ? (task + 1) / parts : -1;  // this thread's next block, if any
         q8_block_amx(xq + r0 * k_len, xd + r0 * groups, xs + r0 * groups, rows,
-                     packed + blk * (block_n / 2) * k_len, scales_mins, n, blk * block_n, k_len, out + r0 * n, b, sm);
+                     packed + blk * (block_n / 2) * k_len, scales_mins, n, blk * block_n, k_len, out + r0 * n, b, sm,
+                     next >= 0 && next != blk ? packed + next * (block_n / 2) * k_len : nullptr);
       }
       _tile_release();
     });
