@@ -282,6 +282,14 @@ inline __m256 load8_bf16(const c10::BFloat16* p) {
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
+#if KVSERVE_HAS_AVX512
+// Sixteen bfloat16 values widened to float32 (exact).
+inline __m512 load16_bf16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
 #if KVSERVE_HAS_INT8_ACTIVATIONS
 // Eight inputs as float32: float32 as they are, bfloat16 widened (the same values, so the same q, d
 // and s from quantize_group).
@@ -295,10 +303,7 @@ inline __m256 load8_input(const c10::BFloat16* x) { return load8_bf16(x); }
 // left the rounding uncancelled: 2.5x the error against W x for random inputs.
 #if KVSERVE_HAS_AVX512
 inline __m512 load16_input(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16_input(const c10::BFloat16* x) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
+inline __m512 load16_input(const c10::BFloat16* x) { return load16_bf16(x); }
 #endif
 
 template <typename X>

@@ -20,8 +20,8 @@ at::Tensor dequantize_int4(at::Tensor packed, at::Tensor scales_mins, int64_t n,
 // ----- int4_int8.cpp: int4 weights times int8-quantized activations -----------------------------
 constexpr bool kInt8Activations = KVSERVE_HAS_INT8_ACTIVATIONS;
 constexpr int64_t kInt8Group = 32;  // inputs per int8 scale, and the int4 group size this path takes
-// A buffer of at least n elements owned by the calling thread and kept between calls: a layer's
-// quantized inputs need no allocation and no zero fill per call (callers zero what they pad).
+// A buffer (thread_local at the caller) of at least n elements, kept between calls and only grown:
+// no allocation and no zero fill per call (callers zero what they pad).
 template <typename T>
 inline T* scratch(std::vector<T>& buffer, size_t n) {
   if (buffer.size() < n) buffer.resize(n);
@@ -141,11 +141,6 @@ inline __m512 round16_bf16(__m512 x) {
                             _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
 }
 
-// 16 bfloat16 widened to float (exact).
-inline __m512 load16_bf16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 #endif
 
 // 16 float outputs to dst, or its first `cols` where fewer (a last vector of rows).
