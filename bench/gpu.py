@@ -3,7 +3,7 @@ the memory-bandwidth limit, on random-weight models in real shapes with SmolLM2'
 
 The GPU machine fetches nothing, so what it needs is made here first, into .gpu_assets/ (git-ignored,
 carried to the device): SmolLM2's tokenizer as a Hugging Face folder's files and as GGUF metadata, and
-the wheels of the pure-Python packages kvserve needs there (gguf).
+the wheels of the packages kvserve needs there and the machine's image lacks (gguf, llguidance).
 
     python bench/gpu.py --prepare                      # here: writes .gpu_assets/
     # on the GPU machine (the device tool: carry .gpu_assets, PYTHONPATH=.):
@@ -82,7 +82,7 @@ COMPILED_RUN_S = 180.0  # what one transformers + torch.compile run (three batch
 
 def prepare() -> None:
     """Write .gpu_assets/: SmolLM2's tokenizer (a Hugging Face folder's files, and its GGUF metadata as
-    JSON) and the wheels of gguf, which the GPU machine's image lacks."""
+    JSON) and the wheels of gguf and llguidance, which the GPU machine's image lacks."""
     import gguf
     from transformers import AutoTokenizer
 
@@ -101,7 +101,10 @@ def prepare() -> None:
     (ASSETS / "gguf_tokenizer.json").write_text(json.dumps(fields))
     wheels = ASSETS / "wheels"
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels)]
-    subprocess.run([*command, f"gguf=={importlib.metadata.version('gguf')}"], check=True)
+    # gguf is pure Python; llguidance (structured output's grammars, imported by the engine) is an abi3
+    # wheel, so the one pip picks for this machine's Python serves the GPU machine's too
+    for package in ("gguf", "llguidance"):
+        subprocess.run([*command, f"{package}=={importlib.metadata.version(package)}"], check=True)
     (ASSETS / "commit").write_text(_commit())
     print(f"wrote {ASSETS}: carry it to the GPU machine (the device tool's carry=['.gpu_assets'])")
 
@@ -355,6 +358,11 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=540.0, help="the tests, last, end by then")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-compiled", action="store_true", help="no transformers + torch.compile runs")
+    parser.add_argument(
+        "--compiled-shapes",
+        default="llama1b",
+        help="shapes with a torch.compile run (minutes each: the targets' shapes)",
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     if args.prepare:
@@ -388,7 +396,7 @@ def main() -> None:
     plan = []
     for shape in shapes:
         plan += [("kvserve", shape, "bf16", True), ("transformers-eager", shape, "bf16", False)]
-        if not args.skip_compiled:
+        if not args.skip_compiled and shape in args.compiled_shapes.split(","):
             plan.append(("transformers-compiled", shape, "bf16", False))
         if "q4" in models[shape]:
             plan.append(("kvserve", shape, "q4", True))

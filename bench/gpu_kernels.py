@@ -1,0 +1,196 @@
+"""The GPU matmul kernels' tile configurations, timed on the model's own shapes (issue 32): each
+candidate `TileConfig` of kvserve/kernels/gpu/matmul.py against cuBLAS (`F.linear`) at several row
+counts, so the one configuration per kernel (batch invariance: never chosen per M) is picked on
+figures. Each timing is a CUDA graph of one call per layer, each layer its own weight (the weights
+stream from memory as in a decode step, not from L2), replayed; the result is microseconds per call
+and the weight bytes per second that gives.
+
+    PYTHONPATH=. python bench/gpu_kernels.py --out $OUT/kernels.json
+    # the plumbing on a CPU (Triton's interpreter, tiny shapes, no graphs):
+    PYTHONPATH=. TRITON_INTERPRET=1 python bench/gpu_kernels.py --device cpu --shapes tiny --rows 1,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# (N, K) per layer of the Llama-3.2-1B-like shapes of bench/gpu.py, and the tied lm_head
+SHAPES = {
+    "llama1b": {
+        "qkv": (3072, 2048),
+        "o": (2048, 2048),
+        "gate_up": (16384, 2048),
+        "down": (2048, 8192),
+        "lm_head": (49152, 2048),
+    },
+    "smol135m": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
+    "tiny": {"a": (64, 64), "b": (128, 64)},
+}
+LAYERS = {"llama1b": 16, "smol135m": 30, "tiny": 2}
+
+
+def candidates():
+    """(float configs, int4 configs); None is kvserve's own choice per layer (matmul.config_for)."""
+    from kvserve.kernels.gpu.matmul import TileConfig as c
+
+    floats = [
+        None,
+        c(64, 64, 64, 0, 4, 3),  # the first configuration (2026-11-27's first GPU run)
+        c(64, 64, 128, 2048, 4, 4),
+        c(64, 32, 128, 2048, 4, 4),
+        c(64, 128, 64, 2048, 4, 3),
+        c(128, 64, 64, 2048, 4, 3),
+        c(64, 64, 64, 2048, 4, 4),
+    ]
+    int4s = [
+        None,
+        c(16, 64, 128, 1024, 4, 3),  # the first configuration
+        c(16, 64, 128, 512, 4, 4),
+        c(16, 64, 128, 1024, 2, 3),
+        c(16, 32, 128, 512, 2, 4),
+        c(32, 64, 128, 512, 4, 3),
+        c(64, 64, 64, 1024, 4, 3),
+    ]
+    return floats, int4s
+
+
+def timed(fn, device: str, replays: int = 20) -> float:
+    """Seconds per run of fn (which makes one call per layer), replayed as a CUDA graph."""
+    if device != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / 1000 / replays
+
+
+def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, result) -> None:
+    """Time cuBLAS and each candidate on `count` layers of n x k weights at each row count, into
+    result["records"] (or result["errors"])."""
+    from kvserve.kernels.gpu import matmul as mm
+
+    floats, int4s = candidates()
+    weights = [torch.randn(n, k, device=device, generator=gen).to(torch.bfloat16) for _ in range(count)]
+    packed = [mm.pack_int4(torch.randint(0, 16, (n, k), device=device, generator=gen)) for _ in range(count)]
+    scales = [torch.rand(n, k // 32, device=device, generator=gen).half() for _ in range(count)]
+    mins = [-8 * s for s in scales]
+    out_dtype = torch.float32 if name == "lm_head" else torch.bfloat16
+
+    def float_calls(x, cfg):
+        cfg = cfg or mm.config_for(mm.FLOAT_CONFIG, n)
+        return lambda: [mm._launch(mm._float_kernel, cfg, x, n, (w, w.stride(0)), None, out_dtype) for w in weights]
+
+    def int4_calls(x, cfg):
+        cfg = cfg or mm.config_for(mm.INT4_CONFIG, n)
+        layers = [
+            (p, s, mn, p.stride(0), s.stride(0), mn.stride(0)) for p, s, mn in zip(packed, scales, mins, strict=True)
+        ]
+        return lambda: [mm._launch(mm._int4_kernel, cfg, x, n, args, None, out_dtype) for args in layers]
+
+    for m in rows:
+        if time.perf_counter() - started > budget_s:
+            result["errors"].append(f"past the budget at {shape} {name} M={m}")
+            return
+        x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+        runs = [("cublas", "cublas", lambda x=x: [F.linear(x, w) for w in weights])]
+        runs += [("float", cfg, float_calls(x, cfg)) for cfg in floats]
+        runs += [("int4", cfg, int4_calls(x, cfg)) for cfg in int4s]
+        for kind, cfg, fn in runs:
+            try:
+                seconds = timed(fn, device) / count
+            except Exception as e:  # a config that does not compile or launch is a finding
+                result["errors"].append(f"{kind} {cfg} {name} M={m}: {e!r}"[:500])
+                continue
+            weight_bytes = n * k * (0.5 + 4 / 32 if kind == "int4" else 2)
+            result["records"].append(
+                {
+                    "shape": shape,
+                    "layer": name,
+                    "N": n,
+                    "K": k,
+                    "M": m,
+                    "kind": kind,
+                    "config": cfg if cfg in (None, "cublas") else asdict(cfg),
+                    "us": round(seconds * 1e6, 2),
+                    "weight_gb_s": round(weight_bytes / seconds / 1e9, 1),
+                    "tflop_s": round(2 * m * n * k / seconds / 1e12, 2),
+                }
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shapes", default="llama1b")
+    parser.add_argument("--rows", default="1,16,64,1024")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="start no timing after this many seconds")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_kernels.json"))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    device = args.device
+    rows = [int(r) for r in args.rows.split(",")]
+    records: list[dict] = []
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else device,
+        "torch": torch.__version__,
+        "records": records,
+        "errors": [],
+    }
+    gen = torch.Generator(device=device).manual_seed(0)
+    for shape in args.shapes.split(","):
+        for name, (n, k) in SHAPES[shape].items():
+            count = 2 if name == "lm_head" else LAYERS[shape]
+            time_layer(shape, name, n, k, count, rows, device, gen, started, args.budget_s, result)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    # per step: the sum over one model's layers of each configuration, per M
+    print(f"{'kind':6} {'config':34} " + " ".join(f"M={m:<8}" for m in rows) + "  (us per decode step's matmuls)")
+    for shape in args.shapes.split(","):
+        keys = sorted({(r["kind"], json.dumps(r["config"])) for r in records if r["shape"] == shape})
+        for kind, cfg in keys:
+            totals = []
+            for m in rows:
+                per = [
+                    r
+                    for r in records
+                    if (r["kind"], json.dumps(r["config"]), r["M"], r["shape"]) == (kind, cfg, m, shape)
+                ]
+                whole = len(per) == len(SHAPES[shape])
+                total = sum(r["us"] * (1 if r["layer"] == "lm_head" else LAYERS[shape]) for r in per)
+                totals.append(f"{total:9.0f}" if whole else "        -")
+            loaded = json.loads(cfg)
+            brief = (
+                "kvserve's, per layer"
+                if loaded is None
+                else loaded
+                if isinstance(loaded, str)
+                else ",".join(str(v) for v in loaded.values())
+            )
+            print(f"{kind:6} {brief:34} " + " ".join(totals))
+    for e in result["errors"]:
+        print("error:", e)
+
+
+if __name__ == "__main__":
+    main()
