@@ -95,11 +95,11 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
     out_dtype = torch.float32 if name == "lm_head" else torch.bfloat16
 
     def float_calls(x, cfg):
-        cfg = cfg or mm.config_for(mm.FLOAT_CONFIG, n)
+        cfg = cfg or mm.config_for(mm.FLOAT_CONFIG, n, k)
         return lambda: [mm._launch(mm._float_kernel, cfg, x, n, (w, w.stride(0)), None, out_dtype) for w in weights]
 
     def int4_calls(x, cfg):
-        cfg = cfg or mm.config_for(mm.INT4_CONFIG, n)
+        cfg = cfg or mm.config_for(mm.INT4_CONFIG, n, k)
         layers = [
             (p, s, mn, p.stride(0), s.stride(0), mn.stride(0)) for p, s, mn in zip(packed, scales, mins, strict=True)
         ]

@@ -106,13 +106,29 @@ def test_matmul_gives_float32_logits_from_bfloat16_weights():
 
 
 def test_matmul_with_a_k_split_sums_the_splits(monkeypatch):
-    monkeypatch.setattr(matmul, "FLOAT_CONFIG", dataclasses.replace(matmul.FLOAT_CONFIG, k_per_split=64))
+    split = dataclasses.replace(matmul.FLOAT_CONFIG, block_k=64, k_per_split=64)
+    monkeypatch.setattr(matmul, "FLOAT_CONFIG", split)
     x = _randn(19, 200, seed=7, dtype=torch.bfloat16)  # 4 splits, the last one short
     w = _randn(40, 200, seed=8, dtype=torch.bfloat16)
     bias = _randn(40, seed=9)
     out = matmul.matmul(x, w, bias)
     _check_matmul(out, x, w, bias)
     _each_row_alone(lambda rows: matmul.matmul(rows, w, bias), x, out)
+
+
+def test_a_layers_configuration_follows_its_shape_never_its_rows():
+    """config_for takes the layer's shape only (R7: never the rows); narrow layers get shorter quantized
+    K splits, or narrower float tiles where K makes one split, and every split is whole tiles."""
+    import inspect
+
+    assert list(inspect.signature(matmul.config_for).parameters) == ["base", "n", "k"]
+    for base in (matmul.FLOAT_CONFIG, matmul.INT4_CONFIG, matmul.INT8_CONFIG):
+        assert matmul.config_for(base, matmul.NARROW_N + 1, 2048) == base
+        narrow = matmul.config_for(base, matmul.NARROW_N, 2048)
+        assert narrow != base and narrow.block_m == base.block_m
+        assert narrow.block_n * narrow.k_per_split < base.block_n * base.k_per_split  # more programs per row
+        assert narrow.k_per_split % narrow.block_k == 0
+    assert matmul.config_for(matmul.FLOAT_CONFIG, 2048, 8192) == matmul.FLOAT_CONFIG  # four K splits
 
 
 def _int4_weight(n: int, k: int, scale_dtype: torch.dtype, seed: int):
@@ -141,7 +157,7 @@ def test_pack_int4_layout():
     [(torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32), (torch.float32, torch.float16)],
 )
 def test_int4_matmul_against_float64(dtype, scale_dtype):
-    m, k, n = 21, 1024 + 160, 80  # two K splits (INT4_CONFIG.k_per_split = 1024), the second not a whole tile
+    m, k, n = 21, 1024 + 160, 80  # three K splits (512 for a narrow layer), the last not a whole tile
     codes, scales, mins, w = _int4_weight(n, k, scale_dtype, seed=11)
     x = _randn(m, k, seed=12, dtype=dtype)
     bias = _randn(n, seed=13, dtype=dtype)
@@ -535,7 +551,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("matmul-fp32", "_float_kernel"),
         ("lm_head", "_float_kernel"),
         ("int4", "_int4_kernel"),
-        ("int4", "_sum_splits_kernel"),  # K = 2048: two splits of INT4_CONFIG.k_per_split
+        ("int4", "_sum_splits_kernel"),  # K = 2048, N = 256: four splits of 512
         ("int8", "_int8_kernel"),
         ("int8", "_sum_splits_kernel"),
         ("store_kv", "_store_kv_kernel"),

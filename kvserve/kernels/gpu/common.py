@@ -12,9 +12,12 @@ def dot(a, b, acc, INTERPRET: tl.constexpr):
     """acc + a @ b, accumulated in float32. On a GPU 16-bit operands go to the tensor cores as they
     are, and float32 operands use exact float32 products (`ieee`, never TF32). The interpreter
     multiplies bfloat16 as the integers it stores them in, so there both operands become float32
-    first (exact, as bfloat16 and float16 widen losslessly)."""
+    first (exact, as bfloat16 and float16 widen losslessly), and its dot (numpy's float32 matmul)
+    sums a row in an order that can follow the row's place in the tile and the tile's shape, which
+    the tensor cores never do: so there each output is a sum over K of its own products, the same
+    for every row."""
     if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     elif a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
     else:

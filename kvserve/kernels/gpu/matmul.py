@@ -9,6 +9,7 @@ decode step (few rows, memory-bound) more programs to read the weight with.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +34,12 @@ class TileConfig:
     num_stages: int  # software-pipelining depth of the K loop
 
 
-# Float weights. 64 x 64 tiles serve prefill on the tensor cores. No K split: it would give a decode
-# more programs, but a prefill would pay M * N * 4 bytes of partial sums per split.
-FLOAT_CONFIG = TileConfig(block_m=64, block_n=64, block_k=64, k_per_split=0, num_warps=4, num_stages=3)
+# Float weights: 64 x 64 tiles on the tensor cores, K in splits of 2048 (a 2048 x 8192 down projection
+# gets 4 x 32 programs for one row instead of 32). On an H200 (bench/gpu_kernels.py, results/
+# gpu_kernels.json), the 1B shapes' matmuls of a step, summed from the per-layer figures, against the
+# first 64 x 64 x 64 tiles without splits: 1.77 -> 0.81 ms for one row (cuBLAS 0.77), 1.83 -> 0.86 ms
+# for 64, 5.8 -> 7.4 ms for 1024 rows of prefill (cuBLAS 3.0).
+FLOAT_CONFIG = TileConfig(block_m=64, block_n=64, block_k=128, k_per_split=2048, num_warps=4, num_stages=3)
 
 # Quantized weights, tuned for decode (M = 1..64, memory-bound): 16 rows is the smallest tl.dot tile,
 # 64-column tiles times K splits of 1024 give a 4096 x 4096 layer 256 programs for M = 1, and a tile
@@ -43,6 +47,25 @@ FLOAT_CONFIG = TileConfig(block_m=64, block_n=64, block_k=64, k_per_split=0, num
 INT4_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
 # int8 codes are twice the bytes of int4: the same tiles, each step reading 8 KiB of codes.
 INT8_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
+
+# A layer of at most this many outputs (a 1B model's attention projections and down projection) has
+# too few column tiles to keep 132 multiprocessors reading for one row: its quantized K splits are half
+# as long, and where K makes one float split, its float tiles are half as wide. H200, one row: 2048 ->
+# 3072 float 10.5 -> 7.6 us, int4 11.9 -> 9.6 us; 8192 -> 2048 int4 15.9 -> 15.3 us.
+NARROW_N = 4096
+
+
+def config_for(base: TileConfig, n: int, k: int) -> TileConfig:
+    """The configuration of a layer of `n` outputs and `k` inputs: a property of the layer, the same
+    for every number of rows (R7)."""
+    if n > NARROW_N:
+        return base
+    if base.block_m >= 64:  # the float kernel's tensor-core tiles
+        if base.k_per_split and k > base.k_per_split:  # its K splits already give it the programs
+            return base
+        return dataclasses.replace(base, block_n=base.block_n // 2, num_stages=base.num_stages + 1)
+    return dataclasses.replace(base, k_per_split=max(base.block_k, base.k_per_split // 2))
+
 
 SUM_BLOCK = 1024  # outputs per program of the kernel that adds the K splits' partial sums
 
@@ -330,7 +353,15 @@ def matmul(
     bfloat16 weights without a bfloat16 rounding in between."""
     assert weight.dim() == 2 and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
     weight = _row_major(weight)
-    return _launch(_float_kernel, FLOAT_CONFIG, x, weight.shape[0], (weight, weight.stride(0)), bias, out_dtype)
+    return _launch(
+        _float_kernel,
+        config_for(FLOAT_CONFIG, *weight.shape),
+        x,
+        weight.shape[0],
+        (weight, weight.stride(0)),
+        bias,
+        out_dtype,
+    )
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -364,7 +395,7 @@ def int4_matmul(
     assert scales.shape == mins.shape == (n, k // GROUP_SIZE), (scales.shape, mins.shape)
     packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
     args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
-    return _launch(_int4_kernel, INT4_CONFIG, x, n, args, bias, out_dtype)
+    return _launch(_int4_kernel, config_for(INT4_CONFIG, n, k), x, n, args, bias, out_dtype)
 
 
 def int8_group_matmul(
@@ -384,4 +415,4 @@ def int8_group_matmul(
     assert scales.shape == (n, k // GROUP_SIZE), scales.shape
     codes, scales = _row_major(codes), _row_major(scales)
     args = (codes, scales, codes.stride(0), scales.stride(0))
-    return _launch(_int8_kernel, INT8_CONFIG, x, n, args, bias, out_dtype)
+    return _launch(_int8_kernel, config_for(INT8_CONFIG, n, k), x, n, args, bias, out_dtype)
