@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("triton")
 
 from kvserve.kernels import gpu
-from kvserve.kernels.gpu import attention, matmul, norm
+from kvserve.kernels.gpu import attention, elementwise, matmul, norm
 
 if not torch.cuda.is_available() and not gpu.INTERPRET:
     pytest.skip("kvserve.kernels.gpu was imported before TRITON_INTERPRET was set", allow_module_level=True)
@@ -204,6 +204,62 @@ def test_int8_group_matmul_each_row_alone():
     x = _randn(m, k, seed=20, dtype=torch.bfloat16)
     out = matmul.int8_group_matmul(x, codes, scales, torch.float32)
     _each_row_alone(lambda rows: matmul.int8_group_matmul(rows, codes, scales, torch.float32), x, out)
+
+
+# --- Elementwise: the gated activation, RoPE, the residual add with its norm
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_activation_against_float64_and_each_row_alone(gelu, dtype):
+    gate_up = _randn(7, 2 * 1100, seed=40, dtype=dtype) * 3  # 1100 outputs: two programs a row, one short
+    out = elementwise.gated_activation(gate_up, gelu)
+    assert out.dtype == dtype and out.shape == (7, 1100)
+    gate, up = gate_up.double().cpu().split(1100, dim=-1)
+    # x * sigmoid(z): SiLU, and tanh-GELU as 0.5 x (1 + tanh(y)) = x * sigmoid(2 y) (PyTorch's float32
+    # 1 + tanh(y) cancels to 0 below x = -5, where the value is 1e-9)
+    z = 2 * 0.7978845608028654 * (gate + 0.044715 * gate**3) if gelu else gate
+    act = (gate * torch.sigmoid(z)).to(dtype).double()  # stored in the activations' dtype, as F.silu does
+    expected = (act * up).to(DEVICE)
+    if dtype == torch.float32:  # the GPU's exp is within a few ulp
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-30)
+    else:  # within an ulp of the activation's rounding and the product's
+        assert ((out.double() - expected).abs() <= 2 * BF16_ULP * expected.abs()).all()
+        assert (out.double() == expected.to(dtype).double()).double().mean() > 0.98
+    _each_row_alone(lambda rows: elementwise.gated_activation(rows, gelu), gate_up, out)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["whole-head", "partial"])
+def test_rotate_matches_layers_rotary_on_a_strided_view(rotary_dim):
+    from kvserve.layers import rotary
+
+    tokens, heads, head_dim = 5, 6, 64
+    qkv = _randn(tokens, (heads + 2) * head_dim, seed=41, dtype=torch.bfloat16)  # q and k of 6 heads, then v
+    qk = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)[..., :rotary_dim]  # strided as in Attention
+    angles = _randn(tokens, 1, rotary_dim // 2, seed=42)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(torch.bfloat16)
+    out = elementwise.rotate(qk, cos, sin)
+    expected = rotary.rotate(qk.cpu().float(), cos.cpu().float(), sin.cpu().float())
+    # x * cos is rounded to bfloat16 first (as addcmul's first operand), then the sum once
+    first = (qk.cpu().float() * cos.cpu().float()).to(torch.bfloat16).float()
+    exact = first + qk.cpu().float().roll(rotary_dim // 2, dims=-1) * sin.cpu().float()
+    assert out.shape == (tokens, heads, rotary_dim) and out.is_contiguous()
+    assert torch.equal(out.cpu(), exact.to(torch.bfloat16))
+    torch.testing.assert_close(out.cpu().float(), expected, rtol=2 * BF16_ULP, atol=1e-2)
+    assert torch.equal(elementwise.rotate(qk[2:3], cos[2:3], sin[2:3])[0], out[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_is_the_bits_of_the_add_then_the_norm(dtype):
+    x = _randn(9, 1100, seed=43, dtype=dtype) * 3  # hidden > norm.BLOCK: two steps a row
+    delta = _randn(9, 1100, seed=44, dtype=dtype)
+    weight = _randn(1100, seed=45, dtype=dtype)
+    total, out = elementwise.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(out, norm.rms_norm(x + delta, weight, 1e-5))
+    row_total, row_out = elementwise.add_rms_norm(x[4:5], delta[4:5], weight, 1e-5)
+    assert torch.equal(row_total[0], total[4]) and torch.equal(row_out[0], out[4])
 
 
 # --- Paged attention
@@ -494,11 +550,15 @@ def launch(kernel, grid):
     return warmup
 JITFunction.__getitem__ = launch
 
-from kvserve.kernels.gpu import attention, matmul, norm
+from kvserve.kernels.gpu import attention, elementwise, matmul, norm
 bf16 = torch.bfloat16
 for m in (1, 37):  # the same binaries for 1 row and for 37
     x = torch.randn(m, 2048).to(bf16)
     call = f"rms_norm-{m}"; norm.rms_norm(x, torch.ones(2048, dtype=bf16), 1e-6)
+    call = f"add_rms_norm-{m}"; elementwise.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6)
+    call = f"gated-{m}"; elementwise.gated_activation(x, False)
+    qk = x.view(m, 16, 128)[:, :10]  # q and k heads of a fused projection's output
+    call = f"rotate-{m}"; elementwise.rotate(qk, x[:, None, :128], x[:, None, :128])
     call = f"matmul-bf16-{m}"; matmul.matmul(x, torch.randn(256, 2048).to(bf16), torch.randn(256).to(bf16))
     call = f"matmul-fp32-{m}"; matmul.matmul(x.float(), torch.randn(256, 2048))
     call = f"lm_head-{m}"; matmul.matmul(x, torch.randn(256, 2048).to(bf16), out_dtype=torch.float32)
@@ -547,6 +607,9 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         assert (mma > 0) == (uses_dot and call != "matmul-fp32"), (call, kernel, mma)
     assert set(kernels) == {
         ("rms_norm", "_rms_norm_kernel"),
+        ("add_rms_norm", "_add_rms_norm_kernel"),
+        ("gated", "_gated_kernel"),
+        ("rotate", "_rotate_kernel"),
         ("matmul-bf16", "_float_kernel"),
         ("matmul-fp32", "_float_kernel"),
         ("lm_head", "_float_kernel"),

@@ -153,12 +153,28 @@ class GpuRMSNorm(RMSNorm):
 
         return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.batch_invariant:
+            return super().add_and_norm(x, delta)
+        from kvserve.kernels.gpu.elementwise import add_rms_norm
+
+        hidden = x.shape[-1]
+        total, out = add_rms_norm(x.reshape(-1, hidden), delta.reshape(-1, hidden), self.weight, self.eps)
+        return total.view(x.shape), out.view(x.shape)
+
 
 def use_triton_forms(model: nn.Module) -> None:
     """Turn a loaded model's float linear layers into GpuLinear (the lm_head giving float32 logits)
-    and its norms into GpuRMSNorm, in place, sharing their tensors. Quantized layers the loader
-    already built in their GPU forms."""
+    and its norms into GpuRMSNorm, in place, sharing their tensors, and give its layers the one-kernel
+    RoPE and gated activation. Quantized layers the loader already built in their GPU forms."""
+    from kvserve.kernels.gpu import elementwise
+    from kvserve.models.decoder import MLP, Attention
+
     for name, module in list(model.named_modules()):
+        if isinstance(module, Attention):
+            module.rotate = elementwise.rotate
+        elif isinstance(module, MLP):
+            module.gated_activation = elementwise.gated_activation
         if isinstance(module, nn.Linear):
             model.set_submodule(name, GpuLinear.of(module, torch.float32 if name == "lm_head" else None))
         elif type(module) is RMSNorm:

@@ -37,6 +37,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], bound by the runner
+        self.rotate = rotate  # RoPE; on a GPU one kernel for q and k (layers/gpu.use_triton_forms)
         self.v_cache: torch.Tensor | None = None
 
     def forward(
@@ -50,7 +51,7 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k are rotated together, their first rotary_dim dimensions
-        rotated = rotate(qk[..., : self.rotary_dim], *ropes[self.rope_table])
+        rotated = self.rotate(qk[..., : self.rotary_dim], *ropes[self.rope_table])
         qk = rotated if self.rotary_dim == self.head_dim else torch.cat((rotated, qk[..., self.rotary_dim :]), -1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -66,10 +67,17 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
+        self.gated_activation = gated_activation  # on a GPU one kernel (layers/gpu.use_triton_forms)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+        return self.down_proj(self.gated_activation(self.gate_up_proj(x), self.gelu))
+
+
+def gated_activation(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(gate) * up for gate_up = [gate | up] on its last axis, act tanh-GELU or SiLU."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    return act * up
 
 
 class DecoderLayer(nn.Module):
@@ -87,8 +95,8 @@ class DecoderLayer(nn.Module):
         self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, metadata: StepMetadata
     ) -> torch.Tensor:
         attn = self.self_attn(ropes, self.attn_norm(x), metadata)
-        x = x + (attn if self.attn_out_norm is None else self.attn_out_norm(attn))
-        mlp = self.mlp(self.ffn_norm(x))
+        x, normed = self.ffn_norm.add_and_norm(x, attn if self.attn_out_norm is None else self.attn_out_norm(attn))
+        mlp = self.mlp(normed)
         return x + (mlp if self.ffn_out_norm is None else self.ffn_out_norm(mlp))
 
 

@@ -1,0 +1,193 @@
+"""The elementwise steps of a layer, each one kernel where PyTorch launches two or three: the gated
+activation (SiLU or tanh-GELU of the gate times the up projection), RoPE of q and k, and the residual
+add with the RMSNorm that follows it. On a GPU a decode step of a small model is hundreds of such
+launches of a few microseconds each, so fewer launches is what they are for.
+
+Each element's arithmetic is the same whatever the batch (R7): one program per row or per (token,
+head), no reduction across rows. Each keeps the roundings of the PyTorch ops it replaces (a rounding to
+the activations' dtype wherever PyTorch stores a tensor in between).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.gpu import INTERPRET
+from kvserve.kernels.gpu.common import cast
+from kvserve.kernels.gpu.norm import BLOCK, NUM_WARPS
+
+ACT_BLOCK = 1024  # outputs of the gated activation per program
+
+
+@triton.jit
+def _gated_kernel(
+    gate_up_ptr,
+    out_ptr,
+    intermediate,
+    stride_in,
+    stride_out,
+    GELU: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    if GELU:  # 0.5 x (1 + tanh(y)) = x / (1 + exp(-2 y)), y = sqrt(2 / pi) (x + 0.044715 x^3): no cancellation
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate / (1.0 + tl.exp(-2.0 * inner))
+    else:  # x / (1 + exp(-x))
+        act = gate / (1.0 + tl.exp(-gate))
+    act = cast(act, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # PyTorch stores the activation first
+    tl.store(out_ptr + row * stride_out + cols, cast(act * up, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+def gated_activation(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(gate) * up for gate_up [M, 2I] = [gate | up] -> [M, I] in gate_up's dtype, act SiLU or (gelu)
+    tanh-GELU, the activation rounded to that dtype before the product, as
+    `F.silu(gate) * up` stores it."""
+    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    rows, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, intermediate, dtype=gate_up.dtype, device=gate_up.device)
+    if rows > 0:
+        grid = (rows, triton.cdiv(intermediate, ACT_BLOCK))
+        _gated_kernel[grid](
+            gate_up,
+            out,
+            intermediate,
+            gate_up.stride(0),
+            out.stride(0),
+            GELU=gelu,
+            BLOCK=ACT_BLOCK,
+            INTERPRET=INTERPRET,
+        )
+    return out
+
+
+@triton.jit
+def _rotate_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_st,
+    num_heads,
+    ROTARY_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < ROTARY_DIM
+    x_row = x_ptr + token * stride_xt + head * stride_xh
+    x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
+    rolled = tl.load(x_row + (d + ROTARY_DIM // 2) % ROTARY_DIM, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + token * stride_ct + d, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_st + d, mask=mask, other=0.0).to(tl.float32)
+    x_cos = cast(x * cos, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # PyTorch stores x * cos first
+    out = cast(x_cos + rolled * sin, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + (token * num_heads + head) * ROTARY_DIM + d, out, mask=mask)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, heads, R] (any strides but the last) with cos, sin_signed [T, 1, R]
+    (layers/rotary.rotate's arguments): x * cos + roll(x, R / 2) * sin_signed, x * cos rounded to x's
+    dtype first as torch.addcmul(x * cos, ...) has it. Returns a new contiguous [T, heads, R]."""
+    tokens, heads, rotary_dim = x.shape
+    assert x.stride(-1) == 1 and cos.stride(-1) == 1 and sin_signed.stride(-1) == 1, "rows must be contiguous"
+    assert cos.shape == sin_signed.shape == (tokens, 1, rotary_dim), (x.shape, cos.shape)
+    out = torch.empty(tokens, heads, rotary_dim, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    if tokens > 0:
+        _rotate_kernel[(tokens, heads)](
+            x,
+            cos,
+            sin_signed,
+            out,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            sin_signed.stride(0),
+            heads,
+            ROTARY_DIM=rotary_dim,
+            BLOCK_D=triton.next_power_of_2(rotary_dim),
+            INTERPRET=INTERPRET,
+            num_warps=1,
+        )
+    return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,
+    delta_ptr,
+    weight_ptr,
+    sum_ptr,
+    out_ptr,
+    hidden,
+    eps,
+    stride_x,
+    stride_d,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """norm.py's kernel over x + delta (rounded to x's dtype, stored to sum_ptr): the same lanes and
+    the same order of the row's sum, so the bits of `rms_norm(x + delta)`."""
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    squares = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, hidden, BLOCK):
+        mask = start + lanes < hidden
+        x = tl.load(x_ptr + row * stride_x + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(delta_ptr + row * stride_d + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        s = cast(x + d, sum_ptr.dtype.element_ty, INTERPRET)
+        tl.store(sum_ptr + row * hidden + start + lanes, s, mask=mask)
+        s = s.to(tl.float32)
+        squares += s * s
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / hidden + eps)
+    for start in range(0, hidden, BLOCK):  # x + delta again: the same bits as the stored sum
+        mask = start + lanes < hidden
+        x = tl.load(x_ptr + row * stride_x + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(delta_ptr + row * stride_d + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        s = cast(x + d, sum_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+        y = cast(s * rstd, sum_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+        w = tl.load(weight_ptr + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * hidden + start + lanes, cast(w * y, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta, weight, eps)) for x, delta [M, H] of one dtype, in one kernel:
+    the bits of `s = x + delta; norm.rms_norm(s, weight, eps)`."""
+    assert x.shape == delta.shape and x.dim() == 2 and x.dtype == delta.dtype, (x.shape, delta.shape)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    delta = delta if delta.stride(-1) == 1 else delta.contiguous()
+    rows, hidden = x.shape
+    total = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, hidden, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows > 0:
+        _add_rms_norm_kernel[(rows,)](
+            x,
+            delta,
+            weight.contiguous(),
+            total,
+            out,
+            hidden,
+            eps,
+            x.stride(0),
+            delta.stride(0),
+            BLOCK=BLOCK,
+            INTERPRET=INTERPRET,
+            num_warps=NUM_WARPS,
+        )
+    return total, out
