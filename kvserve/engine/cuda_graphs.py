@@ -177,7 +177,10 @@ class DecodeGraphs:
         )
         tile_len[:batch] = 1
         ids[batch:bucket], positions[batch:bucket], slots[batch:bucket], tile_len[batch:bucket] = 0, 0, -1, 0
-        self.static.copy_(self.host, non_blocking=True)  # one transfer
+        # one transfer, of what the bucket's graph reads: the per-row values and its rows' block tables
+        # (the tables come last, row by row: a prefix), not the largest bucket's whole table
+        used = self.layout.total - (self.layout.max_batch - bucket) * self.layout.max_blocks
+        self.static[:used].copy_(self.host[:used], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         self._replays[bucket]()
