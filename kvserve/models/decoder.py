@@ -37,8 +37,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], bound by the runner
-        self.rotate = rotate  # RoPE; on a GPU one kernel for q and k (layers/gpu.use_triton_forms)
         self.v_cache: torch.Tensor | None = None
+        self.rotate = rotate  # RoPE; on a GPU one kernel for q and k (layers/gpu.use_triton_forms)
 
     def forward(
         self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, metadata: StepMetadata
@@ -66,7 +66,6 @@ class MLP(nn.Module):
         self.gelu = config.hidden_act == "gelu_tanh"
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
         self.gated_activation = gated_activation  # on a GPU one kernel (layers/gpu.use_triton_forms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
