@@ -255,10 +255,10 @@ def test_add_rms_norm_is_the_bits_of_the_add_then_the_norm(dtype):
     x = _randn(9, 1100, seed=43, dtype=dtype) * 3  # hidden > norm.BLOCK: two steps a row
     delta = _randn(9, 1100, seed=44, dtype=dtype)
     weight = _randn(1100, seed=45, dtype=dtype)
-    total, out = elementwise.add_rms_norm(x, delta, weight, 1e-5)
+    total, out = norm.add_rms_norm(x, delta, weight, 1e-5)
     assert torch.equal(total, x + delta)
     assert torch.equal(out, norm.rms_norm(x + delta, weight, 1e-5))
-    row_total, row_out = elementwise.add_rms_norm(x[4:5], delta[4:5], weight, 1e-5)
+    row_total, row_out = norm.add_rms_norm(x[4:5], delta[4:5], weight, 1e-5)
     assert torch.equal(row_total[0], total[4]) and torch.equal(row_out[0], out[4])
 
 
@@ -555,7 +555,7 @@ bf16 = torch.bfloat16
 for m in (1, 37):  # the same binaries for 1 row and for 37
     x = torch.randn(m, 2048).to(bf16)
     call = f"rms_norm-{m}"; norm.rms_norm(x, torch.ones(2048, dtype=bf16), 1e-6)
-    call = f"add_rms_norm-{m}"; elementwise.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6)
+    call = f"add_rms_norm-{m}"; norm.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6)
     call = f"gated-{m}"; elementwise.gated_activation(x, False)
     qk = x.view(m, 16, 128)[:, :10]  # q and k heads of a fused projection's output
     call = f"rotate-{m}"; elementwise.rotate(qk, x[:, None, :128], x[:, None, :128])
@@ -607,7 +607,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         assert (mma > 0) == (uses_dot and call != "matmul-fp32"), (call, kernel, mma)
     assert set(kernels) == {
         ("rms_norm", "_rms_norm_kernel"),
-        ("add_rms_norm", "_add_rms_norm_kernel"),
+        ("add_rms_norm", "_rms_norm_kernel"),
         ("gated", "_gated_kernel"),
         ("rotate", "_rotate_kernel"),
         ("matmul-bf16", "_float_kernel"),

@@ -156,7 +156,7 @@ class GpuRMSNorm(RMSNorm):
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.batch_invariant:
             return super().add_and_norm(x, delta)
-        from kvserve.kernels.gpu.elementwise import add_rms_norm
+        from kvserve.kernels.gpu.norm import add_rms_norm
 
         hidden = x.shape[-1]
         total, out = add_rms_norm(x.reshape(-1, hidden), delta.reshape(-1, hidden), self.weight, self.eps)

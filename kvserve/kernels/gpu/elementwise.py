@@ -1,7 +1,7 @@
 """The elementwise steps of a layer, each one kernel where PyTorch launches two or three: the gated
-activation (SiLU or tanh-GELU of the gate times the up projection), RoPE of q and k, and the residual
-add with the RMSNorm that follows it. On a GPU a decode step of a small model is hundreds of such
-launches of a few microseconds each, so fewer launches is what they are for.
+activation (SiLU or tanh-GELU of the gate times the up projection) and RoPE of q and k (the residual
+add with the RMSNorm after it is norm.add_rms_norm). On a GPU a decode step of a small model is
+hundreds of such launches of a few microseconds each, so fewer launches is what they are for.
 
 Each element's arithmetic is the same whatever the batch (R7): one program per row or per (token,
 head), no reduction across rows. Each keeps the roundings of the PyTorch ops it replaces (a rounding to
@@ -16,7 +16,6 @@ import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET
 from kvserve.kernels.gpu.common import cast
-from kvserve.kernels.gpu.norm import BLOCK, NUM_WARPS
 
 ACT_BLOCK = 1024  # outputs of the gated activation per program
 
@@ -124,70 +123,3 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
             num_warps=1,
         )
     return out
-
-
-@triton.jit
-def _add_rms_norm_kernel(
-    x_ptr,
-    delta_ptr,
-    weight_ptr,
-    sum_ptr,
-    out_ptr,
-    hidden,
-    eps,
-    stride_x,
-    stride_d,
-    BLOCK: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """norm.py's kernel over x + delta (rounded to x's dtype, stored to sum_ptr): the same lanes and
-    the same order of the row's sum, so the bits of `rms_norm(x + delta)`."""
-    row = tl.program_id(0).to(tl.int64)
-    lanes = tl.arange(0, BLOCK)
-    squares = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, hidden, BLOCK):
-        mask = start + lanes < hidden
-        x = tl.load(x_ptr + row * stride_x + start + lanes, mask=mask, other=0.0).to(tl.float32)
-        d = tl.load(delta_ptr + row * stride_d + start + lanes, mask=mask, other=0.0).to(tl.float32)
-        s = cast(x + d, sum_ptr.dtype.element_ty, INTERPRET)
-        tl.store(sum_ptr + row * hidden + start + lanes, s, mask=mask)
-        s = s.to(tl.float32)
-        squares += s * s
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / hidden + eps)
-    for start in range(0, hidden, BLOCK):  # x + delta again: the same bits as the stored sum
-        mask = start + lanes < hidden
-        x = tl.load(x_ptr + row * stride_x + start + lanes, mask=mask, other=0.0).to(tl.float32)
-        d = tl.load(delta_ptr + row * stride_d + start + lanes, mask=mask, other=0.0).to(tl.float32)
-        s = cast(x + d, sum_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
-        y = cast(s * rstd, sum_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
-        w = tl.load(weight_ptr + start + lanes, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * hidden + start + lanes, cast(w * y, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
-
-
-def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, rms_norm(x + delta, weight, eps)) for x, delta [M, H] of one dtype, in one kernel:
-    the bits of `s = x + delta; norm.rms_norm(s, weight, eps)`."""
-    assert x.shape == delta.shape and x.dim() == 2 and x.dtype == delta.dtype, (x.shape, delta.shape)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    delta = delta if delta.stride(-1) == 1 else delta.contiguous()
-    rows, hidden = x.shape
-    total = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    out = torch.empty(rows, hidden, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    if rows > 0:
-        _add_rms_norm_kernel[(rows,)](
-            x,
-            delta,
-            weight.contiguous(),
-            total,
-            out,
-            hidden,
-            eps,
-            x.stride(0),
-            delta.stride(0),
-            BLOCK=BLOCK,
-            INTERPRET=INTERPRET,
-            num_warps=NUM_WARPS,
-        )
-    return total, out

@@ -16,26 +16,40 @@ NUM_WARPS = 4  # per row; fixed, as the lanes' final sum follows the layout
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
+    delta_ptr,
     weight_ptr,
+    sum_ptr,
     out_ptr,
     hidden,
     eps,
     stride_x,
+    stride_d,
     stride_out,
+    ADD: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    """RMSNorm of a row of x, or (ADD) of x + delta rounded to x's dtype, that sum also stored."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     lanes = tl.arange(0, BLOCK)
     squares = tl.zeros((BLOCK,), tl.float32)  # lane i sums elements i, i + BLOCK, ... in that order
     for start in range(0, hidden, BLOCK):
-        x = tl.load(x_row + start + lanes, mask=start + lanes < hidden, other=0.0).to(tl.float32)
+        mask = start + lanes < hidden
+        x = tl.load(x_row + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        if ADD:
+            d = tl.load(delta_ptr + row * stride_d + start + lanes, mask=mask, other=0.0).to(tl.float32)
+            x = cast(x + d, x_ptr.dtype.element_ty, INTERPRET)
+            tl.store(sum_ptr + row * hidden + start + lanes, x, mask=mask)
+            x = x.to(tl.float32)
         squares += x * x
     rstd = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / hidden + eps)
     for start in range(0, hidden, BLOCK):
         mask = start + lanes < hidden
         x = tl.load(x_row + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        if ADD:  # the sum again, the same bits as the one stored
+            d = tl.load(delta_ptr + row * stride_d + start + lanes, mask=mask, other=0.0).to(tl.float32)
+            x = cast(x + d, x_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
         y = cast(x * rstd, x_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # rounded to x's dtype first
         w = tl.load(weight_ptr + start + lanes, mask=mask, other=0.0).to(tl.float32)
         tl.store(
@@ -49,23 +63,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     layers/norm.py's RMSNorm, up to the order of the row's sum. The product with the weight is exact
     in float32 and rounded once, as PyTorch's. Returns [M, H] in x's dtype (promoted with weight's,
     as PyTorch would, where they differ)."""
+    return _launch(x, None, weight, eps)[1]
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta, weight, eps)) for x, delta [M, H] of one dtype, in one kernel
+    (a residual add and the norm after it): the bits of `s = x + delta; rms_norm(s, weight, eps)`."""
+    assert delta.shape == x.shape and delta.dtype == x.dtype, (x.shape, delta.shape, x.dtype, delta.dtype)
+    return _launch(x, delta, weight, eps)
+
+
+def _launch(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     assert x.dim() == 2 and weight.shape == (x.shape[1],), (x.shape, weight.shape)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if delta is not None and delta.stride(-1) != 1:
+        delta = delta.contiguous()
     weight = weight.contiguous()
     rows, hidden = x.shape
+    total = None if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     out = torch.empty(rows, hidden, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if rows > 0:
         _rms_norm_kernel[(rows,)](
             x,
+            x if delta is None else delta,  # not read without ADD
             weight,
+            out if total is None else total,  # not written without ADD
             out,
             hidden,
             eps,
             x.stride(0),
+            x.stride(0) if delta is None else delta.stride(0),
             out.stride(0),
+            ADD=delta is not None,
             BLOCK=BLOCK,
             INTERPRET=INTERPRET,
             num_warps=NUM_WARPS,
         )
-    return out
+    return total, out
