@@ -1,7 +1,8 @@
 """The GPU matmul kernels' tile configurations, timed on the model's own shapes (issue 32): each
 candidate `TileConfig` of kvserve/kernels/gpu/matmul.py against cuBLAS (`F.linear`) at several row
 counts, so the one configuration per kernel (batch invariance: never chosen per M) is picked on
-figures. Each timing is a CUDA graph of one call per layer, each layer its own weight (the weights
+figures; and `int4-grouped`, an experiment that applies the int4 scales to each group's partial sums
+(tests/test_triton_kernels.py checks it against float64). Each timing is a CUDA graph of one call per layer, each layer its own weight (the weights
 stream from memory as in a decode step, not from L2), replayed; the result is microseconds per call
 and the weight bytes per second that gives.
 
@@ -20,6 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kvserve.kernels.gpu.common import dot
+from kvserve.kernels.gpu.matmul import _finish_tile
 
 # (N, K) per layer of the Llama-3.2-1B-like shapes of bench/gpu.py, and the tied lm_head
 SHAPES = {
@@ -34,6 +40,72 @@ SHAPES = {
     "tiny": {"a": (64, 64), "b": (128, 64)},
 }
 LAYERS = {"llama1b": 16, "smol135m": 30, "tiny": 2}
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_grouped_kernel(
+    x_ptr,
+    out_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_os,
+    k_per_split,
+    packed_ptr,
+    scales_ptr,
+    mins_ptr,
+    stride_pn,
+    stride_sn,
+    stride_mn,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """An experiment (not kvserve's kernel): matmul._int4_kernel's x @ W.T with each group's scale
+    and min applied to the group's partial sums, sum_g scale_g * (x_g . codes_g) + min_g * sum(x_g),
+    instead of to every weight. The codes enter the tensor cores as exact bfloat16 integers, so a
+    weight costs a mask or shift and a conversion, where the kernel pays also an FMA and a rounding;
+    the accumulators take two FMAs per group instead. No weight is rounded to bfloat16, so its
+    results are not int4_matmul's bits."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    cols64 = cols.to(tl.int64)[None, :]
+    i = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        for gg in tl.static_range(BLOCK_K // 32):
+            g0 = k0 + 32 * gg  # this group's first input
+            live = (g0 + i) < k_end  # [16]: the whole group, or (past K's end) none of it
+            byte = tl.load(
+                packed_ptr + cols64 * stride_pn + (g0 // 2 + i)[:, None],
+                mask=live[:, None] & (cols < N)[None, :],
+                other=0,
+            )
+            x_mask = (rows < M)[:, None] & live[None, :]
+            x_lo = tl.load(x_rows + (g0 + i)[None, :], mask=x_mask, other=0.0)  # [BM, 16]
+            x_hi = tl.load(x_rows + (g0 + 16 + i)[None, :], mask=x_mask, other=0.0)
+            part = dot(
+                x_lo, (byte & 15).to(tl.float32).to(x_lo.dtype), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET
+            )
+            part = dot(x_hi, (byte >> 4).to(tl.float32).to(x_hi.dtype), part, INTERPRET)
+            x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)  # [BM]
+            g_mask = (g0 + 0 * cols < k_end) & (cols < N)  # [BN]
+            scale = tl.load(scales_ptr + cols.to(tl.int64) * stride_sn + g0 // 32, mask=g_mask, other=0.0).to(
+                tl.float32
+            )
+            low = tl.load(mins_ptr + cols.to(tl.int64) * stride_mn + g0 // 32, mask=g_mask, other=0.0).to(tl.float32)
+            acc += part * scale[None, :] + x_sum[:, None] * low[None, :]
+    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
 
 
 def candidates():
@@ -105,6 +177,13 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         ]
         return lambda: [mm._launch(mm._int4_kernel, cfg, x, n, args, None, out_dtype) for args in layers]
 
+    def grouped_calls(x, cfg):
+        cfg = cfg or mm.config_for(mm.INT4_CONFIG, n, k)
+        layers = [
+            (p, s, mn, p.stride(0), s.stride(0), mn.stride(0)) for p, s, mn in zip(packed, scales, mins, strict=True)
+        ]
+        return lambda: [mm._launch(_int4_grouped_kernel, cfg, x, n, args, None, out_dtype) for args in layers]
+
     for m in rows:
         if time.perf_counter() - started > budget_s:
             result["errors"].append(f"past the budget at {shape} {name} M={m}")
@@ -113,13 +192,14 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         runs = [("cublas", "cublas", lambda x=x: [F.linear(x, w) for w in weights])]
         runs += [("float", cfg, float_calls(x, cfg)) for cfg in floats]
         runs += [("int4", cfg, int4_calls(x, cfg)) for cfg in int4s]
+        runs += [("int4-grouped", cfg, grouped_calls(x, cfg)) for cfg in int4s[:3]]
         for kind, cfg, fn in runs:
             try:
                 seconds = timed(fn, device) / count
             except Exception as e:  # a config that does not compile or launch is a finding
                 result["errors"].append(f"{kind} {cfg} {name} M={m}: {e!r}"[:500])
                 continue
-            weight_bytes = n * k * (0.5 + 4 / 32 if kind == "int4" else 2)
+            weight_bytes = n * k * (0.5 + 4 / 32 if kind.startswith("int4") else 2)
             result["records"].append(
                 {
                     "shape": shape,

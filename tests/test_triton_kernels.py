@@ -177,6 +177,28 @@ def test_int4_matmul_rows_alone_and_float32_out():
     _each_row_alone(lambda rows: matmul.int4_matmul(rows, packed, scales, mins, torch.float32), x, out)
 
 
+def test_the_grouped_int4_experiment_against_float64_and_each_row_alone():
+    """bench/gpu_kernels.py's int4-grouped kernel (scales applied to each group's partial sums, timed
+    beside the int4 kernel on a GPU): the exact weights' product within float32 sums, each row alone."""
+    from bench.gpu_kernels import _int4_grouped_kernel
+
+    m, k, n = 21, 1024 + 160, 80  # three K splits, the last not a whole tile
+    codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=21)
+    packed = matmul.pack_int4(codes)
+    x = _randn(m, k, seed=22, dtype=torch.bfloat16)
+    config = matmul.config_for(matmul.INT4_CONFIG, n, k)
+    args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
+
+    def run(rows):
+        return matmul._launch(_int4_grouped_kernel, config, rows, n, args, None, torch.float32)
+
+    out = run(x)
+    per_input = lambda t: t.double().repeat_interleave(32, dim=1)  # noqa: E731
+    exact = per_input(scales) * codes.double() + per_input(mins)  # no rounding of the weight
+    _check_matmul(out, x, exact, None)
+    _each_row_alone(run, x, out)
+
+
 def _int8_weight(n: int, k: int, seed: int):
     g = _generator(seed)
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
