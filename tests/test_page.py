@@ -144,7 +144,10 @@ def test_a_streamed_answer_appears_with_the_engine_in_its_own_process(page: Page
     open_page(page, base, "alice", 512)
     expect(page.locator("#model-name")).to_have_text("SmolLM2-135M-Instruct.Q4_1")
     expect(page.locator("#temperature")).to_have_value("0.2")  # the model card's recommendation
-    ask(page, "What is the capital of France?", seed="0")
+    # "Name the capital city of France." leads with "The" by about 1 nat: 0.8% of draws at 0.2 go elsewhere,
+    # where "What is the capital of France?" is a near tie of "The" and "L" (0.09 nat) that a CPU's kernels
+    # can tip (AVX2's int8 path draws "L'Étoile, la Marseillaise, ..." with this seed, to the length limit)
+    ask(page, "Name the capital city of France.", seed="0")
     reply = answered(page)
     expect(reply.locator(".text")).to_contain_text("Paris")
     expect(page.locator("#rate")).to_contain_text("tok/s")
