@@ -3,8 +3,8 @@ activation (SiLU or tanh-GELU of the gate times the up projection) and RoPE of q
 add with the RMSNorm after it is norm.add_rms_norm). On a GPU a decode step of a small model is
 hundreds of such launches of a few microseconds each, so fewer launches is what they are for.
 
-Each element's arithmetic is the same whatever the batch (R7): one program per row or per (token,
-head), no reduction across rows. Each keeps the roundings of the PyTorch ops it replaces (a rounding to
+Each element's arithmetic is the same whatever the batch (R7): no reduction across rows, whichever
+program a row falls in. Each keeps the roundings of the PyTorch ops it replaces (a rounding to
 the activations' dtype wherever PyTorch stores a tensor in between).
 """
 
@@ -17,32 +17,35 @@ import triton.language as tl
 from kvserve.kernels.gpu import INTERPRET
 from kvserve.kernels.gpu.common import cast
 
-ACT_BLOCK = 1024  # outputs of the gated activation per program
+ACT_ROWS, ACT_BLOCK = 4, 512  # rows x outputs of the gated activation per program
+ROTATE_ROWS = 32  # (token, head) rows that one program of RoPE rotates
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one binary for every number of rows
 def _gated_kernel(
     gate_up_ptr,
     out_ptr,
+    num_rows,
     intermediate,
     stride_in,
     stride_out,
     GELU: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < intermediate
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    rows = (tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS))[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    mask = (rows < num_rows) & (cols < intermediate)
+    gate = tl.load(gate_up_ptr + rows * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + rows * stride_in + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
     if GELU:  # 0.5 x (1 + tanh(y)) = x / (1 + exp(-2 y)), y = sqrt(2 / pi) (x + 0.044715 x^3): no cancellation
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = gate / (1.0 + tl.exp(-2.0 * inner))
     else:  # x / (1 + exp(-x))
         act = gate / (1.0 + tl.exp(-gate))
     act = cast(act, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # PyTorch stores the activation first
-    tl.store(out_ptr + row * stride_out + cols, cast(act * up, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(out_ptr + rows * stride_out + cols, cast(act * up, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 def gated_activation(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
@@ -55,39 +58,44 @@ def gated_activation(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     rows, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     if rows > 0:
-        grid = (rows, triton.cdiv(intermediate, ACT_BLOCK))
+        grid = (triton.cdiv(rows, ACT_ROWS), triton.cdiv(intermediate, ACT_BLOCK))
         _gated_kernel[grid](
             gate_up,
             out,
+            rows,
             intermediate,
             gate_up.stride(0),
             out.stride(0),
             GELU=gelu,
+            BLOCK_ROWS=ACT_ROWS,
             BLOCK=ACT_BLOCK,
             INTERPRET=INTERPRET,
         )
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one binary for every number of rows
 def _rotate_kernel(
     x_ptr,
     cos_ptr,
     sin_ptr,
     out_ptr,
+    num_rows,
     stride_xt,
     stride_xh,
     stride_ct,
     stride_st,
     num_heads,
     ROTARY_DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    mask = d < ROTARY_DIM
+    """BLOCK_ROWS of the step's (token, head) rows per program, token-major."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    token, head = (rows // num_heads)[:, None], (rows % num_heads)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (rows < num_rows)[:, None] & (d < ROTARY_DIM)
     x_row = x_ptr + token * stride_xt + head * stride_xh
     x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
     rolled = tl.load(x_row + (d + ROTARY_DIM // 2) % ROTARY_DIM, mask=mask, other=0.0).to(tl.float32)
@@ -95,7 +103,7 @@ def _rotate_kernel(
     sin = tl.load(sin_ptr + token * stride_st + d, mask=mask, other=0.0).to(tl.float32)
     x_cos = cast(x * cos, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # PyTorch stores x * cos first
     out = cast(x_cos + rolled * sin, out_ptr.dtype.element_ty, INTERPRET)
-    tl.store(out_ptr + (token * num_heads + head) * ROTARY_DIM + d, out, mask=mask)
+    tl.store(out_ptr + rows[:, None] * ROTARY_DIM + d, out, mask=mask)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -107,19 +115,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     assert cos.shape == sin_signed.shape == (tokens, 1, rotary_dim), (x.shape, cos.shape)
     out = torch.empty(tokens, heads, rotary_dim, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
     if tokens > 0:
-        _rotate_kernel[(tokens, heads)](
+        rows = tokens * heads
+        _rotate_kernel[(triton.cdiv(rows, ROTATE_ROWS),)](
             x,
             cos,
             sin_signed,
             out,
+            rows,
             x.stride(0),
             x.stride(1),
             cos.stride(0),
             sin_signed.stride(0),
             heads,
             ROTARY_DIM=rotary_dim,
+            BLOCK_ROWS=ROTATE_ROWS,
             BLOCK_D=triton.next_power_of_2(rotary_dim),
             INTERPRET=INTERPRET,
-            num_warps=1,
+            num_warps=4,
         )
     return out
