@@ -359,7 +359,7 @@ def test_int8_groups_with_int8_activations_equal_their_integer_reference(extensi
     """Int8GroupLinear (Q8_0 / Q5_0 layers, the lm_head) with its inputs quantized to int8: against the
     products computed in float64 from the same int8 inputs, within the inputs' rounding of the float
     product, and each row equal, bit for bit, to that row computed alone. Whole vectors of 16 outputs
-    on AVX512-VNNI: the codes are held as quads alone (int8_quads.cpp), in as many bytes, and go back
+    (AVX2 and up): the codes are held as quads alone (int8_quads.cpp), in as many bytes, and go back
     to the same row-major codes and scales (10, 9 and 1 groups: the AMX kernel's pipeline over groups
     ends each its own way); 200: row-major (int8_int8.cpp)."""
     if not extension.int8_activations():

@@ -81,7 +81,7 @@ def test_fused_decode_passes_the_cpp_enum_of_each_layer_kind(tmp_path, extension
     hf_model = make_tiny_llama(tmp_path, seed=5, hidden_size=64, intermediate_size=128, vocab_size=320)
     path, activations, groups = tmp_path, "float", kinds.Int8Groups
     if weights.startswith("q8_0-gguf"):  # Q8_0 codes kept with their scale per 32: Int8GroupLinear
-        if weights.endswith("int8"):  # int8 inputs: held as quads where the CPU has AVX512-VNNI
+        if weights.endswith("int8"):  # int8 inputs: held as quads where the CPU has AVX2
             activations = "int8" if extension.int8_activations() else "float"
             groups = kinds.Int8Quads if activations == "int8" and extension.int8_quads_usable() else groups
         path, weights = tmp_path / "tiny.gguf", "auto"

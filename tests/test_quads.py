@@ -73,7 +73,7 @@ def test_five_bit_quads_multiply_to_the_bits_of_eight_bit_quads(extension, dtype
     its result in a batch (one row: vpdpbusd; from 16 rows AMX tiles where the CPU has them, whose
     integer sums and float steps are the same)."""
     if not extension.int8_quads_usable():
-        pytest.skip("the quads kernel needs AVX512-VNNI")
+        pytest.skip("the quads kernel needs AVX2, FMA and F16C")
     from kvserve.kernels import ops
 
     outputs, inputs = 96, 320
@@ -158,7 +158,7 @@ def test_q6_k_layer_equals_its_integer_reference_and_each_row_alone(extension, d
     q = round(x / d)), within float32's summation; its distance to the float inputs' product within
     their rounding; and each row alone the same bits as in any batch."""
     if not extension.int8_quads_usable():
-        pytest.skip("the quads kernel needs AVX512-VNNI")
+        pytest.skip("the quads kernel needs AVX2, FMA and F16C")
     from kvserve.layers.quantized import Int6Linear
     from kvserve.weights.dequant import q6_k_parts
 
@@ -216,7 +216,7 @@ def test_q5_layer_equals_its_integer_reference_and_each_row_alone(extension, kin
     q = round(x / d)), within float32's summation; its distance to the float inputs' product within
     their rounding; and each row alone the same bits as in any batch."""
     if not extension.int8_quads_usable():
-        pytest.skip("the quads kernel needs AVX512-VNNI")
+        pytest.skip("the quads kernel needs AVX2, FMA and F16C")
     from gguf import GGMLQuantizationType
 
     from kvserve.layers.quantized import Int5Linear

@@ -313,7 +313,7 @@ def test_weights_in_memory_per_stored_type(tmp_path, qtype, per_file):
 
 @pytest.mark.parametrize(("qtype", "bits"), [(T.Q8_0, 8), (T.Q5_0, 5)], ids=lambda v: getattr(v, "name", v))
 def test_q8_0_and_q5_0_are_held_at_the_files_width_where_their_inputs_are_int8(tmp_path, qtype, bits):
-    """With int8 inputs on AVX512-VNNI every int8-group layer and the embedding are held as quads from load
+    """With int8 inputs (AVX2 and up) every int8-group layer and the embedding are held as quads from load
     (layers/quads.py): Q5_0 at 5 bits and Q8_0 at 8, with the file's float16 scales, so the weights take
     the file's bytes (footprint 1.0 per type), and their codes are still the gguf package's."""
     pytest.importorskip("transformers")
@@ -321,8 +321,8 @@ def test_q8_0_and_q5_0_are_held_at_the_files_width_where_their_inputs_are_int8(t
     from kvserve.weights.footprint import footprint
     from kvserve.weights.gguf_file import GGUFFile
 
-    if not quads.vnni_cpu():
-        pytest.skip("the quads layout serves int8 inputs on AVX512-VNNI")
+    if not quads.quads_cpu():
+        pytest.skip("the quads layout serves int8 inputs (AVX2 and up)")
     hf_model = make_tiny_llama(tmp_path / "hf", seed=27, **INT4_FRIENDLY)
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, hf_model, qtype=qtype)
@@ -347,7 +347,7 @@ def test_q8_0_and_q5_0_are_held_at_the_files_width_where_their_inputs_are_int8(t
 
 
 def test_q6_k_layers_are_held_as_stored_where_their_inputs_are_int8(tmp_path, monkeypatch):
-    """A Q6_K file with int8 inputs on AVX512-VNNI: every matrix, the lm_head too, is an Int6Linear in
+    """A Q6_K file with int8 inputs (AVX2 and up): every matrix, the lm_head too, is an Int6Linear in
     the file's own bytes whose weight is the gguf package's dequantization bit for bit; the fused layer
     loop takes them, and an engine serves greedy tokens equal to the module path's."""
     pytest.importorskip("transformers")
@@ -357,8 +357,8 @@ def test_q6_k_layers_are_held_as_stored_where_their_inputs_are_int8(tmp_path, mo
     from kvserve.layers.quantized import Int6Linear
     from tests.simple_generate import stream_token_ids
 
-    if not quads.vnni_cpu():
-        pytest.skip("Q6_K is held as stored where the quads kernel serves (int8 inputs, AVX512-VNNI)")
+    if not quads.quads_cpu():
+        pytest.skip("Q6_K is held as stored where the quads kernel serves (int8 inputs, AVX2 and up)")
     hf_model = make_tiny_llama(tmp_path / "hf", seed=28, hidden_size=256, intermediate_size=256, vocab_size=320)
     path = tmp_path / "tiny-q6_k.gguf"
     from gguf import GGUFReader
@@ -406,8 +406,8 @@ def test_a_tied_q6_k_head_shares_the_embeddings_table(tmp_path):
     pytest.importorskip("transformers")
     from kvserve.layers import quads
 
-    if not quads.vnni_cpu():
-        pytest.skip("Q6_K is held as stored where the quads kernel serves (int8 inputs, AVX512-VNNI)")
+    if not quads.quads_cpu():
+        pytest.skip("Q6_K is held as stored where the quads kernel serves (int8 inputs, AVX2 and up)")
     hf_model = make_tiny_llama(
         tmp_path / "hf", seed=29, hidden_size=256, intermediate_size=256, vocab_size=320, tie_word_embeddings=True
     )
@@ -420,7 +420,7 @@ def test_a_tied_q6_k_head_shares_the_embeddings_table(tmp_path):
 
 @pytest.mark.parametrize("qtype", [T.Q5_1, T.Q5_K], ids=lambda t: t.name)
 def test_q5_layers_are_held_at_their_width_where_their_inputs_are_int8(tmp_path, qtype):
-    """A Q5_1 or Q5_K file with int8 inputs on AVX512-VNNI: every matrix, the lm_head too, is an
+    """A Q5_1 or Q5_K file with int8 inputs (AVX2 and up): every matrix, the lm_head too, is an
     Int5Linear at the file's width (Q5_K: 1.023x, its scales a byte each) whose weight is the gguf
     package's dequantization bit for bit; the fused layer loop takes them, and an engine serves greedy
     tokens the module path agrees with."""
@@ -434,8 +434,8 @@ def test_q5_layers_are_held_at_their_width_where_their_inputs_are_int8(tmp_path,
     from kvserve.weights.registry import DEFAULT_MODEL, pull
     from tests.test_gguf import quantize_q5_k
 
-    if not quads.vnni_cpu():
-        pytest.skip("Q5_1 and Q5_K are held as stored where the quads kernel serves (int8 inputs, AVX512-VNNI)")
+    if not quads.quads_cpu():
+        pytest.skip("Q5_1 and Q5_K are held as stored where the quads kernel serves (int8 inputs, AVX2 and up)")
     hf_model = make_tiny_llama(tmp_path / "hf", seed=29, hidden_size=256, intermediate_size=256, vocab_size=320)
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     reader = GGUFReader(pull(DEFAULT_MODEL, progress=False))  # SmolLM2's tokenizer, for the engine

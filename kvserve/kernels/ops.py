@@ -83,7 +83,7 @@ def int8_pairs_matmul(x: torch.Tensor, pairs: torch.Tensor, pair_scales: torch.T
 
 
 def int8_quads_usable() -> bool:
-    """Whether this build multiplies int8-quantized rows by int8 codes four inputs at a time (AVX512-VNNI)."""
+    """Whether this build multiplies int8-quantized rows by int8 codes four inputs at a time (int8_quads.cpp: AVX2, FMA and F16C; vpdpbusd on AVX512-VNNI)."""
     return bool(_ext().int8_quads_usable())
 
 

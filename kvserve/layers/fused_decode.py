@@ -168,7 +168,7 @@ def _linear(linear: nn.Module) -> ops.Linear:
         return ops.Linear(kinds.Int4, linear.weight_packed, linear.scales_mins, linear.bias)
     if isinstance(linear, Int8Linear):
         return ops.Linear(kinds.Int8, linear.weight_int8, linear.scales, linear.bias)
-    if isinstance(linear, StoredQuadsLinear):  # made only where the quads kernel runs (int8 inputs, AVX512-VNNI)
+    if isinstance(linear, StoredQuadsLinear):  # made only where the quads kernel runs (int8 inputs, AVX2 and up)
         return ops.Linear(kinds.Int8Quads, linear.quads, linear.scales(), linear.bias)
     if isinstance(linear, Int8GroupLinear) and linear.uses_quads():
         linear.arrange_quads()

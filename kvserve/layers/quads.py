@@ -1,5 +1,6 @@
 """The quads layout of int8-group weights (kvserve/kernels/csrc/int8_quads.cpp): codes stored 16 output
-rows x 4 inputs interleaved, so that one vpdpbusd multiplies 16 rows' codes by four inputs.
+rows x 4 inputs interleaved, so that one vpdpbusd (AVX512-VNNI; vpmaddubsw and vpmaddwd on AVX2) multiplies
+16 rows' codes by four inputs.
 
 Per vector of 16 output rows and group of 32 inputs the codes are eight 64-byte vectors (j = 0..7:
 inputs 4j..4j+3 of the group, each 16 rows x 4), held at one of two widths:
@@ -45,8 +46,9 @@ _CHUNK_VECTORS = 256  # vectors (of 16 rows) arranged per step: temporaries of a
 
 
 @functools.cache
-def vnni_cpu() -> bool:
-    """Whether this CPU has AVX512-VNNI and AVX512BW, as int8_quads.cpp needs: asked of Linux's
+def quads_cpu() -> bool:
+    """Whether this CPU has AVX2, FMA and F16C, as int8_quads.cpp needs (vpmaddubsw, or vpdpbusd where it
+    has AVX512-VNNI and AVX512BW; the kernels build with -march=native): asked of Linux's
     /proc/cpuinfo, so that a layer can be arranged at load, before the C++ kernels have loaded (they
     say for sure: ops.int8_quads_usable(); a layer whose guess was wrong is arranged back on its first
     call)."""
@@ -56,7 +58,7 @@ def vnni_cpu() -> bool:
         ).split()
     except OSError:
         return False
-    return "avx512_vnni" in flags and "avx512bw" in flags
+    return {"avx2", "fma", "f16c"} <= set(flags)
 
 
 def code_bits(quads: torch.Tensor) -> int:

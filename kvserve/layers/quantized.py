@@ -339,16 +339,16 @@ class Int8GroupLinear(nn.Module):
 
     def uses_quads(self) -> bool:
         """Whether this layer multiplies in the quads layout (int8_quads.cpp): int8 inputs on a CPU with
-        AVX512-VNNI, whole groups, whole vectors of 16 output rows (the layer loop's condition too, so
+        AVX2, whole groups, whole vectors of 16 output rows (the layer loop's condition too, so
         that its steps and this module's are the same bits)."""
         return self.is_grouped and self.out_features % 16 == 0 and self.takes_int8() and ops.int8_quads_usable()
 
     def arrange_quads(self) -> None:
         """Hold the codes 16 output rows x 4 inputs interleaved (layers/quads.py), instead of row-major:
         at 5 bits where every code fits (GGML's Q5_0: the file's own width), else 8, with float16 scales
-        where the file's are; read by one vpdpbusd per 4 inputs and 16 outputs for any row count
-        (bench/kernels.py: 2.5x the row-major kernel for one row, 4-5x from 16). Arranged at load where
-        the CPU has AVX512-VNNI and the inputs are int8 (loader.py), else on the first call that
+        where the file's are; read by one vpdpbusd per 4 inputs and 16 outputs for any row count on AVX512-VNNI
+        (bench/kernels.py: 2.5x the row-major kernel for one row, 4-5x from 16), vpmaddubsw on AVX2.
+        Arranged at load where the CPU has AVX2 and the inputs are int8 (loader.py), else on the first call that
         multiplies this way. A tied embedding then looks its rows up in these quads (one copy)."""
         if self.quads is not None:
             return
@@ -423,7 +423,7 @@ class Int8GroupLinear(nn.Module):
 
 class StoredQuadsLinear(nn.Module):
     """A GGML type held as stored in the quads layout, its scales in a form of its own (layers/quads.py,
-    int8_quads.cpp): y = x @ W.T (+ bias) for int8 inputs on AVX512-VNNI, where the loader makes these
+    int8_quads.cpp): y = x @ W.T (+ bias) for int8 inputs (AVX2 and up), where the loader makes these
     layers (WeightPlan.quads). With float inputs (set_activations after load) it multiplies a weight
     dequantized on each call: exact, and slow. A subclass registers `quads` and its scales buffer."""
 

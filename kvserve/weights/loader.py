@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from kvserve.errors import UnsupportedModelError
 from kvserve.layers.gpu import GpuInt4Linear, GpuInt8GroupLinear, GpuLinear, use_triton_forms, uses_triton
-from kvserve.layers.quads import to_quads, vnni_cpu
+from kvserve.layers.quads import quads_cpu, to_quads
 from kvserve.layers.quantized import (
     GROUP_SIZE,
     Int4Linear,
@@ -116,7 +116,7 @@ def load_model(
     UnsupportedModelError."""
     checkpoint = open_checkpoint(path)
     config = checkpoint.model_config()
-    plan = WeightPlan(weights, quads=activations == "int8" and not uses_triton(device) and vnni_cpu())
+    plan = WeightPlan(weights, quads=activations == "int8" and not uses_triton(device) and quads_cpu())
     with torch.device("meta"), _SkipMetaInit():
         model = MODEL_CLASSES[config.architecture](config, stage)
     pending: dict[str, _PendingLinear] = {}
@@ -345,7 +345,7 @@ def _int8_group_linear(
 
 def _q6_k_held(shards: list[SourceTensor], layer: _PendingLinear, plan: WeightPlan, gpu: bool) -> bool:
     """Whether a layer stored as Q6_K is held so (Int6Linear) rather than rounded to int8 groups: every
-    shard Q6_K, a whole number of 16-row vectors, and quads planned (int8 inputs on AVX512-VNNI)."""
+    shard Q6_K, a whole number of 16-row vectors, and quads planned (int8 inputs on a CPU with AVX2)."""
     return (
         plan.quads
         and not gpu
@@ -357,7 +357,7 @@ def _q6_k_held(shards: list[SourceTensor], layer: _PendingLinear, plan: WeightPl
 def _int5_held(shards: list[SourceTensor], layer: _PendingLinear, plan: WeightPlan, gpu: bool) -> bool:
     """Whether a layer stored as Q5_1 or Q5_K is held so (Int5Linear) rather than rounded to int8 groups:
     every shard of the one type, a whole number of 16-row vectors (and of 256 inputs for Q5_K), and quads
-    planned (int8 inputs on AVX512-VNNI)."""
+    planned (int8 inputs on a CPU with AVX2)."""
     kind = shards[0].kind
     return (
         plan.quads

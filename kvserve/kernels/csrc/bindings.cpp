@@ -23,7 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "x @ (codes * group scales).T in float32, x's rows quantized to int8 per group, [M, V]");
   m.def("int8_pairs_usable", &int8_pairs_usable, "whether this build has int8_pairs_matmul (AVX512-BF16)");
   m.def("int8_pairs_matmul", &int8_pairs_matmul, "bfloat16 x @ (codes * group scales).T from interleaved codes");
-  m.def("int8_quads_usable", &int8_quads_usable, "whether this build has int8_quads_matmul (AVX512-VNNI)");
+  m.def("int8_quads_usable", &int8_quads_usable, "whether this build has int8_quads_matmul (AVX2, FMA and F16C; vpdpbusd on AVX512-VNNI)");
   m.def("int8_quads_matmul", &int8_quads_matmul, "int8-quantized x @ (codes * group scales).T from interleaved codes");
   m.def("float32_matmul", &float32_matmul, "x @ weight.T in float32 for a float or bfloat16 weight, [M, V]");
   m.def("dequantize_int8_groups", &dequantize_int8_groups, "rows of an int8-groups weight, [rows, K]");

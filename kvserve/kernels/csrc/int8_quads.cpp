@@ -1,7 +1,8 @@
 // int8 codes with a scale per group of 32 (GGML's Q8_0 and Q5_0, and types rounded to it) times int8
-// activations on AVX512-VNNI, from the codes stored 16 output rows x 4 inputs interleaved, so that one
+// activations, from the codes stored 16 output rows x 4 inputs interleaved, so that on AVX512-VNNI one
 // vpdpbusd multiplies the four codes of 16 output rows (its unsigned operand) by four inputs (signed)
-// and adds the four products to each row's int32 lane. Per 16-row vector and group of 32 inputs the
+// and adds the four products to each row's int32 lane (on AVX2: vpmaddubsw and vpmaddwd per half of
+// the rows, the same sums; see the AVX2 section). Per 16-row vector and group of 32 inputs the
 // codes are eight such 64-byte vectors (j = 0..7: inputs 4j..4j+3 of the group), held in one of two
 // widths:
 //   8 bits: quads [V / 16, K / 4, 16, 4] uint8, each code + 128 (as many bytes as row-major codes);
@@ -21,7 +22,8 @@
 // once per group for all of a tile's rows), so a row's result is the same bits whatever rows are
 // beside it, and the same in either width. Row-major codes take a float step per row, group and
 // output row (int8_int8.cpp); this layout takes one per 8 vpdpbusd, 16 outputs at a time
-// (bench/kernels.py: 2.5x for one row, 4-5x from 16 rows).
+// (bench/kernels.py: 2.5x for one row, 4-5x from 16 rows on AVX512-VNNI; 1.2-1.8x for one row and
+// 1.3-1.7x from 16 on AVX2).
 // With AMX (int8 tiles), from kAmxQuadRows rows: a group's eight code vectors are exactly the B tile
 // of TDPBSUD (8 rows of 16 outputs x 4 inputs), read from the weight as held (8 bits) or unpacked once
 // per call (5 bits), and 16 rows of q the A tile; one instruction sums a group for 16 rows x 16
@@ -35,13 +37,39 @@
 
 namespace kvserve {
 
-bool int8_quads_usable() { return KVSERVE_HAS_VNNI512 && KVSERVE_HAS_INT8_ACTIVATIONS; }
+bool int8_quads_usable() { return KVSERVE_HAS_INT8_ACTIVATIONS; }
 
-#if KVSERVE_HAS_VNNI512 && KVSERVE_HAS_INT8_ACTIVATIONS
+#if KVSERVE_HAS_INT8_ACTIVATIONS
 namespace {
 
-constexpr int kQuadTileRows = 8;  // 8 code vectors, 8 int32 and 8 float accumulators of 32 registers
 constexpr int64_t kQuadBlock = 4;  // 16-row vectors per task: 64 output rows
+
+// ----- 6 bits with K-quant scales (GGML's Q6_K) ---------------------------------------------------
+// quads [V / 16, K / 32, 384]: per group the 5-bit layout's four nibble vectors, then two 64-byte
+// vectors of crumbs (vector u's byte i, bits 2t and 2t + 1: bits 4 and 5 of code vector 4u + t's byte
+// i), each code + 32; kscales [V / 16, K / 256, 288] uint8: per block of 256 inputs an int8 scale per
+// 16 inputs and row ([16 sub-blocks][16 rows]), then the block's float16 scale per row. A code's
+// weight is d * scale * (code - 32), as GGML dequantizes it; each 16 inputs are summed in int32 from
+// -32 * sum(q) over them and take their float step: two per group, in input order.
+constexpr int64_t kK6Bytes = 384, kK6ScaleBytes = 288;
+
+// ----- 5 bits with a min per group (GGML's Q5_1 and Q5_K) ------------------------------------------
+// quads [V / 16, K / 32, 320]: the 5-bit layout, each code as GGML's 0..31 (no offset), and either
+//   Q5_1: scales [V / 16, K / 32, 2, 16] float16, per group the 16 rows' scales, then their mins:
+//     w = scale * code + min (6 bits a weight, as the file);
+//   Q5_K: scales [V / 16, K / 256, 320] uint8, per block of 256 inputs the 6-bit scales [8 groups][16
+//     rows] and mins [8][16] a byte each, then the rows' float16 d [16] and dmin [16]:
+//     w = (d * scale) * code - dmin * min, as GGML dequantizes it (5.625 bits a weight, the file 5.5).
+// A group's sum over code * q is exact in int32 (no offset to undo), and its float step is the int4
+// kernels' (int4_int8.cpp group_step): total = fma(scale * d, float(sum), total), then
+// total = fma(s, min, total), s = d * sum(q) from quantize_group, so the min meets the rounded inputs.
+// vpdpbusd, and from 16 rows AMX tiles where usable (min5_matmul_amx): the same integer sums and float
+// steps in one order, so the same bits whatever rows are beside a row.
+constexpr int64_t kMin5Bytes = 320, kK5ScaleBytes = 320;
+
+#if KVSERVE_HAS_VNNI512
+constexpr int kQuadTileRows = 8;  // 8 code vectors, 8 int32 and 8 float accumulators of 32 registers
+constexpr int32_t kEightOffset = 128;  // vpdpbusd takes the 8-bit codes as held: code + 128, unsigned
 
 // The four nibble vectors at `block` (the 5- and 6-bit layouts): vector t's low nibbles are the low 4
 // bits of code vector 2t, its high nibbles those of vector 2t + 1.
@@ -107,48 +135,6 @@ inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int
   for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
 }
 
-// The tiles of every vector and row, for one width and scale type.
-template <int Bits, typename S>
-void quads_matmul(const int8_t* q, const float* d, const int32_t* start, int64_t m, int64_t k, const uint8_t* qp,
-                  const S* sp, float* o, int64_t v, int64_t vectors) {
-  const int64_t groups = k / 32, vector_bytes = k * 16 * Bits / 8;
-  at::parallel_for(0, (vectors + kQuadBlock - 1) / kQuadBlock, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t vec = begin * kQuadBlock; vec < std::min(end * kQuadBlock, vectors); ++vec) {
-      const uint8_t* vq = qp + vec * vector_bytes;
-      const S* vs = sp + vec * groups * 16;
-      const int64_t cols = std::min<int64_t>(16, v - vec * 16);
-      if (cols <= 0) continue;
-      for (int64_t r = 0; r < m; r += kQuadTileRows) {
-        const int8_t* qr = q + r * k;
-        const float* dr = d + r * groups;
-        const int32_t* sr = start + r * groups;
-        float* dst = o + r * v + vec * 16;
-        switch (std::min<int64_t>(kQuadTileRows, m - r)) {
-#define KVSERVE_ROWS(R)                                                  \
-  case R:                                                                \
-    quad_tile<R, Bits, S>(qr, dr, sr, k, vq, vs, dst, v, cols);          \
-    break;
-          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
-          KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
-#undef KVSERVE_ROWS
-          default:
-            TORCH_CHECK(false, "int8_quads_matmul: bad row tile");
-        }
-      }
-    }
-  });
-}
-
-
-// ----- 6 bits with K-quant scales (GGML's Q6_K) ---------------------------------------------------
-// quads [V / 16, K / 32, 384]: per group the 5-bit layout's four nibble vectors, then two 64-byte
-// vectors of crumbs (vector u's byte i, bits 2t and 2t + 1: bits 4 and 5 of code vector 4u + t's byte
-// i), each code + 32; kscales [V / 16, K / 256, 288] uint8: per block of 256 inputs an int8 scale per
-// 16 inputs and row ([16 sub-blocks][16 rows]), then the block's float16 scale per row. A code's
-// weight is d * scale * (code - 32), as GGML dequantizes it; each 16 inputs are summed in int32 from
-// -32 * sum(q) over them and take their float step: two per group, in input order.
-constexpr int64_t kK6Bytes = 384, kK6ScaleBytes = 288;
-
 inline void load_codes6(const uint8_t* quads, int64_t g, __m512i* codes) {
   const uint8_t* block = quads + g * kK6Bytes;
   const __m512i three = _mm512_set1_epi8(0x03);
@@ -194,50 +180,6 @@ inline void k6_tile(const int8_t* q, const float* d, const int32_t* start2, int6
   }
   for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
 }
-
-void k6_matmul(const int8_t* q, const float* d, const int32_t* start2, int64_t m, int64_t k, const uint8_t* qp,
-               const uint8_t* sp, float* o, int64_t v, int64_t vectors) {
-  const int64_t groups = k / 32, vector_bytes = groups * kK6Bytes, scale_bytes = k / 256 * kK6ScaleBytes;
-  at::parallel_for(0, (vectors + kQuadBlock - 1) / kQuadBlock, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t vec = begin * kQuadBlock; vec < std::min(end * kQuadBlock, vectors); ++vec) {
-      const int64_t cols = std::min<int64_t>(16, v - vec * 16);
-      if (cols <= 0) continue;
-      for (int64_t r = 0; r < m; r += kQuadTileRows) {
-        const int8_t* qr = q + r * k;
-        const float* dr = d + r * groups;
-        const int32_t* sr = start2 + r * groups * 2;
-        float* dst = o + r * v + vec * 16;
-        const uint8_t* vq = qp + vec * vector_bytes;
-        const uint8_t* vs = sp + vec * scale_bytes;
-        switch (std::min<int64_t>(kQuadTileRows, m - r)) {
-#define KVSERVE_ROWS(R)                                  \
-  case R:                                                \
-    k6_tile<R>(qr, dr, sr, k, vq, vs, dst, v, cols);     \
-    break;
-          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
-          KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
-#undef KVSERVE_ROWS
-          default:
-            TORCH_CHECK(false, "int8_quads_matmul: bad row tile");
-        }
-      }
-    }
-  });
-}
-
-// ----- 5 bits with a min per group (GGML's Q5_1 and Q5_K) ------------------------------------------
-// quads [V / 16, K / 32, 320]: the 5-bit layout, each code as GGML's 0..31 (no offset), and either
-//   Q5_1: scales [V / 16, K / 32, 2, 16] float16, per group the 16 rows' scales, then their mins:
-//     w = scale * code + min (6 bits a weight, as the file);
-//   Q5_K: scales [V / 16, K / 256, 320] uint8, per block of 256 inputs the 6-bit scales [8 groups][16
-//     rows] and mins [8][16] a byte each, then the rows' float16 d [16] and dmin [16]:
-//     w = (d * scale) * code - dmin * min, as GGML dequantizes it (5.625 bits a weight, the file 5.5).
-// A group's sum over code * q is exact in int32 (no offset to undo), and its float step is the int4
-// kernels' (int4_int8.cpp group_step): total = fma(scale * d, float(sum), total), then
-// total = fma(s, min, total), s = d * sum(q) from quantize_group, so the min meets the rounded inputs.
-// vpdpbusd, and from 16 rows AMX tiles where usable (min5_matmul_amx): the same integer sums and float
-// steps in one order, so the same bits whatever rows are beside a row.
-constexpr int64_t kMin5Bytes = 320, kK5ScaleBytes = 320;
 
 // Group g's scales and mins for one 16-row vector, as float32 (Q5_K's products d * scale and
 // -(dmin * min) exact: an 11-bit mantissa times a 6-bit integer).
@@ -290,6 +232,303 @@ inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k
     }
   }
   for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
+}
+#else
+// ----- AVX2 (no VNNI): the same integer sums and float steps, so the same bits ----------------------
+// A 16-row code vector is two 256-bit halves (rows 0-7, rows 8-15), each row's 4 inputs one int32
+// lane. vpdpbusd's four products per lane are vpmaddubsw (unsigned code x signed q, pairs summed
+// into int16) then vpmaddwd by ones (pairs summed into int32). vpmaddubsw saturates, so:
+// - the 5- and 6-bit codes (0..63) go in as they are; their int16 pair sums stay below 2 x 63 x 127,
+//   so 4 (5 bits) or 2 (6 bits) vectors' pair sums are added before widening;
+// - the 8-bit codes are made signed (the layout's + 128 undone) and go in as |code| against q with
+//   the code's sign (2 x 128 x 127 < 32768), llama.cpp's way; their offset is then 0 (kEightOffset).
+// Every sum is exact, so it is the same integer as vpdpbusd's, and the float steps are the same
+// operations per lane in the same order.
+constexpr int kQuadTileRows = 4;  // 2 x 4 float accumulators; the codes of a group stay in L1
+constexpr int32_t kEightOffset = 0;  // the 8-bit codes made signed as they are loaded
+
+using Half = __m256i;    // 8 rows x 4 inputs of one code vector, or 8 int32 lanes
+using Halves = Half[2];  // one code vector: rows 0-7, 8-15
+
+// byte i of the result: 0xFF where bit i of `bits` is set, else 0.
+inline __m256i bytes_of_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// The four nibble vectors at `block` (the 5- and 6-bit layouts), as load_nibbles on AVX-512.
+inline void load_nibbles(const uint8_t* block, Halves* codes) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int t = 0; t < 4; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i nibbles = load256(block + t * 64 + h * 32);
+      codes[2 * t][h] = _mm256_and_si256(nibbles, low);
+      codes[2 * t + 1][h] = _mm256_and_si256(_mm256_srli_epi16(nibbles, 4), low);
+    }
+  }
+}
+
+// Group g's eight code vectors: 8 bits signed (code), 5 bits as held (code + 16, or 0..31).
+template <int Bits>
+inline void load_codes(const uint8_t* quads, int64_t g, Halves* codes) {
+  if constexpr (Bits == 8) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int j = 0; j < 8; ++j) {
+      for (int h = 0; h < 2; ++h) codes[j][h] = _mm256_xor_si256(load256(quads + (g * 8 + j) * 64 + h * 32), flip);
+    }
+  } else {
+    const uint8_t* block = quads + g * 320;
+    const __m256i fifth = _mm256_set1_epi8(0x10);
+    load_nibbles(block, codes);
+    for (int j = 0; j < 8; ++j) {
+      uint64_t mask;
+      std::memcpy(&mask, block + 256 + 8 * j, sizeof(mask));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i set = bytes_of_bits(static_cast<uint32_t>(mask >> (32 * h)));
+        codes[j][h] = _mm256_or_si256(codes[j][h], _mm256_and_si256(set, fifth));
+      }
+    }
+  }
+}
+
+inline void load_codes6(const uint8_t* quads, int64_t g, Halves* codes) {
+  const uint8_t* block = quads + g * kK6Bytes;
+  const __m256i three = _mm256_set1_epi8(0x03);
+  load_nibbles(block, codes);
+  for (int u = 0; u < 2; ++u) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i crumbs = load256(block + 256 + u * 64 + h * 32);
+      for (int t = 0; t < 4; ++t) {
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(crumbs, _mm_cvtsi32_si128(2 * t)), three);
+        codes[4 * u + t][h] = _mm256_or_si256(codes[4 * u + t][h], _mm256_slli_epi16(high, 4));
+      }
+    }
+  }
+}
+
+// A row's inputs 4j .. 4j + 3 of group g, in every int32 lane, for j = 0..7.
+inline void broadcast_fours(const int8_t* group_q, __m256i* fours) {
+  for (int j = 0; j < 8; ++j) {
+    int32_t four;
+    std::memcpy(&four, group_q + 4 * j, sizeof(four));
+    fours[j] = _mm256_set1_epi32(four);
+  }
+}
+
+// Half h of sum over code vectors j = J0 .. J1 - 1 of code x q, in int32 lanes (8 rows), exact.
+template <int Bits, int J0, int J1>
+inline __m256i half_dot(const Halves* codes, const __m256i* fours, int h) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i sum = _mm256_setzero_si256();
+  if constexpr (Bits == 8) {
+    for (int j = J0; j < J1; ++j) {
+      const __m256i c = codes[j][h];
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(fours[j], c));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+    }
+  } else {
+    constexpr int join = Bits == 5 ? 4 : 2;  // 4 x 2 x 31 x 127 and 2 x 2 x 63 x 127 < 32768
+    static_assert((J1 - J0) % join == 0);
+    for (int j = J0; j < J1; j += join) {
+      __m256i pairs = _mm256_maddubs_epi16(codes[j][h], fours[j]);
+      for (int i = 1; i < join; ++i) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[j + i][h], fours[j + i]));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+    }
+  }
+  return sum;
+}
+
+template <typename S>
+inline __m256 load_scales8(const S* scales) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm256_loadu_ps(scales);
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+  }
+}
+
+inline __m256 halves8(const uint8_t* p) {  // 8 float16 values as float32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline void store_outputs(float* dst, const __m256* values, int64_t cols) {
+  if (cols == 16) {
+    _mm256_storeu_ps(dst, values[0]);
+    _mm256_storeu_ps(dst + 8, values[1]);
+  } else {
+    alignas(32) float all[16];
+    _mm256_store_ps(all, values[0]);
+    _mm256_store_ps(all + 8, values[1]);
+    std::memcpy(dst, all, cols * sizeof(float));
+  }
+}
+
+// R rows x one 16-row vector of outputs over all groups (quad_tile on AVX-512).
+template <int R, int Bits, typename S>
+inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int64_t k, const uint8_t* quads,
+                      const S* scales, float* out, int64_t ldo, int64_t cols) {
+  const int64_t groups = k / 32;
+  __m256 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    Halves codes[8];
+    load_codes<Bits>(quads, g, codes);
+    const __m256 scale[2] = {load_scales8(scales + g * 16), load_scales8(scales + g * 16 + 8)};
+    for (int r = 0; r < R; ++r) {
+      __m256i fours[8];
+      broadcast_fours(q + r * k + g * 32, fours);
+      const __m256 row_d = _mm256_set1_ps(d[r * groups + g]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i sum = _mm256_add_epi32(_mm256_set1_epi32(start[r * groups + g]), half_dot<Bits, 0, 8>(codes, fours, h));
+        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale[h], row_d), total[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
+}
+
+// R rows x one 16-row vector of Q6_K (k6_tile on AVX-512).
+template <int R>
+inline void k6_tile(const int8_t* q, const float* d, const int32_t* start2, int64_t k, const uint8_t* quads,
+                    const uint8_t* kscales, float* out, int64_t ldo, int64_t cols) {
+  const int64_t groups = k / 32;
+  __m256 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    Halves codes[8];
+    load_codes6(quads, g, codes);
+    const uint8_t* ks = kscales + (g / 8) * kK6ScaleBytes;
+    __m256 scale[2][2];  // [half group][half of the rows]
+    for (int hg = 0; hg < 2; ++hg) {
+      for (int h = 0; h < 2; ++h) {
+        const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ks + ((g % 8) * 2 + hg) * 16 + 8 * h));
+        scale[hg][h] = _mm256_mul_ps(halves8(ks + 256 + 16 * h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub)));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256i fours[8];
+      broadcast_fours(q + r * k + g * 32, fours);
+      const __m256 row_d = _mm256_set1_ps(d[r * groups + g]);
+      for (int hg = 0; hg < 2; ++hg) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256i dot = hg == 0 ? half_dot<6, 0, 4>(codes, fours, h) : half_dot<6, 4, 8>(codes, fours, h);
+          const __m256i sum = _mm256_add_epi32(_mm256_set1_epi32(start2[(r * groups + g) * 2 + hg]), dot);
+          total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale[hg][h], row_d), total[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
+}
+
+// Group g's scales and mins for half h of a 16-row vector (min5_scales on AVX-512).
+template <bool KQuant>
+inline void min5_scales(const uint8_t* scales, int64_t g, int h, __m256& scale, __m256& min) {
+  if constexpr (KQuant) {
+    const uint8_t* ks = scales + (g / 8) * kK5ScaleBytes;
+    const auto bytes = [&](int64_t at) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ks + at + 8 * h))));
+    };
+    scale = _mm256_mul_ps(halves8(ks + 256 + 16 * h), bytes((g % 8) * 16));
+    min = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(halves8(ks + 288 + 16 * h), bytes(128 + (g % 8) * 16)));
+  } else {
+    scale = halves8(scales + g * 64 + 16 * h);
+    min = halves8(scales + g * 64 + 32 + 16 * h);
+  }
+}
+
+// R rows x one 16-row vector of Q5_1 or Q5_K (min5_tile on AVX-512).
+template <int R, bool KQuant>
+inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint8_t* quads,
+                      const uint8_t* scales, float* out, int64_t ldo, int64_t cols) {
+  const int64_t groups = k / 32;
+  __m256 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    Halves codes[8];
+    load_codes<5>(quads, g, codes);
+    __m256 scale[2], min[2];
+    for (int h = 0; h < 2; ++h) min5_scales<KQuant>(scales, g, h, scale[h], min[h]);
+    for (int r = 0; r < R; ++r) {
+      __m256i fours[8];
+      broadcast_fours(q + r * k + g * 32, fours);
+      const __m256 row_d = _mm256_set1_ps(d[r * groups + g]), row_s = _mm256_set1_ps(s[r * groups + g]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i sum = half_dot<5, 0, 8>(codes, fours, h);
+        total[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(scale[h], row_d), _mm256_cvtepi32_ps(sum), total[r][h]);
+        total[r][h] = _mm256_fmadd_ps(row_s, min[h], total[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
+}
+#endif
+
+// The tiles of every vector and row, for one width and scale type.
+template <int Bits, typename S>
+void quads_matmul(const int8_t* q, const float* d, const int32_t* start, int64_t m, int64_t k, const uint8_t* qp,
+                  const S* sp, float* o, int64_t v, int64_t vectors) {
+  const int64_t groups = k / 32, vector_bytes = k * 16 * Bits / 8;
+  at::parallel_for(0, (vectors + kQuadBlock - 1) / kQuadBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t vec = begin * kQuadBlock; vec < std::min(end * kQuadBlock, vectors); ++vec) {
+      const uint8_t* vq = qp + vec * vector_bytes;
+      const S* vs = sp + vec * groups * 16;
+      const int64_t cols = std::min<int64_t>(16, v - vec * 16);
+      if (cols <= 0) continue;
+      for (int64_t r = 0; r < m; r += kQuadTileRows) {
+        const int8_t* qr = q + r * k;
+        const float* dr = d + r * groups;
+        const int32_t* sr = start + r * groups;
+        float* dst = o + r * v + vec * 16;
+        switch (std::min<int64_t>(kQuadTileRows, m - r)) {
+#define KVSERVE_ROWS(R)                                                  \
+  case R:                                                                \
+    quad_tile<R, Bits, S>(qr, dr, sr, k, vq, vs, dst, v, cols);          \
+    break;
+          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
+          KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
+#undef KVSERVE_ROWS
+          default:
+            TORCH_CHECK(false, "int8_quads_matmul: bad row tile");
+        }
+      }
+    }
+  });
+}
+
+void k6_matmul(const int8_t* q, const float* d, const int32_t* start2, int64_t m, int64_t k, const uint8_t* qp,
+               const uint8_t* sp, float* o, int64_t v, int64_t vectors) {
+  const int64_t groups = k / 32, vector_bytes = groups * kK6Bytes, scale_bytes = k / 256 * kK6ScaleBytes;
+  at::parallel_for(0, (vectors + kQuadBlock - 1) / kQuadBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t vec = begin * kQuadBlock; vec < std::min(end * kQuadBlock, vectors); ++vec) {
+      const int64_t cols = std::min<int64_t>(16, v - vec * 16);
+      if (cols <= 0) continue;
+      for (int64_t r = 0; r < m; r += kQuadTileRows) {
+        const int8_t* qr = q + r * k;
+        const float* dr = d + r * groups;
+        const int32_t* sr = start2 + r * groups * 2;
+        float* dst = o + r * v + vec * 16;
+        const uint8_t* vq = qp + vec * vector_bytes;
+        const uint8_t* vs = sp + vec * scale_bytes;
+        switch (std::min<int64_t>(kQuadTileRows, m - r)) {
+#define KVSERVE_ROWS(R)                                  \
+  case R:                                                \
+    k6_tile<R>(qr, dr, sr, k, vq, vs, dst, v, cols);     \
+    break;
+          KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
+          KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
+#undef KVSERVE_ROWS
+          default:
+            TORCH_CHECK(false, "int8_quads_matmul: bad row tile");
+        }
+      }
+    }
+  });
 }
 
 template <bool KQuant>
@@ -519,7 +758,7 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
                     quad_scales.is_contiguous() && quad_scales.numel() == vectors * 16 * groups,
                 "int8_quads_matmul: quad_scales [V / 16, K / 32, 16] float32 or float16");
   }
-  const int32_t offset = eight ? 128 : six ? 32 : q5_k || q5_1 ? 0 : 16;
+  const int32_t offset = eight ? kEightOffset : six ? 32 : q5_k || q5_1 ? 0 : 16;
   const at::Tensor xf = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   const int64_t padded = (m + 15) / 16 * 16;  // whole tiles of rows for AMX, zero past m
   thread_local std::vector<int8_t> q_buffer;
@@ -603,7 +842,7 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
 }
 #else
 at::Tensor int8_quads_matmul(at::Tensor, at::Tensor, at::Tensor, int64_t) {
-  TORCH_CHECK(false, "int8_quads_matmul needs AVX512-VNNI");
+  TORCH_CHECK(false, "int8_quads_matmul needs AVX2, FMA and F16C");
 }
 #endif
 

@@ -45,7 +45,7 @@ bool int8_pairs_usable();
 at::Tensor int8_pairs_matmul(at::Tensor x, at::Tensor pairs, at::Tensor pair_scales, int64_t v);
 
 // ----- int8_quads.cpp: the same codes stored 16 output rows x 4 inputs interleaved -----------------
-// Whether this build has int8_quads_matmul (AVX512-VNNI).
+// Whether this build has int8_quads_matmul (AVX2, FMA and F16C; vpdpbusd on AVX512-VNNI).
 bool int8_quads_usable();
 // x @ (codes * scales).T in float32 [M, v], x quantized to int8 per group of 32 as
 // int8_group_matmul_int8 quantizes it; quads [V / 16, K / 4, 16, 4] uint8 (8 bits, each code + 128)
@@ -198,7 +198,7 @@ enum class LinearKind : int64_t {
   Int8 = 2,   // int8 [N, K] with a scale per row (scales [N])
   Int8Groups = 3,  // int8 [N, K] with a scale per 32 inputs (scales [N, K / 32] float32): Q8_0, Q5_0
   Int8Quads = 4,   // the same as int8_quads_matmul lays them out (weight [N / 16, ...] uint8 in 8, 5 or
-                   // 6 bits, and its scales), for int8 inputs on AVX512-VNNI
+                   // 6 bits, and its scales), for int8 inputs
 };
 
 struct Linear {

@@ -52,7 +52,7 @@ at::Tensor linear(const at::Tensor& x, const Linear& l, const Int4Policy& int4) 
       }
       out = out.to(x.scalar_type());
       break;
-    case LinearKind::Int8Quads:  // the inputs are quantized to int8 (int8 activations, AVX512-VNNI)
+    case LinearKind::Int8Quads:  // the inputs are quantized to int8 (int8 activations)
       out = int8_quads_matmul(x, l.weight, l.scales, n * 16).to(x.scalar_type());
       break;
     case LinearKind::Float:
