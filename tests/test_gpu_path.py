@@ -102,11 +102,13 @@ def test_seeded_samples_batched_equal_solo_with_and_without_graphs(llm, tiny_mod
 
 
 def test_preemption_prefix_hits_and_aborts_keep_every_token(llm, tiny_model_dir):
-    """A pool of 8 blocks for three requests that need 4 each: preempted requests recompute (eagerly)
-    and decode again in graphs; a prompt behind a cached prefix attends over blocks it did not write;
-    a stream left after two chunks gives its blocks back."""
-    prompts = [f"{i} " + "lorem ipsum dolor sit amet " * 2 for i in range(3)]
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    """A pool of 8 blocks of 16 for three requests that need 2 each for their prompts (28 tokens) and a
+    third as they decode (past 32): preempted requests recompute (eagerly) and decode again in graphs;
+    a prompt behind a cached prefix attends over blocks it did not write; a stream left after two
+    chunks gives its blocks back. (Short prompts and few tokens: each step runs in Triton's
+    interpreter.)"""
+    prompts = [f"{i} lorem ipsum dolor sit amet" for i in range(3)]
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
     solo = [llm.generate(p, params).token_ids for p in prompts]
     with _llm(tiny_model_dir, kv_cache_tokens=8 * 16) as tight:
         assert [r.token_ids for r in tight.generate(prompts, params)] == solo
