@@ -110,10 +110,10 @@ inline __m512 load_scales(const S* scales) {
 
 // R rows x one 16-row vector of outputs over all groups: q [R, k] the inputs' int8 codes, d and
 // start [R, k / 32] their scales and -offset x their sums; quads this vector's codes, scales its
-// [K / 32, 16].
+// [K / 32, 16]; first_row the tile's first row among the call's (the AVX2 tiles share unpacked codes).
 template <int R, int Bits, typename S>
 inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int64_t k, const uint8_t* quads,
-                      const S* scales, float* out, int64_t ldo, int64_t cols) {
+                      const S* scales, float* out, int64_t ldo, int64_t cols, int64_t /*first_row*/) {
   const int64_t groups = k / 32;
   __m512 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
@@ -151,7 +151,7 @@ inline void load_codes6(const uint8_t* quads, int64_t g, __m512i* codes) {
 // R rows x one 16-row vector: start2 [R, k / 32, 2] -32 x each half group's sum of q.
 template <int R>
 inline void k6_tile(const int8_t* q, const float* d, const int32_t* start2, int64_t k, const uint8_t* quads,
-                    const uint8_t* kscales, float* out, int64_t ldo, int64_t cols) {
+                    const uint8_t* kscales, float* out, int64_t ldo, int64_t cols, int64_t /*first_row*/) {
   const int64_t groups = k / 32;
   __m512 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
@@ -212,7 +212,7 @@ inline __m512 min5_step(__m512 total, __m512i sum, __m512 scale, __m512 min, flo
 // R rows x one 16-row vector over all groups: s [R, k / 32] d * sum(q) of each row's group.
 template <int R, bool KQuant>
 inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint8_t* quads,
-                      const uint8_t* scales, float* out, int64_t ldo, int64_t cols) {
+                      const uint8_t* scales, float* out, int64_t ldo, int64_t cols, int64_t /*first_row*/) {
   const int64_t groups = k / 32;
   __m512 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
@@ -320,6 +320,17 @@ inline void broadcast_fours(const int8_t* group_q, __m256i* fours) {
   }
 }
 
+// Where a tile of rows keeps its vector's unpacked code vectors: where several tiles of rows share the
+// vector, this thread's buffer, which the first tile (first_row 0) fills and the others read back (the
+// driver runs a vector's tiles in turn on one thread); else nowhere (nullptr: the vector's only tile
+// unpacks into registers). For 5 and 6 bits unpacking costs more than a row's multiplies.
+template <int Bits>
+inline Halves* kept_codes(int64_t groups, int rows, int64_t first_row) {
+  if (Bits == 8 || (first_row == 0 && rows < kQuadTileRows)) return nullptr;  // 8 bits: one xor a vector
+  thread_local std::vector<__m256i> buffer;
+  return reinterpret_cast<Halves*>(scratch(buffer, groups * 16));
+}
+
 // Half h of sum over code vectors j = J0 .. J1 - 1 of code x q, in int32 lanes (8 rows), exact.
 template <int Bits, int J0, int J1>
 inline __m256i half_dot(const Halves* codes, const __m256i* fours, int h) {
@@ -371,13 +382,15 @@ inline void store_outputs(float* dst, const __m256* values, int64_t cols) {
 // R rows x one 16-row vector of outputs over all groups (quad_tile on AVX-512).
 template <int R, int Bits, typename S>
 inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int64_t k, const uint8_t* quads,
-                      const S* scales, float* out, int64_t ldo, int64_t cols) {
+                      const S* scales, float* out, int64_t ldo, int64_t cols, int64_t first_row) {
   const int64_t groups = k / 32;
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  Halves* const kept = kept_codes<Bits>(groups, R, first_row);
   for (int64_t g = 0; g < groups; ++g) {
-    Halves codes[8];
-    load_codes<Bits>(quads, g, codes);
+    Halves local[8];
+    Halves* const codes = kept != nullptr ? kept + g * 8 : local;
+    if (kept == nullptr || first_row == 0) load_codes<Bits>(quads, g, codes);
     const __m256 scale[2] = {load_scales8(scales + g * 16), load_scales8(scales + g * 16 + 8)};
     for (int r = 0; r < R; ++r) {
       __m256i fours[8];
@@ -395,13 +408,15 @@ inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int
 // R rows x one 16-row vector of Q6_K (k6_tile on AVX-512).
 template <int R>
 inline void k6_tile(const int8_t* q, const float* d, const int32_t* start2, int64_t k, const uint8_t* quads,
-                    const uint8_t* kscales, float* out, int64_t ldo, int64_t cols) {
+                    const uint8_t* kscales, float* out, int64_t ldo, int64_t cols, int64_t first_row) {
   const int64_t groups = k / 32;
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  Halves* const kept = kept_codes<6>(groups, R, first_row);
   for (int64_t g = 0; g < groups; ++g) {
-    Halves codes[8];
-    load_codes6(quads, g, codes);
+    Halves local[8];
+    Halves* const codes = kept != nullptr ? kept + g * 8 : local;
+    if (kept == nullptr || first_row == 0) load_codes6(quads, g, codes);
     const uint8_t* ks = kscales + (g / 8) * kK6ScaleBytes;
     __m256 scale[2][2];  // [half group][half of the rows]
     for (int hg = 0; hg < 2; ++hg) {
@@ -445,13 +460,15 @@ inline void min5_scales(const uint8_t* scales, int64_t g, int h, __m256& scale, 
 // R rows x one 16-row vector of Q5_1 or Q5_K (min5_tile on AVX-512).
 template <int R, bool KQuant>
 inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint8_t* quads,
-                      const uint8_t* scales, float* out, int64_t ldo, int64_t cols) {
+                      const uint8_t* scales, float* out, int64_t ldo, int64_t cols, int64_t first_row) {
   const int64_t groups = k / 32;
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  Halves* const kept = kept_codes<5>(groups, R, first_row);
   for (int64_t g = 0; g < groups; ++g) {
-    Halves codes[8];
-    load_codes<5>(quads, g, codes);
+    Halves local[8];
+    Halves* const codes = kept != nullptr ? kept + g * 8 : local;
+    if (kept == nullptr || first_row == 0) load_codes<5>(quads, g, codes);
     __m256 scale[2], min[2];
     for (int h = 0; h < 2; ++h) min5_scales<KQuant>(scales, g, h, scale[h], min[h]);
     for (int r = 0; r < R; ++r) {
@@ -488,7 +505,7 @@ void quads_matmul(const int8_t* q, const float* d, const int32_t* start, int64_t
         switch (std::min<int64_t>(kQuadTileRows, m - r)) {
 #define KVSERVE_ROWS(R)                                                  \
   case R:                                                                \
-    quad_tile<R, Bits, S>(qr, dr, sr, k, vq, vs, dst, v, cols);          \
+    quad_tile<R, Bits, S>(qr, dr, sr, k, vq, vs, dst, v, cols, r);       \
     break;
           KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
           KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
@@ -518,7 +535,7 @@ void k6_matmul(const int8_t* q, const float* d, const int32_t* start2, int64_t m
         switch (std::min<int64_t>(kQuadTileRows, m - r)) {
 #define KVSERVE_ROWS(R)                                  \
   case R:                                                \
-    k6_tile<R>(qr, dr, sr, k, vq, vs, dst, v, cols);     \
+    k6_tile<R>(qr, dr, sr, k, vq, vs, dst, v, cols, r);  \
     break;
           KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
           KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
@@ -550,7 +567,7 @@ void min5_matmul(const int8_t* q, const float* d, const float* s, int64_t m, int
         switch (std::min<int64_t>(kQuadTileRows, m - r)) {
 #define KVSERVE_ROWS(R)                                              \
   case R:                                                            \
-    min5_tile<R, KQuant>(qr, dr, sr, k, vq, vs, dst, v, cols);       \
+    min5_tile<R, KQuant>(qr, dr, sr, k, vq, vs, dst, v, cols, r);    \
     break;
           KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
           KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
