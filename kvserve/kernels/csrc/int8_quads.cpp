@@ -331,6 +331,15 @@ inline Halves* kept_codes(int64_t groups, int rows, int64_t first_row) {
   return reinterpret_cast<Halves*>(scratch(buffer, groups * 16));
 }
 
+// Group g's code vectors for a tile: read back from `kept` where an earlier tile filled it, else
+// unpacked now by `unpack` into `kept` (the first of several tiles) or `local` (the only one).
+template <typename Unpack>
+inline const Halves* group_codes(Halves* kept, Halves* local, int64_t g, int64_t first_row, Unpack unpack) {
+  Halves* const codes = kept != nullptr ? kept + g * 8 : local;
+  if (kept == nullptr || first_row == 0) unpack(codes);
+  return codes;
+}
+
 // Half h of sum over code vectors j = J0 .. J1 - 1 of code x q, in int32 lanes (8 rows), exact.
 template <int Bits, int J0, int J1>
 inline __m256i half_dot(const Halves* codes, const __m256i* fours, int h) {
@@ -389,8 +398,7 @@ inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int
   Halves* const kept = kept_codes<Bits>(groups, R, first_row);
   for (int64_t g = 0; g < groups; ++g) {
     Halves local[8];
-    Halves* const codes = kept != nullptr ? kept + g * 8 : local;
-    if (kept == nullptr || first_row == 0) load_codes<Bits>(quads, g, codes);
+    const Halves* const codes = group_codes(kept, local, g, first_row, [&](Halves* c) { load_codes<Bits>(quads, g, c); });
     const __m256 scale[2] = {load_scales8(scales + g * 16), load_scales8(scales + g * 16 + 8)};
     for (int r = 0; r < R; ++r) {
       __m256i fours[8];
@@ -415,8 +423,7 @@ inline void k6_tile(const int8_t* q, const float* d, const int32_t* start2, int6
   Halves* const kept = kept_codes<6>(groups, R, first_row);
   for (int64_t g = 0; g < groups; ++g) {
     Halves local[8];
-    Halves* const codes = kept != nullptr ? kept + g * 8 : local;
-    if (kept == nullptr || first_row == 0) load_codes6(quads, g, codes);
+    const Halves* const codes = group_codes(kept, local, g, first_row, [&](Halves* c) { load_codes6(quads, g, c); });
     const uint8_t* ks = kscales + (g / 8) * kK6ScaleBytes;
     __m256 scale[2][2];  // [half group][half of the rows]
     for (int hg = 0; hg < 2; ++hg) {
@@ -467,8 +474,7 @@ inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k
   Halves* const kept = kept_codes<5>(groups, R, first_row);
   for (int64_t g = 0; g < groups; ++g) {
     Halves local[8];
-    Halves* const codes = kept != nullptr ? kept + g * 8 : local;
-    if (kept == nullptr || first_row == 0) load_codes<5>(quads, g, codes);
+    const Halves* const codes = group_codes(kept, local, g, first_row, [&](Halves* c) { load_codes<5>(quads, g, c); });
     __m256 scale[2], min[2];
     for (int h = 0; h < 2; ++h) min5_scales<KQuant>(scales, g, h, scale[h], min[h]);
     for (int r = 0; r < R; ++r) {
