@@ -159,43 +159,53 @@ void for_each_attention_task(const Paged<T, C>& a, F&& fn) {
 // four. The softmax's exponentials go eight at a time (exp_sum), and the query heads' weighted sums
 // of values are built in registers, kDimVecs vectors of dimensions at a time, rather than in memory
 // one key at a time.
+// A task's keys and values (up to 512 KB each in float32) come from L2 or further, and its query heads
+// (a KV head's group) all read them: each block of kLanes keys, and each kValueBlock values' kDimVecs
+// vectors, is read once for all of the group's heads, which then find it in L1. The accumulators of a
+// head's weighted sum wait in `sums` between blocks of values. Every product and sum of a query head
+// is the one it would be alone, in the same order: the blocks only reorder which head goes when.
 template <typename T, typename C>
 void decode_attention_impl(const Paged<T, C>& a) {
   constexpr int kDimVecs = kLanes < 64 ? 64 / kLanes : 1, kKeys = 4;  // 64 dimensions at a time
   constexpr int kHeadsPerPass = kLanes == 16 ? 4 : 1;  // query heads summed over the values together
+  constexpr int64_t kValueBlock = 32;  // 8 KB of float32 values (64 dimensions) for the group's heads
   const int64_t group = a.group(), head_dim = a.head_dim, kv_row = a.kv_row();
   const bool vectors = head_dim % kLanes == 0;
   for_each_attention_task(a, [&](int64_t b, int64_t kvh, const std::vector<int64_t>& slots, auto pace) {
     thread_local std::vector<float> scores, q;
+    thread_local std::vector<Vec> sums;  // [group][kDimVecs]: each head's accumulators between blocks
     const int64_t len = static_cast<int64_t>(slots.size());
     const C* keys = a.k_cache + kvh * head_dim;
     const C* values = a.v_cache + kvh * head_dim;
     scratch(scores, group * len);
     scratch(q, group * head_dim);
+    scratch(sums, group * kDimVecs);
     for (int64_t i = 0; i < group * head_dim; ++i) q[i] = to_float(a.qkv[b * a.row() + kvh * group * head_dim + i]);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q.data() + g * head_dim;
-      float* sg = scores.data() + g * len;
-      int64_t j = 0;
+    int64_t whole = 0;  // keys scored kLanes at a time, every head
 #if KVSERVE_HAS_VEC_FMA
-      // kLanes keys at a time (8 on AVX2, 16 on AVX-512): their sums reduced together into one
-      // vector of scores (sum_lanes_each), cheaper than a scalar sum of each key's lanes.
-      for (; vectors && j + kLanes <= len; j += kLanes) {
+    // kLanes keys at a time (8 on AVX2, 16 on AVX-512): their sums reduced together into one vector
+    // of scores (sum_lanes_each), cheaper than a scalar sum of each key's lanes.
+    for (; vectors && whole + kLanes <= len; whole += kLanes) {
+      const C* key[kLanes];
+      for (int i = 0; i < kLanes; ++i) key[i] = keys + slots[whole + i] * kv_row;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q.data() + g * head_dim;
         Vec acc[kLanes];
-        const C* key[kLanes];
-        for (int i = 0; i < kLanes; ++i) {
-          acc[i] = Vec{};
-          key[i] = keys + slots[j + i] * kv_row;
-        }
+        for (int i = 0; i < kLanes; ++i) acc[i] = Vec{};
         for (int64_t d = 0; d < head_dim; d += kLanes) {
           const Vec qv = load_floats(qg + d);
           for (int i = 0; i < kLanes; ++i) acc[i] = fused_multiply_add(qv, load_floats(key[i] + d), acc[i]);
         }
         const Vec scaled = sum_lanes_each(acc) * a.scale;
-        std::memcpy(sg + j, &scaled, sizeof(scaled));
-        pace(kLanes, group * len);
+        std::memcpy(scores.data() + g * len + whole, &scaled, sizeof(scaled));
       }
+      pace(kLanes * group, group * len);
+    }
 #endif
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q.data() + g * head_dim;
+      float* sg = scores.data() + g * len;
+      int64_t j = whole;
       for (; vectors && j + kKeys <= len; j += kKeys) {
         Vec acc[kKeys] = {};
         for (int64_t d = 0; d < head_dim; d += kLanes) {
@@ -216,40 +226,46 @@ void decode_attention_impl(const Paged<T, C>& a) {
       for (j = 0; j < len; ++j) sg[j] *= inv;
     }
     T* o = a.out + b * a.num_heads * head_dim + kvh * group * head_dim;
-    // kHeadsPerPass query heads at a time share each value vector's load and widening (on AVX-512
-    // their 4 x 4 accumulators fit its 32 registers; AVX2's 16 hold one head's 8).
-    for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
-      const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g0);
-      int64_t d0 = 0;
-      for (; d0 + kDimVecs * kLanes <= head_dim; d0 += kDimVecs * kLanes) {
-        Vec acc[kHeadsPerPass][kDimVecs] = {};
-        for (int64_t j = 0; j < len; ++j) {
-          const C* value = values + slots[j] * kv_row + d0;
-          Vec vv[kDimVecs];
-          for (int v = 0; v < kDimVecs; ++v) vv[v] = load_floats(value + v * kLanes);
-          for (int h = 0; h < kHeadsPerPass; ++h) {
-            if (h < heads) {
-              const float p = scores[(g0 + h) * len + j];
-              for (int v = 0; v < kDimVecs; ++v) acc[h][v] += p * vv[v];
+    int64_t d0 = 0;
+    for (; d0 + kDimVecs * kLanes <= head_dim; d0 += kDimVecs * kLanes) {
+      std::fill_n(sums.begin(), group * kDimVecs, Vec{});
+      for (int64_t j0 = 0; j0 < len; j0 += kValueBlock) {
+        const int64_t j1 = std::min(j0 + kValueBlock, len);
+        // kHeadsPerPass query heads at a time share each value vector's load and widening (on AVX-512
+        // their 4 x 4 accumulators fit its 32 registers; AVX2's 16 hold one head's 8).
+        for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+          const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g0);
+          Vec acc[kHeadsPerPass][kDimVecs] = {};
+          for (int64_t h = 0; h < heads; ++h) std::memcpy(acc[h], sums.data() + (g0 + h) * kDimVecs, sizeof(acc[h]));
+          for (int64_t j = j0; j < j1; ++j) {
+            const C* value = values + slots[j] * kv_row + d0;
+            Vec vv[kDimVecs];
+            for (int v = 0; v < kDimVecs; ++v) vv[v] = load_floats(value + v * kLanes);
+            for (int h = 0; h < kHeadsPerPass; ++h) {
+              if (h < heads) {
+                const float p = scores[(g0 + h) * len + j];
+                for (int v = 0; v < kDimVecs; ++v) acc[h][v] += p * vv[v];
+              }
             }
           }
-        }
-        for (int64_t h = 0; h < heads; ++h) {
-          float lanes[kDimVecs * kLanes];
-          std::memcpy(lanes, acc[h], sizeof(lanes));
-          for (int64_t i = 0; i < kDimVecs * kLanes; ++i) o[(g0 + h) * head_dim + d0 + i] = from_float<T>(lanes[i]);
+          for (int64_t h = 0; h < heads; ++h) std::memcpy(sums.data() + (g0 + h) * kDimVecs, acc[h], sizeof(acc[h]));
         }
       }
-      for (int64_t g = g0; g < g0 + heads && d0 < head_dim; ++g) {
-        // the dimensions left over (head_dim not a multiple of kDimVecs vectors)
-        const float* sg = scores.data() + g * len;
-        std::vector<float> acc(head_dim - d0, 0.f);
-        for (int64_t j = 0; j < len; ++j) {
-          const C* value = values + slots[j] * kv_row + d0;
-          for (int64_t i = 0; i < head_dim - d0; ++i) acc[i] += sg[j] * to_float(value[i]);
-        }
-        for (int64_t i = 0; i < head_dim - d0; ++i) o[g * head_dim + d0 + i] = from_float<T>(acc[i]);
+      for (int64_t g = 0; g < group; ++g) {
+        float lanes[kDimVecs * kLanes];
+        std::memcpy(lanes, sums.data() + g * kDimVecs, sizeof(lanes));
+        for (int64_t i = 0; i < kDimVecs * kLanes; ++i) o[g * head_dim + d0 + i] = from_float<T>(lanes[i]);
       }
+    }
+    for (int64_t g = 0; g < group && d0 < head_dim; ++g) {
+      // the dimensions left over (head_dim not a multiple of kDimVecs vectors)
+      const float* sg = scores.data() + g * len;
+      std::vector<float> acc(head_dim - d0, 0.f);
+      for (int64_t j = 0; j < len; ++j) {
+        const C* value = values + slots[j] * kv_row + d0;
+        for (int64_t i = 0; i < head_dim - d0; ++i) acc[i] += sg[j] * to_float(value[i]);
+      }
+      for (int64_t i = 0; i < head_dim - d0; ++i) o[g * head_dim + d0 + i] = from_float<T>(acc[i]);
     }
   });
 }
