@@ -84,3 +84,50 @@ def test_a_row_is_the_same_bits_alone_and_beside_other_rows(dtype):
     for b in range(len(LENGTHS)):
         alone = ops.decode_attention(qkv[b : b + 1], k_cache, v_cache, tables[b : b + 1], seq_lens[b : b + 1], shape)
         assert torch.equal(alone[0], together[b]), f"row {b} ({LENGTHS[b]} keys)"
+
+
+def _prompts(lengths: list[int], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 2):
+    """The rows of whole prompts, as a prefill step lays them out: prompt p's rows share one block table
+    and attend over 1, 2, ... lengths[p] keys. The prompts' rows are interleaved in runs (part of one,
+    another, the rest of the first) so that runs of rows with the same table start and stop anywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = [-(-n // BLOCK_SIZE) for n in lengths]
+    num_blocks = 3 * sum(widths)
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for width in widths:
+        table = torch.zeros(max(widths), dtype=torch.long)
+        table[:width] = torch.tensor(order[:width])
+        del order[:width]
+        tables.append(table)
+    rows = []  # (prompt, keys)
+    for p, n in enumerate(lengths):
+        rows += [(p, keys) for keys in range(1, n + 1)]
+    half = lengths[0] // 2
+    rows = rows[:half] + rows[lengths[0] :] + rows[half : lengths[0]]
+    qkv = torch.randn(len(rows), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    block_tables = torch.stack([tables[p] for p, _ in rows]).contiguous()
+    return qkv, k_cache, v_cache, block_tables, torch.tensor([keys for _, keys in rows], dtype=torch.long)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "window"),
+    [(4, 1, 256, 0), (4, 1, 256, 50), (9, 3, 64, 0), (4, 2, 80, 0)],
+)
+def test_a_prompts_rows_together_are_each_the_same_bits_as_alone(dtype, num_heads, num_kv_heads, head_dim, window):
+    """A prompt's rows share their block table, and the kernel reads their keys once for a tile of them:
+    each row is still its own arithmetic (the same bits as alone) and right (against float64)."""
+    shape = _shape(num_heads, num_kv_heads, head_dim)
+    case = _prompts([70, 45], num_heads, num_kv_heads, head_dim, dtype)
+    together = ops.decode_attention(*case, shape, window)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(together.double(), _reference(*case, shape, window), atol=tolerance, rtol=tolerance)
+    qkv, k_cache, v_cache, tables, seq_lens = case
+    for b in range(len(seq_lens)):
+        alone = ops.decode_attention(
+            qkv[b : b + 1], k_cache, v_cache, tables[b : b + 1], seq_lens[b : b + 1], shape, window
+        )
+        assert torch.equal(alone[0], together[b]), f"row {b} ({seq_lens[b]} keys)"

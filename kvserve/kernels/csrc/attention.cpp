@@ -98,38 +98,67 @@ struct Paged {
   int64_t kv_row() const { return num_kv_heads * head_dim; }                 // of a cache slot
 };
 
-// The tasks of decode attention: (row, KV head) pairs, taken by whichever thread is free, rows from
-// both ends in turn (a prompt's rows attend over 1 to n keys). fn(b, kvh, slots, pace) computes one:
-// slots are the cache slots of the row's keys. The cache rows are scattered over blocks and mostly in
-// DRAM, so while a thread works on one task it fetches the rows of the next one it has claimed into
-// L2, spread over the work: fn calls pace(done, work) as it goes, `done` more units of its `work`
-// (key x query head products) being done.
-template <typename T, typename C, typename F>
+// Row b's keys: positions [key_range(a, b).first, .second) of its sequence (the last `window` of them).
+template <typename T, typename C>
+std::pair<int64_t, int64_t> key_range(const Paged<T, C>& a, int64_t b) {
+  const int64_t end = a.seq_lens[b];
+  return {a.window > 0 ? std::max<int64_t>(0, end - a.window) : 0, end};
+}
+
+// The tasks of decode attention: (tile of rows, KV head) pairs, taken by whichever thread is free,
+// tiles from both ends in turn (a prompt's rows attend over 1 to n keys). A tile is up to MaxRows (fewer
+// where there would be under 4 tasks a thread) consecutive rows with the same block table (a prompt's rows in one step; a decode row is a tile of
+// its own), so that a task reads their shared keys once for all of them. fn(b, rows, kvh, slots, first,
+// pace) computes rows [b, b + rows) for one KV head: slots are the cache slots of positions first,
+// first + 1, ... up to the tile's last key, and row b + r's keys are those of key_range(a, b + r). The
+// cache rows are scattered over blocks and mostly in DRAM, so while a thread works on one task it
+// fetches the rows of the next one it has claimed into L2, spread over the work: fn calls pace(done,
+// work) as it goes, `done` more units of its `work` (key x query head products) being done.
+template <int64_t MaxRows, typename T, typename C, typename F>
 void for_each_attention_task(const Paged<T, C>& a, F&& fn) {
-  const int64_t num_tasks = a.num_seqs * a.num_kv_heads, kv_row = a.kv_row();
-  std::atomic<int64_t> next{0};
-  const auto task_row = [&](int64_t task) {
-    const int64_t i = task / a.num_kv_heads;
-    return i % 2 == 0 ? i / 2 : a.num_seqs - 1 - i / 2;
-  };
-  const auto task_slots = [&](int64_t task, std::vector<int64_t>& slots) {  // walking its block table
-    slots.clear();
-    if (task >= num_tasks) return;
-    const int64_t b = task_row(task), end = a.seq_lens[b];
+  const int64_t kv_row = a.kv_row();
+  // at least 4 tasks a thread where the rows allow, for the threads to finish together
+  const int64_t tile_rows = std::clamp<int64_t>(a.num_seqs * a.num_kv_heads / (4 * at::get_num_threads()), 1, MaxRows);
+  std::vector<int64_t> tiles{0};  // each tile's first row, then num_seqs
+  for (int64_t b = 1; b < a.num_seqs; ++b) {
     const int64_t* table = a.block_tables + b * a.max_blocks;
-    for (int64_t pos = a.window > 0 ? std::max<int64_t>(0, end - a.window) : 0; pos < end;) {
+    if (b - tiles.back() >= tile_rows || std::memcmp(table - a.max_blocks, table, a.max_blocks * sizeof(int64_t)) != 0) {
+      tiles.push_back(b);
+    }
+  }
+  tiles.push_back(a.num_seqs);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1, num_tasks = num_tiles * a.num_kv_heads;
+  std::atomic<int64_t> next{0};
+  const auto task_tile = [&](int64_t task) {
+    const int64_t i = task / a.num_kv_heads;
+    return i % 2 == 0 ? i / 2 : num_tiles - 1 - i / 2;
+  };
+  // the tile's slots (walking its block table) from its first key's position, which it returns
+  const auto task_slots = [&](int64_t task, std::vector<int64_t>& slots) -> int64_t {
+    slots.clear();
+    if (task >= num_tasks) return 0;
+    const int64_t t = task_tile(task);
+    int64_t first = INT64_MAX, end = 0;
+    for (int64_t b = tiles[t]; b < tiles[t + 1]; ++b) {
+      const auto [lo, hi] = key_range(a, b);
+      first = std::min(first, lo);
+      end = std::max(end, hi);
+    }
+    const int64_t* table = a.block_tables + tiles[t] * a.max_blocks;
+    for (int64_t pos = first; pos < end;) {
       const int64_t block = pos / a.block_size, stop = std::min((block + 1) * a.block_size, end);
       const int64_t base = (table[block] - block) * a.block_size;
       for (; pos < stop; ++pos) slots.push_back(base + pos);
     }
+    return first;
   };
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<int64_t> slots, next_slots;
     int64_t task = next.fetch_add(1);
-    task_slots(task, slots);
+    int64_t first = task_slots(task, slots);
     while (task < num_tasks) {
       const int64_t claimed = next.fetch_add(1);
-      task_slots(claimed, next_slots);
+      const int64_t next_first = task_slots(claimed, next_slots);
       const int64_t head = claimed % a.num_kv_heads * a.head_dim, total = static_cast<int64_t>(next_slots.size());
       int64_t fetched = 0;
       const auto prefetch = [&](int64_t rows) {
@@ -145,10 +174,12 @@ void for_each_attention_task(const Paged<T, C>& a, F&& fn) {
       const auto pace = [&](int64_t done, int64_t work) {  // done of work units: their share of the rows
         prefetch((total * done + work - 1) / std::max<int64_t>(1, work));
       };
-      fn(task_row(task), task % a.num_kv_heads, slots, pace);
+      const int64_t t = task_tile(task);
+      fn(tiles[t], tiles[t + 1] - tiles[t], task % a.num_kv_heads, slots, first, pace);
       prefetch(total);
       std::swap(slots, next_slots);
       task = claimed;
+      first = next_first;
     }
   });
 }
@@ -159,113 +190,141 @@ void for_each_attention_task(const Paged<T, C>& a, F&& fn) {
 // four. The softmax's exponentials go eight at a time (exp_sum), and the query heads' weighted sums
 // of values are built in registers, kDimVecs vectors of dimensions at a time, rather than in memory
 // one key at a time.
-// A task's keys and values (up to 512 KB each in float32) come from L2 or further, and its query heads
-// (a KV head's group) all read them: each block of kLanes keys, and each kValueBlock values' kDimVecs
-// vectors, is read once for all of the group's heads, which then find it in L1. The accumulators of a
-// head's weighted sum wait in `sums` between blocks of values. Every product and sum of a query head
-// is the one it would be alone, in the same order: the blocks only reorder which head goes when.
+// A task's keys and values (up to 512 KB each in float32 at 512 positions of 256 dimensions) come from
+// L2 or further, and all of its rows and query heads read them. So the task walks them a chunk at a
+// time (kKeyChunk keys, kValueChunk values' kDimVecs vectors: 8-32 KB), each row's and head's share of
+// the chunk in turn, then the next chunk: a chunk comes from L2 or L3 once and from L1 for the rest.
+// A row's scores wait in `scores`, and the accumulators of a head's weighted sum in `sums`, between
+// chunks. Every product and sum of a row and head is the one it would be alone, in the same order:
+// the chunks only reorder which row and head goes when.
 template <typename T, typename C>
 void decode_attention_impl(const Paged<T, C>& a) {
   constexpr int kDimVecs = kLanes < 64 ? 64 / kLanes : 1, kKeys = 4;  // 64 dimensions at a time
   constexpr int kHeadsPerPass = kLanes == 16 ? 4 : 1;  // query heads summed over the values together
-  constexpr int64_t kValueBlock = 32;  // 8 KB of float32 values (64 dimensions) for the group's heads
+  constexpr int64_t kTileRows = 16, kKeyChunk = 16, kValueChunk = 64;
   const int64_t group = a.group(), head_dim = a.head_dim, kv_row = a.kv_row();
   const bool vectors = head_dim % kLanes == 0;
-  for_each_attention_task(a, [&](int64_t b, int64_t kvh, const std::vector<int64_t>& slots, auto pace) {
-    thread_local std::vector<float> scores, q;
-    thread_local std::vector<Vec> sums;  // [group][kDimVecs]: each head's accumulators between blocks
-    const int64_t len = static_cast<int64_t>(slots.size());
+  for_each_attention_task<kTileRows>(a, [&](int64_t b0, int64_t rows, int64_t kvh, const std::vector<int64_t>& slots,
+                                            int64_t first, auto pace) {
+    thread_local std::vector<float> scores, q;  // [rows][group][span] (a row's own keys from 0), [rows][group][D]
+    thread_local std::vector<Vec> sums;         // [rows][group][kDimVecs]
+    const int64_t span = static_cast<int64_t>(slots.size());
     const C* keys = a.k_cache + kvh * head_dim;
     const C* values = a.v_cache + kvh * head_dim;
-    scratch(scores, group * len);
-    scratch(q, group * head_dim);
-    scratch(sums, group * kDimVecs);
-    for (int64_t i = 0; i < group * head_dim; ++i) q[i] = to_float(a.qkv[b * a.row() + kvh * group * head_dim + i]);
-    int64_t whole = 0;  // keys scored kLanes at a time, every head
+    scratch(scores, rows * group * span);
+    scratch(q, rows * group * head_dim);
+    scratch(sums, rows * group * kDimVecs);
+    int64_t lo[kTileRows], len[kTileRows], whole[kTileRows], work = 0;  // row r's keys: slots[lo, lo + len)
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto [begin, end] = key_range(a, b0 + r);
+      lo[r] = begin - first;
+      len[r] = end - begin;
+      whole[r] = 0;  // its keys scored kLanes at a time, every head
+      work += group * len[r];
+      const T* qkv = a.qkv + (b0 + r) * a.row() + kvh * group * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) q[r * group * head_dim + i] = to_float(qkv[i]);
+    }
+    const auto row_scores = [&](int64_t r, int64_t g) { return scores.data() + (r * group + g) * span; };
 #if KVSERVE_HAS_VEC_FMA
     // kLanes keys at a time (8 on AVX2, 16 on AVX-512): their sums reduced together into one vector
-    // of scores (sum_lanes_each), cheaper than a scalar sum of each key's lanes.
-    for (; vectors && whole + kLanes <= len; whole += kLanes) {
-      const C* key[kLanes];
-      for (int i = 0; i < kLanes; ++i) key[i] = keys + slots[whole + i] * kv_row;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q.data() + g * head_dim;
-        Vec acc[kLanes];
-        for (int i = 0; i < kLanes; ++i) acc[i] = Vec{};
-        for (int64_t d = 0; d < head_dim; d += kLanes) {
-          const Vec qv = load_floats(qg + d);
-          for (int i = 0; i < kLanes; ++i) acc[i] = fused_multiply_add(qv, load_floats(key[i] + d), acc[i]);
+    // of scores (sum_lanes_each), cheaper than a scalar sum of each key's lanes. A row's pass of
+    // kLanes keys goes with the chunk its first key is in.
+    for (int64_t c1 = kKeyChunk; vectors && c1 < span + kKeyChunk; c1 += kKeyChunk) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (; whole[r] + kLanes <= len[r] && lo[r] + whole[r] < c1; whole[r] += kLanes) {
+          const C* key[kLanes];
+          for (int i = 0; i < kLanes; ++i) key[i] = keys + slots[lo[r] + whole[r] + i] * kv_row;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q.data() + (r * group + g) * head_dim;
+            Vec acc[kLanes];
+            for (int i = 0; i < kLanes; ++i) acc[i] = Vec{};
+            for (int64_t d = 0; d < head_dim; d += kLanes) {
+              const Vec qv = load_floats(qg + d);
+              for (int i = 0; i < kLanes; ++i) acc[i] = fused_multiply_add(qv, load_floats(key[i] + d), acc[i]);
+            }
+            const Vec scaled = sum_lanes_each(acc) * a.scale;
+            std::memcpy(row_scores(r, g) + whole[r], &scaled, sizeof(scaled));
+          }
+          pace(kLanes * group, work);
         }
-        const Vec scaled = sum_lanes_each(acc) * a.scale;
-        std::memcpy(scores.data() + g * len + whole, &scaled, sizeof(scaled));
       }
-      pace(kLanes * group, group * len);
     }
 #endif
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q.data() + g * head_dim;
-      float* sg = scores.data() + g * len;
-      int64_t j = whole;
-      for (; vectors && j + kKeys <= len; j += kKeys) {
-        Vec acc[kKeys] = {};
-        for (int64_t d = 0; d < head_dim; d += kLanes) {
-          const Vec qv = load_floats(qg + d);
-          for (int i = 0; i < kKeys; ++i) acc[i] += qv * load_floats(keys + slots[j + i] * kv_row + d);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t* row_slots = slots.data() + lo[r];
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q.data() + (r * group + g) * head_dim;
+        float* sg = row_scores(r, g);
+        int64_t j = whole[r];
+        for (; vectors && j + kKeys <= len[r]; j += kKeys) {
+          Vec acc[kKeys] = {};
+          for (int64_t d = 0; d < head_dim; d += kLanes) {
+            const Vec qv = load_floats(qg + d);
+            for (int i = 0; i < kKeys; ++i) acc[i] += qv * load_floats(keys + row_slots[j + i] * kv_row + d);
+          }
+          for (int i = 0; i < kKeys; ++i) sg[j + i] = sum_lanes(acc[i]) * a.scale;
+          pace(kKeys, work);
         }
-        for (int i = 0; i < kKeys; ++i) sg[j + i] = sum_lanes(acc[i]) * a.scale;
-        pace(kKeys, group * len);
-      }
-      for (; j < len; ++j) {
-        const C* key = keys + slots[j] * kv_row;
-        float dot = 0.f;
+        for (; j < len[r]; ++j) {
+          const C* key = keys + row_slots[j] * kv_row;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < head_dim; ++i) dot += qg[i] * to_float(key[i]);
-        sg[j] = dot * a.scale;
+          for (int64_t i = 0; i < head_dim; ++i) dot += qg[i] * to_float(key[i]);
+          sg[j] = dot * a.scale;
+        }
+        const float inv = 1.f / exp_sum(sg, len[r]);
+        for (j = 0; j < len[r]; ++j) sg[j] *= inv;
       }
-      const float inv = 1.f / exp_sum(sg, len);
-      for (j = 0; j < len; ++j) sg[j] *= inv;
     }
-    T* o = a.out + b * a.num_heads * head_dim + kvh * group * head_dim;
+    const auto out = [&](int64_t r, int64_t g) { return a.out + (b0 + r) * a.num_heads * head_dim + (kvh * group + g) * head_dim; };
     int64_t d0 = 0;
     for (; d0 + kDimVecs * kLanes <= head_dim; d0 += kDimVecs * kLanes) {
-      std::fill_n(sums.begin(), group * kDimVecs, Vec{});
-      for (int64_t j0 = 0; j0 < len; j0 += kValueBlock) {
-        const int64_t j1 = std::min(j0 + kValueBlock, len);
-        // kHeadsPerPass query heads at a time share each value vector's load and widening (on AVX-512
-        // their 4 x 4 accumulators fit its 32 registers; AVX2's 16 hold one head's 8).
-        for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
-          const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g0);
-          Vec acc[kHeadsPerPass][kDimVecs] = {};
-          for (int64_t h = 0; h < heads; ++h) std::memcpy(acc[h], sums.data() + (g0 + h) * kDimVecs, sizeof(acc[h]));
-          for (int64_t j = j0; j < j1; ++j) {
-            const C* value = values + slots[j] * kv_row + d0;
-            Vec vv[kDimVecs];
-            for (int v = 0; v < kDimVecs; ++v) vv[v] = load_floats(value + v * kLanes);
-            for (int h = 0; h < kHeadsPerPass; ++h) {
-              if (h < heads) {
-                const float p = scores[(g0 + h) * len + j];
-                for (int v = 0; v < kDimVecs; ++v) acc[h][v] += p * vv[v];
+      std::fill_n(sums.begin(), rows * group * kDimVecs, Vec{});
+      for (int64_t c0 = 0; c0 < span; c0 += kValueChunk) {
+        for (int64_t r = 0; r < rows; ++r) {
+          // row r's keys j0 .. j1 - 1 lie in this chunk
+          const int64_t j0 = std::max<int64_t>(c0 - lo[r], 0), j1 = std::min(c0 + kValueChunk - lo[r], len[r]);
+          // kHeadsPerPass query heads at a time share each value vector's load and widening (on
+          // AVX-512 their 4 x 4 accumulators fit its 32 registers; AVX2's 16 hold one head's 8).
+          for (int64_t g0 = 0; g0 < group && j0 < j1; g0 += kHeadsPerPass) {
+            const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g0);
+            Vec* held = sums.data() + (r * group + g0) * kDimVecs;
+            Vec acc[kHeadsPerPass][kDimVecs] = {};
+            for (int64_t h = 0; h < heads; ++h) std::memcpy(acc[h], held + h * kDimVecs, sizeof(acc[h]));
+            for (int64_t j = j0; j < j1; ++j) {
+              const C* value = values + slots[lo[r] + j] * kv_row + d0;
+              Vec vv[kDimVecs];
+              for (int v = 0; v < kDimVecs; ++v) vv[v] = load_floats(value + v * kLanes);
+              for (int h = 0; h < kHeadsPerPass; ++h) {
+                if (h < heads) {
+                  const float p = row_scores(r, g0 + h)[j];
+                  for (int v = 0; v < kDimVecs; ++v) acc[h][v] += p * vv[v];
+                }
               }
             }
+            for (int64_t h = 0; h < heads; ++h) std::memcpy(held + h * kDimVecs, acc[h], sizeof(acc[h]));
           }
-          for (int64_t h = 0; h < heads; ++h) std::memcpy(sums.data() + (g0 + h) * kDimVecs, acc[h], sizeof(acc[h]));
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float lanes[kDimVecs * kLanes];
-        std::memcpy(lanes, sums.data() + g * kDimVecs, sizeof(lanes));
-        for (int64_t i = 0; i < kDimVecs * kLanes; ++i) o[g * head_dim + d0 + i] = from_float<T>(lanes[i]);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          float lanes[kDimVecs * kLanes];
+          std::memcpy(lanes, sums.data() + (r * group + g) * kDimVecs, sizeof(lanes));
+          for (int64_t i = 0; i < kDimVecs * kLanes; ++i) out(r, g)[d0 + i] = from_float<T>(lanes[i]);
+        }
       }
     }
-    for (int64_t g = 0; g < group && d0 < head_dim; ++g) {
-      // the dimensions left over (head_dim not a multiple of kDimVecs vectors)
-      const float* sg = scores.data() + g * len;
-      std::vector<float> acc(head_dim - d0, 0.f);
-      for (int64_t j = 0; j < len; ++j) {
-        const C* value = values + slots[j] * kv_row + d0;
-        for (int64_t i = 0; i < head_dim - d0; ++i) acc[i] += sg[j] * to_float(value[i]);
+    for (int64_t r = 0; r < rows && d0 < head_dim; ++r) {
+      for (int64_t g = 0; g < group; ++g) {
+        // the dimensions left over (head_dim not a multiple of kDimVecs vectors)
+        const float* sg = row_scores(r, g);
+        std::vector<float> acc(head_dim - d0, 0.f);
+        for (int64_t j = 0; j < len[r]; ++j) {
+          const C* value = values + slots[lo[r] + j] * kv_row + d0;
+          for (int64_t i = 0; i < head_dim - d0; ++i) acc[i] += sg[j] * to_float(value[i]);
+        }
+        for (int64_t i = 0; i < head_dim - d0; ++i) out(r, g)[d0 + i] = from_float<T>(acc[i]);
       }
-      for (int64_t i = 0; i < head_dim - d0; ++i) o[g * head_dim + d0 + i] = from_float<T>(acc[i]);
     }
   });
 }
@@ -288,7 +347,9 @@ void decode_attention_bf16(const Paged<c10::BFloat16, c10::BFloat16>& a) {
   // 4L + i is dimension 8L + i, hi lane 4L + i is 8L + 4 + i (L, i < 4); these put them back in order.
   const __m512i dims_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i dims_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for_each_attention_task(a, [&](int64_t b, int64_t kvh, const std::vector<int64_t>& slots, auto pace) {
+  // tiles of one row: slots are row b's keys (first, its first position, unused)
+  for_each_attention_task<1>(a, [&](int64_t b, int64_t /*rows*/, int64_t kvh, const std::vector<int64_t>& slots,
+                                    int64_t /*first*/, auto pace) {
     thread_local std::vector<float> scores;
     thread_local std::vector<uint16_t> probs;  // per query head, padded with zeros to an even count
     const int64_t len = static_cast<int64_t>(slots.size()), padded = len + (len & 1);
