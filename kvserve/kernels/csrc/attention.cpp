@@ -106,14 +106,15 @@ std::pair<int64_t, int64_t> key_range(const Paged<T, C>& a, int64_t b) {
 }
 
 // The tasks of decode attention: (tile of rows, KV head) pairs, taken by whichever thread is free,
-// tiles from both ends in turn (a prompt's rows attend over 1 to n keys). A tile is up to MaxRows (fewer
-// where there would be under 4 tasks a thread) consecutive rows with the same block table (a prompt's rows in one step; a decode row is a tile of
-// its own), so that a task reads their shared keys once for all of them. fn(b, rows, kvh, slots, first,
-// pace) computes rows [b, b + rows) for one KV head: slots are the cache slots of positions first,
-// first + 1, ... up to the tile's last key, and row b + r's keys are those of key_range(a, b + r). The
-// cache rows are scattered over blocks and mostly in DRAM, so while a thread works on one task it
-// fetches the rows of the next one it has claimed into L2, spread over the work: fn calls pace(done,
-// work) as it goes, `done` more units of its `work` (key x query head products) being done.
+// tiles from both ends in turn (a prompt's rows attend over 1 to n keys). A tile is up to MaxRows
+// consecutive rows with the same block table (a prompt's rows in one step; a decode row is a tile of
+// its own), fewer where there would be under 4 tasks a thread, so that a task reads their shared keys
+// once for all of them. fn(b, rows, kvh, slots, first, pace) computes rows [b, b + rows) for one KV
+// head: slots are the cache slots of positions first, first + 1, ... up to the tile's last key, and row
+// b + r's keys are those of key_range(a, b + r). The cache rows are scattered over blocks and mostly
+// in DRAM, so while a thread works on one task it fetches the rows of the next one it has claimed into
+// L2, spread over the work: fn calls pace(done, work) as it goes, `done` more units of its `work` (key
+// x query head products) being done.
 template <int64_t MaxRows, typename T, typename C, typename F>
 void for_each_attention_task(const Paged<T, C>& a, F&& fn) {
   const int64_t kv_row = a.kv_row();
@@ -122,9 +123,8 @@ void for_each_attention_task(const Paged<T, C>& a, F&& fn) {
   std::vector<int64_t> tiles{0};  // each tile's first row, then num_seqs
   for (int64_t b = 1; b < a.num_seqs; ++b) {
     const int64_t* table = a.block_tables + b * a.max_blocks;
-    if (b - tiles.back() >= tile_rows || std::memcmp(table - a.max_blocks, table, a.max_blocks * sizeof(int64_t)) != 0) {
-      tiles.push_back(b);
-    }
+    const bool same_table = std::memcmp(table - a.max_blocks, table, a.max_blocks * sizeof(int64_t)) == 0;
+    if (b - tiles.back() >= tile_rows || !same_table) tiles.push_back(b);
   }
   tiles.push_back(a.num_seqs);
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1, num_tasks = num_tiles * a.num_kv_heads;
@@ -276,7 +276,9 @@ void decode_attention_impl(const Paged<T, C>& a) {
         for (j = 0; j < len[r]; ++j) sg[j] *= inv;
       }
     }
-    const auto out = [&](int64_t r, int64_t g) { return a.out + (b0 + r) * a.num_heads * head_dim + (kvh * group + g) * head_dim; };
+    const auto out = [&](int64_t r, int64_t g) {
+      return a.out + (b0 + r) * a.num_heads * head_dim + (kvh * group + g) * head_dim;
+    };
     int64_t d0 = 0;
     for (; d0 + kDimVecs * kLanes <= head_dim; d0 += kDimVecs * kLanes) {
       std::fill_n(sums.begin(), rows * group * kDimVecs, Vec{});
