@@ -320,24 +320,70 @@ inline void broadcast_fours(const int8_t* group_q, __m256i* fours) {
   }
 }
 
-// Where a tile of rows keeps its vector's unpacked code vectors: where several tiles of rows share the
-// vector, this thread's buffer, which the first tile (first_row 0) fills and the others read back (the
-// driver runs a vector's tiles in turn on one thread); else nowhere (nullptr: the vector's only tile
-// unpacks into registers). For 5 and 6 bits unpacking costs more than a row's multiplies.
-template <int Bits>
-inline Halves* kept_codes(int64_t groups, int rows, int64_t first_row) {
-  if (Bits == 8 || (first_row == 0 && rows < kQuadTileRows)) return nullptr;  // 8 bits: one xor a vector
-  thread_local std::vector<__m256i> buffer;
-  return reinterpret_cast<Halves*>(scratch(buffer, groups * 16));
+inline void store_outputs(float* dst, const __m256* values, int64_t cols) {
+  if (cols == 16) {
+    _mm256_storeu_ps(dst, values[0]);
+    _mm256_storeu_ps(dst + 8, values[1]);
+  } else {
+    alignas(32) float all[16];
+    _mm256_store_ps(all, values[0]);
+    _mm256_store_ps(all + 8, values[1]);
+    std::memcpy(dst, all, cols * sizeof(float));
+  }
 }
 
-// Group g's code vectors for a tile: read back from `kept` where an earlier tile filled it, else
-// unpacked now by `unpack` into `kept` (the first of several tiles) or `local` (the only one).
-template <typename Unpack>
-inline const Halves* group_codes(Halves* kept, Halves* local, int64_t g, int64_t first_row, Unpack unpack) {
-  Halves* const codes = kept != nullptr ? kept + g * 8 : local;
-  if (kept == nullptr || first_row == 0) unpack(codes);
-  return codes;
+// A group's data for the rows' steps, unpacked from the layout: its eight code vectors (8 bits signed,
+// 5 and 6 bits as held) and up to four vectors of float scales (each form its own: see its tile).
+struct GroupData {
+  Halves codes[8];
+  __m256 scales[4];
+};
+
+// Where a tile of rows keeps its vector's unpacked groups: where several tiles of a pass's rows share the
+// vector, this thread's buffer, which the first tile (first_row 0) fills and the others read back (the
+// driver runs a vector's tiles of a pass in turn on one thread); else nowhere (nullptr: the vector's
+// only tile unpacks group by group).
+inline GroupData* kept_groups(int64_t groups, int rows, int64_t first_row) {
+  if (first_row == 0 && rows < kQuadTileRows) return nullptr;
+  thread_local std::vector<GroupData> buffer;
+  return scratch(buffer, groups);
+}
+
+constexpr int64_t kGroupChunk = 16;  // 10 KB of unpacked groups, in L1 for each of a tile's rows in turn
+
+// R rows x one 16-row vector of outputs over all groups, for any form: unpack(g, data) unpacks group g,
+// step(r, g, data, total) adds row r's group g to its two accumulators (rows 0-7 and 8-15 of the
+// vector). A vector's only tile unpacks each group for its rows. Where tiles share the vector, the first
+// unpacks every group into the kept buffer, and each tile runs its rows in turn over kGroupChunk groups
+// at a time, a row's accumulators in registers (AVX2's 16 do not hold 4 rows' and a group's inputs).
+// Either way a row takes its groups' steps in group order, so its bits are the same.
+template <int R, typename Unpack, typename Step>
+inline void run_tile(int64_t groups, int64_t first_row, float* out, int64_t ldo, int64_t cols, Unpack unpack,
+                     Step step) {
+  __m256 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  GroupData* const kept = kept_groups(groups, R, first_row);
+  if (kept == nullptr) {
+    for (int64_t g = 0; g < groups; ++g) {
+      GroupData data;
+      unpack(g, data);
+      for (int r = 0; r < R; ++r) step(r, g, data, total[r]);
+    }
+  } else {
+    if (first_row == 0) {
+      for (int64_t g = 0; g < groups; ++g) unpack(g, kept[g]);
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += kGroupChunk) {
+      const int64_t g1 = std::min(g0 + kGroupChunk, groups);
+      for (int r = 0; r < R; ++r) {
+        __m256 row[2] = {total[r][0], total[r][1]};
+        for (int64_t g = g0; g < g1; ++g) step(r, g, kept[g], row);
+        total[r][0] = row[0];
+        total[r][1] = row[1];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
 }
 
 // Half h of sum over code vectors j = J0 .. J1 - 1 of code x q, in int32 lanes (8 rows), exact.
@@ -376,76 +422,60 @@ inline __m256 halves8(const uint8_t* p) {  // 8 float16 values as float32
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-inline void store_outputs(float* dst, const __m256* values, int64_t cols) {
-  if (cols == 16) {
-    _mm256_storeu_ps(dst, values[0]);
-    _mm256_storeu_ps(dst + 8, values[1]);
-  } else {
-    alignas(32) float all[16];
-    _mm256_store_ps(all, values[0]);
-    _mm256_store_ps(all + 8, values[1]);
-    std::memcpy(dst, all, cols * sizeof(float));
-  }
-}
 
 // R rows x one 16-row vector of outputs over all groups (quad_tile on AVX-512).
 template <int R, int Bits, typename S>
 inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int64_t k, const uint8_t* quads,
                       const S* scales, float* out, int64_t ldo, int64_t cols, int64_t first_row) {
   const int64_t groups = k / 32;
-  __m256 total[R][2];
-  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  Halves* const kept = kept_codes<Bits>(groups, R, first_row);
-  for (int64_t g = 0; g < groups; ++g) {
-    Halves local[8];
-    const Halves* const codes = group_codes(kept, local, g, first_row, [&](Halves* c) { load_codes<Bits>(quads, g, c); });
-    const __m256 scale[2] = {load_scales8(scales + g * 16), load_scales8(scales + g * 16 + 8)};
-    for (int r = 0; r < R; ++r) {
-      __m256i fours[8];
-      broadcast_fours(q + r * k + g * 32, fours);
-      const __m256 row_d = _mm256_set1_ps(d[r * groups + g]);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i sum = _mm256_add_epi32(_mm256_set1_epi32(start[r * groups + g]), half_dot<Bits, 0, 8>(codes, fours, h));
-        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale[h], row_d), total[r][h]);
-      }
+  const auto unpack = [&](int64_t g, GroupData& data) {
+    load_codes<Bits>(quads, g, data.codes);
+    data.scales[0] = load_scales8(scales + g * 16);
+    data.scales[1] = load_scales8(scales + g * 16 + 8);
+  };
+  const auto step = [&](int r, int64_t g, const GroupData& data, __m256* total) {
+    __m256i fours[8];
+    broadcast_fours(q + r * k + g * 32, fours);
+    const __m256 row_d = _mm256_set1_ps(d[r * groups + g]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i dot = half_dot<Bits, 0, 8>(data.codes, fours, h);
+      const __m256i sum = _mm256_add_epi32(_mm256_set1_epi32(start[r * groups + g]), dot);
+      total[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(data.scales[h], row_d), total[h]);
     }
-  }
-  for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
+  };
+  run_tile<R>(groups, first_row, out, ldo, cols, unpack, step);
 }
 
-// R rows x one 16-row vector of Q6_K (k6_tile on AVX-512).
+// R rows x one 16-row vector of Q6_K (k6_tile on AVX-512). scales[2 hg + h]: half group hg's, rows of half h.
 template <int R>
 inline void k6_tile(const int8_t* q, const float* d, const int32_t* start2, int64_t k, const uint8_t* quads,
                     const uint8_t* kscales, float* out, int64_t ldo, int64_t cols, int64_t first_row) {
   const int64_t groups = k / 32;
-  __m256 total[R][2];
-  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  Halves* const kept = kept_codes<6>(groups, R, first_row);
-  for (int64_t g = 0; g < groups; ++g) {
-    Halves local[8];
-    const Halves* const codes = group_codes(kept, local, g, first_row, [&](Halves* c) { load_codes6(quads, g, c); });
+  const auto unpack = [&](int64_t g, GroupData& data) {
+    load_codes6(quads, g, data.codes);
     const uint8_t* ks = kscales + (g / 8) * kK6ScaleBytes;
-    __m256 scale[2][2];  // [half group][half of the rows]
     for (int hg = 0; hg < 2; ++hg) {
       for (int h = 0; h < 2; ++h) {
         const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ks + ((g % 8) * 2 + hg) * 16 + 8 * h));
-        scale[hg][h] = _mm256_mul_ps(halves8(ks + 256 + 16 * h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub)));
+        const __m256 sub_scales = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub));
+        data.scales[2 * hg + h] = _mm256_mul_ps(halves8(ks + 256 + 16 * h), sub_scales);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      __m256i fours[8];
-      broadcast_fours(q + r * k + g * 32, fours);
-      const __m256 row_d = _mm256_set1_ps(d[r * groups + g]);
-      for (int hg = 0; hg < 2; ++hg) {
-        for (int h = 0; h < 2; ++h) {
-          const __m256i dot = hg == 0 ? half_dot<6, 0, 4>(codes, fours, h) : half_dot<6, 4, 8>(codes, fours, h);
-          const __m256i sum = _mm256_add_epi32(_mm256_set1_epi32(start2[(r * groups + g) * 2 + hg]), dot);
-          total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale[hg][h], row_d), total[r][h]);
-        }
+  };
+  const auto step = [&](int r, int64_t g, const GroupData& data, __m256* total) {
+    __m256i fours[8];
+    broadcast_fours(q + r * k + g * 32, fours);
+    const __m256 row_d = _mm256_set1_ps(d[r * groups + g]);
+    for (int hg = 0; hg < 2; ++hg) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i dot =
+            hg == 0 ? half_dot<6, 0, 4>(data.codes, fours, h) : half_dot<6, 4, 8>(data.codes, fours, h);
+        const __m256i sum = _mm256_add_epi32(_mm256_set1_epi32(start2[(r * groups + g) * 2 + hg]), dot);
+        total[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(data.scales[2 * hg + h], row_d), total[h]);
       }
     }
-  }
-  for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
+  };
+  run_tile<R>(groups, first_row, out, ldo, cols, unpack, step);
 }
 
 // Group g's scales and mins for half h of a 16-row vector (min5_scales on AVX-512).
@@ -464,31 +494,27 @@ inline void min5_scales(const uint8_t* scales, int64_t g, int h, __m256& scale, 
   }
 }
 
-// R rows x one 16-row vector of Q5_1 or Q5_K (min5_tile on AVX-512).
+// R rows x one 16-row vector of Q5_1 or Q5_K (min5_tile on AVX-512). scales: the rows' scales, then
+// their mins.
 template <int R, bool KQuant>
 inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint8_t* quads,
                       const uint8_t* scales, float* out, int64_t ldo, int64_t cols, int64_t first_row) {
   const int64_t groups = k / 32;
-  __m256 total[R][2];
-  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  Halves* const kept = kept_codes<5>(groups, R, first_row);
-  for (int64_t g = 0; g < groups; ++g) {
-    Halves local[8];
-    const Halves* const codes = group_codes(kept, local, g, first_row, [&](Halves* c) { load_codes<5>(quads, g, c); });
-    __m256 scale[2], min[2];
-    for (int h = 0; h < 2; ++h) min5_scales<KQuant>(scales, g, h, scale[h], min[h]);
-    for (int r = 0; r < R; ++r) {
-      __m256i fours[8];
-      broadcast_fours(q + r * k + g * 32, fours);
-      const __m256 row_d = _mm256_set1_ps(d[r * groups + g]), row_s = _mm256_set1_ps(s[r * groups + g]);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i sum = half_dot<5, 0, 8>(codes, fours, h);
-        total[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(scale[h], row_d), _mm256_cvtepi32_ps(sum), total[r][h]);
-        total[r][h] = _mm256_fmadd_ps(row_s, min[h], total[r][h]);
-      }
+  const auto unpack = [&](int64_t g, GroupData& data) {
+    load_codes<5>(quads, g, data.codes);
+    for (int h = 0; h < 2; ++h) min5_scales<KQuant>(scales, g, h, data.scales[h], data.scales[2 + h]);
+  };
+  const auto step = [&](int r, int64_t g, const GroupData& data, __m256* total) {
+    __m256i fours[8];
+    broadcast_fours(q + r * k + g * 32, fours);
+    const __m256 row_d = _mm256_set1_ps(d[r * groups + g]), row_s = _mm256_set1_ps(s[r * groups + g]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i sum = half_dot<5, 0, 8>(data.codes, fours, h);
+      total[h] = _mm256_fmadd_ps(_mm256_mul_ps(data.scales[h], row_d), _mm256_cvtepi32_ps(sum), total[h]);
+      total[h] = _mm256_fmadd_ps(row_s, data.scales[2 + h], total[h]);
     }
-  }
-  for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
+  };
+  run_tile<R>(groups, first_row, out, ldo, cols, unpack, step);
 }
 #endif
 
