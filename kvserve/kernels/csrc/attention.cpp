@@ -192,11 +192,12 @@ void for_each_attention_task(const Paged<T, C>& a, F&& fn) {
 // one key at a time.
 // A task's keys and values (up to 512 KB each in float32 at 512 positions of 256 dimensions) come from
 // L2 or further, and all of its rows and query heads read them. So the task walks them a chunk at a
-// time (kKeyChunk keys, kValueChunk values' kDimVecs vectors: 8-32 KB), each row's and head's share of
-// the chunk in turn, then the next chunk: a chunk comes from L2 or L3 once and from L1 for the rest.
-// A row's scores wait in `scores`, and the accumulators of a head's weighted sum in `sums`, between
-// chunks. Every product and sum of a row and head is the one it would be alone, in the same order:
-// the chunks only reorder which row and head goes when.
+// time (kKeyChunk keys, kValueChunk values' kDimVecs vectors: 16 KB each in Gemma 3's shapes, 4 and
+// 16 KB in SmolLM2's), each row's and head's share of the chunk in turn, then the next chunk: a chunk
+// comes from L2 or L3 once and from L1 for the rest. A row's scores wait in `scores`, and the
+// accumulators of a head's weighted sum in `sums`, between chunks. Every product and sum of a row and
+// head is the one it would be alone, in the same order: the chunks only reorder which row and head
+// goes when.
 template <typename T, typename C>
 void decode_attention_impl(const Paged<T, C>& a) {
   constexpr int kDimVecs = kLanes < 64 ? 64 / kLanes : 1, kKeys = 4;  // 64 dimensions at a time

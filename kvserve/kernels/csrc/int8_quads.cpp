@@ -244,7 +244,7 @@ inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k
 //   the code's sign (2 x 128 x 127 < 32768), llama.cpp's way; their offset is then 0 (kEightOffset).
 // Every sum is exact, so it is the same integer as vpdpbusd's, and the float steps are the same
 // operations per lane in the same order.
-constexpr int kQuadTileRows = 4;  // 2 x 4 float accumulators; the codes of a group stay in L1
+constexpr int kQuadTileRows = 4;  // from this many rows a vector's groups are unpacked once (run_tile)
 constexpr int32_t kEightOffset = 0;  // the 8-bit codes made signed as they are loaded
 
 using Half = __m256i;    // 8 rows x 4 inputs of one code vector, or 8 int32 lanes
@@ -339,10 +339,10 @@ struct GroupData {
   __m256 scales[4];
 };
 
-// Where a tile of rows keeps its vector's unpacked groups: where several tiles of a pass's rows share the
-// vector, this thread's buffer, which the first tile (first_row 0) fills and the others read back (the
-// driver runs a vector's tiles of a pass in turn on one thread); else nowhere (nullptr: the vector's
-// only tile unpacks group by group).
+// Where a tile of rows keeps its vector's unpacked groups: where several tiles of rows share the vector,
+// this thread's buffer, which the first tile (first_row 0) fills and the others read back (the driver
+// runs a vector's tiles in turn on one thread); else nowhere (nullptr: the vector's only tile unpacks
+// group by group).
 inline GroupData* kept_groups(int64_t groups, int rows, int64_t first_row) {
   if (first_row == 0 && rows < kQuadTileRows) return nullptr;
   thread_local std::vector<GroupData> buffer;
