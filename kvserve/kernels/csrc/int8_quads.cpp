@@ -422,7 +422,6 @@ inline __m256 halves8(const uint8_t* p) {  // 8 float16 values as float32
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-
 // R rows x one 16-row vector of outputs over all groups (quad_tile on AVX-512).
 template <int R, int Bits, typename S>
 inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int64_t k, const uint8_t* quads,
