@@ -8,8 +8,9 @@ inputs 4j..4j+3 of the group, each 16 rows x 4), held at one of two widths:
 - 8 bits: `[V / 16, K / 4, 16, 4]` uint8, each code + 128 (GGML's Q8_0, and types rounded to int8);
 - 5 bits: `[V / 16, K / 32, 320]` uint8 where every code lies in -16..15 (GGML's Q5_0): each code + 16,
   bytes 0..255 four vectors of nibbles (vector t: vector 2t's low 4 bits in the low nibble, vector
-  2t + 1's in the high one), bytes 256..319 eight 64-bit masks (mask j's bit i: the fifth bit of
-  vector j's byte i). 5 bits a code, as the file holds them.
+  2t + 1's in the high one), bytes 256..319 a 64-byte plane of fifth bits (byte i's bit j: the fifth
+  bit of vector j's byte i; one shift puts vector j's at bit 4 of every byte). 5 bits a code, as the
+  file holds them.
 
 The scales are `[V / 16, K / 32, 16]`: float16 where every scale is one (the file's own, Q8_0 and
 Q5_0), float32 otherwise. Either width and scale type gives the kernel the same integers and
@@ -215,11 +216,11 @@ def _offset(quads: torch.Tensor) -> int:
 def _pack_five(u: torch.Tensor) -> torch.Tensor:
     """[v, G, 8, 64] codes 0..31 (uint8) -> [v, G, 320] in the 5-bit layout."""
     nibbles = _nibble_vectors(u)
-    fifth = ((u >> 4) & 1).view(*u.shape[:3], 8, 8)  # [v, G, 8 masks, 8 bytes, 8 bits]
-    masks = torch.zeros(fifth.shape[:-1], dtype=torch.uint8)
-    for bit in range(8):
-        masks |= fifth[..., bit] << bit
-    return torch.cat([nibbles.flatten(2), masks.flatten(2)], dim=2)
+    fifth = (u >> 4) & 1  # [v, G, 8 vectors, 64 bytes]
+    plane = torch.zeros(*u.shape[:2], 64, dtype=torch.uint8)
+    for j in range(8):
+        plane |= fifth[:, :, j] << j
+    return torch.cat([nibbles.flatten(2), plane], dim=2)
 
 
 def _unsigned_vectors(quads: torch.Tensor) -> torch.Tensor:
@@ -229,9 +230,9 @@ def _unsigned_vectors(quads: torch.Tensor) -> torch.Tensor:
         return quads.reshape(v, -1, 8, 64)
     groups = quads.shape[1]
     low = _low_vectors(quads)
-    masks = quads[..., 256:].view(v, groups, 8, 8, 1)
-    fifth = (masks >> torch.arange(8, dtype=torch.uint8)) & 1  # [v, G, 8 masks, 8 bytes, 8 bits]
-    return low | (fifth.view(v, groups, 8, 64) << 4)
+    plane = quads[..., 256:].view(v, groups, 1, 64)
+    fifth = (plane >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # [v, G, 8 vectors, 64 bytes]
+    return low | (fifth << 4)
 
 
 def _nibble_vectors(u: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@
 //   8 bits: quads [V / 16, K / 4, 16, 4] uint8, each code + 128 (as many bytes as row-major codes);
 //   5 bits: quads [V / 16, K / 32, 320] uint8 for codes in -16..15 (GGML's Q5_0), each code + 16:
 //     bytes 0..255 four 64-byte vectors of nibbles, vector t holding vector 2t's low 4 bits in its
-//     low nibble and vector 2t + 1's in its high one; bytes 256..319 eight 64-bit masks, mask j's
-//     bit i the fifth bit of vector j's byte i (as many bytes as GGML's blocks hold the codes);
+//     low nibble and vector 2t + 1's in its high one; bytes 256..319 a 64-byte plane of fifth bits,
+//     byte i's bit j the fifth bit of vector j's byte i, so that one shift of the plane puts vector
+//     j's at bit 4 of every byte (as many bytes as GGML's blocks hold the codes);
 // and quad_scales [V / 16, K / 32, 16] float32, or float16 where the file's scales are (Q8_0, Q5_0).
 // GGML's Q6_K (6-bit codes, a scale per 16 inputs) has a form of its own further below (k6_matmul).
 // So do GGML's Q5_1 and Q5_K (5-bit codes with a scale and a min per group: min5_matmul).
@@ -82,6 +83,12 @@ inline void load_nibbles(const uint8_t* block, __m512i* codes) {
   }
 }
 
+// Every byte of `v` shifted so that its bit `bit` lands at bit 4 (bit + 1 at bit 5): a 16-bit shift by at
+// most 4, so bits 4 and 5 of each byte come from that byte. The callers mask the rest away.
+inline __m512i at_bit4(__m512i v, int bit) {
+  return bit <= 4 ? _mm512_slli_epi16(v, 4 - bit) : _mm512_srli_epi16(v, bit - 4);
+}
+
 // Group g's eight code vectors of one 16-row vector, each byte a code plus its offset.
 template <int Bits>
 inline void load_codes(const uint8_t* quads, int64_t g, __m512i* codes) {
@@ -89,12 +96,11 @@ inline void load_codes(const uint8_t* quads, int64_t g, __m512i* codes) {
     for (int j = 0; j < 8; ++j) codes[j] = _mm512_loadu_si512(quads + (g * 8 + j) * 64);
   } else {
     const uint8_t* block = quads + g * 320;
-    const __m512i fifth = _mm512_set1_epi8(0x10);
+    const __m512i fifth = _mm512_set1_epi8(0x10), plane = _mm512_loadu_si512(block + 256);
     load_nibbles(block, codes);
     for (int j = 0; j < 8; ++j) {
-      uint64_t mask;
-      std::memcpy(&mask, block + 256 + 8 * j, sizeof(mask));
-      codes[j] = _mm512_or_si512(codes[j], _mm512_maskz_mov_epi8(static_cast<__mmask64>(mask), fifth));
+      // codes | (plane's bit j moved to bit 4 & 0x10): 0xF8 is A | (B & C)
+      codes[j] = _mm512_ternarylogic_epi32(codes[j], at_bit4(plane, j), fifth, 0xF8);
     }
   }
 }
@@ -137,13 +143,13 @@ inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int
 
 inline void load_codes6(const uint8_t* quads, int64_t g, __m512i* codes) {
   const uint8_t* block = quads + g * kK6Bytes;
-  const __m512i three = _mm512_set1_epi8(0x03);
+  const __m512i high = _mm512_set1_epi8(0x30);
   load_nibbles(block, codes);
   for (int u = 0; u < 2; ++u) {
     const __m512i crumbs = _mm512_loadu_si512(block + 256 + u * 64);
     for (int t = 0; t < 4; ++t) {
-      const __m512i high = _mm512_and_si512(_mm512_srl_epi16(crumbs, _mm_cvtsi32_si128(2 * t)), three);
-      codes[4 * u + t] = _mm512_or_si512(codes[4 * u + t], _mm512_slli_epi16(high, 4));
+      // codes | (crumbs' bits 2t, 2t + 1 moved to bits 4, 5 & 0x30): 0xF8 is A | (B & C)
+      codes[4 * u + t] = _mm512_ternarylogic_epi32(codes[4 * u + t], at_bit4(crumbs, 2 * t), high, 0xF8);
     }
   }
 }
@@ -250,13 +256,9 @@ constexpr int32_t kEightOffset = 0;  // the 8-bit codes made signed as they are 
 using Half = __m256i;    // 8 rows x 4 inputs of one code vector, or 8 int32 lanes
 using Halves = Half[2];  // one code vector: rows 0-7, 8-15
 
-// byte i of the result: 0xFF where bit i of `bits` is set, else 0.
-inline __m256i bytes_of_bits(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int32_t>(bits)),
-      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+// Bit `bit` of every byte of `v` moved to bit 4 (at_bit4 on AVX-512).
+inline __m256i at_bit4(__m256i v, int bit) {
+  return bit <= 4 ? _mm256_slli_epi16(v, 4 - bit) : _mm256_srli_epi16(v, bit - 4);
 }
 
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -285,27 +287,22 @@ inline void load_codes(const uint8_t* quads, int64_t g, Halves* codes) {
     const uint8_t* block = quads + g * 320;
     const __m256i fifth = _mm256_set1_epi8(0x10);
     load_nibbles(block, codes);
-    for (int j = 0; j < 8; ++j) {
-      uint64_t mask;
-      std::memcpy(&mask, block + 256 + 8 * j, sizeof(mask));
-      for (int h = 0; h < 2; ++h) {
-        const __m256i set = bytes_of_bits(static_cast<uint32_t>(mask >> (32 * h)));
-        codes[j][h] = _mm256_or_si256(codes[j][h], _mm256_and_si256(set, fifth));
-      }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i plane = load256(block + 256 + 32 * h);
+      for (int j = 0; j < 8; ++j) codes[j][h] = _mm256_or_si256(codes[j][h], _mm256_and_si256(at_bit4(plane, j), fifth));
     }
   }
 }
 
 inline void load_codes6(const uint8_t* quads, int64_t g, Halves* codes) {
   const uint8_t* block = quads + g * kK6Bytes;
-  const __m256i three = _mm256_set1_epi8(0x03);
+  const __m256i high = _mm256_set1_epi8(0x30);
   load_nibbles(block, codes);
   for (int u = 0; u < 2; ++u) {
     for (int h = 0; h < 2; ++h) {
       const __m256i crumbs = load256(block + 256 + u * 64 + h * 32);
       for (int t = 0; t < 4; ++t) {
-        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(crumbs, _mm_cvtsi32_si128(2 * t)), three);
-        codes[4 * u + t][h] = _mm256_or_si256(codes[4 * u + t][h], _mm256_slli_epi16(high, 4));
+        codes[4 * u + t][h] = _mm256_or_si256(codes[4 * u + t][h], _mm256_and_si256(at_bit4(crumbs, 2 * t), high));
       }
     }
   }
