@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -81,6 +82,26 @@
 #endif
 
 namespace kvserve {
+
+// ----- work over the threads ----------------------------------------------------------------
+// fn(task) for every task in [0, count), each thread claiming the next tasks not yet taken: a thread
+// that the VM slows or starts late takes fewer, where at::parallel_for's fixed halves leave the other
+// waiting at the barrier. Claims of count / (32 x threads) tasks keep the shared counter's traffic
+// small for many small tasks (a vocabulary's vectors). fn's result must not depend on the thread:
+// each task writes its own outputs.
+template <typename F>
+inline void parallel_tasks(int64_t count, const F& fn) {
+  if (count <= 0) return;
+  const int64_t threads = std::min<int64_t>(count, at::get_num_threads());
+  const int64_t claim = std::max<int64_t>(1, count / (32 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // inline, the whole range, when nested
+    for (int64_t first = next.fetch_add(claim, std::memory_order_relaxed); first < count;
+         first = next.fetch_add(claim, std::memory_order_relaxed)) {
+      for (int64_t task = first; task < std::min(count, first + claim); ++task) fn(task);
+    }
+  });
+}
 
 // ----- scalar conversions (bfloat16 kept as raw bits so loops vectorize) ----------------------
 inline float to_float(float x) { return x; }

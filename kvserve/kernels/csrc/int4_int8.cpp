@@ -543,17 +543,14 @@ void q8_mm_impl(const X* x, int64_t m, int64_t k_len, const uint8_t* packed, con
     return;
   }
 #endif
-  at::parallel_for(0, n / block_n, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(n / block_n, [&](int64_t b) {
     thread_local std::vector<__m256i> codes;
     thread_local std::vector<__m256> scale_min;
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* block = packed + b * (block_n / 2) * k_len;
-      if (m == 1) {
-        q8_block_one<NV>(xq, xd, xs, block, scales_mins, n, b * block_n, k_len, out);
-      } else {
-        q8_block_many<NV>(xq, xd, xs, m, block, scales_mins, n, b * block_n, k_len, out, codes,
-                          scale_min);
-      }
+    const uint8_t* block = packed + b * (block_n / 2) * k_len;
+    if (m == 1) {
+      q8_block_one<NV>(xq, xd, xs, block, scales_mins, n, b * block_n, k_len, out);
+    } else {
+      q8_block_many<NV>(xq, xd, xs, m, block, scales_mins, n, b * block_n, k_len, out, codes, scale_min);
     }
   });
 }
