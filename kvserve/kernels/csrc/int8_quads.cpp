@@ -335,14 +335,22 @@ struct GroupData {
   Halves codes[8];
   __m256 scales[4];
 };
+// 8-bit codes also keep each code's magnitude, vpmaddubsw's unsigned operand: made once per group,
+// not once per row, where tiles of rows share the vector (kept_groups) and its groups stay in L1 (up
+// to kMagnitudeGroups: 23 KB kept; a 2048-input layer's 72 KB ran 15% slower from L2 than making them).
+struct EightData : GroupData {
+  Halves magnitudes[8];
+};
+constexpr int64_t kMagnitudeGroups = 20;
 
 // Where a tile of rows keeps its vector's unpacked groups: where several tiles of rows share the vector,
 // this thread's buffer, which the first tile (first_row 0) fills and the others read back (the driver
 // runs a vector's tiles in turn on one thread); else nowhere (nullptr: the vector's only tile unpacks
 // group by group).
-inline GroupData* kept_groups(int64_t groups, int rows, int64_t first_row) {
+template <typename Data>
+inline Data* kept_groups(int64_t groups, int rows, int64_t first_row) {
   if (first_row == 0 && rows < kQuadTileRows) return nullptr;
-  thread_local std::vector<GroupData> buffer;
+  thread_local std::vector<Data> buffer;
   return scratch(buffer, groups);
 }
 
@@ -354,15 +362,15 @@ constexpr int64_t kGroupChunk = 16;  // 10 KB of unpacked groups, in L1 for each
 // unpacks every group into the kept buffer, and each tile runs its rows in turn over kGroupChunk groups
 // at a time, a row's accumulators in registers (AVX2's 16 do not hold 4 rows' and a group's inputs).
 // Either way a row takes its groups' steps in group order, so its bits are the same.
-template <int R, typename Unpack, typename Step>
+template <int R, typename Data = GroupData, typename Unpack, typename Step>
 inline void run_tile(int64_t groups, int64_t first_row, float* out, int64_t ldo, int64_t cols, Unpack unpack,
                      Step step) {
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  GroupData* const kept = kept_groups(groups, R, first_row);
+  Data* const kept = kept_groups<Data>(groups, R, first_row);
   if (kept == nullptr) {
     for (int64_t g = 0; g < groups; ++g) {
-      GroupData data;
+      Data data;
       unpack(g, data);
       for (int r = 0; r < R; ++r) step(r, g, data, total[r]);
     }
@@ -383,15 +391,17 @@ inline void run_tile(int64_t groups, int64_t first_row, float* out, int64_t ldo,
   for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
 }
 
-// Half h of sum over code vectors j = J0 .. J1 - 1 of code x q, in int32 lanes (8 rows), exact.
+// Half h of sum over code vectors j = J0 .. J1 - 1 of code x q, in int32 lanes (8 rows), exact. 8 bits:
+// |code| (magnitudes where given, else made here) times q with the code's sign.
 template <int Bits, int J0, int J1>
-inline __m256i half_dot(const Halves* codes, const __m256i* fours, int h) {
+inline __m256i half_dot(const Halves* codes, const __m256i* fours, int h, const Halves* magnitudes = nullptr) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i sum = _mm256_setzero_si256();
   if constexpr (Bits == 8) {
     for (int j = J0; j < J1; ++j) {
       const __m256i c = codes[j][h];
-      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(fours[j], c));
+      const __m256i magnitude = magnitudes != nullptr ? magnitudes[j][h] : _mm256_sign_epi8(c, c);
+      const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(fours[j], c));
       sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
     }
   } else {
@@ -424,22 +434,36 @@ template <int R, int Bits, typename S>
 inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int64_t k, const uint8_t* quads,
                       const S* scales, float* out, int64_t ldo, int64_t cols, int64_t first_row) {
   const int64_t groups = k / 32;
-  const auto unpack = [&](int64_t g, GroupData& data) {
+  using Data = std::conditional_t<Bits == 8, EightData, GroupData>;
+  const bool magnitudes = groups <= kMagnitudeGroups && (first_row > 0 || R >= kQuadTileRows);  // kept (run_tile)
+  const auto unpack = [&](int64_t g, Data& data) {
     load_codes<Bits>(quads, g, data.codes);
+    if constexpr (Bits == 8) {
+      for (int j = 0; magnitudes && j < 8; ++j) {
+        for (int h = 0; h < 2; ++h) data.magnitudes[j][h] = _mm256_sign_epi8(data.codes[j][h], data.codes[j][h]);
+      }
+    }
     data.scales[0] = load_scales8(scales + g * 16);
     data.scales[1] = load_scales8(scales + g * 16 + 8);
   };
-  const auto step = [&](int r, int64_t g, const GroupData& data, __m256* total) {
+  const auto step = [&](int r, int64_t g, const Data& data, __m256* total) {
     __m256i fours[8];
     broadcast_fours(q + r * k + g * 32, fours);
     const __m256 row_d = _mm256_set1_ps(d[r * groups + g]);
     for (int h = 0; h < 2; ++h) {
-      const __m256i dot = half_dot<Bits, 0, 8>(data.codes, fours, h);
+      const __m256i dot = [&] {
+        if constexpr (Bits == 8) {
+          return magnitudes ? half_dot<8, 0, 8>(data.codes, fours, h, data.magnitudes)
+                            : half_dot<8, 0, 8>(data.codes, fours, h);
+        } else {
+          return half_dot<Bits, 0, 8>(data.codes, fours, h);
+        }
+      }();
       const __m256i sum = _mm256_add_epi32(_mm256_set1_epi32(start[r * groups + g]), dot);
       total[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(data.scales[h], row_d), total[h]);
     }
   };
-  run_tile<R>(groups, first_row, out, ldo, cols, unpack, step);
+  run_tile<R, Data>(groups, first_row, out, ldo, cols, unpack, step);
 }
 
 // R rows x one 16-row vector of Q6_K (k6_tile on AVX-512). scales[2 hg + h]: half group hg's, rows of half h.
