@@ -108,10 +108,16 @@ def rows_of(quads: torch.Tensor, quad_scales: torch.Tensor, ids: torch.Tensor) -
     """Rows `ids` [T] of the weight as (codes [T, K] int8, scales [T, K / 32] float32): an embedding's
     lookup from the quads of the lm_head tied to it."""
     vector, row = ids // 16, ids % 16
-    groups = quad_scales.shape[1]
-    codes = _unsigned_vectors(quads[vector]).view(-1, groups, 8, 16, 4)
-    codes = codes[torch.arange(ids.numel()), :, :, row].reshape(ids.numel(), groups * GROUP)
-    codes = (codes.to(torch.int16) - _offset(quads)).to(torch.int8)
+    vectors, groups = quad_scales.shape[:2]
+    # only the rows' own bytes: a row's four inputs of each code vector, [T, G, vectors, 4]
+    if code_bits(quads) == 8:
+        codes = quads.view(vectors, groups, 8, 16, 4)[vector, :, :, row]
+    else:
+        nibbles = quads[..., :256].view(vectors, groups, 4, 16, 4)[vector, :, :, row]  # [T, G, 4, 4]
+        low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).view(-1, groups, 8, 4)
+        plane = quads[..., 256:].view(vectors, groups, 1, 16, 4)[vector, :, :, row]  # [T, G, 1, 4]
+        codes = low | (((plane >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1) << 4)
+    codes = (codes.reshape(ids.numel(), groups * GROUP).to(torch.int16) - _offset(quads)).to(torch.int8)
     return codes, quad_scales[vector, :, row].float()
 
 
