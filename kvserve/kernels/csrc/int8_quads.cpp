@@ -434,27 +434,24 @@ template <int R, int Bits, typename S>
 inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int64_t k, const uint8_t* quads,
                       const S* scales, float* out, int64_t ldo, int64_t cols, int64_t first_row) {
   const int64_t groups = k / 32;
-  using Data = std::conditional_t<Bits == 8, EightData, GroupData>;
-  const bool magnitudes = groups <= kMagnitudeGroups && (first_row > 0 || R >= kQuadTileRows);  // kept (run_tile)
-  const auto unpack = [&](int64_t g, Data& data) {
+  const auto unpack = [&](int64_t g, auto& data) {
     load_codes<Bits>(quads, g, data.codes);
-    if constexpr (Bits == 8) {
-      for (int j = 0; magnitudes && j < 8; ++j) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(data)>, EightData>) {
+      for (int j = 0; j < 8; ++j) {
         for (int h = 0; h < 2; ++h) data.magnitudes[j][h] = _mm256_sign_epi8(data.codes[j][h], data.codes[j][h]);
       }
     }
     data.scales[0] = load_scales8(scales + g * 16);
     data.scales[1] = load_scales8(scales + g * 16 + 8);
   };
-  const auto step = [&](int r, int64_t g, const Data& data, __m256* total) {
+  const auto step = [&](int r, int64_t g, const auto& data, __m256* total) {
     __m256i fours[8];
     broadcast_fours(q + r * k + g * 32, fours);
     const __m256 row_d = _mm256_set1_ps(d[r * groups + g]);
     for (int h = 0; h < 2; ++h) {
       const __m256i dot = [&] {
-        if constexpr (Bits == 8) {
-          return magnitudes ? half_dot<8, 0, 8>(data.codes, fours, h, data.magnitudes)
-                            : half_dot<8, 0, 8>(data.codes, fours, h);
+        if constexpr (std::is_same_v<std::decay_t<decltype(data)>, EightData>) {
+          return half_dot<8, 0, 8>(data.codes, fours, h, data.magnitudes);
         } else {
           return half_dot<Bits, 0, 8>(data.codes, fours, h);
         }
@@ -463,7 +460,13 @@ inline void quad_tile(const int8_t* q, const float* d, const int32_t* start, int
       total[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(data.scales[h], row_d), total[h]);
     }
   };
-  run_tile<R, Data>(groups, first_row, out, ldo, cols, unpack, step);
+  if constexpr (Bits == 8) {  // magnitudes where the vector's groups are kept (run_tile)
+    if (groups <= kMagnitudeGroups && (first_row > 0 || R >= kQuadTileRows)) {
+      run_tile<R, EightData>(groups, first_row, out, ldo, cols, unpack, step);
+      return;
+    }
+  }
+  run_tile<R, GroupData>(groups, first_row, out, ldo, cols, unpack, step);
 }
 
 // R rows x one 16-row vector of Q6_K (k6_tile on AVX-512). scales[2 hg + h]: half group hg's, rows of half h.
