@@ -109,7 +109,7 @@ def rows_of(quads: torch.Tensor, quad_scales: torch.Tensor, ids: torch.Tensor) -
     lookup from the quads of the lm_head tied to it."""
     vector, row = ids // 16, ids % 16
     vectors, groups = quad_scales.shape[:2]
-    # only the rows' own bytes: a row's four inputs of each code vector, [T, G, vectors, 4]
+    # only the rows' own bytes: each row's four inputs in each of a group's 8 code vectors, [T, G, 8, 4]
     if code_bits(quads) == 8:
         codes = quads.view(vectors, groups, 8, 16, 4)[vector, :, :, row]
     else:

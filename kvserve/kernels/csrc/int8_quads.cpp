@@ -354,7 +354,7 @@ inline Data* kept_groups(int64_t groups, int rows, int64_t first_row) {
   return scratch(buffer, groups);
 }
 
-constexpr int64_t kGroupChunk = 16;  // 10 KB of unpacked groups, in L1 for each of a tile's rows in turn
+constexpr int64_t kGroupChunk = 16;  // 10 KB of unpacked groups (18 KB with magnitudes), in L1 for each row in turn
 
 // R rows x one 16-row vector of outputs over all groups, for any form: unpack(g, data) unpacks group g,
 // step(r, g, data, total) adds row r's group g to its two accumulators (rows 0-7 and 8-15 of the
