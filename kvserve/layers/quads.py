@@ -109,14 +109,12 @@ def rows_of(quads: torch.Tensor, quad_scales: torch.Tensor, ids: torch.Tensor) -
     lookup from the quads of the lm_head tied to it."""
     vector, row = ids // 16, ids % 16
     vectors, groups = quad_scales.shape[:2]
-    # only the rows' own bytes: each row's four inputs in each of a group's 8 code vectors, [T, G, 8, 4]
+    # only the rows' own bytes: each row's four in each 64-byte vector (8 bits: the 8 code vectors; 5 bits:
+    # the 4 nibble vectors and the plane, then unpacked as whole vectors are), [T, G, 8, 4]
     if code_bits(quads) == 8:
         codes = quads.view(vectors, groups, 8, 16, 4)[vector, :, :, row]
     else:
-        nibbles = quads[..., :256].view(vectors, groups, 4, 16, 4)[vector, :, :, row]  # [T, G, 4, 4]
-        low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).view(-1, groups, 8, 4)
-        plane = quads[..., 256:].view(vectors, groups, 1, 16, 4)[vector, :, :, row]  # [T, G, 1, 4]
-        codes = low | (((plane >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1) << 4)
+        codes = _unsigned_vectors(quads.view(vectors, groups, 5, 16, 4)[vector, :, :, row].flatten(2), width=4)
     codes = (codes.reshape(ids.numel(), groups * GROUP).to(torch.int16) - _offset(quads)).to(torch.int8)
     return codes, quad_scales[vector, :, row].float()
 
@@ -229,15 +227,16 @@ def _pack_five(u: torch.Tensor) -> torch.Tensor:
     return torch.cat([nibbles.flatten(2), plane], dim=2)
 
 
-def _unsigned_vectors(quads: torch.Tensor) -> torch.Tensor:
-    """[v, G, 8, 64] uint8: each vector's codes plus the offset, from either width."""
+def _unsigned_vectors(quads: torch.Tensor, width: int = 64) -> torch.Tensor:
+    """[v, G, 8, width] uint8: each vector's codes plus the offset, from either width (`width` bytes a
+    vector: 64 as held, fewer where rows_of took some rows' bytes)."""
     v = quads.shape[0]
     if code_bits(quads) == 8:
-        return quads.reshape(v, -1, 8, 64)
+        return quads.reshape(v, -1, 8, width)
     groups = quads.shape[1]
-    low = _low_vectors(quads)
-    plane = quads[..., 256:].view(v, groups, 1, 64)
-    fifth = (plane >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # [v, G, 8 vectors, 64 bytes]
+    low = _low_vectors(quads, width)
+    plane = quads[..., 4 * width :].view(v, groups, 1, width)
+    fifth = (plane >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # [v, G, 8 vectors, width bytes]
     return low | (fifth << 4)
 
 
@@ -246,8 +245,8 @@ def _nibble_vectors(u: torch.Tensor) -> torch.Tensor:
     return (u[:, :, 0::2] & 0x0F) | ((u[:, :, 1::2] & 0x0F) << 4)
 
 
-def _low_vectors(quads: torch.Tensor) -> torch.Tensor:
-    """The low 4 bits of the eight code vectors [v, G, 8, 64] from the 5- or 6-bit layout's nibbles."""
+def _low_vectors(quads: torch.Tensor, width: int = 64) -> torch.Tensor:
+    """The low 4 bits of the eight code vectors [v, G, 8, width] from the 5- or 6-bit layout's nibbles."""
     vectors, groups = quads.shape[:2]
-    nibbles = quads[..., :256].view(vectors, groups, 4, 64)
-    return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).view(vectors, groups, 8, 64)
+    nibbles = quads[..., : 4 * width].view(vectors, groups, 4, width)
+    return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).view(vectors, groups, 8, width)
