@@ -84,17 +84,18 @@
 namespace kvserve {
 
 // ----- work over the threads ----------------------------------------------------------------
-// fn(task) for every task in [0, count). Claimed (many rows): each thread claims the next tasks not
-// yet taken, so a thread that the VM slows or starts late takes fewer, where at::parallel_for's fixed
-// halves leave the other waiting at the barrier (at 64 rows the worker waited 16% of a step, the
-// engine thread 8%). Claims of count / (32 x threads) tasks keep the shared counter's traffic small
-// for many small tasks (a vocabulary's vectors). Not claimed (a row or a few, where a layer takes
-// microseconds and each claim moves the counter's cache line between cores): at::parallel_for's
-// halves, as before claims. fn's result must not depend on the thread: each task writes its own outputs.
+// fn(task) for every task in [0, count) of a matmul over `rows` rows. From kClaimedRows rows each
+// thread claims the next tasks not yet taken, so a thread that the VM slows or starts late takes fewer,
+// where at::parallel_for's fixed halves leave the other waiting at the barrier (at 64 rows the worker
+// waited 16% of a step, the engine thread 8%). Claims of count / (32 x threads) tasks keep the shared
+// counter's traffic small for many small tasks (a vocabulary's vectors). Fewer rows (a layer then takes
+// microseconds, and each claim moves the counter's cache line between cores) keep at::parallel_for's
+// halves. fn's result must not depend on the thread: each task writes its own outputs.
+constexpr int64_t kClaimedRows = 4;
 template <typename F>
-inline void parallel_tasks(int64_t count, bool claimed, const F& fn) {
+inline void parallel_tasks(int64_t count, int64_t rows, const F& fn) {
   if (count <= 0) return;
-  if (!claimed) {
+  if (rows < kClaimedRows) {
     at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) fn(task);
     });
@@ -110,8 +111,6 @@ inline void parallel_tasks(int64_t count, bool claimed, const F& fn) {
     }
   });
 }
-// From this many rows a matmul's tasks are claimed (parallel_tasks).
-constexpr int64_t kClaimedRows = 4;
 
 // ----- scalar conversions (bfloat16 kept as raw bits so loops vectorize) ----------------------
 inline float to_float(float x) { return x; }

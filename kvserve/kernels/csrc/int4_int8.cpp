@@ -543,7 +543,7 @@ void q8_mm_impl(const X* x, int64_t m, int64_t k_len, const uint8_t* packed, con
     return;
   }
 #endif
-  parallel_tasks(n / block_n, m >= kClaimedRows, [&](int64_t b) {
+  parallel_tasks(n / block_n, m, [&](int64_t b) {
     thread_local std::vector<__m256i> codes;
     thread_local std::vector<__m256> scale_min;
     const uint8_t* block = packed + b * (block_n / 2) * k_len;

@@ -546,7 +546,7 @@ template <int Bits, typename S>
 void quads_matmul(const int8_t* q, const float* d, const int32_t* start, int64_t m, int64_t k, const uint8_t* qp,
                   const S* sp, float* o, int64_t v, int64_t vectors) {
   const int64_t groups = k / 32, vector_bytes = k * 16 * Bits / 8;
-  parallel_tasks((vectors + kQuadBlock - 1) / kQuadBlock, m >= kClaimedRows, [&](int64_t task) {
+  parallel_tasks((vectors + kQuadBlock - 1) / kQuadBlock, m, [&](int64_t task) {
     for (int64_t vec = task * kQuadBlock; vec < std::min((task + 1) * kQuadBlock, vectors); ++vec) {
       const uint8_t* vq = qp + vec * vector_bytes;
       const S* vs = sp + vec * groups * 16;
@@ -576,7 +576,7 @@ void quads_matmul(const int8_t* q, const float* d, const int32_t* start, int64_t
 void k6_matmul(const int8_t* q, const float* d, const int32_t* start2, int64_t m, int64_t k, const uint8_t* qp,
                const uint8_t* sp, float* o, int64_t v, int64_t vectors) {
   const int64_t groups = k / 32, vector_bytes = groups * kK6Bytes, scale_bytes = k / 256 * kK6ScaleBytes;
-  parallel_tasks((vectors + kQuadBlock - 1) / kQuadBlock, m >= kClaimedRows, [&](int64_t task) {
+  parallel_tasks((vectors + kQuadBlock - 1) / kQuadBlock, m, [&](int64_t task) {
     for (int64_t vec = task * kQuadBlock; vec < std::min((task + 1) * kQuadBlock, vectors); ++vec) {
       const int64_t cols = std::min<int64_t>(16, v - vec * 16);
       if (cols <= 0) continue;
@@ -608,7 +608,7 @@ void min5_matmul(const int8_t* q, const float* d, const float* s, int64_t m, int
                  const uint8_t* sp, float* o, int64_t v, int64_t vectors) {
   const int64_t groups = k / 32, vector_bytes = groups * kMin5Bytes;
   const int64_t scale_bytes = KQuant ? k / 256 * kK5ScaleBytes : groups * 64;
-  parallel_tasks((vectors + kQuadBlock - 1) / kQuadBlock, m >= kClaimedRows, [&](int64_t task) {
+  parallel_tasks((vectors + kQuadBlock - 1) / kQuadBlock, m, [&](int64_t task) {
     for (int64_t vec = task * kQuadBlock; vec < std::min((task + 1) * kQuadBlock, vectors); ++vec) {
       const int64_t cols = std::min<int64_t>(16, v - vec * 16);
       if (cols <= 0) continue;
