@@ -4,6 +4,12 @@ time per step, the GPU's busy time per step (the sum of its kernels), the kernel
 kernels that take the most time; writes the same as JSON. Busy time well under the wall time means
 the step waits on the host (Python, the scheduler, the sampler's copy back), not on the GPU.
 
+Then, without the profiler (whose tracing slows the host), `host` cases: one stream of the 1B shapes
+in bfloat16 and in 4 bits, each engine phase timed by the wall clock per decode step (schedule, the
+runner's sampling rows, the graph's fill, copy and replay call, the sampler with its wait for the
+GPU, the scheduler's and the outputs' update), beside the decode graph's own GPU time (replayed alone
+between CUDA events: its kernels and the gaps between them). Wall minus graph is the host's share.
+
     python bench/gpu.py --prepare          # here, once: the tokenizer the models are built with
     PYTHONPATH=. python bench/gpu_profile.py --out $OUT/profile.json      # on the GPU machine
     # the plumbing on a CPU (no kernels to see there):
@@ -68,12 +74,79 @@ def profile_case(llm, streams: int, tokens: int, trace_dir: Path, name: str) -> 
     }
 
 
+def host_case(llm, tokens: int, name: str) -> dict:
+    """Per decode step, ms: the wall time, each phase's wall time on the engine thread, and the one-row
+    graph's GPU time replayed alone."""
+    import torch
+
+    from bench.gpu import prompts
+    from kvserve import SamplingParams
+
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def wrap(owner, attribute, key: str) -> None:
+        inner = owner[attribute] if isinstance(owner, dict) else getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+
+        if isinstance(owner, dict):
+            owner[attribute] = timed
+        else:
+            setattr(owner, attribute, timed)
+
+    def install() -> None:
+        engine = llm.engine
+        runner = engine.runner
+        wrap(engine.scheduler, "schedule", "schedule")
+        wrap(engine.scheduler, "update_from_output", "update_from_output")
+        wrap(engine, "_step_done", "step_done (update, detokenize, deliver)")
+        wrap(runner, "execute", "execute")
+        wrap(runner, "_sampling_rows", "execute: sampling rows")
+        wrap(runner, "_sample", "execute: sampler (argmax, wait for the GPU, copy back)")
+        if runner.graphs is not None:
+            wrap(runner.graphs, "run", "execute: graph run (fill, copy, replay call)")
+            for batch in list(runner.graphs._replays):
+                wrap(runner.graphs._replays, batch, "execute: graph replay call")
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    batch = prompts(1, seed=12)
+    llm.generate(batch, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
+    llm.engine.call(install)
+    before = llm.runner_timings()
+    start = time.perf_counter()
+    llm.generate(batch, params)
+    wall = time.perf_counter() - start
+    steps = llm.runner_timings()["steps"] - before["steps"]
+    result = {"case": name, "steps": steps, "wall_ms_per_step": round(wall * 1000 / steps, 4)}
+    result["phases_ms_per_step"] = {k: round(v * 1000 / steps, 4) for k, v in sorted(spent.items())}
+    graphs = llm.engine.runner.graphs
+    if graphs is not None and torch.cuda.is_available():  # the one-row graph alone, on whatever its buffers hold
+        replay = graphs._replays[1]
+        replay()
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(50):
+            replay()
+        end.record()
+        torch.cuda.synchronize()
+        result["graph_gpu_ms"] = round(begin.elapsed_time(end) / 50, 4)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="llama1b,smol135m")
     parser.add_argument("--tokens", type=int, default=24, help="decode steps profiled per case")
     parser.add_argument("--device", default="cuda", help="cpu: the plumbing, with KVSERVE_KERNELS=triton")
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_profile.json"))
+    parser.add_argument("--no-host", dest="host", action="store_false", help="skip the host-phase cases")
+    parser.add_argument("--host-only", action="store_true", help="only the host-phase cases")
     args = parser.parse_args()
     os.environ.setdefault("KVSERVE_HOME", tempfile.mkdtemp(prefix="kvserve-home-"))
     os.environ.setdefault("KVSERVE_FUSED_DECODE", "0")
@@ -81,9 +154,19 @@ def main() -> None:
     from kvserve import LLM
 
     work = Path(tempfile.mkdtemp(prefix="kvserve-profile-"))
-    models = build_models(args.shapes.split(","), args.device, work, with_q4=False)
+    models = build_models(args.shapes.split(","), args.device, work, with_q4=args.host)
     cases = []
-    for shape in args.shapes.split(","):
+    host = []
+    for shape in args.shapes.split(",") if args.host else []:
+        for weights in models[shape]:
+            with LLM(
+                str(models[shape][weights]), device=args.device, max_num_seqs=64, progress=False, session_db=False
+            ) as llm:
+                host.append(host_case(llm, args.tokens * 4, f"{shape}-{weights}-1"))
+            print(json.dumps(host[-1]), flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"cases": cases, "host": host}, indent=1) + "\n")
+    for shape in [] if args.host_only else args.shapes.split(","):
         for graphs in (True, False):
             with LLM(
                 str(models[shape]["bf16"]),
@@ -105,7 +188,7 @@ def main() -> None:
                     for k in c["top_kernels"][:12]:
                         print(f"    {k['us_per_step']:9.2f} us x{k['calls_per_step']:6.2f}  {k['name']}", flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"cases": cases}, indent=1) + "\n")
+            args.out.write_text(json.dumps({"cases": cases, "host": host}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -90,12 +90,23 @@ class DecoderLayer(nn.Module):
         self.ffn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
 
     def forward(
-        self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, metadata: StepMetadata
-    ) -> torch.Tensor:
-        attn = self.self_attn(ropes, self.attn_norm(x), metadata)
+        self,
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        x: torch.Tensor,
+        metadata: StepMetadata,
+        delta: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, this layer's MLP output): the stream is x + delta (the previous layer's
+        output, added here by this layer's first norm: one kernel on a GPU) plus the attention's output;
+        the caller adds the MLP's output to it, in the next layer's first norm or the final one."""
+        if delta is None:
+            normed = self.attn_norm(x)
+        else:
+            x, normed = self.attn_norm.add_and_norm(x, delta)
+        attn = self.self_attn(ropes, normed, metadata)
         x, normed = self.ffn_norm.add_and_norm(x, attn if self.attn_out_norm is None else self.attn_out_norm(attn))
         mlp = self.mlp(normed)
-        return x + (mlp if self.ffn_out_norm is None else self.ffn_out_norm(mlp))
+        return x, (mlp if self.ffn_out_norm is None else self.ffn_out_norm(mlp))
 
 
 class DecoderForCausalLM(nn.Module):
@@ -155,9 +166,12 @@ class DecoderForCausalLM(nn.Module):
         """x [T, hidden] (embeddings, or the previous stage's residual stream) through this model's
         layers, then the final norm where it has one (else the residual stream for the next stage)."""
         ropes = self.rotary.tables(positions, x.dtype)  # one lookup per step, shared by every layer
+        delta = None
         for layer in self.layers:
-            x = layer(ropes, x, attn_metadata)
-        return x if self.norm is None else self.norm(x)
+            x, delta = layer(ropes, x, attn_metadata, delta)
+        if self.norm is None:
+            return x + delta
+        return self.norm.add_and_norm(x, delta)[1]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 logits [N, vocab_size], multiplied in float32 whatever the compute dtype."""
