@@ -1,9 +1,9 @@
 """The GPU matmul kernels' tile configurations, timed on the model's own shapes (issue 32): each
 candidate `TileConfig` of kvserve/kernels/gpu/matmul.py against cuBLAS (`F.linear`) at several row
 counts, so the one configuration per kernel (batch invariance: never chosen per M) is picked on
-figures; and the quantized kernels with each way of turning codes into floats (common.CONVERT_*:
-`int4-convert` the conversion instruction, `int4-bits` by the bits, `int4` kvserve's), which must
-give the same bits (`same_bits` in the JSON, against kvserve's way). Each timing is a CUDA graph of
+figures; `int4-convert`, the int4 kernel with its nibbles turned into floats by the conversion
+instruction instead of kvserve's PRMT-built bits (common.nibble_to_float), which must give the same
+bits (`same_bits` in the JSON); and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding). Each timing is a CUDA graph of
 one call per layer, each layer its own weight (the weights stream from memory as in a decode step,
 not from L2), replayed; the result is microseconds per call and the weight bytes per second that gives.
 
@@ -22,11 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-
-from kvserve.kernels.gpu.common import cast, dot, nibble_to_float
-from kvserve.kernels.gpu.matmul import _below, _finish_tile
 
 # (N, K) per layer of the Llama-3.2-1B-like shapes of bench/gpu.py, and the tied lm_head
 SHAPES = {
@@ -41,75 +36,6 @@ SHAPES = {
     "tiny": {"a": (64, 64), "b": (128, 64), "lm_head": (96, 64)},
 }
 LAYERS = {"llama1b": 16, "smol135m": 30, "tiny": 2}
-
-
-@triton.jit(do_not_specialize=["M"])
-def _int4_swapped_kernel(
-    x_ptr,
-    out_ptr,
-    bias_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_om,
-    stride_os,
-    k_per_split,
-    packed_ptr,
-    scales_ptr,
-    mins_ptr,
-    stride_pn,
-    stride_sn,
-    stride_mn,
-    HAS_BIAS: tl.constexpr,
-    IS_SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    CONVERT: tl.constexpr,
-):
-    """An experiment (not kvserve's kernel): matmul._int4_kernel's weights, dequantized the same way,
-    as the dot's first operand, W_tile [BN, BK] @ x_tile.T [BK, BM], so that the weight tile's 64
-    columns are the tensor cores' 64-row side (Hopper's warpgroup MMA, which takes that operand from
-    registers) and a few rows of x the narrow side. Batch invariant as the kernel is (one tile for
-    every M), but another MMA's sums: not int4_matmul's bits."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_begin = tl.program_id(2) * k_per_split
-    k_end = tl.minimum(K, k_begin + k_per_split)
-    x_rows = x_ptr + rows.to(tl.int64)[None, :] * stride_xm
-    cols64 = cols.to(tl.int64)[:, None]
-    i = tl.arange(0, BLOCK_K // 2)
-    g = tl.arange(0, BLOCK_K // 32)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k_lo = k0 + (i // 16) * 32 + i % 16  # [BK/2]
-        w_mask = (cols < N)[:, None] & _below(k_lo, k_end, EVEN_K)[None, :]
-        x_mask = _below(k_lo, k_end, EVEN_K)[:, None] & (rows < M)[None, :]
-        byte = tl.load(packed_ptr + cols64 * stride_pn + (k0 // 2 + i)[None, :], mask=w_mask, other=0)  # [BN, BK/2]
-        groups = k0 // 32 + g
-        g_mask = (cols < N)[:, None] & _below(groups, k_end // 32, EVEN_K)[None, :]
-        scale = _repeat_cols(tl.load(scales_ptr + cols64 * stride_sn + groups[None, :], mask=g_mask, other=0.0), 16)
-        low = _repeat_cols(tl.load(mins_ptr + cols64 * stride_mn + groups[None, :], mask=g_mask, other=0.0), 16)
-        x = tl.load(x_rows + k_lo[:, None], mask=x_mask, other=0.0)  # [BK/2, BM]
-        w = cast(tl.fma(scale, nibble_to_float(byte, False, CONVERT, INTERPRET), low), x.dtype, INTERPRET)
-        acc = dot(w, x, acc, INTERPRET)
-        x = tl.load(x_rows + (k_lo + 16)[:, None], mask=x_mask, other=0.0)
-        w = cast(tl.fma(scale, nibble_to_float(byte, True, CONVERT, INTERPRET), low), x.dtype, INTERPRET)
-        acc = dot(w, x, acc, INTERPRET)
-    acc = tl.trans(acc)
-    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
-
-
-@triton.jit
-def _repeat_cols(values, TIMES: tl.constexpr):
-    """values [R, C] -> [R, C * TIMES] in float32, each column repeated TIMES times."""
-    num_rows: tl.constexpr = values.shape[0]
-    num_cols: tl.constexpr = values.shape[1]
-    repeated = tl.broadcast_to(values.to(tl.float32)[:, :, None], (num_rows, num_cols, TIMES))
-    return tl.reshape(repeated, (num_rows, num_cols * TIMES))
 
 
 def candidates():
@@ -162,10 +88,8 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
     """Time cuBLAS and each candidate on `count` layers of n x k weights at each row count, into
     result["records"] (or result["errors"])."""
     from kvserve.kernels.gpu import matmul as mm
-    from kvserve.kernels.gpu.common import CONVERT_BITS, CONVERT_INSTRUCTION
 
     floats, int4s = candidates()
-    swapped = [*int4s[:3], mm.TileConfig(16, 128, 128, 512, 4, 3)]
     weights = [torch.randn(n, k, device=device, generator=gen).to(torch.bfloat16) for _ in range(count)]
     packed = [mm.pack_int4(torch.randint(0, 16, (n, k), device=device, generator=gen)) for _ in range(count)]
     scales = [torch.rand(n, k // 32, device=device, generator=gen).half() for _ in range(count)]
@@ -180,17 +104,15 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         cfg = cfg or mm.config_for(mm.FLOAT_CONFIG, n, k)
         return lambda: [mm._launch(mm._float_kernel, cfg, x, n, (w, w.stride(0)), None, out_dtype) for w in weights]
 
-    def int4_calls(x, cfg, convert=mm.INT4_CONVERT, kernel=mm._int4_kernel):
+    def int4_calls(x, cfg, permute=True):
         cfg = cfg or mm.config_for(mm.INT4_CONFIG, n, k)
         layers = [
             (p, s, mn, p.stride(0), s.stride(0), mn.stride(0)) for p, s, mn in zip(packed, scales, mins, strict=True)
         ]
-        return lambda: [mm._launch(kernel, cfg, x, n, a, None, out_dtype, CONVERT=convert) for a in layers]
+        return lambda: [mm._launch(mm._int4_kernel, cfg, x, n, a, None, out_dtype, PERMUTE=permute) for a in layers]
 
-    def int8_calls(x, convert):
-        cfg = mm.config_for(mm.INT8_CONFIG, n, k)
-        layers = [(c, s, c.stride(0), s.stride(0)) for c, s in zip(codes8, scales8, strict=True)]
-        return lambda: [mm._launch(mm._int8_kernel, cfg, x, n, a, None, out_dtype, CONVERT=convert) for a in layers]
+    def int8_calls(x):
+        return lambda: [mm.int8_group_matmul(x, c, s, out_dtype) for c, s in zip(codes8, scales8, strict=True)]
 
     for m in rows:
         if time.perf_counter() - started > budget_s:
@@ -200,12 +122,9 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         runs = [("cublas", "cublas", lambda x=x: [F.linear(x, w) for w in weights])]
         runs += [("float", cfg, float_calls(x, cfg)) for cfg in floats]
         runs += [("int4", cfg, int4_calls(x, cfg)) for cfg in int4s]
-        runs += [("int4-convert", None, int4_calls(x, None, CONVERT_INSTRUCTION))]
-        runs += [("int4-bits", None, int4_calls(x, None, CONVERT_BITS))]
-        runs += [("int4swapped", cfg, int4_calls(x, cfg, mm.INT4_CONVERT, _int4_swapped_kernel)) for cfg in swapped]
+        runs += [("int4-convert", None, int4_calls(x, None, permute=False))]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
-            runs += [("int8", None, int8_calls(x, mm.INT8_CONVERT))]
-            runs += [("int8-convert", None, int8_calls(x, CONVERT_INSTRUCTION))]
+            runs += [("int8", None, int8_calls(x))]
         outputs = {}  # kind -> the first layer's output with kvserve's config: the same bits every way
         for kind, cfg, fn in runs:
             try:
@@ -220,7 +139,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             base = kind.split("-")[0]
             compared = cfg is None and kind != base and base in outputs
             same_bits = torch.equal(outputs[kind], outputs[base]) if compared else None
-            weight_bytes = n * k * {"int4": 0.5 + 4 / 32, "int4swapped": 0.5 + 4 / 32, "int8": 1 + 4 / 32}.get(base, 2)
+            weight_bytes = n * k * {"int4": 0.5 + 4 / 32, "int8": 1 + 4 / 32}.get(base, 2)
             result["records"].append(
                 {
                     "shape": shape,

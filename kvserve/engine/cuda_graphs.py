@@ -104,6 +104,13 @@ class DecodeGraphs:
         # read anything back since: a step whose rows all skip sampling)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._capture = capture
+        self._host_views = [v.numpy() for v in self._views(self.host)]  # made once: a step only fills them
+        self._bucket_of = [None] + [next(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
+        # per bucket, the prefix of the buffer its graph reads, on the device and here
+        self._transfers = {}
+        for bucket in self.buckets:
+            used = self.layout.total - (self.layout.max_batch - bucket) * self.layout.max_blocks
+            self._transfers[bucket] = (self.static[:used], self.host[:used])
         self._replays: dict[int, Callable[[], None]] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -114,7 +121,7 @@ class DecodeGraphs:
 
     def _fill_padding(self) -> None:
         """Every row a padding row: no KV write (slot -1), no attention (tile length 0)."""
-        ids, positions, slots, tile_len, rows, tables = (v.numpy() for v in self._views(self.host))
+        ids, positions, slots, tile_len, rows, tables = self._host_views
         ids[:], positions[:], slots[:], tile_len[:], tables[:] = 0, 0, -1, 0, 0
         rows[:] = np.arange(self.layout.max_batch)
 
@@ -163,24 +170,22 @@ class DecodeGraphs:
         num_computed_tokens[i] (in its blocks block_tables[i]). A view of the bucket's output, valid
         until the next run."""
         batch = len(token_ids)
-        bucket = next(b for b in self.buckets if b >= batch)
-        computed = np.asarray(num_computed_tokens)
-        assert all(len(t) > c // self.block_size for t, c in zip(block_tables, num_computed_tokens, strict=True))
+        bucket = self._bucket_of[batch]
+        size = self.block_size
         if self._copied is not None:
             self._copied.synchronize()
-        ids, positions, slots, tile_len, _, tables = (v.numpy() for v in self._views(self.host))
-        for row, table in enumerate(block_tables):  # entries past a sequence's own blocks are never read
-            tables[row, : len(table)] = table
-        ids[:batch], positions[:batch] = token_ids, computed
-        slots[:batch] = (
-            tables[np.arange(batch), computed // self.block_size] * self.block_size + computed % self.block_size
-        )
-        tile_len[:batch] = 1
-        ids[batch:bucket], positions[batch:bucket], slots[batch:bucket], tile_len[batch:bucket] = 0, 0, -1, 0
+        ids, positions, slots, tile_len, _, tables = self._host_views
+        row_slots = []
+        for row, (table, computed) in enumerate(zip(block_tables, num_computed_tokens, strict=True)):
+            tables[row, : len(table)] = table  # entries past a sequence's own blocks are never read
+            row_slots.append(table[computed // size] * size + computed % size)  # its new token's slot
+        ids[:batch], positions[:batch], slots[:batch], tile_len[:batch] = token_ids, num_computed_tokens, row_slots, 1
+        if bucket > batch:
+            ids[batch:bucket], positions[batch:bucket], slots[batch:bucket], tile_len[batch:bucket] = 0, 0, -1, 0
         # one transfer, of what the bucket's graph reads: the per-row values and its rows' block tables
         # (the tables come last, row by row: a prefix), not the largest bucket's whole table
-        used = self.layout.total - (self.layout.max_batch - bucket) * self.layout.max_blocks
-        self.static[:used].copy_(self.host[:used], non_blocking=True)
+        static, host = self._transfers[bucket]
+        static.copy_(host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         self._replays[bucket]()

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import CONVERT_BITS, CONVERT_PERMUTE, cast, code_to_float, dot, nibble_to_float
+from kvserve.kernels.gpu.common import cast, dot, nibble_to_float
 
 GROUP_SIZE = 32  # inputs per scale (and min) of the quantized weights
 
@@ -53,11 +53,6 @@ INT8_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, 
 # as long, and where K makes one float split, its float tiles are half as wide. H200, one row: 2048 ->
 # 3072 float 10.5 -> 7.6 us, int4 11.9 -> 9.6 us; 8192 -> 2048 int4 15.9 -> 15.3 us.
 NARROW_N = 4096
-
-# How each quantized kernel turns its codes into float32 (common.CONVERT_*; every way gives the same
-# bits): the int4 nibbles four per PRMT-built word, the int8 codes by their bits.
-INT4_CONVERT = CONVERT_PERMUTE
-INT8_CONVERT = CONVERT_BITS
 
 
 def config_for(base: TileConfig, n: int, k: int) -> TileConfig:
@@ -213,7 +208,7 @@ def _int4_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    CONVERT: tl.constexpr,  # how codes become float32 (common.CONVERT_*)
+    PERMUTE: tl.constexpr = True,  # nibbles to floats by PRMT (common.nibble_to_float); False: bench
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -235,10 +230,10 @@ def _int4_kernel(
         scale = _repeat_rows(tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0), 16)
         low = _repeat_rows(tl.load(mins_ptr + cols64 * stride_mn + groups[:, None], mask=g_mask, other=0.0), 16)
         x = tl.load(x_rows + k_lo[None, :], mask=x_mask, other=0.0)  # [BM, BK/2]
-        w = cast(tl.fma(scale, nibble_to_float(byte, False, CONVERT, INTERPRET), low), x.dtype, INTERPRET)
+        w = cast(tl.fma(scale, nibble_to_float(byte, False, PERMUTE, INTERPRET), low), x.dtype, INTERPRET)
         acc = dot(x, w, acc, INTERPRET)
         x = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
-        w = cast(tl.fma(scale, nibble_to_float(byte, True, CONVERT, INTERPRET), low), x.dtype, INTERPRET)
+        w = cast(tl.fma(scale, nibble_to_float(byte, True, PERMUTE, INTERPRET), low), x.dtype, INTERPRET)
         acc = dot(x, w, acc, INTERPRET)
     _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
 
@@ -266,7 +261,6 @@ def _int8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    CONVERT: tl.constexpr,  # how codes become float32 (common.CONVERT_*)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -284,8 +278,7 @@ def _int8_kernel(
         groups = k0 // 32 + g
         g_mask = _below(groups, k_end // 32, EVEN_K)[:, None] & (cols < N)[None, :]
         scale = _repeat_rows(tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0), 32)
-        # the code biased to 0..255 through the exact conversion, then unbiased (exact too)
-        w = cast((code_to_float(codes.to(tl.int32) + 128, CONVERT) - 128.0) * scale, x.dtype, INTERPRET)
+        w = cast(codes.to(tl.float32) * scale, x.dtype, INTERPRET)
         acc = dot(x, w, acc, INTERPRET)
     _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
 
@@ -405,8 +398,7 @@ def int4_matmul(
     assert scales.shape == mins.shape == (n, k // GROUP_SIZE), (scales.shape, mins.shape)
     packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
     args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
-    config = config_for(INT4_CONFIG, n, k)
-    return _launch(_int4_kernel, config, x, n, args, bias, out_dtype, CONVERT=INT4_CONVERT)
+    return _launch(_int4_kernel, config_for(INT4_CONFIG, n, k), x, n, args, bias, out_dtype)
 
 
 def int8_group_matmul(
@@ -426,5 +418,4 @@ def int8_group_matmul(
     assert scales.shape == (n, k // GROUP_SIZE), scales.shape
     codes, scales = _row_major(codes), _row_major(scales)
     args = (codes, scales, codes.stride(0), scales.stride(0))
-    config = config_for(INT8_CONFIG, n, k)
-    return _launch(_int8_kernel, config, x, n, args, bias, out_dtype, CONVERT=INT8_CONVERT)
+    return _launch(_int8_kernel, config_for(INT8_CONFIG, n, k), x, n, args, bias, out_dtype)
