@@ -110,14 +110,17 @@ def prepare() -> None:
 
 
 def _commit() -> str:
-    """This checkout's commit, or (on the GPU machine, which gets no .git) the one --prepare recorded."""
+    """The commit --prepare recorded (the GPU machine's copy may carry a stale .git), else this
+    checkout's."""
+    if (ASSETS / "commit").is_file():
+        return (ASSETS / "commit").read_text().strip()
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip()
     except OSError:
         pass
-    return (ASSETS / "commit").read_text().strip() if (ASSETS / "commit").is_file() else "unknown"
+    return "unknown"
 
 
 # ----- on the GPU: models -----------------------------------------------------------------------
