@@ -3,9 +3,10 @@ candidate `TileConfig` of kvserve/kernels/gpu/matmul.py against cuBLAS (`F.linea
 counts, so the one configuration per kernel (batch invariance: never chosen per M) is picked on
 figures; `int4-convert`, the int4 kernel with its nibbles turned into floats by the conversion
 instruction instead of kvserve's PRMT-built bits (common.nibble_to_float), which must give the same
-bits (`same_bits` in the JSON); and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding). Each timing is a CUDA graph of
-one call per layer, each layer its own weight (the weights stream from memory as in a decode step,
-not from L2), replayed; the result is microseconds per call and the weight bytes per second that gives.
+bits (`same_bits` in the JSON); and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding).
+Each timing is a CUDA graph of one call per layer, each layer its own weight (the weights stream from
+memory as in a decode step, not from L2), replayed; the result is microseconds per call and the weight
+bytes per second that gives.
 
     PYTHONPATH=. python bench/gpu_kernels.py --out $OUT/kernels.json
     # the plumbing on a CPU (Triton's interpreter, tiny shapes, no graphs):
@@ -128,11 +129,9 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         outputs = {}  # kind -> the first layer's output with kvserve's config: the same bits every way
         for kind, cfg, fn in runs:
             try:
-                seconds = timed(fn, device)
-                outs = fn()
-                seconds /= len(outs)
+                seconds = timed(fn, device) / (len(codes8) if kind == "int8" else count)
                 if cfg is None:
-                    outputs[kind] = outs[0]
+                    outputs[kind] = fn()[0]
             except Exception as e:  # a config that does not compile or launch is a finding
                 result["errors"].append(f"{kind} {cfg} {name} M={m}: {e!r}"[:500])
                 continue
