@@ -104,6 +104,19 @@ def test_sse_ends_with_done(base_url):
     assert all(line.startswith("data: ") for line in lines)
 
 
+def test_sse_events_stay_one_line_for_clients_that_split_on_unicode_line_breaks(base_url):
+    """U+0085, U+2028 and U+2029 end a line for str.splitlines and httpx's iter_lines; inside an
+    event's JSON they are escaped, so a token that decodes to one never splits its event in two."""
+    prompt = "a\u2028b\x85c\u2029d"
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    echoed = json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"]
+    assert echoed == prompt
+
+
 def test_n_seed_and_stop(client):
     sampled = dict(temperature=1.0, max_tokens=16, seed=7, extra_body={"ignore_eos": True})
     a = client.completions.create(model=MODEL, prompt="seeded", n=2, **sampled)

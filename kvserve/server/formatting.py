@@ -10,10 +10,14 @@ from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.server.protocol import usage_dict
 from kvserve.text.tool_calls import Delta, ToolCallParser, ToolFormat, parse
 
+# Characters that end a line for str.splitlines (and clients built on it, such as httpx's
+# iter_lines) but that json.dumps leaves raw with ensure_ascii=False.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
 
 def event(payload: dict) -> str:
-    """One server-sent event."""
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One server-sent event, on one line for every client's idea of a line."""
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 class Formatter:
