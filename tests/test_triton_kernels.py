@@ -195,6 +195,26 @@ def test_int4_nibbles_by_their_bits_give_the_conversions_bits():
     assert torch.equal(int4(True), int4(False))
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_int4_packed_bf16_weights_are_the_fma_of_bf16_scale_and_min_rounded_once(scale_dtype):
+    """packed_bf16 (packed bfloat16 FMAs on a GPU): each weight is fma(scale, code, min) of the scale and
+    min rounded to bfloat16, rounded once; every nibble, low and high, in row 0; each row alone is the
+    same bits."""
+    m, k, n = 21, 1024 + 160, 80  # three K splits, the last not a whole tile
+    codes, scales, mins, _ = _int4_weight(n, k, scale_dtype, seed=31)
+    codes[0, :16] = torch.arange(16, dtype=codes.dtype, device=codes.device)
+    codes[0, 16:32] = torch.arange(16, dtype=codes.dtype, device=codes.device).flip(0)
+    per_input = lambda t: t.to(torch.bfloat16).double().repeat_interleave(32, dim=1)  # noqa: E731
+    w = (per_input(scales) * codes.double() + per_input(mins)).float().to(torch.bfloat16)
+    x = _randn(m, k, seed=32, dtype=torch.bfloat16)
+    packed = matmul.pack_int4(codes)
+    out = matmul.int4_matmul(x, packed, scales, mins, torch.float32, packed_bf16=True)
+    _check_matmul(out, x, w, None)
+    _each_row_alone(
+        lambda rows: matmul.int4_matmul(rows, packed, scales, mins, torch.float32, packed_bf16=True), x, out
+    )
+
+
 def _int8_weight(n: int, k: int, seed: int):
     g = _generator(seed)
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
@@ -583,6 +603,7 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     codes = torch.randint(0, 16, (256, 2048), dtype=torch.uint8)
     scales = torch.rand(256, 64).half()
     call = f"int4-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales)
+    call = f"int4-bf16x2-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales, packed_bf16=True)
     call = f"int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
 k_cache = torch.zeros(8, 16, 2, 128, dtype=bf16)
 for t in (1, 3):  # a decode of one token, a prefill tile of 3, the metadata at odd offsets of one buffer
@@ -633,6 +654,8 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("lm_head", "_float_kernel"),
         ("int4", "_int4_kernel"),
         ("int4", "_sum_splits_kernel"),  # K = 2048, N = 256: four splits of 512
+        ("int4-bf16x2", "_int4_kernel"),
+        ("int4-bf16x2", "_sum_splits_kernel"),
         ("int8", "_int8_kernel"),
         ("int8", "_sum_splits_kernel"),
         ("store_kv", "_store_kv_kernel"),

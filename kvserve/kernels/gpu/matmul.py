@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import cast, dot, nibble_to_float
+from kvserve.kernels.gpu.common import cast, dot, nibble_fma_bf16, nibble_to_float
 
 GROUP_SIZE = 32  # inputs per scale (and min) of the quantized weights
 
@@ -175,11 +175,11 @@ def _float_kernel(
 
 @triton.jit
 def _repeat_rows(values, TIMES: tl.constexpr):
-    """values [R, C] -> [R * TIMES, C] in float32, each row repeated TIMES times (a group's scale
-    for each of its inputs, without loading it once per input)."""
+    """values [R, C] -> [R * TIMES, C], each row repeated TIMES times (a group's scale for each of
+    its inputs, without loading it once per input)."""
     num_rows: tl.constexpr = values.shape[0]
     num_cols: tl.constexpr = values.shape[1]
-    repeated = tl.broadcast_to(values.to(tl.float32)[:, None, :], (num_rows, TIMES, num_cols))
+    repeated = tl.broadcast_to(values[:, None, :], (num_rows, TIMES, num_cols))
     return tl.reshape(repeated, (num_rows * TIMES, num_cols))
 
 
@@ -209,6 +209,7 @@ def _int4_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PERMUTE: tl.constexpr = True,  # nibbles to floats by PRMT (common.nibble_to_float); False: bench
+    PACKED_BF16: tl.constexpr = False,  # bfloat16 x: weights by packed bfloat16 FMAs (nibble_fma_bf16)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -227,14 +228,24 @@ def _int4_kernel(
         byte = tl.load(packed_ptr + cols64 * stride_pn + (k0 // 2 + i)[:, None], mask=w_mask, other=0)  # [BK/2, BN]
         groups = k0 // 32 + g
         g_mask = _below(groups, k_end // 32, EVEN_K)[:, None] & (cols < N)[None, :]
-        scale = _repeat_rows(tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0), 16)
-        low = _repeat_rows(tl.load(mins_ptr + cols64 * stride_mn + groups[:, None], mask=g_mask, other=0.0), 16)
-        x = tl.load(x_rows + k_lo[None, :], mask=x_mask, other=0.0)  # [BM, BK/2]
-        w = cast(tl.fma(scale, nibble_to_float(byte, False, PERMUTE, INTERPRET), low), x.dtype, INTERPRET)
-        acc = dot(x, w, acc, INTERPRET)
-        x = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
-        w = cast(tl.fma(scale, nibble_to_float(byte, True, PERMUTE, INTERPRET), low), x.dtype, INTERPRET)
-        acc = dot(x, w, acc, INTERPRET)
+        scale = tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0).to(tl.float32)
+        low = tl.load(mins_ptr + cols64 * stride_mn + groups[:, None], mask=g_mask, other=0.0).to(tl.float32)
+        if PACKED_BF16 and x_ptr.dtype.element_ty == tl.bfloat16:
+            scale = _repeat_rows(cast(scale, tl.bfloat16, INTERPRET), 16)
+            low = _repeat_rows(cast(low, tl.bfloat16, INTERPRET), 16)
+            x = tl.load(x_rows + k_lo[None, :], mask=x_mask, other=0.0)  # [BM, BK/2]
+            acc = dot(x, nibble_fma_bf16(byte, scale, low, False, INTERPRET), acc, INTERPRET)
+            x = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
+            acc = dot(x, nibble_fma_bf16(byte, scale, low, True, INTERPRET), acc, INTERPRET)
+        else:
+            scale = _repeat_rows(scale, 16)
+            low = _repeat_rows(low, 16)
+            x = tl.load(x_rows + k_lo[None, :], mask=x_mask, other=0.0)  # [BM, BK/2]
+            w = cast(tl.fma(scale, nibble_to_float(byte, False, PERMUTE, INTERPRET), low), x.dtype, INTERPRET)
+            acc = dot(x, w, acc, INTERPRET)
+            x = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
+            w = cast(tl.fma(scale, nibble_to_float(byte, True, PERMUTE, INTERPRET), low), x.dtype, INTERPRET)
+            acc = dot(x, w, acc, INTERPRET)
     _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
 
 
@@ -277,7 +288,8 @@ def _int8_kernel(
         codes = tl.load(codes_ptr + cols64 * stride_cn + ks[:, None], mask=w_mask, other=0)  # [BK, BN]
         groups = k0 // 32 + g
         g_mask = _below(groups, k_end // 32, EVEN_K)[:, None] & (cols < N)[None, :]
-        scale = _repeat_rows(tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0), 32)
+        scale = tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0)
+        scale = _repeat_rows(scale.to(tl.float32), 32)
         w = cast(codes.to(tl.float32) * scale, x.dtype, INTERPRET)
         acc = dot(x, w, acc, INTERPRET)
     _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
@@ -384,6 +396,7 @@ def int4_matmul(
     mins: torch.Tensor,
     out_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
+    packed_bf16: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype), W [N, K] given as
     `pack_int4` codes with scales and mins [N, K // 32] (float16 or float32).
@@ -391,14 +404,18 @@ def int4_matmul(
     Each weight is w = fma(scale, code, min) in float32 (for float16 scales scale * code is exact,
     so that is scale * code + min), rounded to x's dtype; products and sums as `matmul` (float32
     sums, bias in float32, one rounding at the end). So the result is "dequantize W to x's dtype,
-    then matmul", with W dequantized tile by tile in registers, never whole."""
+    then matmul", with W dequantized tile by tile in registers, never whole.
+
+    packed_bf16 (for bfloat16 x; a candidate that bench/gpu_kernels.py times as `int4-bf16x2`, not yet
+    measured on a GPU): scale and min are first rounded to bfloat16, and each weight is their fma
+    rounded once to bfloat16, computed two at a time by packed bfloat16 FMAs."""
     n = packed.shape[0]
     k = x.shape[1]
     assert packed.shape == (n, k // 2) and k % GROUP_SIZE == 0, (x.shape, packed.shape)
     assert scales.shape == mins.shape == (n, k // GROUP_SIZE), (scales.shape, mins.shape)
     packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
     args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
-    return _launch(_int4_kernel, config_for(INT4_CONFIG, n, k), x, n, args, bias, out_dtype)
+    return _launch(_int4_kernel, config_for(INT4_CONFIG, n, k), x, n, args, bias, out_dtype, PACKED_BF16=packed_bf16)
 
 
 def int8_group_matmul(
