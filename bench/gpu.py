@@ -18,8 +18,8 @@ and measures the device-to-device copy bandwidth. Then per shape and engine: rea
 stream count (distinct ~60-token prompts, `--max-tokens` each with EOS ignored, all at once), TTFT p50,
 and each figure as a fraction of the bandwidth limit (streams x bandwidth / weight bytes: each step
 reads the weights once). Engines: kvserve (bf16 batch-invariant, bf16 with --batch-invariant off,
-4-bit), transformers `generate` eager, and with its static cache under torch.compile (the best
-transformers offers); kvserve's batched greedy outputs are compared with their solo runs (R7). Runs are
+4-bit, and 4-bit with the int4 kernel's packed-bfloat16 candidate as `q4-bf16x2`), transformers
+`generate` eager, and with its static cache under torch.compile (the best transformers offers); kvserve's batched greedy outputs are compared with their solo runs (R7). Runs are
 ordered by importance and skipped, with a note, once `--budget-s` is spent (a torch.compile run needs
 COMPILED_RUN_S of it left). Last, tests/test_triton_kernels.py and tests/test_cuda.py run until
 `--deadline-s`, so the whole run stays inside the device's 8 minutes. The JSON is rewritten after every
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import gc
 import importlib.metadata
@@ -212,6 +213,18 @@ def _free(device: str) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+
+
+@contextlib.contextmanager
+def packed_bf16(on: bool):
+    """GpuInt4Linear's packed-bfloat16 candidate on for the layers loaded inside."""
+    from kvserve.layers.gpu import GpuInt4Linear
+
+    GpuInt4Linear.packed_bf16 = on
+    try:
+        yield
+    finally:
+        GpuInt4Linear.packed_bf16 = False
 
 
 def run_kvserve(model: Path, device: str, streams: list[int], max_tokens: int, batch_invariant: bool) -> dict:
@@ -404,6 +417,8 @@ def main() -> None:
         if "q4" in models[shape]:
             plan.append(("kvserve", shape, "q4", True))
         plan.append(("kvserve", shape, "bf16", False))
+        if "q4" in models[shape]:  # the int4 kernel's packed-bfloat16 candidate, on the same file
+            plan.append(("kvserve", shape, "q4-bf16x2", True))
     for engine, shape, weights, flag in plan:
         name = f"{engine} {shape} {weights}" + (" batch-invariant" if engine == "kvserve" and flag else "")
         # torch.compile takes minutes per batch size: started only with that much of the budget left
@@ -414,7 +429,9 @@ def main() -> None:
         print(f"[{time.perf_counter() - started:6.1f} s] {name}", file=sys.stderr, flush=True)
         try:
             if engine == "kvserve":
-                run = run_kvserve(models[shape][weights], args.device, streams, args.max_tokens, flag)
+                model = models[shape][weights.partition("-")[0]]
+                with packed_bf16(weights == "q4-bf16x2"):
+                    run = run_kvserve(model, args.device, streams, args.max_tokens, flag)
             else:
                 compiled = engine == "transformers-compiled"
                 run = run_transformers(models[shape]["bf16"], args.device, streams, args.max_tokens, compiled)

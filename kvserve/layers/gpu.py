@@ -77,6 +77,10 @@ class GpuInt4Linear(nn.Module):
     two per byte on the device (kernels/gpu/matmul.pack_int4) and dequantized in registers; given in
     `out_dtype` (float32 for the lm_head's logits), else in x's dtype. One kernel for every row count."""
 
+    # The kernel's packed-bfloat16 candidate (int4_matmul's packed_bf16: scales and mins kept as
+    # bfloat16), off until a GPU measures it faster; bench/gpu.py's `q4-bf16x2` run turns it on.
+    packed_bf16 = False
+
     def __init__(
         self,
         weight: Int4Groups,
@@ -92,15 +96,18 @@ class GpuInt4Linear(nn.Module):
         self.out_features, self.in_features = weight.codes.shape
         self.out_dtype = out_dtype
         self.register_buffer("packed", pack_int4(weight.codes.to(device)))
-        self.register_buffer("scales", _group_values(weight.scales).to(device))  # [N, K / 32]
-        self.register_buffer("mins", _group_values(weight.mins).to(device))  # [N, K / 32]
+        self.packed_bf16 = type(self).packed_bf16  # fixed at load, with the scales' dtype
+        group_values = (lambda v: v.to(torch.bfloat16)) if self.packed_bf16 else _group_values
+        self.register_buffer("scales", group_values(weight.scales).to(device))  # [N, K / 32]
+        self.register_buffer("mins", group_values(weight.mins).to(device))  # [N, K / 32]
         self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from kvserve.kernels.gpu.matmul import int4_matmul
 
         x2 = x.reshape(-1, self.in_features)
-        out = int4_matmul(x2, self.packed, self.scales, self.mins, self.out_dtype or x.dtype, self.bias)
+        out_dtype = self.out_dtype or x.dtype
+        out = int4_matmul(x2, self.packed, self.scales, self.mins, out_dtype, self.bias, self.packed_bf16)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

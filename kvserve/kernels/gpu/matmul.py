@@ -228,18 +228,22 @@ def _int4_kernel(
         byte = tl.load(packed_ptr + cols64 * stride_pn + (k0 // 2 + i)[:, None], mask=w_mask, other=0)  # [BK/2, BN]
         groups = k0 // 32 + g
         g_mask = _below(groups, k_end // 32, EVEN_K)[:, None] & (cols < N)[None, :]
-        scale = tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0).to(tl.float32)
-        low = tl.load(mins_ptr + cols64 * stride_mn + groups[:, None], mask=g_mask, other=0.0).to(tl.float32)
+        scale = tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0)
+        low = tl.load(mins_ptr + cols64 * stride_mn + groups[:, None], mask=g_mask, other=0.0)
         if PACKED_BF16 and x_ptr.dtype.element_ty == tl.bfloat16:
-            scale = _repeat_rows(cast(scale, tl.bfloat16, INTERPRET), 16)
-            low = _repeat_rows(cast(low, tl.bfloat16, INTERPRET), 16)
+            if scales_ptr.dtype.element_ty != tl.bfloat16:  # stored as bfloat16, they need no conversion
+                scale = cast(scale.to(tl.float32), tl.bfloat16, INTERPRET)
+            if mins_ptr.dtype.element_ty != tl.bfloat16:
+                low = cast(low.to(tl.float32), tl.bfloat16, INTERPRET)
+            scale = _repeat_rows(scale, 16)
+            low = _repeat_rows(low, 16)
             x = tl.load(x_rows + k_lo[None, :], mask=x_mask, other=0.0)  # [BM, BK/2]
             acc = dot(x, nibble_fma_bf16(byte, scale, low, False, INTERPRET), acc, INTERPRET)
             x = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
             acc = dot(x, nibble_fma_bf16(byte, scale, low, True, INTERPRET), acc, INTERPRET)
         else:
-            scale = _repeat_rows(scale, 16)
-            low = _repeat_rows(low, 16)
+            scale = _repeat_rows(scale.to(tl.float32), 16)
+            low = _repeat_rows(low.to(tl.float32), 16)
             x = tl.load(x_rows + k_lo[None, :], mask=x_mask, other=0.0)  # [BM, BK/2]
             w = cast(tl.fma(scale, nibble_to_float(byte, False, PERMUTE, INTERPRET), low), x.dtype, INTERPRET)
             acc = dot(x, w, acc, INTERPRET)
@@ -399,7 +403,7 @@ def int4_matmul(
     packed_bf16: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype), W [N, K] given as
-    `pack_int4` codes with scales and mins [N, K // 32] (float16 or float32).
+    `pack_int4` codes with scales and mins [N, K // 32] (float16, float32 or bfloat16).
 
     Each weight is w = fma(scale, code, min) in float32 (for float16 scales scale * code is exact,
     so that is scale * code + min), rounded to x's dtype; products and sums as `matmul` (float32
@@ -408,7 +412,8 @@ def int4_matmul(
 
     packed_bf16 (for bfloat16 x; a candidate that bench/gpu_kernels.py times as `int4-bf16x2`, not yet
     measured on a GPU): scale and min are first rounded to bfloat16, and each weight is their fma
-    rounded once to bfloat16, computed two at a time by packed bfloat16 FMAs."""
+    rounded once to bfloat16, computed two at a time by packed bfloat16 FMAs. Scales and mins stored as
+    bfloat16 save the kernel their conversion."""
     n = packed.shape[0]
     k = x.shape[1]
     assert packed.shape == (n, k // 2) and k % GROUP_SIZE == 0, (x.shape, packed.shape)

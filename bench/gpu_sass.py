@@ -1,0 +1,132 @@
+"""The int4 matmul kernel's main loop for a Hopper GPU (sm_90), read without one (issue 32): each
+variant is compiled by Triton for sm_90 with the ptxas it ships, disassembled with its nvdisasm, and its
+K loop's instructions counted by opcode, per weight per thread. On an H200 the int4 kernel took as long
+as bf16's for one row while reading a third of the bytes (1.13 TB/s on the widest layer against 3.6):
+it is bound by its work per weight, not by memory, so fewer instructions per weight is the first sign
+of a faster kernel. The GPU's own timing (bench/gpu_kernels.py) decides.
+
+    PYTHONPATH=. python bench/gpu_sass.py --out bench/results/gpu_sass.json
+
+Runs on a CPU (nothing is launched); needs Triton's NVIDIA backend binaries (the PyPI wheel has them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+N, K = 16384, 2048  # the 1B shapes' gate and up projection, the widest layer of a step
+
+
+class _Hopper:
+    """Tells Triton's JIT that the current device is an sm_90 GPU, so a launch compiles for it."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+def loop_body(sass: str) -> list[str]:
+    """The opcodes of the longest backward-branching block that holds an MMA: the kernel's K loop."""
+    labels: dict[str, int] = {}
+    ops: list[tuple[str, str]] = []
+    for line in sass.splitlines():
+        if m := re.match(r"^\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(ops)
+        elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line):
+            ops.append((m.group(1), m.group(2)))
+    best: list[str] = []
+    for i, (op, rest) in enumerate(ops):
+        target = re.search(r"\((\.L_x_\d+)\)", rest) if op == "BRA" else None
+        if target and labels.get(target.group(1), i + 1) <= i:
+            body = [o for o, _ in ops[labels[target.group(1)] : i + 1]]
+            if any("MMA" in o for o in body) and len(body) > len(best):
+                best = body
+    return best
+
+
+def variants():
+    """(name, config, scale dtype, kernel switches): the default kernel and the packed-bfloat16
+    candidate, with the layer's scales as stored (float16) or as bfloat16, at 64 and 128 columns."""
+    from kvserve.kernels.gpu import matmul as mm
+
+    base = mm.config_for(mm.INT4_CONFIG, N, K)
+    wide = dataclasses.replace(base, block_n=128)
+    half, bf16 = torch.float16, torch.bfloat16
+    return [
+        ("default", base, half, {}),
+        ("packed-bf16, float16 scales", base, half, {"PACKED_BF16": True}),
+        ("packed-bf16", base, bf16, {"PACKED_BF16": True}),
+        ("packed-bf16, 128 columns", wide, bf16, {"PACKED_BF16": True}),
+        ("default, 128 columns", wide, half, {}),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_sass.json"))
+    args = parser.parse_args()
+    from kvserve.kernels.gpu import matmul as mm
+
+    driver.set_active(_Hopper())
+    work = Path(tempfile.mkdtemp(prefix="kvserve-sass-"))
+    records = []
+    current: dict = {}
+
+    def compile_only(kernel, grid):
+        def warmup(*a, **kw):
+            compiled = kernel.run(*a, grid=grid, warmup=True, **kw)
+            if kernel is mm._int4_kernel:
+                current["compiled"], current["kw"] = compiled, kw
+
+        return warmup
+
+    JITFunction.__getitem__ = compile_only
+    x = torch.randn(1, K).to(torch.bfloat16)
+    packed = mm.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8))
+    for name, config, scale_dtype, switches in variants():
+        scales = torch.rand(N, K // 32).to(scale_dtype)
+        weight = (packed, scales, scales, packed.stride(0), scales.stride(0), scales.stride(0))
+        mm._launch(mm._int4_kernel, config, x, N, weight, None, None, **switches)
+        cubin = work / "kernel.cubin"
+        cubin.write_bytes(current["compiled"].asm["cubin"])
+        sass = subprocess.run([BIN / "nvdisasm", "-c", cubin], capture_output=True, text=True, check=True).stdout
+        body = loop_body(sass)
+        weights_per_thread = config.block_k * config.block_n / (32 * config.num_warps)
+        counts = collections.Counter(op.split(".")[0] for op in body)
+        records.append(
+            {
+                "variant": name,
+                "config": dataclasses.asdict(config),
+                "scales": str(scale_dtype).removeprefix("torch."),
+                "loop_instructions": len(body),
+                "per_weight": round(len(body) / weights_per_thread, 2),
+                "shared_bytes": current["compiled"].metadata.shared,
+                "opcodes": dict(counts.most_common(14)),
+            }
+        )
+        print(f"{name:32} {len(body):4} instructions in the loop, {records[-1]['per_weight']:.2f} per weight")
+    result = {"target": "sm_90", "triton": triton.__version__, "layer": {"N": N, "K": K}, "records": records}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
