@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import random
+
 import pytest
 
 from kvserve.errors import UnsupportedModelError
@@ -50,8 +53,38 @@ def test_special_tokens_and_stop_ids(tokenizer, hf_gguf_tokenizer):
     assert tokenizer.vocab_size == len(hf_gguf_tokenizer)
 
 
+@pytest.fixture(params=["token bytes", "windows"])
+def detok_tokenizer(request, tokenizer):
+    """The bundled tokenizer as the detokenizer sees it: with its table of token bytes (a byte-level
+    BPE), or without (the path of a SentencePiece tokenizer: decoding windows of tokens)."""
+    if request.param == "token bytes":
+        assert tokenizer.token_bytes is not None
+        return tokenizer
+    windows = copy.copy(tokenizer)
+    windows.__dict__["token_bytes"] = None  # in place of the cached table
+    return windows
+
+
+def test_token_bytes_decode_as_decode_does(tokenizer):
+    """Every id alone, and random runs of ids (byte tokens among them, so partial and invalid UTF-8),
+    with and without special tokens: joining the table's bytes gives `decode`'s text."""
+    table = tokenizer.token_bytes
+    assert len(table) == tokenizer.vocab_size
+    for token_id in range(len(table)):
+        assert table[token_id].decode("utf-8", errors="replace") == tokenizer.decode([token_id]), token_id
+    rng = random.Random(5)
+    for _ in range(300):
+        ids = [
+            rng.randrange(len(table)) if rng.random() < 0.5 else rng.randrange(300) for _ in range(rng.randrange(40))
+        ]
+        for skip in (False, True):
+            joined = b"".join(table[i] for i in ids if not (skip and i in tokenizer.special_token_ids))
+            assert joined.decode("utf-8", errors="replace") == tokenizer.decode(ids, skip_special_tokens=skip), ids
+
+
 @pytest.mark.parametrize("skip_special_tokens", [False, True])
-def test_incremental_detokenizer_reproduces_decode(tokenizer, skip_special_tokens):
+def test_incremental_detokenizer_reproduces_decode(detok_tokenizer, skip_special_tokens):
+    tokenizer = detok_tokenizer
     for text in CORPUS:
         ids = tokenizer.encode(text)
         detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
@@ -63,7 +96,8 @@ def test_incremental_detokenizer_reproduces_decode(tokenizer, skip_special_token
             assert not any("\ufffd" in p for p in pieces), f"a piece split a character in {text!r}"
 
 
-def test_detokenizer_holds_back_partial_characters(tokenizer):
+def test_detokenizer_holds_back_partial_characters(detok_tokenizer):
+    tokenizer = detok_tokenizer
     ids = tokenizer.encode("👩‍👩‍👧‍👦")
     assert len(ids) > 1  # byte-level pieces of one grapheme
     detok = IncrementalDetokenizer(tokenizer)

@@ -200,6 +200,7 @@ def test_gemma_special_tokens_and_no_space_prefix(gemma):
     assert gemma.decode(gemma.encode("  a\tb ")) == "<bos>  a\tb "
     # no eot id in the file: a chat turn still ends at <end_of_turn>, as llama.cpp recognizes it
     assert gemma.stop_token_ids == (1, gemma.token_to_id("<end_of_turn>"))
+    assert gemma.token_bytes is None  # SentencePiece's decoder is no join of bytes: the detokenizer decodes windows
 
 
 def test_gemma_base_gguf_has_no_chat_template(gemma):

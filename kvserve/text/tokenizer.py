@@ -172,6 +172,27 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
+    @cached_property
+    def token_bytes(self) -> list[bytes] | None:
+        """Each id's bytes, for a tokenizer whose decoding is joining them and reading the result as
+        UTF-8 (a byte-level BPE: its decoder is ByteLevel alone), else None. A token spelled in GPT-2's
+        byte alphabet is those bytes; another (an added token such as "<|im_end|>" may be) is its own
+        UTF-8, as the ByteLevel decoder does."""
+        if type(self.backend.decoder) is not decoders.ByteLevel:
+            return None
+        inverse = {char: byte for byte, char in _byte_alphabet().items()}
+        table = []
+        for token_id in range(self.vocab_size):
+            token = self.backend.id_to_token(token_id) or ""
+            spelled = [inverse.get(char) for char in token]
+            table.append(token.encode("utf-8") if None in spelled else bytes(spelled))
+        return table
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids that `decode(..., skip_special_tokens=True)` leaves out."""
+        return frozenset(i for i, token in self.backend.get_added_tokens_decoder().items() if token.special)
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
