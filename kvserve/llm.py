@@ -194,6 +194,7 @@ class LLM:
         self.model_path: Path = Path(spec.model)
         model_config = load_config(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
+        _ = self.tokenizer.token_bytes  # the detokenizer's table, built at load rather than on the first request
         self.config = _engine_config(
             model_config,
             self.kv_cache_dtype,
