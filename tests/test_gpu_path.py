@@ -148,19 +148,13 @@ def test_four_bit_weights_packed_and_batched_like_solo(tiny_model_dir, triton_ke
 
 def test_four_bit_packed_bfloat16_candidate_batched_like_solo(tiny_model_dir, triton_kernels, monkeypatch):
     """The int4 kernel's packed-bfloat16 candidate through the engine: the layers keep bfloat16 scales
-    and mins, each request's tokens batched are those of its solo run, and they agree with the default
-    kernel's under the first-divergence rule."""
-    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
-    outputs = {}
-    for packed in (True, False):
-        monkeypatch.setattr(GpuInt4Linear, "packed_bf16", packed)
-        with _llm(tiny_model_dir, weights="q4", dtype="bfloat16") as q4:
-            layer = q4.model.layers[0].self_attn.qkv_proj
-            assert layer.packed_bf16 == packed and (layer.scales.dtype == torch.bfloat16) == packed
-            outputs[packed] = [q4.generate(p, params) for p in PROMPTS[:2]]
-            if packed:
-                batched = q4.generate(PROMPTS[:2], params)
-                assert [r.token_ids for r in batched] == [r.token_ids for r in outputs[packed]]
-            wait_idle_and_check(q4)
-    for got, want in zip(outputs[True], outputs[False], strict=True):
-        assert_first_divergence_agrees(got, want)
+    and mins, and each request's tokens batched are those of its solo run (its numerics against a
+    reference: test_triton_kernels.py)."""
+    monkeypatch.setattr(GpuInt4Linear, "packed_bf16", True)
+    with _llm(tiny_model_dir, weights="q4", dtype="bfloat16") as q4:
+        layer = q4.model.layers[0].self_attn.qkv_proj
+        assert layer.packed_bf16 and layer.scales.dtype == layer.mins.dtype == torch.bfloat16
+        solo = [q4.generate(p, GREEDY) for p in PROMPTS[:2]]
+        batched = q4.generate(PROMPTS[:2], GREEDY)
+        assert [r.token_ids for r in batched] == [r.token_ids for r in solo]
+        wait_idle_and_check(q4)
