@@ -154,7 +154,8 @@ def test_four_bit_packed_bfloat16_candidate_batched_like_solo(tiny_model_dir, tr
     with _llm(tiny_model_dir, weights="q4", dtype="bfloat16") as q4:
         layer = q4.model.layers[0].self_attn.qkv_proj
         assert layer.packed_bf16 and layer.scales.dtype == layer.mins.dtype == torch.bfloat16
-        solo = [q4.generate(p, GREEDY) for p in PROMPTS[:2]]
-        batched = q4.generate(PROMPTS[:2], GREEDY)
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        solo = [q4.generate(p, params) for p in PROMPTS[:2]]
+        batched = q4.generate(PROMPTS[:2], params)
         assert [r.token_ids for r in batched] == [r.token_ids for r in solo]
         wait_idle_and_check(q4)
