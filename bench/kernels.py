@@ -35,6 +35,7 @@ from kvserve.kernels import build, ops
 from kvserve.layers.quantized import (
     Int4Groups,
     Int4Linear,
+    Int4QuadsLinear,
     Int6Linear,
     Int8GroupLinear,
     int4_block_rows,
@@ -212,6 +213,17 @@ def kernels(n: int, k: int) -> dict[str, tuple[str, int, Callable[[torch.Tensor]
             lambda x: ops.int8_quads_matmul(x, five.quads, five.quad_scales, n),
             torch.float32,
         )
+        if n % 16 == 0:  # Q4_0 / Q4_1: the int4 codes with float16 scales and mins, arranged once (Int4QuadsLinear)
+            groups = Int4Groups.from_float(weight)
+            four = Int4QuadsLinear(
+                Int4Groups(groups.codes, groups.scales.half().float(), groups.mins.half().float()), torch.bfloat16
+            )
+            found["4-bit quads (Q4_0, Q4_1), int8 inputs"] = (
+                INT8_DOT,
+                sum(t.numel() * t.element_size() for t in (four.quads, four.q4_scales)),
+                lambda x: ops.int8_quads_matmul(x, four.quads, four.q4_scales, n),
+                torch.float32,
+            )
         if k % 256 == 0 and n % 16 == 0:  # Q6_K's codes and scales (random), held as stored at 6 bits
             g = torch.Generator().manual_seed(1)
             six = Int6Linear(

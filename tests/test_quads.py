@@ -177,7 +177,8 @@ def test_q6_k_layer_equals_its_integer_reference_and_each_row_alone(extension, d
 
 
 def _q5_raw(kind: str, rows: int, blocks: int, seed: int) -> torch.Tensor:
-    """Random Q5_1 / Q5_K rows (random codes and 6-bit scales, finite float16 ones), as raw bytes."""
+    """Random Q5_1 / Q5_K (or Q4_0 / Q4_1) rows (random codes and 6-bit scales, finite float16 ones), as
+    raw bytes."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
@@ -244,3 +245,66 @@ def test_q5_layer_equals_its_integer_reference_and_each_row_alone(extension, kin
         assert ((got - x.double() @ weight.T).abs() <= bound + 1e-5 * reference.abs().max()).all(), rows
         for i in {0, rows // 2, rows - 1}:
             assert torch.equal(layer(x[i : i + 1])[0], got[i].float()), (rows, i)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_q4_codes_are_held_in_the_files_bytes_and_dequantize_as_the_int4_groups(kind):
+    """Q4_0's and Q4_1's codes with a float16 scale and min per 32 (Q4_0's min is -8 times its scale) in
+    the 4-bit quads: Q4_1 in the file's bytes, Q4_0 in 20 per 32 against its 18; the same codes, scales
+    and mins back; the weight the int4 groups stand for, bit for bit (and for Q4_1 GGML's own)."""
+    from gguf import GGMLQuantizationType
+
+    from kvserve.layers.quantized import Int4Groups, Int4QuadsLinear
+    from kvserve.weights.dequant import dequantize, int4_groups
+
+    qtype = GGMLQuantizationType[kind]
+    raw = _q5_raw(kind, 48, 16, seed=6)
+    codes, scales, mins = int4_groups(raw, qtype)
+    groups = Int4Groups(codes, scales, mins)
+    assert codes.shape == (48, 512) and int(codes.max()) == 15 and Int4QuadsLinear.holds(groups)
+    held, held_scales = quads.to_q4_quads(codes, scales, mins)
+    assert quads.code_bits(held) == 4 and held.shape == (3, 16, 256) and held_scales.dtype == torch.float16
+    size = held.numel() + held_scales.numel() * held_scales.element_size()
+    assert size * (18 if kind == "Q4_0" else 20) == raw.numel() * 20
+    back_codes, back_scales, back_mins = quads.q5_parts(held, held_scales)
+    assert torch.equal(back_codes, codes.to(torch.uint8))
+    assert torch.equal(back_scales.float(), scales) and torch.equal(back_mins.float(), mins)
+    weight = quads.q5_dequantize(held, held_scales)
+    assert torch.equal(weight.view(torch.int32), groups.dequantize().view(torch.int32))
+    if kind == "Q4_1":
+        assert torch.equal(weight.view(torch.int32), dequantize(raw, qtype, 512).view(torch.int32))
+    products = Int4Groups(codes, scales * 1.1, mins)  # float32 scales (as Q4_K's products): held as int4_mm's
+    assert not Int4QuadsLinear.holds(products)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_q4_quads_give_the_bits_of_int4_mm_with_int8_inputs_at_any_row_count(extension, kind, dtype):
+    """Int4QuadsLinear (codes arranged once at load) against Int4Linear with int8 inputs (int4_int8.cpp,
+    which rearranges each block's codes on every call): the same integer sums and float steps in the
+    same order, so the same bits at every row count (every remainder of both kernels' row tiles; from 16
+    rows AMX tiles where the CPU has them); each row alone its bits in the batch; and within float32's
+    summation of the product of the inputs as the kernels round them to int8 and the weight."""
+    if not extension.int8_quads_usable():
+        pytest.skip("the quads kernel needs AVX2, FMA and F16C")
+    from gguf import GGMLQuantizationType
+
+    from kvserve.layers.quantized import Int4Groups, Int4Linear, Int4QuadsLinear, int4_block_rows
+    from kvserve.weights.dequant import int4_groups
+
+    if not int4_block_rows():
+        pytest.skip("PyTorch's int4 packing layout is not known here: int4_mm does not run")
+    groups = Int4Groups(*int4_groups(_q5_raw(kind, 128, 16, seed=7), GGMLQuantizationType[kind]))
+    layer = Int4QuadsLinear(groups, dtype)
+    packed = Int4Linear(groups, dtype, int8_activations=True)
+    weight = groups.dequantize().double()
+    terms = (groups.scales.double().repeat_interleave(32, dim=1) * groups.codes.double()).abs()
+    terms += groups.mins.double().abs().repeat_interleave(32, dim=1)  # the float steps' terms, which may cancel
+    for rows in (1, 2, 5, 7, 8, 9, 16, 17, 64, 515):
+        x, _, rounded = _rounded_inputs(rows, dtype)
+        got = layer(x)
+        assert got.dtype == dtype and torch.equal(got, packed(x)), rows
+        if dtype == torch.float32:
+            assert ((got.double() - rounded @ weight.T).abs() <= 1e-5 * (rounded.abs() @ terms.T)).all(), rows
+        for i in {0, rows // 2, rows - 1}:
+            assert torch.equal(layer(x[i : i + 1])[0], got[i]), (rows, i)

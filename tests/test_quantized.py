@@ -13,6 +13,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.layers.quantized import (
     Int4Groups,
     Int4Linear,
+    Int4QuadsLinear,
     Int8Embedding,
     Int8GroupLinear,
     Int8Linear,
@@ -154,6 +155,40 @@ def test_a_4bit_gguf_is_repacked_exactly(tmp_path):
     tokens = list(range(3, 300, 7))
     assert (_logits(kept, tokens) - _logits(dequantized, tokens)).abs().max().item() <= 1e-4
     assert weight_summary(kept)["bytes"] < 0.45 * weight_summary(dequantized)["bytes"]
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_a_4bit_gguf_with_int8_inputs_holds_its_layers_as_4bit_quads(tmp_path, monkeypatch, extension, qtype):
+    """With int8 inputs (AVX2 and up) Q4_0 and Q4_1 layers are held as 4-bit quads from load
+    (Int4QuadsLinear): in the file's bytes for Q4_1, and every layer's output the bits of the same layer
+    held for int4_mm (as on a CPU without the quads kernel), whatever the number of rows."""
+    if not extension.int8_quads_usable():
+        pytest.skip("the quads kernel needs AVX2, FMA and F16C")
+    pytest.importorskip("transformers")
+    from kvserve.weights import loader
+    from kvserve.weights.footprint import footprint
+    from kvserve.weights.gguf_file import GGUFFile
+
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=27, **INT4_FRIENDLY)
+    path = tmp_path / "tiny-q4.gguf"
+    write_llama_gguf(path, hf_model, qtype=qtype)
+    held = load_model(path, progress=False, weights="auto", activations="int8")
+    assert weight_summary(held)["layers"]["int4 quads (Q4_0, Q4_1)"] == 8  # 4 per layer
+    monkeypatch.setattr(loader, "quads_cpu", lambda: False)
+    packed = load_model(path, progress=False, weights="auto", activations="int8")
+    assert weight_summary(packed)["layers"]["int4"] == 8
+    names = [n for n, m in held.named_modules() if isinstance(m, Int4QuadsLinear)]
+    assert len(names) == 8 and all(isinstance(packed.get_submodule(n), Int4Linear) for n in names)
+    for name in names:
+        layer = held.get_submodule(name)
+        x = torch.randn(9, layer.in_features, generator=torch.Generator().manual_seed(len(name)))
+        assert torch.equal(layer(x), packed.get_submodule(name)(x)), name
+    if qtype == T.Q4_1:
+        quads_bytes = sum(t.numel() * t.element_size() for n in names for t in held.get_submodule(n).buffers())
+        stored = GGUFFile(path).stored()
+        file_bytes = sum(size for name, kind, size, _ in stored if name.startswith("layers.") and kind == "Q4_1")
+        assert quads_bytes == file_bytes
+    assert footprint(held, GGUFFile(path).stored())["F32"]["memory_per_file"] == 1.0
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0], ids=lambda t: t.name)

@@ -93,7 +93,8 @@ def int8_quads_matmul(x: torch.Tensor, quads: torch.Tensor, quad_scales: torch.T
     codes in -16..15 + 16, as nibbles and fifth-bit masks); quad_scales [V / 16, K / 32, 16] float32 or
     float16; or Q6_K's [V / 16, K / 32, 384] (6 bits) with K-quant scales [V / 16, K / 256, 288] uint8; or
     Q5_1's and Q5_K's 5-bit quads (codes 0..31) with scales and mins, [V / 16, K / 32, 2, 16] float16 or
-    [V / 16, K / 256, 320] uint8 (layers/quads.py, int8_quads.cpp). From 16 rows on AMX tiles where the CPU
+    [V / 16, K / 256, 320] uint8, or 4-bit quads [V / 16, K / 32, 256] (codes 0..15: Q4_0, Q4_1) with the
+    former (layers/quads.py, int8_quads.cpp). From 16 rows on AMX tiles where the CPU
     has them (Q6_K: vpdpbusd for all)."""
     return _ext().int8_quads_matmul(x, quads, quad_scales, rows)
 
@@ -149,7 +150,7 @@ class Linear:
     """A linear layer of the layer loop: weight [N, ...] as its `kind` stores it (Float: [N, K] in the
     compute dtype; Int4: packed, with scales = scales_mins; Int8: [N, K] codes, with scales [N];
     Int8Groups: [N, K] codes, with scales [N, K / 32] float32; Int8Quads: Int8GroupLinear's quads and
-        quad_scales, or a StoredQuadsLinear's quads and scales(): Int6Linear's, Int5Linear's)."""
+        quad_scales, or a StoredQuadsLinear's quads and scales(): Int6Linear's, Int5Linear's, Int4QuadsLinear's)."""
 
     kind: Any  # a member of linear_kinds()
     weight: torch.Tensor

@@ -22,6 +22,12 @@ scales and mins `[V / 16, K / 32, 2, 16]` (6 bits a weight, as the file), or Q5_
 `[V / 16, K / 256, 320]` uint8: per block of 256 inputs the 6-bit scales [8 groups][16 rows] and mins
 [8][16] a byte each, then the rows' float16 d [16] and dmin [16] (5.625 bits a weight, the file 5.5).
 
+GGML's Q4_0 and Q4_1 (4-bit codes 0..15 with a float16 scale and min per group: Q4_0's code - 8 taken
+as min = -8 * scale) are held by `to_q4_quads` as the 5-bit layout's four nibble vectors alone,
+`[V / 16, K / 32, 256]`, with Q5_1's scales and mins: the file's bytes for Q4_1, 20 against 18 per 32
+for Q4_0. The kernel's integer sums and float steps are int4_int8.cpp's, in its order: the same bits as
+those codes packed for `int4_mm`, but arranged once at load instead of on every call.
+
 GGML's Q6_K has a scale per 16 inputs (int8, times a float16 one per 256): `to_k6_quads` holds it
 as stored, 6 bits a code, `[V / 16, K / 32, 384]` (the 5-bit layout's nibbles, then two vectors of
 2-bit crumbs: vector u's byte i, bits 2t and 2t + 1, are the fifth and sixth bits of vector 4u + t's
@@ -40,6 +46,7 @@ import torch.nn.functional as F
 
 GROUP = 32
 FIVE_BIT_BYTES = 320  # per vector of 16 rows and group of 32 inputs
+FOUR_BIT_BYTES = 256
 SIX_BIT_BYTES = 384
 K_SCALE_BYTES = 288  # per vector of 16 rows and block of 256 inputs (Q6_K's scales)
 K5_SCALE_BYTES = 320  # the same for Q5_K's scales and mins
@@ -63,8 +70,10 @@ def quads_cpu() -> bool:
 
 
 def code_bits(quads: torch.Tensor) -> int:
-    """8 or 5: the width a quads tensor holds its codes at."""
-    return 8 if quads.dim() == 4 else 5
+    """8, 5 or 4: the width a quads tensor holds its codes at."""
+    if quads.dim() == 4:
+        return 8
+    return 4 if quads.shape[-1] == FOUR_BIT_BYTES else 5
 
 
 def to_quads(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,8 +189,19 @@ def to_q5_quads(kind: str, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tenso
     return held, torch.cat([*sub, *block], dim=2).contiguous()
 
 
+def to_q4_quads(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quads [N / 16, K / 32, 256] uint8, scales and mins [N / 16, K / 32, 2, 16] float16) of 4-bit codes
+    [N, K] in 0..15 with a scale and a min [N, K / 32] each exact in float16, N a multiple of 16."""
+    n, k = codes.shape
+    vectors, groups = n // 16, k // GROUP
+    u = codes.to(torch.uint8).view(vectors, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(vectors, groups, 8, 64)
+    held = _nibble_vectors(u).reshape(vectors, groups, FOUR_BIT_BYTES).contiguous()
+    scales, mins = (by_16_rows(t.half()) for t in (scales, mins))  # [v, G, 16] each
+    return held, torch.stack([scales, mins], dim=2).contiguous()
+
+
 def q5_parts(quads: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The parts to_q5_quads was made from (Q5_1's three or Q5_K's five)."""
+    """The parts to_q5_quads (or to_q4_quads) was made from (Q5_1's three or Q5_K's five)."""
     vectors, groups = quads.shape[:2]
     codes = _unsigned_vectors(quads).view(vectors, groups, 8, 16, 4).permute(0, 3, 1, 2, 4)
     codes = codes.reshape(vectors * 16, groups * GROUP).contiguous()
@@ -235,6 +255,8 @@ def _unsigned_vectors(quads: torch.Tensor, width: int = 64) -> torch.Tensor:
         return quads.reshape(v, -1, 8, width)
     groups = quads.shape[1]
     low = _low_vectors(quads, width)
+    if code_bits(quads) == 4:
+        return low
     plane = quads[..., 4 * width :].view(v, groups, 1, width)
     fifth = (plane >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # [v, G, 8 vectors, width bytes]
     return low | (fifth << 4)

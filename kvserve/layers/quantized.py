@@ -7,8 +7,9 @@
 - `Int8GroupLinear`: int8 codes with a scale per 32 inputs (GGML's Q8_0 and Q5_0 exactly), row-major
   or in the quads layout (layers/quads.py: Q5_0 at 5 bits) for kvserve's C++ kernels.
 - `StoredQuadsLinear`: a GGML type held as stored in the quads layout, with its own scales:
-  `Int6Linear` (Q6_K: 6-bit quads, scales per 16 and 256 inputs) and `Int5Linear` (Q5_1 and Q5_K:
-  5-bit quads, a scale and a min per 32 inputs).
+  `Int6Linear` (Q6_K: 6-bit quads, scales per 16 and 256 inputs), `Int5Linear` (Q5_1 and Q5_K:
+  5-bit quads, a scale and a min per 32 inputs) and `Int4QuadsLinear` (Q4_0 and Q4_1 with int8 inputs:
+  4-bit quads, a float16 scale and min per 32 inputs).
 - `Int8Embedding`: int8 rows with one scale per group of 32, dequantized only for the looked-up
   rows (GGML's Q8_0 is exactly this shape).
 
@@ -524,6 +525,47 @@ class Int5Linear(StoredQuadsLinear):
 
     def dequantized(self) -> torch.Tensor:
         return quads.q5_dequantize(self.quads, self.q5_scales)
+
+
+class Int4QuadsLinear(StoredQuadsLinear):
+    """4-bit codes with a scale and a min per 32 inputs, each exact in float16 (GGML's Q4_0 and Q4_1:
+    w = scale * code + min), for int8 inputs: the quads layout's nibbles, arranged once at load
+    (layers/quads.py), where Int4Linear's int8 kernel rearranges each block of codes on every call. The
+    same integer sums and float steps in the same order, so the bits of Int4Linear(int8_activations=True)
+    on the same weight, for any number of rows; and the work splits by 16 outputs, not 64."""
+
+    kind = "Q4"
+
+    def __init__(
+        self,
+        weight: Int4Groups,
+        dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        quads_, scales = quads.to_q4_quads(weight.codes, weight.scales, weight.mins)
+        self.register_buffer("quads", quads_)  # [N / 16, K / 32, 256] uint8
+        self.register_buffer("q4_scales", scales)  # [N / 16, K / 32, 2, 16] float16
+        self._setup(*weight.codes.shape, dtype, bias, out_dtype)
+
+    @staticmethod
+    def holds(weight: Int4Groups) -> bool:
+        """Whether `weight` can be held so: groups of 32, whole vectors of 16 outputs, and every scale
+        and min exact in float16 (as GGUF's Q4_0 and Q4_1 store them; not Q4_K's products)."""
+        n, k = weight.codes.shape
+        return (
+            weight.group_size == GROUP_SIZE
+            and n % 16 == 0
+            and k % GROUP_SIZE == 0
+            and all(torch.equal(t.half().float(), t.float()) for t in (weight.scales, weight.mins))
+        )
+
+    def scales(self) -> torch.Tensor:
+        return self.q4_scales
+
+    def dequantized(self) -> torch.Tensor:
+        return quads.q5_dequantize(self.quads, self.q4_scales)
 
 
 def float32_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

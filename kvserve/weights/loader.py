@@ -22,6 +22,7 @@ from kvserve.layers.quads import quads_cpu, to_quads
 from kvserve.layers.quantized import (
     GROUP_SIZE,
     Int4Linear,
+    Int4QuadsLinear,
     Int5Linear,
     Int6Linear,
     Int8Embedding,
@@ -303,6 +304,9 @@ def _build_linear(
         weight = type(groups[0]).cat(groups)
         if gpu:  # the lm_head's logits in float32, as every other form gives them
             return GpuInt4Linear(weight, device, bias, torch.float32 if name == LM_HEAD else None)
+        if plan.quads and name != LM_HEAD and Int4QuadsLinear.holds(weight):
+            # Q4_0 / Q4_1 with int8 inputs: the same bits as Int4Linear's int8 kernel, its codes arranged once
+            return Int4QuadsLinear(weight, dtype, bias)
         return Int4Linear(weight, dtype, bias)
     weight = _stacked_float(name, shards, rows, layer.in_features)
     if fmt == "int8" and not gpu:
@@ -412,6 +416,7 @@ def weight_summary(model: nn.Module) -> dict[str, object]:
             Int8GroupLinear: "int8 groups",
             Int6Linear: "int6 (Q6_K)",
             Int5Linear: "int5 (Q5_1, Q5_K)",
+            Int4QuadsLinear: "int4 quads (Q4_0, Q4_1)",
             GpuInt8GroupLinear: "int8 groups",
         }
         form = {**forms_by_type, Int8Embedding: "int8 embedding"}.get(type(module))

@@ -54,8 +54,10 @@ constexpr int64_t kQuadBlock = 4;  // 16-row vectors per task: 64 output rows
 // -32 * sum(q) over them and take their float step: two per group, in input order.
 constexpr int64_t kK6Bytes = 384, kK6ScaleBytes = 288;
 
-// ----- 5 bits with a min per group (GGML's Q5_1 and Q5_K) ------------------------------------------
-// quads [V / 16, K / 32, 320]: the 5-bit layout, each code as GGML's 0..31 (no offset), and either
+// ----- 5 or 4 bits with a min per group (GGML's Q5_1 and Q5_K; Q4_0 and Q4_1) ---------------------
+// quads [V / 16, K / 32, 320]: the 5-bit layout, each code as GGML's 0..31 (no offset), or
+// [V / 16, K / 32, 256]: its four nibble vectors alone, codes 0..15 (GGML's Q4_0 and Q4_1, held as
+// 4 bits with a float16 scale and min: Q4_0's code - 8 as min = -8 * scale), and either
 //   Q5_1: scales [V / 16, K / 32, 2, 16] float16, per group the 16 rows' scales, then their mins:
 //     w = scale * code + min (6 bits a weight, as the file);
 //   Q5_K: scales [V / 16, K / 256, 320] uint8, per block of 256 inputs the 6-bit scales [8 groups][16
@@ -65,8 +67,10 @@ constexpr int64_t kK6Bytes = 384, kK6ScaleBytes = 288;
 // kernels' (int4_int8.cpp group_step): total = fma(scale * d, float(sum), total), then
 // total = fma(s, min, total), s = d * sum(q) from quantize_group, so the min meets the rounded inputs.
 // vpdpbusd, and from 16 rows AMX tiles where usable (min5_matmul_amx): the same integer sums and float
-// steps in one order, so the same bits whatever rows are beside a row.
-constexpr int64_t kMin5Bytes = 320, kK5ScaleBytes = 320;
+// steps in one order, so the same bits whatever rows are beside a row. These are also the integer sums
+// and float steps of int4_int8.cpp's kernels, in the same order: a 4-bit layer held so gives the bits
+// of the same codes, scales and mins packed for int4_mm, without rearranging the codes on each call.
+constexpr int64_t kMin5Bytes = 320, kMin4Bytes = 256, kK5ScaleBytes = 320;
 
 #if KVSERVE_HAS_VNNI512
 constexpr int kQuadTileRows = 8;  // 8 code vectors, 8 int32 and 8 float accumulators of 32 registers
@@ -94,6 +98,8 @@ template <int Bits>
 inline void load_codes(const uint8_t* quads, int64_t g, __m512i* codes) {
   if constexpr (Bits == 8) {
     for (int j = 0; j < 8; ++j) codes[j] = _mm512_loadu_si512(quads + (g * 8 + j) * 64);
+  } else if constexpr (Bits == 4) {
+    load_nibbles(quads + g * kMin4Bytes, codes);
   } else {
     const uint8_t* block = quads + g * 320;
     const __m512i fifth = _mm512_set1_epi8(0x10), plane = _mm512_loadu_si512(block + 256);
@@ -215,8 +221,8 @@ inline __m512 min5_step(__m512 total, __m512i sum, __m512 scale, __m512 min, flo
   return _mm512_fmadd_ps(_mm512_set1_ps(s), min, total);
 }
 
-// R rows x one 16-row vector over all groups: s [R, k / 32] d * sum(q) of each row's group.
-template <int R, bool KQuant>
+// R rows x one 16-row vector over all groups: s [R, k / 32] d * sum(q) of each row's group. Bits: 5 or 4.
+template <int R, int Bits, bool KQuant>
 inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint8_t* quads,
                       const uint8_t* scales, float* out, int64_t ldo, int64_t cols, int64_t /*first_row*/) {
   const int64_t groups = k / 32;
@@ -224,7 +230,7 @@ inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i codes[8];
-    load_codes<5>(quads, g, codes);
+    load_codes<Bits>(quads, g, codes);
     __m512 scale, min;
     min5_scales<KQuant>(scales, g, scale, min);
     for (int r = 0; r < R; ++r) {
@@ -238,6 +244,54 @@ inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k
     }
   }
   for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
+}
+
+// 4-bit codes, from kMin4PairRows rows: R rows x two 16-row vectors (the second at `next` bytes of codes
+// and `next_scales` of scales from the first), as int4_int8.cpp's q8_rows_vnni takes them: each nibble
+// vector is unpacked once for all R rows and each row's four inputs broadcast once for both vectors
+// (min5_tile broadcasts them per vector: one broadcast per vpdpbusd). min5_tile's integer sums and float
+// steps in its order, so the same bits. Registers: 2R sums, 2R totals, 4 code vectors, 2 inputs.
+constexpr int kMin4PairRows = 2, kMin4TileRows = 6;
+template <int R, bool KQuant>
+inline void min4_pair_tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint8_t* quads,
+                           int64_t next, const uint8_t* scales, int64_t next_scales, float* out, int64_t ldo,
+                           int64_t cols) {
+  const int64_t groups = k / 32;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {  // nibble vector t: code vectors 2t (low nibbles) and 2t + 1 (high)
+      __m512i codes[2][2];
+      for (int v = 0; v < 2; ++v) {
+        const __m512i nibbles = _mm512_loadu_si512(quads + v * next + g * kMin4Bytes + t * 64);
+        codes[v][0] = _mm512_and_si512(nibbles, low);
+        codes[v][1] = _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int h = 0; h < 2; ++h) {
+          int32_t four;  // inputs 4j .. 4j + 3 of the group, j = 2t + h
+          std::memcpy(&four, q + r * k + g * 32 + 8 * t + 4 * h, sizeof(four));
+          const __m512i inputs = _mm512_set1_epi32(four);
+          sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], codes[0][h], inputs);
+          sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], codes[1][h], inputs);
+        }
+      }
+    }
+    for (int v = 0; v < 2; ++v) {
+      __m512 scale, min;
+      min5_scales<KQuant>(scales + v * next_scales, g, scale, min);
+      for (int r = 0; r < R; ++r) {
+        total[r][v] = min5_step(total[r][v], sum[r][v], scale, min, d[r * groups + g], s[r * groups + g]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    store_outputs(out + r * ldo, total[r][0], 16);
+    store_outputs(out + r * ldo + 16, total[r][1], cols);
+  }
 }
 #else
 // ----- AVX2 (no VNNI): the same integer sums and float steps, so the same bits ----------------------
@@ -275,7 +329,7 @@ inline void load_nibbles(const uint8_t* block, Halves* codes) {
   }
 }
 
-// Group g's eight code vectors: 8 bits signed (code), 5 bits as held (code + 16, or 0..31).
+// Group g's eight code vectors: 8 bits signed (code), 5 and 4 bits as held (code + 16, 0..31 or 0..15).
 template <int Bits>
 inline void load_codes(const uint8_t* quads, int64_t g, Halves* codes) {
   if constexpr (Bits == 8) {
@@ -283,6 +337,8 @@ inline void load_codes(const uint8_t* quads, int64_t g, Halves* codes) {
     for (int j = 0; j < 8; ++j) {
       for (int h = 0; h < 2; ++h) codes[j][h] = _mm256_xor_si256(load256(quads + (g * 8 + j) * 64 + h * 32), flip);
     }
+  } else if constexpr (Bits == 4) {
+    load_nibbles(quads + g * kMin4Bytes, codes);
   } else {
     const uint8_t* block = quads + g * 320;
     const __m256i fifth = _mm256_set1_epi8(0x10);
@@ -517,14 +573,14 @@ inline void min5_scales(const uint8_t* scales, int64_t g, int h, __m256& scale, 
   }
 }
 
-// R rows x one 16-row vector of Q5_1 or Q5_K (min5_tile on AVX-512). scales: the rows' scales, then
-// their mins.
-template <int R, bool KQuant>
+// R rows x one 16-row vector of Q5_1 or Q5_K, or of 4-bit codes (min5_tile on AVX-512). scales: the
+// rows' scales, then their mins. The 4-bit codes take the 5-bit dot (0..15 within its bounds).
+template <int R, int Bits, bool KQuant>
 inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint8_t* quads,
                       const uint8_t* scales, float* out, int64_t ldo, int64_t cols, int64_t first_row) {
   const int64_t groups = k / 32;
   const auto unpack = [&](int64_t g, GroupData& data) {
-    load_codes<5>(quads, g, data.codes);
+    load_codes<Bits>(quads, g, data.codes);
     for (int h = 0; h < 2; ++h) min5_scales<KQuant>(scales, g, h, data.scales[h], data.scales[2 + h]);
   };
   const auto step = [&](int r, int64_t g, const GroupData& data, __m256* total) {
@@ -603,15 +659,48 @@ void k6_matmul(const int8_t* q, const float* d, const int32_t* start2, int64_t m
   });
 }
 
-template <bool KQuant>
+template <int Bits, bool KQuant>
 void min5_matmul(const int8_t* q, const float* d, const float* s, int64_t m, int64_t k, const uint8_t* qp,
                  const uint8_t* sp, float* o, int64_t v, int64_t vectors) {
-  const int64_t groups = k / 32, vector_bytes = groups * kMin5Bytes;
+  const int64_t groups = k / 32, vector_bytes = groups * (Bits == 4 ? kMin4Bytes : kMin5Bytes);
   const int64_t scale_bytes = KQuant ? k / 256 * kK5ScaleBytes : groups * 64;
-  parallel_tasks((vectors + kQuadBlock - 1) / kQuadBlock, m, [&](int64_t task) {
-    for (int64_t vec = task * kQuadBlock; vec < std::min((task + 1) * kQuadBlock, vectors); ++vec) {
+#if KVSERVE_HAS_VNNI512
+  // 4-bit codes from kMin4PairRows rows: two vectors at a time (min4_pair_tile), tasks of two vectors (the
+  // codes need no unpacking per call, so smaller tasks cost nothing and balance the threads better)
+  const bool pairs = Bits == 4 && m >= kMin4PairRows;
+#else
+  const bool pairs = false;
+#endif
+  const int64_t block = pairs ? 2 : kQuadBlock;
+  parallel_tasks((vectors + block - 1) / block, m, [&](int64_t task) {
+    for (int64_t vec = task * block; vec < std::min((task + 1) * block, vectors); ++vec) {
       const int64_t cols = std::min<int64_t>(16, v - vec * 16);
       if (cols <= 0) continue;
+#if KVSERVE_HAS_VNNI512
+      if (pairs && vec + 1 < std::min((task + 1) * block, vectors) && v > (vec + 1) * 16) {
+        const int64_t cols1 = std::min<int64_t>(16, v - (vec + 1) * 16);
+        for (int64_t r = 0; r < m; r += kMin4TileRows) {
+          const int8_t* qr = q + r * k;
+          const float* dr = d + r * groups;
+          const float* sr = s + r * groups;
+          float* dst = o + r * v + vec * 16;
+          const uint8_t* vq = qp + vec * vector_bytes;
+          const uint8_t* vs = sp + vec * scale_bytes;
+          switch (std::min<int64_t>(kMin4TileRows, m - r)) {
+#define KVSERVE_ROWS(R)                                                                                 \
+  case R:                                                                                               \
+    min4_pair_tile<R, KQuant>(qr, dr, sr, k, vq, vector_bytes, vs, scale_bytes, dst, v, cols1);         \
+    break;
+            KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+#undef KVSERVE_ROWS
+            default:
+              TORCH_CHECK(false, "int8_quads_matmul: bad row tile");
+          }
+        }
+        ++vec;  // the pair's second vector is done
+        continue;
+      }
+#endif
       for (int64_t r = 0; r < m; r += kQuadTileRows) {
         const int8_t* qr = q + r * k;
         const float* dr = d + r * groups;
@@ -622,7 +711,7 @@ void min5_matmul(const int8_t* q, const float* d, const float* s, int64_t m, int
         switch (std::min<int64_t>(kQuadTileRows, m - r)) {
 #define KVSERVE_ROWS(R)                                              \
   case R:                                                            \
-    min5_tile<R, KQuant>(qr, dr, sr, k, vq, vs, dst, v, cols, r);    \
+    min5_tile<R, Bits, KQuant>(qr, dr, sr, k, vq, vs, dst, v, cols, r); \
     break;
           KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4)
           KVSERVE_ROWS(5) KVSERVE_ROWS(6) KVSERVE_ROWS(7) KVSERVE_ROWS(8)
@@ -721,7 +810,7 @@ void quads_matmul_amx(const int8_t* q, const float* d, const int32_t* start, int
 }
 
 // min5_matmul on tiles from kAmxQuadRows rows: a vector's codes unpacked once per call into TDPBSUD's
-// B layout (the 5-bit quads' eight vectors per group, each byte a code 0..31), 16 rows of q the A tile;
+// B layout (the 5- or 4-bit quads' eight vectors per group, each byte a code), 16 rows of q the A tile;
 // the int32 sums are min5_tile's and take its float step per row in group order: the same bits.
 template <bool KQuant>
 inline void min5_epilogue(__m512* total, const int32_t* c, const uint8_t* scales, int64_t g, const float* d,
@@ -752,10 +841,10 @@ KVSERVE_MIN5_STEP(0, 3)
 KVSERVE_MIN5_STEP(3, 0)
 #undef KVSERVE_MIN5_STEP
 
-template <bool KQuant>
+template <int Bits, bool KQuant>
 void min5_matmul_amx(const int8_t* q, const float* d, const float* s, int64_t m, int64_t k, const uint8_t* qp,
                      const uint8_t* sp, float* o, int64_t v, int64_t vectors) {
-  const int64_t groups = k / 32, vector_bytes = groups * kMin5Bytes;
+  const int64_t groups = k / 32, vector_bytes = groups * (Bits == 4 ? kMin4Bytes : kMin5Bytes);
   const int64_t scale_bytes = KQuant ? k / 256 * kK5ScaleBytes : groups * 64;
   at::parallel_for(0, vectors, 1, [&](int64_t begin, int64_t end) {
     load_int8_tile_config();
@@ -766,7 +855,7 @@ void min5_matmul_amx(const int8_t* q, const float* d, const float* s, int64_t m,
       if (cols <= 0) continue;
       for (int64_t g = 0; g < groups; ++g) {
         __m512i codes[8];
-        load_codes<5>(qp + vec * vector_bytes, g, codes);
+        load_codes<Bits>(qp + vec * vector_bytes, g, codes);
         for (int j = 0; j < 8; ++j) _mm512_storeu_si512(b.data() + (g * 8 + j) * 64, codes[j]);
       }
       const uint8_t* vs = sp + vec * scale_bytes;
@@ -806,15 +895,17 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "int8_quads_matmul: x [M, K] with K a multiple of 32");
   const int64_t m = x.size(0), k = x.size(1), groups = k / 32, vectors = quads.size(0);
   const bool eight = quads.dim() == 4, six = quads.dim() == 3 && quads.size(2) == kK6Bytes;
+  const bool four = quads.dim() == 3 && quads.size(2) == kMin4Bytes;
   TORCH_CHECK(quads.scalar_type() == at::kByte && quads.is_contiguous() && vectors * 16 >= v &&
                   (eight ? quads.size(1) * 4 == k && quads.size(2) == 16 && quads.size(3) == 4
-                         : quads.dim() == 3 && quads.size(1) == groups && (quads.size(2) == 320 || six)),
-              "int8_quads_matmul: quads [V / 16, K / 4, 16, 4] (8 bits), [V / 16, K / 32, 320] (5 bits) or "
-              "[V / 16, K / 32, 384] (6 bits) uint8");
-  // 5 bits with a min per group: Q5_1's float16 scales and mins [V / 16, K / 32, 2, 16], or Q5_K's
-  // K-quant scales [V / 16, K / 256, 320] uint8
+                         : quads.dim() == 3 && quads.size(1) == groups && (quads.size(2) == 320 || six || four)),
+              "int8_quads_matmul: quads [V / 16, K / 4, 16, 4] (8 bits), [V / 16, K / 32, 320] (5 bits), "
+              "[V / 16, K / 32, 256] (4 bits) or [V / 16, K / 32, 384] (6 bits) uint8");
+  // 5 or 4 bits with a min per group: Q5_1's (and 4-bit codes') float16 scales and mins
+  // [V / 16, K / 32, 2, 16], or Q5_K's K-quant scales [V / 16, K / 256, 320] uint8
   const bool q5_k = !eight && !six && quad_scales.scalar_type() == at::kByte;
   const bool q5_1 = !eight && !six && quad_scales.scalar_type() == at::kHalf && quad_scales.dim() == 4;
+  TORCH_CHECK(!four || q5_1 || q5_k, "int8_quads_matmul: 4-bit quads take a scale and a min per group");
   if (q5_k) {
     TORCH_CHECK(k % 256 == 0 && quad_scales.is_contiguous() && quad_scales.numel() == vectors * (k / 256) * kK5ScaleBytes,
                 "int8_quads_matmul: Q5_K's quads take K-quant scales [V / 16, K / 256, 320] uint8");
@@ -869,12 +960,13 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
     const uint8_t* sp = reinterpret_cast<const uint8_t*>(quad_scales.data_ptr());
 #if KVSERVE_HAS_AMX_INT8
     if (m >= kAmxQuadRows && amx_usable()) {
-      (q5_k ? min5_matmul_amx<true> : min5_matmul_amx<false>)(q, d, sums, m, k, qp, sp, o, v,
-                                                               vectors);
+      (four ? (q5_k ? min5_matmul_amx<4, true> : min5_matmul_amx<4, false>)
+            : (q5_k ? min5_matmul_amx<5, true> : min5_matmul_amx<5, false>))(q, d, sums, m, k, qp, sp, o, v, vectors);
       return out;
     }
 #endif
-    (q5_k ? min5_matmul<true> : min5_matmul<false>)(q, d, sums, m, k, qp, sp, o, v, vectors);
+    (four ? (q5_k ? min5_matmul<4, true> : min5_matmul<4, false>)
+          : (q5_k ? min5_matmul<5, true> : min5_matmul<5, false>))(q, d, sums, m, k, qp, sp, o, v, vectors);
     return out;
   }
   if (six) {  // vpdpbusd for every row count (two TDPBSUD of 16 inputs a group measured no faster)
