@@ -172,6 +172,7 @@ def test_a_4bit_gguf_with_int8_inputs_holds_its_layers_as_4bit_quads(tmp_path, m
     hf_model = make_tiny_llama(tmp_path / "hf", seed=27, **INT4_FRIENDLY)
     path = tmp_path / "tiny-q4.gguf"
     write_llama_gguf(path, hf_model, qtype=qtype)
+    monkeypatch.setattr(loader, "int4_quads_cpu", lambda: True)  # as without AMX (with it: int4_mm's tiles)
     held = load_model(path, progress=False, weights="auto", activations="int8")
     assert weight_summary(held)["layers"]["int4 quads (Q4_0, Q4_1)"] == 8  # 4 per layer
     monkeypatch.setattr(loader, "quads_cpu", lambda: False)

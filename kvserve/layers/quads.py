@@ -54,19 +54,31 @@ _CHUNK_VECTORS = 256  # vectors (of 16 rows) arranged per step: temporaries of a
 
 
 @functools.cache
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags, from Linux's /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+
+
+def int4_quads_cpu() -> bool:
+    """Whether Q4_0 / Q4_1 layers are held as 4-bit quads (Int4QuadsLinear) rather than for int4_mm:
+    where the quads kernel runs and the CPU has no AMX tiles. With AMX both forms unpack the codes into
+    tile bytes on each call, and int4_mm's tile kernel is the one measured on tiles (the bits are the
+    same either way)."""
+    return quads_cpu() and "amx_int8" not in _cpu_flags()
+
+
+@functools.cache
 def quads_cpu() -> bool:
     """Whether this CPU has AVX2, FMA and F16C, as int8_quads.cpp needs (vpmaddubsw, or vpdpbusd where it
     has AVX512-VNNI and AVX512BW; the kernels build with -march=native): asked of Linux's
     /proc/cpuinfo, so that a layer can be arranged at load, before the C++ kernels have loaded (they
     say for sure: ops.int8_quads_usable(); a layer whose guess was wrong is arranged back on its first
     call)."""
-    try:
-        flags = next(
-            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
-        ).split()
-    except OSError:
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags)
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
 
 
 def code_bits(quads: torch.Tensor) -> int:

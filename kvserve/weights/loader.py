@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from kvserve.errors import UnsupportedModelError
 from kvserve.layers.gpu import GpuInt4Linear, GpuInt8GroupLinear, GpuLinear, use_triton_forms, uses_triton
-from kvserve.layers.quads import quads_cpu, to_quads
+from kvserve.layers.quads import int4_quads_cpu, quads_cpu, to_quads
 from kvserve.layers.quantized import (
     GROUP_SIZE,
     Int4Linear,
@@ -304,7 +304,7 @@ def _build_linear(
         weight = type(groups[0]).cat(groups)
         if gpu:  # the lm_head's logits in float32, as every other form gives them
             return GpuInt4Linear(weight, device, bias, torch.float32 if name == LM_HEAD else None)
-        if plan.quads and name != LM_HEAD and Int4QuadsLinear.holds(weight):
+        if plan.quads and name != LM_HEAD and int4_quads_cpu() and Int4QuadsLinear.holds(weight):
             # Q4_0 / Q4_1 with int8 inputs: the same bits as Int4Linear's int8 kernel, its codes arranged once
             return Int4QuadsLinear(weight, dtype, bias)
         return Int4Linear(weight, dtype, bias)

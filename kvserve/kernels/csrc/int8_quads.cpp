@@ -941,6 +941,10 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
     at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         quantize_group(xp + i * 32, q + i * 32, &d[i], &sums[i]);
+        if (offset == 0) {  // the 8-bit codes on AVX2 and the forms with a min: no offset to take back
+          start[i] = 0;
+          continue;
+        }
         int32_t total = 0;
         for (int j = 0; j < 32; ++j) total += q[i * 32 + j];
         start[i] = -offset * total;
