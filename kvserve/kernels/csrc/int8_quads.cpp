@@ -293,6 +293,47 @@ inline void min4_pair_tile(const int8_t* q, const float* d, const float* s, int6
     store_outputs(out + r * ldo + 16, total[r][1], cols);
   }
 }
+
+// 8-bit codes, from kMin4PairRows rows: R rows x two 16-row vectors, as min4_pair_tile takes the 4-bit
+// codes (each code vector loaded once for all R rows, each row's four inputs broadcast once for both
+// vectors). quad_tile's integer sums, from `start`, and its float step in its order: the same bits.
+// (For 5 bits this measured slower than quad_tile: unpacking a group's codes per tile of 5 rows instead
+// of 8 cost more than the broadcasts saved.)
+constexpr int kQuadPairRows = 6;
+template <int R, typename S>
+inline void quad_pair_tile(const int8_t* q, const float* d, const int32_t* start, int64_t k, const uint8_t* quads,
+                           int64_t next, const S* scales, int64_t next_scales, float* out, int64_t ldo,
+                           int64_t cols) {
+  const int64_t groups = k / 32;
+  __m512 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_set1_epi32(start[r * groups + g]);
+    for (int j = 0; j < 8; ++j) {  // inputs 4j .. 4j + 3 of the group
+      const __m512i codes0 = _mm512_loadu_si512(quads + (g * 8 + j) * 64);
+      const __m512i codes1 = _mm512_loadu_si512(quads + next + (g * 8 + j) * 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, q + r * k + g * 32 + 4 * j, sizeof(four));
+        const __m512i inputs = _mm512_set1_epi32(four);
+        sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], codes0, inputs);
+        sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], codes1, inputs);
+      }
+    }
+    for (int v = 0; v < 2; ++v) {
+      const __m512 scale = load_scales(scales + v * next_scales + g * 16);
+      for (int r = 0; r < R; ++r) {
+        total[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][v]),
+                                      _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])), total[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    store_outputs(out + r * ldo, total[r][0], 16);
+    store_outputs(out + r * ldo + 16, total[r][1], cols);
+  }
+}
 #else
 // ----- AVX2 (no VNNI): the same integer sums and float steps, so the same bits ----------------------
 // A 16-row code vector is two 256-bit halves (rows 0-7, rows 8-15), each row's 4 inputs one int32
@@ -602,12 +643,42 @@ template <int Bits, typename S>
 void quads_matmul(const int8_t* q, const float* d, const int32_t* start, int64_t m, int64_t k, const uint8_t* qp,
                   const S* sp, float* o, int64_t v, int64_t vectors) {
   const int64_t groups = k / 32, vector_bytes = k * 16 * Bits / 8;
-  parallel_tasks((vectors + kQuadBlock - 1) / kQuadBlock, m, [&](int64_t task) {
-    for (int64_t vec = task * kQuadBlock; vec < std::min((task + 1) * kQuadBlock, vectors); ++vec) {
+#if KVSERVE_HAS_VNNI512
+  const bool pairs = Bits == 8 && m >= kMin4PairRows;  // two vectors at a time (quad_pair_tile), tasks of two
+#else
+  const bool pairs = false;
+#endif
+  const int64_t block = pairs ? 2 : kQuadBlock;
+  parallel_tasks((vectors + block - 1) / block, m, [&](int64_t task) {
+    for (int64_t vec = task * block; vec < std::min((task + 1) * block, vectors); ++vec) {
       const uint8_t* vq = qp + vec * vector_bytes;
       const S* vs = sp + vec * groups * 16;
       const int64_t cols = std::min<int64_t>(16, v - vec * 16);
       if (cols <= 0) continue;
+#if KVSERVE_HAS_VNNI512
+      if (pairs && vec + 1 < std::min((task + 1) * block, vectors) && v > (vec + 1) * 16) {
+        constexpr int kRows = kQuadPairRows;
+        const int64_t cols1 = std::min<int64_t>(16, v - (vec + 1) * 16);
+        for (int64_t r = 0; r < m; r += kRows) {
+          const int8_t* qr = q + r * k;
+          const float* dr = d + r * groups;
+          const int32_t* sr = start + r * groups;
+          float* dst = o + r * v + vec * 16;
+          switch (std::min<int64_t>(kRows, m - r)) {
+#define KVSERVE_ROWS(R)                                                                                 \
+  case R:                                                                                               \
+    quad_pair_tile<R, S>(qr, dr, sr, k, vq, vector_bytes, vs, groups * 16, dst, v, cols1);            \
+    break;
+            KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5) KVSERVE_ROWS(6)
+#undef KVSERVE_ROWS
+            default:
+              TORCH_CHECK(false, "int8_quads_matmul: bad row tile");
+          }
+        }
+        ++vec;  // the pair's second vector is done
+        continue;
+      }
+#endif
       for (int64_t r = 0; r < m; r += kQuadTileRows) {
         const int8_t* qr = q + r * k;
         const float* dr = d + r * groups;
