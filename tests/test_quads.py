@@ -294,17 +294,19 @@ def test_q4_quads_give_the_bits_of_int4_mm_with_int8_inputs_at_any_row_count(ext
 
     if not int4_block_rows():
         pytest.skip("PyTorch's int4 packing layout is not known here: int4_mm does not run")
-    groups = Int4Groups(*int4_groups(_q5_raw(kind, 128, 16, seed=7), GGMLQuantizationType[kind]))
-    layer = Int4QuadsLinear(groups, dtype)
-    packed = Int4Linear(groups, dtype, int8_activations=True)
-    weight = groups.dequantize().double()
-    terms = (groups.scales.double().repeat_interleave(32, dim=1) * groups.codes.double()).abs()
-    terms += groups.mins.double().abs().repeat_interleave(32, dim=1)  # the float steps' terms, which may cancel
-    for rows in (1, 2, 5, 7, 8, 9, 16, 17, 64, 515):
-        x, _, rounded = _rounded_inputs(rows, dtype)
-        got = layer(x)
-        assert got.dtype == dtype and torch.equal(got, packed(x)), rows
-        if dtype == torch.float32:
-            assert ((got.double() - rounded @ weight.T).abs() <= 1e-5 * (rounded.abs() @ terms.T)).all(), rows
-        for i in {0, rows // 2, rows - 1}:
-            assert torch.equal(layer(x[i : i + 1])[0], got[i]), (rows, i)
+    for outputs in (128, 80):  # 80: an odd number of 16-output vectors, the last one without a pair
+        groups = Int4Groups(*int4_groups(_q5_raw(kind, outputs, 16, seed=7), GGMLQuantizationType[kind]))
+        layer = Int4QuadsLinear(groups, dtype)
+        packed = Int4Linear(groups, dtype, int8_activations=True) if outputs % int4_block_rows() == 0 else None
+        weight = groups.dequantize().double()
+        terms = (groups.scales.double().repeat_interleave(32, dim=1) * groups.codes.double()).abs()
+        terms += groups.mins.double().abs().repeat_interleave(32, dim=1)  # the float steps' terms (may cancel)
+        for rows in (1, 2, 5, 7, 8, 9, 16, 17, 64, 515):
+            x, _, rounded = _rounded_inputs(rows, dtype)
+            got = layer(x)
+            assert got.dtype == dtype and (packed is None or torch.equal(got, packed(x))), (outputs, rows)
+            if dtype == torch.float32:
+                bound = 1e-5 * (rounded.abs() @ terms.T)
+                assert ((got.double() - rounded @ weight.T).abs() <= bound).all(), (outputs, rows)
+            for i in {0, rows // 2, rows - 1}:
+                assert torch.equal(layer(x[i : i + 1])[0], got[i]), (outputs, rows, i)
