@@ -247,37 +247,58 @@ def test_q5_layer_equals_its_integer_reference_and_each_row_alone(extension, kin
             assert torch.equal(layer(x[i : i + 1])[0], got[i].float()), (rows, i)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def _q4_layer_weight(kind: str, rows: int, seed: int) -> tuple[object, object]:
+    """(what Int4QuadsLinear takes, the Int4Groups Int4Linear takes) of random `kind` rows of 512 inputs:
+    the Int4Groups themselves for Q4_0 and Q4_1, Q4_K's parts (dequant.q4_k_parts) for Q4_K."""
+    from gguf import GGMLQuantizationType
+
+    from kvserve.layers.quantized import Int4Groups
+    from kvserve.weights.dequant import int4_groups, q4_k_parts
+
+    raw = _q5_raw(kind, rows, 2 if kind == "Q4_K" else 16, seed=seed)
+    groups = Int4Groups(*int4_groups(raw, GGMLQuantizationType[kind]))
+    return (q4_k_parts(raw) if kind == "Q4_K" else groups), groups
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 def test_q4_codes_are_held_in_the_files_bytes_and_dequantize_as_the_int4_groups(kind):
-    """Q4_0's and Q4_1's codes with a float16 scale and min per 32 (Q4_0's min is -8 times its scale) in
-    the 4-bit quads: Q4_1 in the file's bytes, Q4_0 in 20 per 32 against its 18; the same codes, scales
-    and mins back; the weight the int4 groups stand for, bit for bit (and for Q4_1 GGML's own)."""
+    """Q4_0's and Q4_1's codes with a float16 scale and min per 32 (Q4_0's min is -8 times its scale), and
+    Q4_K's with its K-quant scales, in the 4-bit quads: Q4_1 in the file's bytes, Q4_0 in 20 per 32 against
+    its 18, Q4_K in 2,368 per 16 rows and 256 inputs against its 2,304; the same codes and scales back;
+    the weight the int4 groups stand for, bit for bit (and for Q4_1 and Q4_K GGML's own)."""
     from gguf import GGMLQuantizationType
 
     from kvserve.layers.quantized import Int4Groups, Int4QuadsLinear
-    from kvserve.weights.dequant import dequantize, int4_groups
+    from kvserve.weights.dequant import dequantize
 
     qtype = GGMLQuantizationType[kind]
-    raw = _q5_raw(kind, 48, 16, seed=6)
-    codes, scales, mins = int4_groups(raw, qtype)
-    groups = Int4Groups(codes, scales, mins)
-    assert codes.shape == (48, 512) and int(codes.max()) == 15 and Int4QuadsLinear.holds(groups)
-    held, held_scales = quads.to_q4_quads(codes, scales, mins)
-    assert quads.code_bits(held) == 4 and held.shape == (3, 16, 256) and held_scales.dtype == torch.float16
-    size = held.numel() + held_scales.numel() * held_scales.element_size()
-    assert size * (18 if kind == "Q4_0" else 20) == raw.numel() * 20
-    back_codes, back_scales, back_mins = quads.q5_parts(held, held_scales)
-    assert torch.equal(back_codes, codes.to(torch.uint8))
-    assert torch.equal(back_scales.float(), scales) and torch.equal(back_mins.float(), mins)
+    raw = _q5_raw(kind, 48, 2 if kind == "Q4_K" else 16, seed=6)
+    held_from, groups = _q4_layer_weight(kind, 48, seed=6)
+    codes, scales, mins = groups.codes, groups.scales, groups.mins
+    assert codes.shape == (48, 512) and int(codes.max()) == 15
+    if kind == "Q4_K":
+        held, held_scales = quads.to_k4_quads(held_from)
+        assert held_scales.shape == (3, 2, 320) and quads.code_bits(held) == 4
+        assert (held.numel() + held_scales.numel()) * 2304 == raw.numel() * 2368
+        assert all(torch.equal(a, b) for a, b in zip(quads.q5_parts(held, held_scales), held_from, strict=True))
+        assert not Int4QuadsLinear.holds(groups)  # float32 products: not as float16 scales and mins
+    else:
+        assert Int4QuadsLinear.holds(groups)
+        held, held_scales = quads.to_q4_quads(codes, scales, mins)
+        assert quads.code_bits(held) == 4 and held.shape == (3, 16, 256) and held_scales.dtype == torch.float16
+        size = held.numel() + held_scales.numel() * held_scales.element_size()
+        assert size * (18 if kind == "Q4_0" else 20) == raw.numel() * 20
+        back_codes, back_scales, back_mins = quads.q5_parts(held, held_scales)
+        assert torch.equal(back_codes, codes.to(torch.uint8))
+        assert torch.equal(back_scales.float(), scales) and torch.equal(back_mins.float(), mins)
     weight = quads.q5_dequantize(held, held_scales)
     assert torch.equal(weight.view(torch.int32), groups.dequantize().view(torch.int32))
-    if kind == "Q4_1":
+    if kind != "Q4_0":
         assert torch.equal(weight.view(torch.int32), dequantize(raw, qtype, 512).view(torch.int32))
-    products = Int4Groups(codes, scales * 1.1, mins)  # float32 scales (as Q4_K's products): held as int4_mm's
-    assert not Int4QuadsLinear.holds(products)
+    assert not Int4QuadsLinear.holds(Int4Groups(codes, scales * 1.1, mins))  # float32 scales: int4_mm's
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_q4_quads_give_the_bits_of_int4_mm_with_int8_inputs_at_any_row_count(extension, kind, dtype):
     """Int4QuadsLinear (codes arranged once at load) against Int4Linear with int8 inputs (int4_int8.cpp,
@@ -287,16 +308,13 @@ def test_q4_quads_give_the_bits_of_int4_mm_with_int8_inputs_at_any_row_count(ext
     summation of the product of the inputs as the kernels round them to int8 and the weight."""
     if not extension.int8_quads_usable():
         pytest.skip("the quads kernel needs AVX2, FMA and F16C")
-    from gguf import GGMLQuantizationType
-
-    from kvserve.layers.quantized import Int4Groups, Int4Linear, Int4QuadsLinear, int4_block_rows
-    from kvserve.weights.dequant import int4_groups
+    from kvserve.layers.quantized import Int4Linear, Int4QuadsLinear, int4_block_rows
 
     if not int4_block_rows():
         pytest.skip("PyTorch's int4 packing layout is not known here: int4_mm does not run")
     for outputs in (128, 80):  # 80: an odd number of 16-output vectors, the last one without a pair
-        groups = Int4Groups(*int4_groups(_q5_raw(kind, outputs, 16, seed=7), GGMLQuantizationType[kind]))
-        layer = Int4QuadsLinear(groups, dtype)
+        held_from, groups = _q4_layer_weight(kind, outputs, seed=7)
+        layer = Int4QuadsLinear(held_from, dtype)
         packed = Int4Linear(groups, dtype, int8_activations=True) if outputs % int4_block_rows() == 0 else None
         weight = groups.dequantize().double()
         terms = (groups.scales.double().repeat_interleave(32, dim=1) * groups.codes.double()).abs()

@@ -174,7 +174,7 @@ def test_a_4bit_gguf_with_int8_inputs_holds_its_layers_as_4bit_quads(tmp_path, m
     write_llama_gguf(path, hf_model, qtype=qtype)
     monkeypatch.setattr(loader, "int4_quads_cpu", lambda: True)  # as without AMX (with it: int4_mm's tiles)
     held = load_model(path, progress=False, weights="auto", activations="int8")
-    assert weight_summary(held)["layers"]["int4 quads (Q4_0, Q4_1)"] == 8  # 4 per layer
+    assert weight_summary(held)["layers"]["int4 quads (Q4_0, Q4_1, Q4_K)"] == 8  # 4 per layer
     monkeypatch.setattr(loader, "quads_cpu", lambda: False)
     packed = load_model(path, progress=False, weights="auto", activations="int8")
     assert weight_summary(packed)["layers"]["int4"] == 8

@@ -195,10 +195,29 @@ def to_q5_quads(kind: str, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tenso
     if kind == "Q5_1":
         scales, mins = (by_16_rows(t) for t in parts[1:])  # [v, G, 16] each
         return held, torch.stack([scales, mins], dim=2).contiguous()
-    blocks = k // 256
-    sub = [t.view(vectors, 16, blocks, 8).permute(0, 2, 3, 1).reshape(vectors, blocks, 128) for t in parts[1:3]]
-    block = [by_16_rows(t).view(torch.uint8) for t in parts[3:]]  # [v, B, 32] each
-    return held, torch.cat([*sub, *block], dim=2).contiguous()
+    return held, _k_quant_scales(parts[1:])
+
+
+def to_k4_quads(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quads [N / 16, K / 32, 256] uint8, K-quant scales [N / 16, K / 256, 320] uint8) of Q4_K's parts
+    (dequant.q4_k_parts: codes [N, K] in 0..15, 6-bit scales and mins [N, K / 32], d and dmin [N, K / 256]
+    float16), N a multiple of 16: the 4-bit quads with Q5_K's scale bytes (Int4QuadsLinear.from_q4_k)."""
+    codes = parts[0]
+    n, k = codes.shape
+    vectors, groups = n // 16, k // GROUP
+    u = codes.view(vectors, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(vectors, groups, 8, 64)
+    return _nibble_vectors(u).reshape(vectors, groups, FOUR_BIT_BYTES).contiguous(), _k_quant_scales(parts[1:])
+
+
+def _k_quant_scales(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Q5_K's (or Q4_K's) 6-bit scales and mins [N, K / 32] uint8 and d and dmin [N, K / 256] float16 as
+    [N / 16, K / 256, 320] uint8: per block of 256 inputs the scales [8 groups][16 rows], the mins, then
+    the 16 rows' d and dmin."""
+    n, blocks = parts[0].shape[0], parts[0].shape[1] // 8
+    vectors = n // 16
+    sub = [t.view(vectors, 16, blocks, 8).permute(0, 2, 3, 1).reshape(vectors, blocks, 128) for t in parts[0:2]]
+    block = [by_16_rows(t).view(torch.uint8) for t in parts[2:]]  # [v, B, 32] each
+    return torch.cat([*sub, *block], dim=2).contiguous()
 
 
 def to_q4_quads(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

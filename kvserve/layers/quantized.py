@@ -528,26 +528,43 @@ class Int5Linear(StoredQuadsLinear):
 
 
 class Int4QuadsLinear(StoredQuadsLinear):
-    """4-bit codes with a scale and a min per 32 inputs, each exact in float16 (GGML's Q4_0 and Q4_1:
-    w = scale * code + min), for int8 inputs: the quads layout's nibbles, arranged once at load
-    (layers/quads.py), where Int4Linear's int8 kernel rearranges each block of codes on every call. The
-    same integer sums and float steps in the same order, so the bits of Int4Linear(int8_activations=True)
-    on the same weight, for any number of rows; and the work splits by 16 outputs, not 64."""
-
-    kind = "Q4"
+    """4-bit codes with a scale and a min per 32 inputs (GGML's Q4_0 and Q4_1, w = scale * code + min with
+    each exact in float16; Q4_K with its own scales), for int8 inputs: the quads layout's nibbles, arranged
+    once at load (layers/quads.py), where Int4Linear's int8 kernel rearranges each block of codes on every
+    call. The same integer sums and float steps in the same order, so the bits of
+    Int4Linear(int8_activations=True) on the same weight, for any number of rows; and the work splits by
+    16 outputs, not 64."""
 
     def __init__(
         self,
-        weight: Int4Groups,
+        weight: Int4Groups | tuple[torch.Tensor, ...],
         dtype: torch.dtype,
         bias: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
     ) -> None:
+        """weight: Int4Groups whose scales and mins are exact in float16 (`holds`), or Q4_K's parts
+        (dequant.q4_k_parts), held with Q5_K's K-quant scales: 6 bits a scale and a min per 32, float16 d
+        and dmin per 256 (4.625 bits a weight, the file 4.5). The kernel's float32 products d * scale and
+        -(dmin * min) are exact, so they are the scales and mins Int4Linear holds: the same bits again."""
         super().__init__()
-        quads_, scales = quads.to_q4_quads(weight.codes, weight.scales, weight.mins)
+        if isinstance(weight, Int4Groups):
+            self.kind = "Q4_0/Q4_1"
+            quads_, scales = quads.to_q4_quads(weight.codes, weight.scales, weight.mins)
+            shape = weight.codes.shape
+        else:
+            self.kind = "Q4_K"
+            quads_, scales = quads.to_k4_quads(weight)
+            shape = weight[0].shape
         self.register_buffer("quads", quads_)  # [N / 16, K / 32, 256] uint8
-        self.register_buffer("q4_scales", scales)  # [N / 16, K / 32, 2, 16] float16
-        self._setup(*weight.codes.shape, dtype, bias, out_dtype)
+        # [N / 16, K / 32, 2, 16] float16, or Q4_K's [N / 16, K / 256, 320] uint8
+        self.register_buffer("q4_scales", scales)
+        self._setup(*shape, dtype, bias, out_dtype)
+
+    @staticmethod
+    def holds_q4_k(out_features: int, in_features: int) -> bool:
+        """Whether a Q4_K layer of this shape can be held so: whole vectors of 16 outputs (its inputs come
+        in blocks of 256)."""
+        return out_features % 16 == 0 and in_features % 256 == 0
 
     @staticmethod
     def holds(weight: Int4Groups) -> bool:

@@ -285,6 +285,25 @@ def q5_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
     )
 
 
+def q4_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Raw Q4_K rows -> (codes [rows, K] uint8 in 0..15, 6-bit scales and mins [rows, K/32] uint8, d and
+    dmin [rows, K/256] float16): w = (d * scale) * code - dmin * min in float32, as `_q4_k` computes it
+    (Int4QuadsLinear.from_q4_k; `_q4_k_groups` gives the same products as float32 scales and mins)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K][1])
+    n = blocks.shape[0]
+    sc, mn = _k_scales(blocks[:, 4:16])
+    codes = _nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32)
+    halves = blocks[:, :4].contiguous().view(torch.float16)  # [N, 2]: d, dmin
+    return (
+        codes.reshape(rows, -1),
+        sc.to(torch.uint8).reshape(rows, -1),
+        mn.to(torch.uint8).reshape(rows, -1),
+        halves[:, 0].reshape(rows, -1),
+        halves[:, 1].reshape(rows, -1),
+    )
+
+
 # Types held as 5-bit codes with a scale and a min per 32 values (Int5Linear), and their readers.
 INT5_READERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] = {
     GGMLQuantizationType.Q5_1: q5_1_parts,

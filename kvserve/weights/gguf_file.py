@@ -32,6 +32,7 @@ from kvserve.weights.dequant import (
     INT8_GROUP_READERS,
     dequantize,
     int4_groups,
+    q4_k_parts,
     q6_k_parts,
 )
 from kvserve.weights.names import WeightTarget, shard_offsets
@@ -394,6 +395,10 @@ class GGUFFile:
             parts = INT5_READERS[qtype](raw())
             return parts if order is None else tuple(t[order] for t in parts)
 
+        def read_q4_k() -> tuple[torch.Tensor, ...]:
+            parts = q4_k_parts(raw())
+            return parts if order is None else tuple(t[order] for t in parts)
+
         return SourceTensor(
             kind=qtype.name,
             read_float=read_float,
@@ -401,6 +406,7 @@ class GGUFFile:
             read_int8_groups=read_int8_groups if qtype in INT8_GROUP_READERS else None,
             read_q6_k=read_q6_k if qtype == GGMLQuantizationType.Q6_K else None,
             read_int5=read_int5 if qtype in INT5_READERS else None,
+            read_q4_k=read_q4_k if qtype == GGMLQuantizationType.Q4_K else None,
         )
 
 

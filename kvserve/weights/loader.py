@@ -297,6 +297,12 @@ def _build_linear(
             if gpu:
                 return GpuInt8GroupLinear(codes, scales, device, bias)
             return _held(Int8GroupLinear(codes, scales, dtype, bias=bias, out_dtype=dtype), plan)
+    if fmt == "int4" and _q4_k_held(name, shards, layer, plan, gpu):
+        # Q4_K as stored, its codes arranged once: the same bits as Int4Linear's int8 kernel
+        parts = [s.read_q4_k() for s in shards]
+        for i, (part, n) in enumerate(zip(parts, rows, strict=True)):
+            _check_shape(name, i, tuple(part[0].shape), (n, layer.in_features))
+        return Int4QuadsLinear(tuple(torch.cat(t) for t in zip(*parts, strict=True)), dtype, bias)
     if fmt == "int4":
         groups = [s.int4() for s in shards]
         for i, (g, n) in enumerate(zip(groups, rows, strict=True)):
@@ -358,6 +364,20 @@ def _q6_k_held(shards: list[SourceTensor], layer: _PendingLinear, plan: WeightPl
     )
 
 
+def _q4_k_held(name: str, shards: list[SourceTensor], layer: _PendingLinear, plan: WeightPlan, gpu: bool) -> bool:
+    """Whether a hidden layer stored as Q4_K is held so (Int4QuadsLinear with its K-quant scales) rather
+    than for int4_mm: every shard Q4_K, a whole number of 16-row vectors, int8 inputs on a CPU with AVX2
+    and no AMX (quads.int4_quads_cpu)."""
+    return (
+        plan.quads
+        and not gpu
+        and name != LM_HEAD
+        and int4_quads_cpu()
+        and all(s.read_q4_k is not None for s in shards)
+        and Int4QuadsLinear.holds_q4_k(layer.out_features, layer.in_features)
+    )
+
+
 def _int5_held(shards: list[SourceTensor], layer: _PendingLinear, plan: WeightPlan, gpu: bool) -> bool:
     """Whether a layer stored as Q5_1 or Q5_K is held so (Int5Linear) rather than rounded to int8 groups:
     every shard of the one type, a whole number of 16-row vectors (and of 256 inputs for Q5_K), and quads
@@ -416,7 +436,7 @@ def weight_summary(model: nn.Module) -> dict[str, object]:
             Int8GroupLinear: "int8 groups",
             Int6Linear: "int6 (Q6_K)",
             Int5Linear: "int5 (Q5_1, Q5_K)",
-            Int4QuadsLinear: "int4 quads (Q4_0, Q4_1)",
+            Int4QuadsLinear: "int4 quads (Q4_0, Q4_1, Q4_K)",
             GpuInt8GroupLinear: "int8 groups",
         }
         form = {**forms_by_type, Int8Embedding: "int8 embedding"}.get(type(module))

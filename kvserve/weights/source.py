@@ -30,6 +30,8 @@ class SourceTensor:
     read_q6_k: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     # exact Q5_1 / Q5_K parts (5-bit codes, a scale and a min per 32): dequant.q5_1_parts / q5_k_parts
     read_int5: Callable[[], tuple[torch.Tensor, ...]] | None = None
+    # exact Q4_K parts (4-bit codes, 6-bit scales and mins per 32, d and dmin per 256): dequant.q4_k_parts
+    read_q4_k: Callable[[], tuple[torch.Tensor, ...]] | None = None
 
     @property
     def is_float(self) -> bool:
@@ -63,6 +65,7 @@ class SourceTensor:
         int8 = None if self.read_int8_groups is None else functools.cache(self.read_int8_groups)
         q6_k = None if self.read_q6_k is None else functools.cache(self.read_q6_k)
         int5 = None if self.read_int5 is None else functools.cache(self.read_int5)
+        q4_k = None if self.read_q4_k is None else functools.cache(self.read_q4_k)
 
         def shard(begin: int, end: int) -> SourceTensor:
             part = slice(begin, end)
@@ -73,6 +76,7 @@ class SourceTensor:
                 None if int8 is None else lambda: tuple(t[part] for t in int8()),
                 None if q6_k is None else lambda: tuple(t[part] for t in q6_k()),
                 None if int5 is None else lambda: tuple(t[part] for t in int5()),
+                None if q4_k is None else lambda: tuple(t[part] for t in q4_k()),
             )
 
         return [shard(begin, end) for begin, end in itertools.pairwise(offsets)]
