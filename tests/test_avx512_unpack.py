@@ -1,9 +1,10 @@
-"""The AVX-512 unpacking of the 5- and 6-bit quads (int8_quads.cpp: load_codes<5>, load_codes6), run on any
+"""The AVX-512 unpacking of the 4-, 5- and 6-bit quads (int8_quads.cpp: load_codes<4>, load_codes<5>,
+load_codes6), run on any
 x86 machine through SIMDe's portable AVX-512 (the `libsimde-dev` headers; skipped without them).
 
 The C++ kernels build with -march=native, so a machine without AVX-512 never runs those functions; this
 compiles them as written against SIMDe and checks their code vectors against quads.py's own unpacking
-of random layouts. Reference: `quads._unsigned_vectors` (5 bits) and `quads.k6_parts` (6 bits), which
+of random layouts. Reference: `quads._unsigned_vectors` (4 and 5 bits) and `quads.k6_parts` (6 bits), which
 test_quads.py checks against the row-major codes the layouts were made from."""
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def unpack(tmp_path_factory) -> Path:
     program.write_text(
         "#define SIMDE_ENABLE_NATIVE_ALIASES\n#include <simde/x86/avx512.h>\n#include <cstdint>\n"
         "#include <cstdio>\n#include <cstdlib>\n#include <cstring>\n#include <vector>\n"
-        "constexpr int64_t kK6Bytes = 384;\n\n" + functions + "\n\n" + _MAIN
+        "constexpr int64_t kK6Bytes = 384, kMin4Bytes = 256;\n\n" + functions + "\n\n" + _MAIN
     )
     binary = folder / "unpack"
     subprocess.run(["c++", "-O1", "-std=c++17", "-w", str(program), "-o", str(binary)], check=True)
@@ -62,7 +63,7 @@ def unpack(tmp_path_factory) -> Path:
 _MAIN = r"""
 int main(int argc, char** argv) {
   const int bits = std::atoi(argv[1]);
-  const long groups = std::atol(argv[2]), bytes = bits == 5 ? 320 : kK6Bytes;
+  const long groups = std::atol(argv[2]), bytes = bits == 5 ? 320 : bits == 4 ? kMin4Bytes : kK6Bytes;
   std::vector<uint8_t> in(groups * bytes), out(groups * 512);
   FILE* f = std::fopen(argv[3], "rb");
   if (f == nullptr || std::fread(in.data(), 1, in.size(), f) != in.size()) return 1;
@@ -71,6 +72,8 @@ int main(int argc, char** argv) {
     __m512i codes[8];
     if (bits == 5) {
       load_codes<5>(in.data(), g, codes);
+    } else if (bits == 4) {
+      load_codes<4>(in.data(), g, codes);
     } else {
       load_codes6(in.data(), g, codes);
     }
@@ -98,6 +101,17 @@ def test_avx512_unpacks_five_bit_codes_as_quads_py_does(unpack, tmp_path):
     held, _ = quads.to_quads(codes, torch.ones(64, 20))
     assert quads.code_bits(held) == 5
     assert torch.equal(_run(unpack, 5, held, tmp_path), quads._unsigned_vectors(held))
+
+
+def test_avx512_unpacks_four_bit_codes_as_quads_py_does(unpack, tmp_path):
+    """Q4_0's and Q4_1's layout (codes 0..15, the nibbles alone): each byte of each code vector."""
+    generator = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (64, 640), generator=generator, dtype=torch.uint8)
+    held, _ = quads.to_q4_quads(codes, torch.ones(64, 20), torch.zeros(64, 20))
+    assert quads.code_bits(held) == 4
+    unpacked = quads._unsigned_vectors(held)
+    assert torch.equal(unpacked, codes.view(4, 16, 20, 8, 4).permute(0, 2, 3, 1, 4).reshape(4, 20, 8, 64))
+    assert torch.equal(_run(unpack, 4, held, tmp_path), unpacked)
 
 
 def test_avx512_unpacks_six_bit_codes_as_quads_py_does(unpack, tmp_path):

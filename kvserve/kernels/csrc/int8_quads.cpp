@@ -54,10 +54,10 @@ constexpr int64_t kQuadBlock = 4;  // 16-row vectors per task: 64 output rows
 // -32 * sum(q) over them and take their float step: two per group, in input order.
 constexpr int64_t kK6Bytes = 384, kK6ScaleBytes = 288;
 
-// ----- 5 or 4 bits with a min per group (GGML's Q5_1 and Q5_K; Q4_0 and Q4_1) ---------------------
+// ----- 5 or 4 bits with a min per group (GGML's Q5_1 and Q5_K; Q4_0, Q4_1 and Q4_K) ---------------
 // quads [V / 16, K / 32, 320]: the 5-bit layout, each code as GGML's 0..31 (no offset), or
-// [V / 16, K / 32, 256]: its four nibble vectors alone, codes 0..15 (GGML's Q4_0 and Q4_1, held as
-// 4 bits with a float16 scale and min: Q4_0's code - 8 as min = -8 * scale), and either
+// [V / 16, K / 32, 256]: its four nibble vectors alone, codes 0..15 (GGML's Q4_0 and Q4_1 with Q5_1's
+// form of scales, Q4_0's code - 8 as min = -8 * scale; Q4_K with Q5_K's), and either
 //   Q5_1: scales [V / 16, K / 32, 2, 16] float16, per group the 16 rows' scales, then their mins:
 //     w = scale * code + min (6 bits a weight, as the file);
 //   Q5_K: scales [V / 16, K / 256, 320] uint8, per block of 256 inputs the 6-bit scales [8 groups][16
@@ -246,12 +246,12 @@ inline void min5_tile(const int8_t* q, const float* d, const float* s, int64_t k
   for (int r = 0; r < R; ++r) store_outputs(out + r * ldo, total[r], cols);
 }
 
-// 4-bit codes, from kMin4PairRows rows: R rows x two 16-row vectors (the second at `next` bytes of codes
+// 4-bit codes, from kPairTileFromRows rows: R rows x two 16-row vectors (the second at `next` bytes of codes
 // and `next_scales` of scales from the first), as int4_int8.cpp's q8_rows_vnni takes them: each nibble
 // vector is unpacked once for all R rows and each row's four inputs broadcast once for both vectors
 // (min5_tile broadcasts them per vector: one broadcast per vpdpbusd). min5_tile's integer sums and float
 // steps in its order, so the same bits. Registers: 2R sums, 2R totals, 4 code vectors, 2 inputs.
-constexpr int kMin4PairRows = 2, kMin4TileRows = 6;
+constexpr int kPairTileFromRows = 2, kMin4TileRows = 6;
 template <int R, bool KQuant>
 inline void min4_pair_tile(const int8_t* q, const float* d, const float* s, int64_t k, const uint8_t* quads,
                            int64_t next, const uint8_t* scales, int64_t next_scales, float* out, int64_t ldo,
@@ -294,7 +294,7 @@ inline void min4_pair_tile(const int8_t* q, const float* d, const float* s, int6
   }
 }
 
-// 8-bit codes, from kMin4PairRows rows: R rows x two 16-row vectors, as min4_pair_tile takes the 4-bit
+// 8-bit codes, from kPairTileFromRows rows: R rows x two 16-row vectors, as min4_pair_tile takes the 4-bit
 // codes (each code vector loaded once for all R rows, each row's four inputs broadcast once for both
 // vectors). quad_tile's integer sums, from `start`, and its float step in its order: the same bits.
 // (For 5 bits this measured slower than quad_tile: unpacking a group's codes per tile of 5 rows instead
@@ -644,7 +644,7 @@ void quads_matmul(const int8_t* q, const float* d, const int32_t* start, int64_t
                   const S* sp, float* o, int64_t v, int64_t vectors) {
   const int64_t groups = k / 32, vector_bytes = k * 16 * Bits / 8;
 #if KVSERVE_HAS_VNNI512
-  const bool pairs = Bits == 8 && m >= kMin4PairRows;  // two vectors at a time (quad_pair_tile), tasks of two
+  const bool pairs = Bits == 8 && m >= kPairTileFromRows;  // two vectors at a time (quad_pair_tile), tasks of two
 #else
   const bool pairs = false;
 #endif
@@ -736,9 +736,9 @@ void min5_matmul(const int8_t* q, const float* d, const float* s, int64_t m, int
   const int64_t groups = k / 32, vector_bytes = groups * (Bits == 4 ? kMin4Bytes : kMin5Bytes);
   const int64_t scale_bytes = KQuant ? k / 256 * kK5ScaleBytes : groups * 64;
 #if KVSERVE_HAS_VNNI512
-  // 4-bit codes from kMin4PairRows rows: two vectors at a time (min4_pair_tile), tasks of two vectors (the
+  // 4-bit codes from kPairTileFromRows rows: two vectors at a time (min4_pair_tile), tasks of two vectors (the
   // codes need no unpacking per call, so smaller tasks cost nothing and balance the threads better)
-  const bool pairs = Bits == 4 && m >= kMin4PairRows;
+  const bool pairs = Bits == 4 && m >= kPairTileFromRows;
 #else
   const bool pairs = false;
 #endif
@@ -1036,7 +1036,8 @@ at::Tensor int8_quads_matmul(at::Tensor x, at::Tensor quads, at::Tensor quad_sca
 #if KVSERVE_HAS_AMX_INT8
     if (m >= kAmxQuadRows && amx_usable()) {
       (four ? (q5_k ? min5_matmul_amx<4, true> : min5_matmul_amx<4, false>)
-            : (q5_k ? min5_matmul_amx<5, true> : min5_matmul_amx<5, false>))(q, d, sums, m, k, qp, sp, o, v, vectors);
+            : (q5_k ? min5_matmul_amx<5, true> : min5_matmul_amx<5, false>))(q, d, sums, m, k, qp, sp, o, v,
+                                                                               vectors);
       return out;
     }
 #endif
