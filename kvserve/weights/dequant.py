@@ -275,25 +275,26 @@ def q5_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
     low = _nibbles(blocks[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
     shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).view(1, 8, 1)
     codes = low | (((blocks[:, None, 16:48] >> shifts) & 1) << 4)  # sub-block s takes bit s of qh
-    halves = blocks[:, :4].contiguous().view(torch.float16)  # [N, 2]: d, dmin
-    return (
-        codes.reshape(rows, -1),
-        sc.to(torch.uint8).reshape(rows, -1),
-        mn.to(torch.uint8).reshape(rows, -1),
-        halves[:, 0].reshape(rows, -1),
-        halves[:, 1].reshape(rows, -1),
-    )
+    return _k_quant_parts(blocks, codes, sc, mn, rows)
 
 
 def q4_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Raw Q4_K rows -> (codes [rows, K] uint8 in 0..15, 6-bit scales and mins [rows, K/32] uint8, d and
     dmin [rows, K/256] float16): w = (d * scale) * code - dmin * min in float32, as `_q4_k` computes it
-    (Int4QuadsLinear.from_q4_k; `_q4_k_groups` gives the same products as float32 scales and mins)."""
+    (Int4QuadsLinear; `_q4_k_groups` gives the same products as float32 scales and mins)."""
     rows = raw.shape[0]
     blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K][1])
     n = blocks.shape[0]
     sc, mn = _k_scales(blocks[:, 4:16])
     codes = _nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32)
+    return _k_quant_parts(blocks, codes, sc, mn, rows)
+
+
+def _k_quant_parts(
+    blocks: torch.Tensor, codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, ...]:
+    """Q4_K's or Q5_K's parts by rows: the codes, the 6-bit scales and mins as bytes, d and dmin (the
+    blocks' first four bytes, float16)."""
     halves = blocks[:, :4].contiguous().view(torch.float16)  # [N, 2]: d, dmin
     return (
         codes.reshape(rows, -1),
