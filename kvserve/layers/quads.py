@@ -25,8 +25,9 @@ scales and mins `[V / 16, K / 32, 2, 16]` (6 bits a weight, as the file), or Q5_
 GGML's Q4_0 and Q4_1 (4-bit codes 0..15 with a float16 scale and min per group: Q4_0's code - 8 taken
 as min = -8 * scale) are held by `to_q4_quads` as the 5-bit layout's four nibble vectors alone,
 `[V / 16, K / 32, 256]`, with Q5_1's scales and mins: the file's bytes for Q4_1, 20 against 18 per 32
-for Q4_0. The kernel's integer sums and float steps are int4_int8.cpp's, in its order: the same bits as
-those codes packed for `int4_mm`, but arranged once at load instead of on every call.
+for Q4_0. Q4_K's (`to_k4_quads`) take Q5_K's scale bytes. The kernel's integer sums and float steps are
+int4_int8.cpp's, in its order: the same bits as those codes packed for `int4_mm`, but arranged once at
+load instead of on every call.
 
 GGML's Q6_K has a scale per 16 inputs (int8, times a float16 one per 256): `to_k6_quads` holds it
 as stored, 6 bits a code, `[V / 16, K / 32, 384]` (the 5-bit layout's nibbles, then two vectors of
@@ -64,7 +65,7 @@ def _cpu_flags() -> set[str]:
 
 
 def int4_quads_cpu() -> bool:
-    """Whether Q4_0 / Q4_1 layers are held as 4-bit quads (Int4QuadsLinear) rather than for int4_mm:
+    """Whether Q4_0, Q4_1 and Q4_K layers are held as 4-bit quads (Int4QuadsLinear) rather than for int4_mm:
     where the quads kernel runs and the CPU has no AMX tiles. With AMX both forms unpack the codes into
     tile bytes on each call, and int4_mm's tile kernel is the one measured on tiles (the bits are the
     same either way)."""
@@ -201,12 +202,16 @@ def to_q5_quads(kind: str, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tenso
 def to_k4_quads(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """(quads [N / 16, K / 32, 256] uint8, K-quant scales [N / 16, K / 256, 320] uint8) of Q4_K's parts
     (dequant.q4_k_parts: codes [N, K] in 0..15, 6-bit scales and mins [N, K / 32], d and dmin [N, K / 256]
-    float16), N a multiple of 16: the 4-bit quads with Q5_K's scale bytes (Int4QuadsLinear.from_q4_k)."""
-    codes = parts[0]
+    float16), N a multiple of 16: the 4-bit quads with Q5_K's scale bytes (Int4QuadsLinear)."""
+    return _pack_four(parts[0]), _k_quant_scales(parts[1:])
+
+
+def _pack_four(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] in 0..15 -> [N / 16, K / 32, 256] uint8: the 5-bit layout's four nibble vectors."""
     n, k = codes.shape
     vectors, groups = n // 16, k // GROUP
-    u = codes.view(vectors, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(vectors, groups, 8, 64)
-    return _nibble_vectors(u).reshape(vectors, groups, FOUR_BIT_BYTES).contiguous(), _k_quant_scales(parts[1:])
+    u = codes.to(torch.uint8).view(vectors, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(vectors, groups, 8, 64)
+    return _nibble_vectors(u).reshape(vectors, groups, FOUR_BIT_BYTES).contiguous()
 
 
 def _k_quant_scales(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -223,12 +228,8 @@ def _k_quant_scales(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
 def to_q4_quads(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(quads [N / 16, K / 32, 256] uint8, scales and mins [N / 16, K / 32, 2, 16] float16) of 4-bit codes
     [N, K] in 0..15 with a scale and a min [N, K / 32] each exact in float16, N a multiple of 16."""
-    n, k = codes.shape
-    vectors, groups = n // 16, k // GROUP
-    u = codes.to(torch.uint8).view(vectors, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(vectors, groups, 8, 64)
-    held = _nibble_vectors(u).reshape(vectors, groups, FOUR_BIT_BYTES).contiguous()
     scales, mins = (by_16_rows(t.half()) for t in (scales, mins))  # [v, G, 16] each
-    return held, torch.stack([scales, mins], dim=2).contiguous()
+    return _pack_four(codes), torch.stack([scales, mins], dim=2).contiguous()
 
 
 def q5_parts(quads: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -8,8 +8,8 @@
   or in the quads layout (layers/quads.py: Q5_0 at 5 bits) for kvserve's C++ kernels.
 - `StoredQuadsLinear`: a GGML type held as stored in the quads layout, with its own scales:
   `Int6Linear` (Q6_K: 6-bit quads, scales per 16 and 256 inputs), `Int5Linear` (Q5_1 and Q5_K:
-  5-bit quads, a scale and a min per 32 inputs) and `Int4QuadsLinear` (Q4_0 and Q4_1 with int8 inputs:
-  4-bit quads, a float16 scale and min per 32 inputs).
+  5-bit quads, a scale and a min per 32 inputs) and `Int4QuadsLinear` (Q4_0, Q4_1 and Q4_K with int8
+  inputs on a CPU without AMX: 4-bit quads, a scale and a min per 32 inputs).
 - `Int8Embedding`: int8 rows with one scale per group of 32, dequantized only for the looked-up
   rows (GGML's Q8_0 is exactly this shape).
 
