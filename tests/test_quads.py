@@ -247,9 +247,9 @@ def test_q5_layer_equals_its_integer_reference_and_each_row_alone(extension, kin
             assert torch.equal(layer(x[i : i + 1])[0], got[i].float()), (rows, i)
 
 
-def _q4_layer_weight(kind: str, rows: int, seed: int) -> tuple[object, object]:
-    """(what Int4QuadsLinear takes, the Int4Groups Int4Linear takes) of random `kind` rows of 512 inputs:
-    the Int4Groups themselves for Q4_0 and Q4_1, Q4_K's parts (dequant.q4_k_parts) for Q4_K."""
+def _q4_layer_weight(kind: str, rows: int, seed: int) -> tuple[object, object, torch.Tensor]:
+    """(what Int4QuadsLinear takes, the Int4Groups Int4Linear takes, the raw bytes) of random `kind` rows of
+    512 inputs: the Int4Groups themselves for Q4_0 and Q4_1, Q4_K's parts (dequant.q4_k_parts) for Q4_K."""
     from gguf import GGMLQuantizationType
 
     from kvserve.layers.quantized import Int4Groups
@@ -257,7 +257,7 @@ def _q4_layer_weight(kind: str, rows: int, seed: int) -> tuple[object, object]:
 
     raw = _q5_raw(kind, rows, 2 if kind == "Q4_K" else 16, seed=seed)
     groups = Int4Groups(*int4_groups(raw, GGMLQuantizationType[kind]))
-    return (q4_k_parts(raw) if kind == "Q4_K" else groups), groups
+    return (q4_k_parts(raw) if kind == "Q4_K" else groups), groups, raw
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
@@ -272,8 +272,7 @@ def test_q4_codes_are_held_in_the_files_bytes_and_dequantize_as_the_int4_groups(
     from kvserve.weights.dequant import dequantize
 
     qtype = GGMLQuantizationType[kind]
-    raw = _q5_raw(kind, 48, 2 if kind == "Q4_K" else 16, seed=6)
-    held_from, groups = _q4_layer_weight(kind, 48, seed=6)
+    held_from, groups, raw = _q4_layer_weight(kind, 48, seed=6)
     codes, scales, mins = groups.codes, groups.scales, groups.mins
     assert codes.shape == (48, 512) and int(codes.max()) == 15
     if kind == "Q4_K":
@@ -313,7 +312,7 @@ def test_q4_quads_give_the_bits_of_int4_mm_with_int8_inputs_at_any_row_count(ext
     if not int4_block_rows():
         pytest.skip("PyTorch's int4 packing layout is not known here: int4_mm does not run")
     for outputs in (128, 80):  # 80: an odd number of 16-output vectors, the last one without a pair
-        held_from, groups = _q4_layer_weight(kind, outputs, seed=7)
+        held_from, groups, _ = _q4_layer_weight(kind, outputs, seed=7)
         layer = Int4QuadsLinear(held_from, dtype)
         packed = Int4Linear(groups, dtype, int8_activations=True) if outputs % int4_block_rows() == 0 else None
         weight = groups.dequantize().double()

@@ -93,8 +93,8 @@ def int8_quads_matmul(x: torch.Tensor, quads: torch.Tensor, quad_scales: torch.T
     codes in -16..15 + 16, as nibbles and fifth-bit masks); quad_scales [V / 16, K / 32, 16] float32 or
     float16; or Q6_K's [V / 16, K / 32, 384] (6 bits) with K-quant scales [V / 16, K / 256, 288] uint8; or
     Q5_1's and Q5_K's 5-bit quads (codes 0..31) with scales and mins, [V / 16, K / 32, 2, 16] float16 or
-    [V / 16, K / 256, 320] uint8, or 4-bit quads [V / 16, K / 32, 256] (codes 0..15: Q4_0, Q4_1) with the
-    former (layers/quads.py, int8_quads.cpp). From 16 rows on AMX tiles where the CPU
+    [V / 16, K / 256, 320] uint8, or 4-bit quads [V / 16, K / 32, 256] (codes 0..15) with either: Q4_0's and
+    Q4_1's float16, Q4_K's bytes (layers/quads.py, int8_quads.cpp). From 16 rows on AMX tiles where the CPU
     has them (Q6_K: vpdpbusd for all)."""
     return _ext().int8_quads_matmul(x, quads, quad_scales, rows)
 

@@ -310,7 +310,7 @@ def _build_linear(
         weight = type(groups[0]).cat(groups)
         if gpu:  # the lm_head's logits in float32, as every other form gives them
             return GpuInt4Linear(weight, device, bias, torch.float32 if name == LM_HEAD else None)
-        if plan.quads and name != LM_HEAD and int4_quads_cpu() and Int4QuadsLinear.holds(weight):
+        if _int4_quads_planned(name, plan, gpu) and Int4QuadsLinear.holds(weight):
             # Q4_0 / Q4_1 with int8 inputs: the same bits as Int4Linear's int8 kernel, its codes arranged once
             return Int4QuadsLinear(weight, dtype, bias)
         return Int4Linear(weight, dtype, bias)
@@ -364,15 +364,17 @@ def _q6_k_held(shards: list[SourceTensor], layer: _PendingLinear, plan: WeightPl
     )
 
 
+def _int4_quads_planned(name: str, plan: WeightPlan, gpu: bool) -> bool:
+    """Whether a 4-bit hidden layer is held as 4-bit quads (Int4QuadsLinear) where its type and shape allow:
+    int8 inputs on a CPU with AVX2 and no AMX (quads.int4_quads_cpu); the lm_head stays Int4Linear."""
+    return plan.quads and not gpu and name != LM_HEAD and int4_quads_cpu()
+
+
 def _q4_k_held(name: str, shards: list[SourceTensor], layer: _PendingLinear, plan: WeightPlan, gpu: bool) -> bool:
-    """Whether a hidden layer stored as Q4_K is held so (Int4QuadsLinear with its K-quant scales) rather
-    than for int4_mm: every shard Q4_K, a whole number of 16-row vectors, int8 inputs on a CPU with AVX2
-    and no AMX (quads.int4_quads_cpu)."""
+    """Whether a layer stored as Q4_K is held so (Int4QuadsLinear with its K-quant scales) rather than for
+    int4_mm: 4-bit quads planned, every shard Q4_K, a whole number of 16-row vectors."""
     return (
-        plan.quads
-        and not gpu
-        and name != LM_HEAD
-        and int4_quads_cpu()
+        _int4_quads_planned(name, plan, gpu)
         and all(s.read_q4_k is not None for s in shards)
         and Int4QuadsLinear.holds_q4_k(layer.out_features, layer.in_features)
     )

@@ -5,7 +5,7 @@
 | `f32`, `bf16` | float, in that dtype (which is then also the compute dtype) | float |
 | `q4` | int4 groups of 32: 4-bit GGUF blocks repacked exactly, anything else rounded to nearest | int8, a scale per 32 values |
 | `q8` | int8, one scale per output row (on a GPU a scale per 32 inputs); lm_head a scale per 32 inputs | int8, a scale per 32 values |
-| `auto` on CPU | as stored: int4 where any shard is a 4-bit GGUF type (with int8 inputs, AVX2 and up and no AMX, Q4_0 and Q4_1 layers as 4-bit quads: Int4QuadsLinear); otherwise, where any shard is quantized, int8 with a scale per 32 inputs (Q8_0 and Q5_0 exactly, other types rounded to nearest; a tied lm_head shares the embedding's tensors); with int8 inputs (AVX2 and up), Q6_K, Q5_1 and Q5_K as stored (Int6Linear, Int5Linear); float for float tensors | int8 if stored quantized, else float |
+| `auto` on CPU | as stored: int4 where any shard is a 4-bit GGUF type (with int8 inputs, AVX2 and up and no AMX, Q4_0, Q4_1 and Q4_K layers as 4-bit quads: Int4QuadsLinear); otherwise, where any shard is quantized, int8 with a scale per 32 inputs (Q8_0 and Q5_0 exactly, other types rounded to nearest; a tied lm_head shares the embedding's tensors); with int8 inputs (AVX2 and up), Q6_K, Q5_1 and Q5_K as stored (Int6Linear, Int5Linear); float for float tensors | int8 if stored quantized, else float |
 | `auto` on a GPU | as on CPU: int4 where any shard is a 4-bit GGUF type, int8 with a scale per 32 inputs for other quantized types, float for float tensors (layers/gpu.py, packed on the device) | int8 if stored quantized, else float |
 
 `auto` on CPU is the fastest measured choice for the bundled model (bench/compare.py).
