@@ -45,7 +45,8 @@ class _Hopper:
 
 
 def loop_body(sass: str) -> list[str]:
-    """The opcodes of the longest backward-branching block that holds an MMA: the kernel's K loop."""
+    """The opcodes of the longest backward-branching block that holds an MMA (or the dp4a kernel's
+    IDP): the kernel's K loop."""
     labels: dict[str, int] = {}
     ops: list[tuple[str, str]] = []
     for line in sass.splitlines():
@@ -58,25 +59,29 @@ def loop_body(sass: str) -> list[str]:
         target = re.search(r"\((\.L_x_\d+)\)", rest) if op == "BRA" else None
         if target and labels.get(target.group(1), i + 1) <= i:
             body = [o for o, _ in ops[labels[target.group(1)] : i + 1]]
-            if any("MMA" in o for o in body) and len(body) > len(best):
+            if any("MMA" in o or "IDP" in o for o in body) and len(body) > len(best):
                 best = body
     return best
 
 
 def variants():
-    """(name, config, scale dtype, kernel switches): the default kernel and the packed-bfloat16
-    candidate, with the layer's scales as stored (float16) or as bfloat16, at 64 and 128 columns."""
+    """(name, kernel, config, scale dtype, kernel switches): the default kernel and the packed-bfloat16
+    candidate, with the layer's scales as stored (float16) or as bfloat16, at 64 and 128 columns; the
+    int8-input kernel (dp4a) for one row, at 64 and 128 columns."""
     from kvserve.kernels.gpu import matmul as mm
 
     base = mm.config_for(mm.INT4_CONFIG, N, K)
     wide = dataclasses.replace(base, block_n=128)
+    dp4a = dataclasses.replace(mm.config_for(mm.INT4_INT8_CONFIG, N, K), block_m=1)
     half, bf16 = torch.float16, torch.bfloat16
     return [
-        ("default", base, half, {}),
-        ("packed-bf16, float16 scales", base, half, {"PACKED_BF16": True}),
-        ("packed-bf16", base, bf16, {"PACKED_BF16": True}),
-        ("packed-bf16, 128 columns", wide, bf16, {"PACKED_BF16": True}),
-        ("default, 128 columns", wide, half, {}),
+        ("default", mm._int4_kernel, base, half, {}),
+        ("packed-bf16, float16 scales", mm._int4_kernel, base, half, {"PACKED_BF16": True}),
+        ("packed-bf16", mm._int4_kernel, base, bf16, {"PACKED_BF16": True}),
+        ("packed-bf16, 128 columns", mm._int4_kernel, wide, bf16, {"PACKED_BF16": True}),
+        ("default, 128 columns", mm._int4_kernel, wide, half, {}),
+        ("int8 inputs (dp4a), one row", mm._int4_int8_kernel, dp4a, half, {}),
+        ("int8 inputs (dp4a), one row, 128 columns", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_n=128), half, {}),
     ]
 
 
@@ -94,7 +99,7 @@ def main() -> None:
     def compile_only(kernel, grid):
         def warmup(*a, **kw):
             compiled = kernel.run(*a, grid=grid, warmup=True, **kw)
-            if kernel is mm._int4_kernel:
+            if kernel in (mm._int4_kernel, mm._int4_int8_kernel):
                 current["compiled"], current["kw"] = compiled, kw
 
         return warmup
@@ -102,10 +107,16 @@ def main() -> None:
     JITFunction.__getitem__ = compile_only
     x = torch.randn(1, K).to(torch.bfloat16)
     packed = mm.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8))
-    for name, config, scale_dtype, switches in variants():
+    for name, kernel, config, scale_dtype, switches in variants():
         scales = torch.rand(N, K // 32).to(scale_dtype)
-        weight = (packed, scales, scales, packed.stride(0), scales.stride(0), scales.stride(0))
-        mm._launch(mm._int4_kernel, config, x, N, weight, None, None, **switches)
+        if kernel is mm._int4_int8_kernel:  # x as quantize_int8 gives it (that kernel compiles, not counted)
+            words, d, s = mm.quantize_int8(x)
+            codes = packed.view(torch.int32)
+            weight = (d, s, codes, scales, scales, codes.stride(0), scales.stride(0), scales.stride(0))
+            mm._launch(kernel, config, words, N, weight, None, x.dtype, k=K)
+        else:
+            weight = (packed, scales, scales, packed.stride(0), scales.stride(0), scales.stride(0))
+            mm._launch(kernel, config, x, N, weight, None, None, **switches)
         cubin = work / "kernel.cubin"
         cubin.write_bytes(current["compiled"].asm["cubin"])
         sass = subprocess.run([BIN / "nvdisasm", "-c", cubin], capture_output=True, text=True, check=True).stdout

@@ -268,9 +268,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         p,
         "--activations",
         "inputs of the int4 and int8-group layers (and a quantized lm_head): int8 (quantized per group "
-        "of 32 and multiplied in integers on an AVX2 CPU, as llama.cpp does: faster, and as close to "
-        "transformers as llama.cpp), float (the compute dtype: closest to transformers), or "
-        "auto (int8 for quantized weights on an AVX2 CPU, else float). The choice is logged at start-up",
+        "of 32 and multiplied in integers, as llama.cpp does: on an AVX2 CPU faster, and as close to "
+        "transformers as llama.cpp; on a GPU the int4 layers only, by dp4a), float (the compute dtype: "
+        "closest to transformers), or auto (int8 for quantized weights on an AVX2 CPU, else float). "
+        "The choice is logged at start-up",
         "auto",
         choices=("auto", "float", "int8"),
     )

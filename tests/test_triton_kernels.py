@@ -122,7 +122,7 @@ def test_a_layers_configuration_follows_its_shape_never_its_rows():
     import inspect
 
     assert list(inspect.signature(matmul.config_for).parameters) == ["base", "n", "k"]
-    for base in (matmul.FLOAT_CONFIG, matmul.INT4_CONFIG, matmul.INT8_CONFIG):
+    for base in (matmul.FLOAT_CONFIG, matmul.INT4_CONFIG, matmul.INT8_CONFIG, matmul.INT4_INT8_CONFIG):
         assert matmul.config_for(base, matmul.NARROW_N + 1, 2048) == base
         narrow = matmul.config_for(base, matmul.NARROW_N, 2048)
         assert narrow != base and narrow.block_m == base.block_m
@@ -213,6 +213,72 @@ def test_int4_packed_bf16_weights_are_the_fma_of_bf16_scale_and_min_rounded_once
     _each_row_alone(
         lambda rows: matmul.int4_matmul(rows, packed, scales, mins, torch.float32, packed_bf16=True), x, out
     )
+
+
+def _quantized_inputs(x: torch.Tensor):
+    """x [M, K] quantized per row and group of 32 as the CPU's quantize_group: d = max|x| / 127 and
+    q = x * (1 / d) rounded to nearest even in float32 (each one IEEE operation), s = d * sum(q)."""
+    groups = x.float().cpu().reshape(x.shape[0], -1, 32)
+    d = groups.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / torch.where(d != 0, d, 1), 0)
+    q = torch.round(groups * inv[..., None])
+    return q.clamp(-128, 127).to(torch.int8).reshape(x.shape), d, d * q.sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_int8_is_the_cpus_quantization(dtype):
+    """quantize_int8's codes (four to an int32 word, input 4t + j in byte j of word t), d and s against
+    the formula, bit for bit; a group of zeros has d = 0 and codes 0; a group's largest |x| is +-127."""
+    m, k = 7, 32 * 37  # three programs of 16 groups, the last one short
+    x = _randn(m, k, seed=40, dtype=dtype) * 3
+    x[2, 64:96] = 0
+    words, d, s = matmul.quantize_int8(x)
+    assert words.dtype == torch.int32 and words.shape == (m, k // 4) and d.shape == s.shape == (m, k // 32)
+    q, d_expected, s_expected = _quantized_inputs(x)
+    assert torch.equal(words.cpu().view(torch.int8), q)
+    assert torch.equal(d.cpu(), d_expected) and torch.equal(s.cpu(), s_expected)
+    assert d[2, 2] == 0 and not words[2, 16:24].any()
+    assert (q.reshape(m, -1, 32).abs().amax(-1)[d_expected != 0] == 127).all()
+
+
+def test_int4_int8_matmul_is_the_cpus_int4_times_int8_bit_for_bit(extension):
+    """Without a K split, int4_int8_matmul is int4_int8.cpp's arithmetic (Int4Linear with int8 inputs):
+    the same integer sums and float steps in the same order, so the same float32 bits, at every row
+    tile (1, 2, 4 and 8 rows, and 8 with a tail); bfloat16 inputs are their float32 values."""
+    from kvserve.layers.quantized import Int4Groups, Int4Linear, int4_block_rows
+
+    if not extension.int8_activations() or not int4_block_rows():
+        pytest.skip("the CPU's int4 x int8 kernel does not run here")
+    m, k, n = 13, 512, 128  # K: one split of a narrow layer
+    codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=41)
+    layer = Int4Linear(Int4Groups(codes.cpu(), scales.float().cpu(), mins.float().cpu()), torch.float32, int8_activations=True)
+    x = _randn(m, k, seed=42, dtype=torch.bfloat16) * 2
+    expected = layer(x.float().cpu())
+    packed = matmul.pack_int4(codes)
+    for rows in (1, 2, 3, 4, 8, 13):
+        out = matmul.int4_int8_matmul(x[:rows], packed, scales, mins, torch.float32)
+        assert out.dtype == torch.float32 and torch.equal(out.cpu(), expected[:rows]), rows
+    assert torch.equal(matmul.int4_int8_matmul(x.float(), packed, scales, mins, torch.float32).cpu(), expected)
+
+
+def test_int4_int8_matmul_with_k_splits_rows_alone_and_any_row_tile(monkeypatch):
+    """Three K splits (the last not a whole step) and a bias: within float32's summation of the
+    product of the quantized inputs and the weight; each row alone its bits in the batch; and the same
+    bits whatever the row tile (the kernel's rows are independent, so the tile may follow M)."""
+    m, k, n = 11, 1024 + 160, 80
+    codes, scales, mins, w = _int4_weight(n, k, torch.float32, seed=43)
+    x = _randn(m, k, seed=44, dtype=torch.bfloat16)
+    bias = _randn(n, seed=45)
+    packed = matmul.pack_int4(codes)
+    run = lambda rows: matmul.int4_int8_matmul(rows, packed, scales, mins, torch.float32, bias)  # noqa: E731
+    out = run(x)
+    q, d, _ = _quantized_inputs(x)
+    rounded = (q.double().reshape(m, -1, 32) * d.double()[..., None]).reshape(m, k).to(DEVICE)
+    _check_matmul(out, rounded, w.double(), bias)
+    _each_row_alone(run, x, out)
+    for block_m in (1, 2, 16):
+        monkeypatch.setattr(matmul, "INT4_INT8_CONFIG", dataclasses.replace(matmul.INT4_INT8_CONFIG, block_m=block_m))
+        assert torch.equal(run(x), out), block_m
 
 
 def _int8_weight(n: int, k: int, seed: int):

@@ -75,7 +75,11 @@ def _group_values(values: torch.Tensor) -> torch.Tensor:
 class GpuInt4Linear(nn.Module):
     """y = x @ W.T (+ bias) with W[n, k] = scales[n, k // 32] * code + mins[n, k // 32], the codes packed
     two per byte on the device (kernels/gpu/matmul.pack_int4) and dequantized in registers; given in
-    `out_dtype` (float32 for the lm_head's logits), else in x's dtype. One kernel for every row count."""
+    `out_dtype` (float32 for the lm_head's logits), else in x's dtype. One kernel for every row count.
+
+    With `int8_activations` (`--activations int8`, set by quantized.set_activations) x is quantized to
+    int8 per group of 32 and each group's products are summed in integers (`int4_int8_matmul`): the
+    CPU's int4 x int8 arithmetic, with no float weight ever made."""
 
     # The kernel's packed-bfloat16 candidate (int4_matmul's packed_bf16: scales and mins kept as
     # bfloat16), off until a GPU measures it faster; bench/gpu.py's `q4-bf16x2` run turns it on.
@@ -97,21 +101,26 @@ class GpuInt4Linear(nn.Module):
         self.out_dtype = out_dtype
         self.register_buffer("packed", pack_int4(weight.codes.to(device)))
         self.packed_bf16 = type(self).packed_bf16  # fixed at load, with the scales' dtype
+        self.int8_activations = False
         group_values = (lambda v: v.to(torch.bfloat16)) if self.packed_bf16 else _group_values
         self.register_buffer("scales", group_values(weight.scales).to(device))  # [N, K / 32]
         self.register_buffer("mins", group_values(weight.mins).to(device))  # [N, K / 32]
         self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kvserve.kernels.gpu.matmul import int4_matmul
+        from kvserve.kernels.gpu.matmul import int4_int8_matmul, int4_matmul
 
         x2 = x.reshape(-1, self.in_features)
         out_dtype = self.out_dtype or x.dtype
-        out = int4_matmul(x2, self.packed, self.scales, self.mins, out_dtype, self.bias, self.packed_bf16)
+        if self.int8_activations:
+            out = int4_int8_matmul(x2, self.packed, self.scales, self.mins, out_dtype, self.bias)
+        else:
+            out = int4_matmul(x2, self.packed, self.scales, self.mins, out_dtype, self.bias, self.packed_bf16)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}"
+        inputs = ", int8 inputs" if self.int8_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}{inputs}"
 
 
 class GpuInt8GroupLinear(nn.Module):

@@ -91,9 +91,12 @@ def int4_few_rows(dtype: torch.dtype) -> int:
 
 def set_activations(model: nn.Module, activations: str) -> None:
     """Make every Int4Linear, Int8GroupLinear (the lm_head among them) and StoredQuadsLinear (Int6Linear,
-    Int5Linear) of `model` take float ("float") or int8 ("int8") inputs."""
+    Int5Linear) of `model` take float ("float") or int8 ("int8") inputs; on the GPU path, its int4
+    layers (GpuInt4Linear; its int8-group layers keep float inputs)."""
+    from kvserve.layers.gpu import GpuInt4Linear
+
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8GroupLinear, StoredQuadsLinear)):
+        if isinstance(module, (Int4Linear, Int8GroupLinear, StoredQuadsLinear, GpuInt4Linear)):
             module.int8_activations = activations == "int8"
 
 

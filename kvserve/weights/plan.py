@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.errors import InvalidRequestError
+from kvserve.layers.gpu import uses_triton
 from kvserve.layers.quantized import ACTIVATION_CHOICES
 from kvserve.weights.source import SourceTensor
 
@@ -51,17 +52,20 @@ def resolve_activations(activations: str, device: torch.device, weight_mode: str
     """The `activations` choice, checked and resolved to "float" or "int8" (the int4 layers and a
     quantized lm_head quantize their inputs; CPU only). "auto" is "int8" where that serves quantized
     weights on a CPU with AVX2 (llama.cpp's arithmetic for Q4 models, as close to transformers as
-    llama.cpp: bench/results/numerics.json; faster: docs/performance.md), "float" otherwise: on a
-    GPU, for float weights. "float" keeps the arithmetic closest to transformers."""
+    llama.cpp: bench/results/numerics.json; faster: docs/performance.md), "float" otherwise: for float
+    weights, and on the GPU path until int8 inputs are measured faster there ("int8" runs its int4
+    layers through int4_int8_matmul). "float" keeps the arithmetic closest to transformers."""
     if activations not in ACTIVATION_CHOICES:
         raise InvalidRequestError(
             f"activations must be one of {', '.join(ACTIVATION_CHOICES)}, got {activations!r}.", "activations"
         )
     if activations == "auto":
-        return "int8" if device.type == "cpu" and weight_mode != "float" and _cpu_has_avx2() else "float"
-    if activations == "int8" and device.type != "cpu":
+        cpu_kernels = device.type == "cpu" and not uses_triton(device)
+        return "int8" if cpu_kernels and weight_mode != "float" and _cpu_has_avx2() else "float"
+    if activations == "int8" and device.type not in ("cpu", "cuda"):
         raise InvalidRequestError(
-            f"activations=int8 uses kvserve's AVX2 CPU kernels; on {device.type} use activations=float.", "activations"
+            f"activations=int8 uses kvserve's CPU or CUDA kernels; on {device.type} use activations=float.",
+            "activations",
         )
     return activations
 

@@ -88,3 +88,61 @@ def nibble_fma_bf16(byte, scale, low, HIGH: tl.constexpr, INTERPRET: tl.constexp
             is_pure=True,
             pack=4,
         )
+
+
+@triton.jit
+def split4(words):
+    """[R, 4] -> four [R] tensors (columns 0..3); free where a thread holds a row's four words."""
+    even, odd = tl.split(tl.reshape(words, (words.shape[0], 2, 2)))  # columns (0, 2) and (1, 3)
+    w0, w2 = tl.split(even)
+    w1, w3 = tl.split(odd)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def group_dot(w, q, INTERPRET: tl.constexpr):
+    """The exact integer sums over a group of 32 of code * q: w [N, 4] int32, a GGML Q4 group's 16 bytes
+    per output (word t: the codes of inputs 4t..4t+3 in its low nibbles, 16+4t..16+4t+3 in its high
+    ones); q [M], pointers to each row's eight int32 words of the group's int8 inputs (word t: inputs
+    4t..4t+3) -> [N, M] (outputs first: the layout the weights are loaded in, so no data moves between
+    threads). On a GPU per output and row: four ANDs keep the low nibbles and four the high ones in
+    place (16 x the code), eight dp4a sum the products, and the high sum is shifted back by 4 (exact: a
+    multiple of 16); no float and no conversion."""
+    if INTERPRET:  # the same sums from every byte at once
+        shifts = tl.arange(0, 4) * 8
+        inputs = tl.load(q[:, None] + tl.arange(0, 8)[None, :])  # [M, 8]
+        inputs = tl.reshape((inputs[:, :, None] << (24 - shifts)[None, None, :]) >> 24, (q.shape[0], 32))
+        codes = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 255, (w.shape[0], 16))  # byte 4t + j
+        codes = tl.reshape(tl.permute(tl.join(codes & 15, codes >> 4), (0, 2, 1)), (w.shape[0], 32))
+        return tl.sum(codes[:, None, :] * inputs[None, :, :], axis=2)
+    else:
+        w0, w1, w2, w3 = split4(w)
+        return tl.inline_asm_elementwise(
+            asm="{ .reg .b32 l, h, sl, sh; "
+            " and.b32 l, $1, 0x0F0F0F0F; dp4a.u32.s32 sl, l, $5, 0; and.b32 h, $1, 0xF0F0F0F0; dp4a.u32.s32 sh, h, $9, 0;"
+            " and.b32 l, $2, 0x0F0F0F0F; dp4a.u32.s32 sl, l, $6, sl; and.b32 h, $2, 0xF0F0F0F0; dp4a.u32.s32 sh, h, $10, sh;"
+            " and.b32 l, $3, 0x0F0F0F0F; dp4a.u32.s32 sl, l, $7, sl; and.b32 h, $3, 0xF0F0F0F0; dp4a.u32.s32 sh, h, $11, sh;"
+            " and.b32 l, $4, 0x0F0F0F0F; dp4a.u32.s32 sl, l, $8, sl; and.b32 h, $4, 0xF0F0F0F0; dp4a.u32.s32 sh, h, $12, sh;"
+            " shr.s32 sh, sh, 4; add.s32 $0, sl, sh; }",
+            constraints="=r" + ",r" * 12,
+            args=[
+                w0[:, None], w1[:, None], w2[:, None], w3[:, None],
+                tl.load(q)[None, :], tl.load(q + 1)[None, :], tl.load(q + 2)[None, :], tl.load(q + 3)[None, :],
+                tl.load(q + 4)[None, :], tl.load(q + 5)[None, :], tl.load(q + 6)[None, :], tl.load(q + 7)[None, :],
+            ],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+
+
+@triton.jit
+def round_to_int(x, INTERPRET: tl.constexpr):
+    """float32 x (|x| < 2**22) rounded to the nearest integer, ties to even, as int32 (one conversion
+    instruction on a GPU; the interpreter adds and subtracts 1.5 * 2**23, which rounds the same)."""
+    if INTERPRET:
+        return ((x + 12582912.0) - 12582912.0).to(tl.int32)
+    else:
+        return tl.inline_asm_elementwise(
+            asm="cvt.rni.s32.f32 $0, $1;", constraints="=r,r", args=[x], dtype=tl.int32, is_pure=True, pack=1
+        )

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import cast, dot, nibble_fma_bf16, nibble_to_float
+from kvserve.kernels.gpu.common import cast, dot, group_dot, nibble_fma_bf16, nibble_to_float, round_to_int, split4
 
 GROUP_SIZE = 32  # inputs per scale (and min) of the quantized weights
 
@@ -47,6 +47,10 @@ FLOAT_CONFIG = TileConfig(block_m=64, block_n=64, block_k=128, k_per_split=2048,
 INT4_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
 # int8 codes are twice the bytes of int4: the same tiles, each step reading 8 KiB of codes.
 INT8_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
+
+# int4 weights times int8 inputs (dp4a, no tensor cores): the int4 tiles; block_m is at most this, and
+# otherwise follows M (int4_int8_matmul), as each row's sums are exact and its float steps its own.
+INT4_INT8_CONFIG = TileConfig(block_m=8, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
 
 # A layer of at most this many outputs (a 1B model's attention projections and down projection) has
 # too few column tiles to keep 132 multiprocessors reading for one row: its quantized K splits are half
@@ -253,6 +257,127 @@ def _int4_kernel(
     _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _quantize_int8_kernel(
+    x_ptr,
+    words_ptr,
+    d_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    GROUPS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Per row and group of 32 inputs, as the CPU's quantize_group: d = max|x| / 127, q = x * (1 / d)
+    rounded to nearest even and saturated to int8, s = d * (the sum of the unsaturated integers); q as
+    eight int32 words per group (byte j of word t: input 4t + j), d and s as float32."""
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    inputs = groups[:, None] * 32 + tl.arange(0, 32)[None, :]  # [G, 32]
+    g_ok = groups < K // 32
+    x = tl.load(x_ptr + row * stride_xm + inputs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
+    inv = tl.where(d != 0.0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d != 0.0, d, 1.0)), 0.0)
+    q = round_to_int(x * inv[:, None], INTERPRET)
+    s = d * tl.sum(q, axis=1).to(tl.float32)
+    q = tl.minimum(tl.maximum(q, -128), 127) & 255
+    shifts = (tl.arange(0, 4) * 8)[None, None, :]
+    words = tl.sum(tl.reshape(q, (GROUPS, 8, 4)) << shifts, axis=2)  # disjoint bytes: the sum is an OR
+    word_index = groups[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(words_ptr + row * (K // 4) + word_index, words, mask=g_ok[:, None])
+    tl.store(d_ptr + row * (K // 32) + groups, d, mask=g_ok)
+    tl.store(s_ptr + row * (K // 32) + groups, s, mask=g_ok)
+
+
+QUANTIZE_GROUPS = 16  # groups of 32 inputs per program of _quantize_int8_kernel
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] quantized per row and group of 32 (`_quantize_int8_kernel`): int8 codes as int32 words
+    [M, K / 4], d and s [M, K / 32] float32."""
+    x = _row_major(x)
+    m, k = x.shape
+    assert k % GROUP_SIZE == 0, x.shape
+    words = torch.empty(m, k // 4, dtype=torch.int32, device=x.device)
+    d = torch.empty(m, k // GROUP_SIZE, dtype=torch.float32, device=x.device)
+    s = torch.empty_like(d)
+    if m:
+        grid = (m, triton.cdiv(k // GROUP_SIZE, QUANTIZE_GROUPS))
+        _quantize_int8_kernel[grid](x, words, d, s, m, k, x.stride(0), GROUPS=QUANTIZE_GROUPS, INTERPRET=INTERPRET)
+    return words, d, s
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_int8_kernel(
+    x_ptr,
+    out_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_os,
+    k_per_split,
+    d_ptr,
+    s_ptr,
+    words_ptr,
+    scales_ptr,
+    mins_ptr,
+    stride_wn,
+    stride_sn,
+    stride_mn,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """int4 weights times int8 inputs (x: `quantize_int8`'s words, d and s; BLOCK_K 128: four groups
+    a step), as int4_int8.cpp on the CPU: per group of 32 and output the exact integer sum over code * q (dp4a: four products per
+    instruction, no tensor cores), then total = fma(scale * d, sum, total); total = fma(s, min, total),
+    group after group. Nothing here depends on the other rows of the tile, so BLOCK_M may follow M
+    without changing a bit."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    # rows and columns past the edges repeat the last one (and are not stored), so no load needs a mask
+    rows64 = tl.minimum(rows, M - 1).to(tl.int64)
+    cols64 = tl.minimum(cols, N - 1).to(tl.int64)
+    x_rows = x_ptr + rows64 * stride_xm  # [BM]
+    d_rows = d_ptr + rows64 * (K // 32)
+    s_rows = s_ptr + rows64 * (K // 32)
+    # word t (of 4) of a group holds the codes of inputs 4t..4t+3 in its low nibbles, +16 in its high ones
+    w_words = words_ptr + cols64[:, None] * stride_wn + tl.arange(0, 4)[None, :]  # [BN, 4]
+    four = tl.arange(0, 4)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # outputs first, as group_dot gives them
+    for k0 in range(k_begin, k_end, 128):  # four groups a step
+        g0 = (k0 // 128) * 4  # (so known to be a multiple of 4: the loads below are vectors)
+        # the four groups' scales and mins, [BN] each
+        if EVEN_K:
+            scales = split4(tl.load(scales_ptr + cols64[:, None] * stride_sn + g0 + four))
+            lows = split4(tl.load(mins_ptr + cols64[:, None] * stride_mn + g0 + four))
+        else:
+            g_ok = (g0 + four) < k_end // 32
+            scales = split4(tl.load(scales_ptr + cols64[:, None] * stride_sn + g0 + four, mask=g_ok, other=0.0))
+            lows = split4(tl.load(mins_ptr + cols64[:, None] * stride_mn + g0 + four, mask=g_ok, other=0.0))
+        for gi in tl.static_range(4):
+            g = g0 + gi
+            if not EVEN_K:  # a split that ends within the step: past its end the scale and min are 0
+                g = tl.minimum(g, k_end // 32 - 1)  # (so the group adds nothing) and the loads stay in it
+            isum = group_dot(tl.load(w_words + g * 4), x_rows + g * 8, INTERPRET)  # [BN, BM]
+            d = tl.load(d_rows + g)
+            s = tl.load(s_rows + g)
+            acc = tl.fma(scales[gi].to(tl.float32)[:, None] * d[None, :], isum.to(tl.float32), acc)
+            acc = tl.fma(s[None, :], lows[gi].to(tl.float32)[:, None], acc)
+    acc = tl.trans(acc)
+    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
+
+
 @triton.jit(do_not_specialize=["M"])  # one binary for every number of rows
 def _int8_kernel(
     x_ptr,
@@ -311,13 +436,16 @@ def _launch(
     weight_args: tuple,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype | None,
+    k: int | None = None,
     **constexprs,
 ) -> torch.Tensor:
     """Run one of the matmul kernels over x [M, K] into [M, n], through float32 partial sums per
-    K split when the config splits this K; `constexprs`, the kernel's other compile-time switches."""
+    K split when the config splits this K; `k`: K where x's columns are not the inputs one for one
+    (int8 codes four to a word); `constexprs`, the kernel's other compile-time switches."""
     assert x.dim() == 2, x.shape
     x = _row_major(x)
-    m, k = x.shape
+    m = x.shape[0]
+    k = k or x.shape[1]
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -421,6 +549,40 @@ def int4_matmul(
     packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
     args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
     return _launch(_int4_kernel, config_for(INT4_CONFIG, n, k), x, n, args, bias, out_dtype, PACKED_BF16=packed_bf16)
+
+
+def int4_int8_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`int4_matmul` with x quantized to int8 per row and group of 32 (llama.cpp's Q8_1 inputs,
+    kvserve's `--activations int8` on the CPU; `quantized`: `quantize_int8(x)` if already made): per
+    group an exact integer sum over code * q, then two float32 FMAs per output (`_int4_int8_kernel`).
+    Without a K split (K at most the layer's `k_per_split`) the result is int4_int8.cpp's on the CPU,
+    bit for bit.
+
+    The row tile follows M (every row's arithmetic is its own), so one row runs a one-row tile."""
+    n = packed.shape[0]
+    k = x.shape[1]
+    assert packed.shape == (n, k // 2) and k % GROUP_SIZE == 0, (x.shape, packed.shape)
+    assert scales.shape == mins.shape == (n, k // GROUP_SIZE), (scales.shape, mins.shape)
+    packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
+    words = packed.view(torch.int32)  # [N, K / 8]: four per group of 32
+    config = dataclasses.replace(config_for(INT4_INT8_CONFIG, n, k), block_m=_row_tile(x.shape[0]))
+    quantized = quantize_int8(x) if quantized is None else quantized
+    args = (*quantized[1:], words, scales, mins, words.stride(0), scales.stride(0), mins.stride(0))
+    return _launch(_int4_int8_kernel, config, quantized[0], n, args, bias, out_dtype or x.dtype, k=k)
+
+
+def _row_tile(m: int) -> int:
+    """Rows per program of the kernels whose rows are independent: M rounded up to a power of two, at
+    most INT4_INT8_CONFIG's block_m."""
+    return min(triton.next_power_of_2(max(m, 1)), INT4_INT8_CONFIG.block_m)
 
 
 def int8_group_matmul(
