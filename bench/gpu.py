@@ -18,7 +18,8 @@ and measures the device-to-device copy bandwidth. Then per shape and engine: rea
 stream count (distinct ~60-token prompts, `--max-tokens` each with EOS ignored, all at once), TTFT p50,
 and each figure as a fraction of the bandwidth limit (streams x bandwidth / weight bytes: each step
 reads the weights once). Engines: kvserve (bf16 batch-invariant, bf16 with --batch-invariant off,
-4-bit, and 4-bit with the int4 kernel's packed-bfloat16 candidate as `q4-bf16x2`), transformers
+4-bit, 4-bit with int8 inputs (`--activations int8`: dp4a) as `q4-int8`, and 4-bit with the int4
+kernel's packed-bfloat16 candidate as `q4-bf16x2`), transformers
 `generate` eager, and with its static cache under torch.compile (the best transformers offers); kvserve's batched greedy outputs are compared with their solo runs (R7). Runs are
 ordered by importance and skipped, with a note, once `--budget-s` is spent (a torch.compile run needs
 COMPILED_RUN_S of it left). Last, tests/test_triton_kernels.py and tests/test_cuda.py run until
@@ -227,7 +228,9 @@ def packed_bf16(on: bool):
         GpuInt4Linear.packed_bf16 = False
 
 
-def run_kvserve(model: Path, device: str, streams: list[int], max_tokens: int, batch_invariant: bool) -> dict:
+def run_kvserve(
+    model: Path, device: str, streams: list[int], max_tokens: int, batch_invariant: bool, activations: str = "auto"
+) -> dict:
     from kvserve import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -236,6 +239,7 @@ def run_kvserve(model: Path, device: str, streams: list[int], max_tokens: int, b
         str(model),
         device=device,
         batch_invariant=batch_invariant,
+        activations=activations,
         max_num_seqs=max(streams),
         progress=False,
         session_db=False,
@@ -414,8 +418,8 @@ def main() -> None:
         plan += [("kvserve", shape, "bf16", True), ("transformers-eager", shape, "bf16", False)]
         if not args.skip_compiled and shape in args.compiled_shapes.split(","):
             plan.append(("transformers-compiled", shape, "bf16", False))
-        if "q4" in models[shape]:
-            plan.append(("kvserve", shape, "q4", True))
+        if "q4" in models[shape]:  # and with int8 inputs (dp4a), on the same file
+            plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
         plan.append(("kvserve", shape, "bf16", False))
         if "q4" in models[shape]:  # the int4 kernel's packed-bfloat16 candidate, on the same file
             plan.append(("kvserve", shape, "q4-bf16x2", True))
@@ -430,8 +434,9 @@ def main() -> None:
         try:
             if engine == "kvserve":
                 model = models[shape][weights.partition("-")[0]]
+                activations = "int8" if weights == "q4-int8" else "auto"
                 with packed_bf16(weights == "q4-bf16x2"):
-                    run = run_kvserve(model, args.device, streams, args.max_tokens, flag)
+                    run = run_kvserve(model, args.device, streams, args.max_tokens, flag, activations)
             else:
                 compiled = engine == "transformers-compiled"
                 run = run_transformers(models[shape]["bf16"], args.device, streams, args.max_tokens, compiled)

@@ -5,8 +5,10 @@ figures; `int4-convert`, the int4 kernel with its nibbles turned into floats by 
 instruction instead of kvserve's PRMT-built bits (common.nibble_to_float), which must give the same
 bits (`same_bits` in the JSON); `int4-bf16x2`, the candidate that computes weights by packed bfloat16
 FMAs from bfloat16 scales (`int4_matmul(packed_bf16=True)`: other bits by design, fewer instructions
-in the loop for sm_90), at each int4 config and two 128-column ones; and the int8 kernel on the
-lm_head (a 4-bit GGUF's Q8_0 embedding).
+in the loop for sm_90), at each int4 config and two 128-column ones; `int4-int8`, int4 weights times
+int8 inputs by dp4a (`int4_int8_matmul`, `--activations int8`: the inputs' quantization included, its
+row tile following M), at its candidate configs; and the int8 kernel on the lm_head (a 4-bit GGUF's
+Q8_0 embedding). `--kinds` keeps some of them.
 Each timing is a CUDA graph of one call per layer, each layer its own weight (the weights stream from
 memory as in a decode step, not from L2), replayed; the result is microseconds per call and the weight
 bytes per second that gives.
@@ -19,6 +21,7 @@ bytes per second that gives.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import asdict
@@ -43,7 +46,8 @@ LAYERS = {"llama1b": 16, "smol135m": 30, "tiny": 2}
 
 
 def candidates():
-    """(float configs, int4 configs); None is kvserve's own choice per layer (matmul.config_for)."""
+    """(float configs, int4 configs, int4 x int8 configs); None is kvserve's own choice per layer
+    (matmul.config_for); an int4 x int8 config's block_m is replaced by the row tile for M."""
     from kvserve.kernels.gpu.matmul import TileConfig as c
 
     floats = [
@@ -64,7 +68,21 @@ def candidates():
         c(32, 64, 128, 512, 4, 3),
         c(64, 64, 64, 1024, 4, 3),
     ]
-    return floats, int4s
+    # dp4a: instructions per weight for one row fall with the columns per thread (offline ptxas for
+    # sm_90: 1.64 at 128 columns and 4 warps, 1.21 at 256), the programs per layer with them
+    int4_int8s = [
+        None,
+        c(8, 64, 128, 1024, 4, 3),
+        c(8, 128, 128, 512, 4, 3),
+        c(8, 128, 128, 256, 4, 3),
+        c(8, 256, 128, 1024, 4, 3),
+        c(8, 256, 128, 512, 4, 3),
+        c(8, 256, 128, 256, 4, 3),
+        c(8, 256, 128, 512, 8, 3),
+        c(8, 128, 128, 512, 2, 3),
+        c(8, 512, 128, 512, 4, 3),
+    ]
+    return floats, int4s, int4_int8s
 
 
 def timed(fn, device: str, replays: int = 20) -> float:
@@ -88,12 +106,12 @@ def timed(fn, device: str, replays: int = 20) -> float:
     return begin.elapsed_time(end) / 1000 / replays
 
 
-def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, result) -> None:
+def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, result, kinds=None) -> None:
     """Time cuBLAS and each candidate on `count` layers of n x k weights at each row count, into
-    result["records"] (or result["errors"])."""
+    result["records"] (or result["errors"]); `kinds`: only those."""
     from kvserve.kernels.gpu import matmul as mm
 
-    floats, int4s = candidates()
+    floats, int4s, int4_int8s = candidates()
     # the packed-bfloat16 candidate's loop for sm_90 has the fewest instructions per weight with 128
     # columns (4.0 against 4.7 for 64, offline ptxas; the default kernel's: 7.0)
     int4_wide = [mm.TileConfig(16, 128, 128, 1024, 4, 3), mm.TileConfig(16, 128, 128, 512, 4, 4)]
@@ -119,6 +137,20 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         switches = {"PERMUTE": permute, "PACKED_BF16": packed_bf16}
         return lambda: [mm._launch(mm._int4_kernel, cfg, x, n, a, None, out_dtype, **switches) for a in layers]
 
+    def int4_int8_calls(x, cfg):
+        cfg = dataclasses.replace(cfg or mm.config_for(mm.INT4_INT8_CONFIG, n, k), block_m=mm._row_tile(x.shape[0]))
+        layers = [(p.view(torch.int32), s, mn) for p, s, mn in zip(packed, scales, mins, strict=True)]
+
+        def calls():
+            outs = []
+            for words, s, mn in layers:
+                q, d, sums = mm.quantize_int8(x)
+                weight = (d, sums, words, s, mn, words.stride(0), s.stride(0), mn.stride(0))
+                outs.append(mm._launch(mm._int4_int8_kernel, cfg, q, n, weight, None, out_dtype, k=k))
+            return outs
+
+        return calls
+
     def int8_calls(x):
         return lambda: [mm.int8_group_matmul(x, c, s, out_dtype) for c, s in zip(codes8, scales8, strict=True)]
 
@@ -128,12 +160,14 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             return
         x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
         runs = [("cublas", "cublas", lambda x=x: [F.linear(x, w) for w in weights])]
+        runs += [("int4-int8", cfg, int4_int8_calls(x, cfg)) for cfg in int4_int8s]
         runs += [("float", cfg, float_calls(x, cfg)) for cfg in floats]
         runs += [("int4", cfg, int4_calls(x, cfg)) for cfg in int4s]
         runs += [("int4-convert", None, int4_calls(x, None, permute=False))]
         runs += [("int4-bf16x2", cfg, int4_calls(x, cfg, packed_bf16=True)) for cfg in int4s + int4_wide]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
             runs += [("int8", None, int8_calls(x))]
+        runs = [run for run in runs if kinds is None or run[0] in kinds]
         outputs = {}  # kind -> the first layer's output with kvserve's config: the same bits every way
         for kind, cfg, fn in runs:
             try:
@@ -144,10 +178,10 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
                 result["errors"].append(f"{kind} {cfg} {name} M={m}: {e!r}"[:500])
                 continue
             base = kind.split("-")[0]
-            # int4-bf16x2 rounds scales and mins to bfloat16 first: other bits by design
-            compared = cfg is None and kind != base and base in outputs and kind != "int4-bf16x2"
+            # int4-bf16x2 rounds scales and mins to bfloat16 first, int4-int8 the inputs: other bits by design
+            compared = cfg is None and kind == "int4-convert" and base in outputs
             same_bits = torch.equal(outputs[kind], outputs[base]) if compared else None
-            weight_bytes = n * k * {"int4": 0.5 + 4 / 32, "int8": 1 + 4 / 32}.get(base, 2)
+            weight_bytes = n * k * {"int4": 0.5 + 4 / 32, "int8": 1 + 4 / 32}.get(base, 2)  # int4-*: int4's
             result["records"].append(
                 {
                     "shape": shape,
@@ -171,6 +205,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="llama1b")
     parser.add_argument("--rows", default="1,16,64,1024")
     parser.add_argument("--budget-s", type=float, default=150.0, help="start no timing after this many seconds")
+    parser.add_argument("--kinds", default=None, help="comma-separated kinds to time (default: all)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_kernels.json"))
     args = parser.parse_args()
     started = time.perf_counter()
@@ -187,7 +222,8 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for name, (n, k) in SHAPES[shape].items():
             count = 2 if name == "lm_head" else LAYERS[shape]
-            time_layer(shape, name, n, k, count, rows, device, gen, started, args.budget_s, result)
+            kinds = None if args.kinds is None else set(args.kinds.split(","))
+            time_layer(shape, name, n, k, count, rows, device, gen, started, args.budget_s, result, kinds)
             if device == "cuda":
                 torch.cuda.empty_cache()
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -97,14 +97,16 @@ def test_breaking_out_of_a_stream_gives_the_blocks_back(llm):
     assert wait_idle_and_check(llm)["used"] == 0
 
 
-@pytest.mark.parametrize("weights", ["bf16", "q4", "q8"])
-def test_batched_preempted_and_cached_requests_equal_their_solo_runs(tiny_model_dir, weights):
-    """R7 on the GPU in bfloat16 and with quantized weights: 16 at once, in a pool too small for them
-    (preemption), again behind their cached prefixes, and with graphs off, each equal to its solo run."""
+@pytest.mark.parametrize("weights, activations", [("bf16", "auto"), ("q4", "auto"), ("q8", "auto"), ("q4", "int8")])
+def test_batched_preempted_and_cached_requests_equal_their_solo_runs(tiny_model_dir, weights, activations):
+    """R7 on the GPU in bfloat16 and with quantized weights (4-bit with float and with int8 inputs): 16
+    at once, in a pool too small for them (preemption), again behind their cached prefixes, and with
+    graphs off, each equal to its solo run."""
     texts = [prompt(i, 30 + 11 * i) for i in range(16)]
     # top_p: the sampler's cumulative sum runs row by row on CUDA (its scan differs for one row and several)
     params = [GREEDY, SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)]
-    options = dict(device="cuda", weights=weights, max_num_seqs=16, progress=False, session_db=False)
+    options = dict(device="cuda", weights=weights, activations=activations, max_num_seqs=16, progress=False)
+    options["session_db"] = False
     with LLM(str(tiny_model_dir), kv_cache_tokens=4096, **options) as roomy:
         solo = [[roomy.generate(t, p).token_ids for t in texts] for p in params]
         for p, want in zip(params, solo, strict=True):

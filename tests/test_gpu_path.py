@@ -146,6 +146,30 @@ def test_four_bit_weights_packed_and_batched_like_solo(tiny_model_dir, triton_ke
         assert_first_divergence_agrees(got, want)
 
 
+def test_four_bit_weights_with_int8_inputs_batched_like_solo_and_like_the_cpu(tiny_model_dir, triton_kernels):
+    """--activations int8 on the GPU path: the int4 layers quantize their inputs and sum in integers
+    (int4_int8_matmul), each request's tokens batched are those of its solo run, and they agree with the
+    CPU's int4 x int8 arithmetic under the first-divergence rule (the layers give the CPU's bits; the
+    attention and norms are the GPU path's own)."""
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    with _llm(tiny_model_dir, weights="q4", activations="int8") as q4:
+        layer = q4.model.layers[0].self_attn.qkv_proj
+        assert isinstance(layer, GpuInt4Linear) and layer.int8_activations
+        assert q4.weights["activations"] == "int8"
+        solo = [q4.generate(p, params) for p in PROMPTS]
+        batched = q4.generate(PROMPTS, params)
+        assert [r.token_ids for r in batched] == [r.token_ids for r in solo]
+        wait_idle_and_check(q4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("KVSERVE_KERNELS")
+        with _llm(tiny_model_dir, weights="q4", activations="int8") as cpu:
+            assert not cpu.engine.runner.triton and cpu.weights["activations"] == "int8"
+            expected = [cpu.generate(p, params) for p in PROMPTS]
+            wait_idle_and_check(cpu)
+    for got, want in zip(solo, expected, strict=True):
+        assert_first_divergence_agrees(got, want)
+
+
 def test_four_bit_packed_bfloat16_candidate_batched_like_solo(tiny_model_dir, triton_kernels, monkeypatch):
     """The int4 kernel's packed-bfloat16 candidate through the engine: the layers keep bfloat16 scales
     and mins, and each request's tokens batched are those of its solo run (its numerics against a

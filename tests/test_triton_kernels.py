@@ -586,7 +586,7 @@ on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes n
 
 
 @on_gpu
-@pytest.mark.parametrize("kind", ["float", "lm_head", "int4", "int8"])
+@pytest.mark.parametrize("kind", ["float", "lm_head", "int4", "int8", "int4-int8"])
 def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kind):
     m, k, n = 300, 4096, 1024
     x = _randn(m, k, seed=70, dtype=torch.bfloat16)
@@ -598,11 +598,19 @@ def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kin
         codes, scales, mins, w = _int4_weight(n, k, torch.float16, seed=72)
         packed = matmul.pack_int4(codes)
         run = lambda rows: matmul.int4_matmul(rows, packed, scales, mins)  # noqa: E731
+    elif kind == "int4-int8":
+        codes, scales, mins, w = _int4_weight(n, k, torch.float16, seed=72)
+        packed = matmul.pack_int4(codes)
+        run = lambda rows: matmul.int4_int8_matmul(rows, packed, scales, mins)  # noqa: E731
     else:
         codes, scales, w = _int8_weight(n, k, seed=73)
         run = lambda rows: matmul.int8_group_matmul(rows, codes, scales)  # noqa: E731
     out = run(x)
-    _check_matmul(out[:8], x[:8], w.to(x.dtype), None)
+    if kind == "int4-int8":  # against the inputs as the kernel rounds them, and the weight in float64
+        q, d, _ = _quantized_inputs(x[:8])
+        _check_matmul(out[:8], (q.double().reshape(8, -1, 32) * d[..., None]).reshape(8, k).to(DEVICE), w.double(), None)
+    else:
+        _check_matmul(out[:8], x[:8], w.to(x.dtype), None)
     for rows in ([0], [1], [15], [16], [63], [64], [299], list(range(5, 42)), list(range(64, 128))):
         part = run(x[rows])
         assert torch.equal(part, out[rows]), rows
@@ -671,6 +679,7 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"int4-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales)
     call = f"int4-bf16x2-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales, packed_bf16=True)
     call = f"int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
+    call = f"int4-int8-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
 k_cache = torch.zeros(8, 16, 2, 128, dtype=bf16)
 for t in (1, 3):  # a decode of one token, a prefill tile of 3, the metadata at odd offsets of one buffer
     meta = torch.arange(100, dtype=torch.int32)
@@ -724,10 +733,16 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int4-bf16x2", "_sum_splits_kernel"),
         ("int8", "_int8_kernel"),
         ("int8", "_sum_splits_kernel"),
+        ("int4-int8", "_quantize_int8_kernel"),
+        ("int4-int8", "_int4_int8_kernel"),
+        ("int4-int8", "_sum_splits_kernel"),
         ("store_kv", "_store_kv_kernel"),
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),
         ("attention-splits", "_combine_kernel"),
     }
-    # one binary per call whatever the batch's size: nothing compiled differently for one row
+    # one binary per call whatever the batch's size: nothing compiled differently for one row; but the
+    # int4 x int8 kernel, whose row tile follows M (its rows' sums are exact and their float steps their
+    # own: test_int4_int8_matmul_with_k_splits_rows_alone_and_any_row_tile)
+    assert len(kernels.pop(("int4-int8", "_int4_int8_kernel"))) == 2
     assert all(len(binaries) == 1 for binaries in kernels.values()), kernels
