@@ -68,19 +68,16 @@ def candidates():
         c(32, 64, 128, 512, 4, 3),
         c(64, 64, 64, 1024, 4, 3),
     ]
-    # dp4a: instructions per weight for one row fall with the columns per thread (offline ptxas for
-    # sm_90: 1.64 at 128 columns and 4 warps, 1.21 at 256), the programs per layer with them
+    # dp4a, one column per thread at 128 columns and 4 warps (offline ptxas for sm_90, one row: 1.05
+    # instructions per weight; 64 columns 3.5, 256 1.09): how many programs keep the loads in flight
     int4_int8s = [
         None,
-        c(8, 64, 128, 1024, 4, 3),
-        c(8, 128, 128, 512, 4, 3),
-        c(8, 128, 128, 256, 4, 3),
-        c(8, 256, 128, 1024, 4, 3),
-        c(8, 256, 128, 512, 4, 3),
-        c(8, 256, 128, 256, 4, 3),
-        c(8, 256, 128, 512, 8, 3),
-        c(8, 128, 128, 512, 2, 3),
-        c(8, 512, 128, 512, 4, 3),
+        c(16, 128, 128, 1024, 4, 3),
+        c(16, 128, 128, 256, 4, 3),
+        c(16, 64, 128, 512, 2, 3),
+        c(16, 256, 128, 512, 8, 3),
+        c(16, 256, 128, 1024, 8, 3),
+        c(16, 64, 128, 256, 2, 3),
     ]
     return floats, int4s, int4_int8s
 

@@ -1,4 +1,4 @@
-"""The int4 matmul kernel's main loop for a Hopper GPU (sm_90), read without one (issue 32): each
+"""The int4 matmul kernels' main loops for a Hopper GPU (sm_90), read without one (issue 32): each
 variant is compiled by Triton for sm_90 with the ptxas it ships, disassembled with its nvdisasm, and its
 K loop's instructions counted by opcode, per weight per thread. On an H200 the int4 kernel took as long
 as bf16's for one row while reading a third of the bytes (1.13 TB/s on the widest layer against 3.6):
@@ -67,7 +67,7 @@ def loop_body(sass: str) -> list[str]:
 def variants():
     """(name, kernel, config, scale dtype, kernel switches): the default kernel and the packed-bfloat16
     candidate, with the layer's scales as stored (float16) or as bfloat16, at 64 and 128 columns; the
-    int8-input kernel (dp4a) for one row, at 64 and 128 columns."""
+    int8-input kernel (dp4a) for one row at 128 (its own), 64 and 256 columns, and for 16 rows."""
     from kvserve.kernels.gpu import matmul as mm
 
     base = mm.config_for(mm.INT4_CONFIG, N, K)
@@ -81,7 +81,9 @@ def variants():
         ("packed-bf16, 128 columns", mm._int4_kernel, wide, bf16, {"PACKED_BF16": True}),
         ("default, 128 columns", mm._int4_kernel, wide, half, {}),
         ("int8 inputs (dp4a), one row", mm._int4_int8_kernel, dp4a, half, {}),
-        ("int8 inputs (dp4a), one row, 128 columns", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_n=128), half, {}),
+        ("int8 inputs (dp4a), one row, 64 columns", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_n=64), half, {}),
+        ("int8 inputs (dp4a), one row, 256 columns", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_n=256), half, {}),
+        ("int8 inputs (dp4a), 16 rows", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_m=16), half, {}),
     ]
 
 
@@ -105,7 +107,7 @@ def main() -> None:
         return warmup
 
     JITFunction.__getitem__ = compile_only
-    x = torch.randn(1, K).to(torch.bfloat16)
+    x = torch.randn(16, K).to(torch.bfloat16)
     packed = mm.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8))
     for name, kernel, config, scale_dtype, switches in variants():
         scales = torch.rand(N, K // 32).to(scale_dtype)
@@ -130,11 +132,13 @@ def main() -> None:
                 "scales": str(scale_dtype).removeprefix("torch."),
                 "loop_instructions": len(body),
                 "per_weight": round(len(body) / weights_per_thread, 2),
+                # the tile's rows share each weight's unpacking (the MMA kernels' tiles are 16 rows)
+                "per_weight_and_row": round(len(body) / weights_per_thread / config.block_m, 3),
                 "shared_bytes": current["compiled"].metadata.shared,
                 "opcodes": dict(counts.most_common(14)),
             }
         )
-        print(f"{name:32} {len(body):4} instructions in the loop, {records[-1]['per_weight']:.2f} per weight")
+        print(f"{name:42} {len(body):4} instructions in the loop, {records[-1]['per_weight']:.2f} per weight")
     result = {"target": "sm_90", "triton": triton.__version__, "layer": {"N": N, "K": K}, "records": records}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -100,6 +100,20 @@ def split4(words):
 
 
 @triton.jit
+def _load4(pointer):
+    """The four int32 words at each 16-byte aligned `pointer` [M], by one 128-bit load per row (a
+    tl.load of [M, 4] would spread a row's words over threads, and every output's thread needs them)."""
+    return tl.inline_asm_elementwise(
+        asm="ld.global.v4.b32 {$0, $1, $2, $3}, [$4];",
+        constraints="=r,=r,=r,=r,l",
+        args=[pointer],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def group_dot(w, q, INTERPRET: tl.constexpr):
     """The exact integer sums over a group of 32 of code * q: w [N, 4] int32, a GGML Q4 group's 16 bytes
     per output (word t: the codes of inputs 4t..4t+3 in its low nibbles, 16+4t..16+4t+3 in its high
@@ -117,6 +131,8 @@ def group_dot(w, q, INTERPRET: tl.constexpr):
         return tl.sum(codes[:, None, :] * inputs[None, :, :], axis=2)
     else:
         w0, w1, w2, w3 = split4(w)
+        x0, x1, x2, x3 = _load4(q)
+        x4, x5, x6, x7 = _load4(q + 4)
         return tl.inline_asm_elementwise(
             asm="{ .reg .b32 l, h, sl, sh; "
             " and.b32 l, $1, 0x0F0F0F0F; dp4a.u32.s32 sl, l, $5, 0; and.b32 h, $1, 0xF0F0F0F0; dp4a.u32.s32 sh, h, $9, 0;"
@@ -127,8 +143,8 @@ def group_dot(w, q, INTERPRET: tl.constexpr):
             constraints="=r" + ",r" * 12,
             args=[
                 w0[:, None], w1[:, None], w2[:, None], w3[:, None],
-                tl.load(q)[None, :], tl.load(q + 1)[None, :], tl.load(q + 2)[None, :], tl.load(q + 3)[None, :],
-                tl.load(q + 4)[None, :], tl.load(q + 5)[None, :], tl.load(q + 6)[None, :], tl.load(q + 7)[None, :],
+                x0[None, :], x1[None, :], x2[None, :], x3[None, :],
+                x4[None, :], x5[None, :], x6[None, :], x7[None, :],
             ],
             dtype=tl.int32,
             is_pure=True,

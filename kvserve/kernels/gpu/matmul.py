@@ -48,9 +48,13 @@ INT4_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, 
 # int8 codes are twice the bytes of int4: the same tiles, each step reading 8 KiB of codes.
 INT8_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
 
-# int4 weights times int8 inputs (dp4a, no tensor cores): the int4 tiles; block_m is at most this, and
-# otherwise follows M (int4_int8_matmul), as each row's sums are exact and its float steps its own.
-INT4_INT8_CONFIG = TileConfig(block_m=8, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
+# int4 weights times int8 inputs (dp4a, no tensor cores; four groups a step, so block_k is 128): block_m
+# is at most this, and otherwise follows M (int4_int8_matmul), as each row's sums are exact and its float
+# steps its own. One output column per thread: the K loop for sm_90 (offline ptxas, bench/gpu_sass.py)
+# takes 1.05 instructions per weight for one row, 0.77 per weight and row for 16 (64 columns: 3.5, two
+# threads a column), where a weight read from memory at an H200's 4.8 TB/s leaves about 4 instructions
+# per weight; short K splits give a one-row decode enough programs to keep the loads in flight.
+INT4_INT8_CONFIG = TileConfig(block_m=16, block_n=128, block_k=128, k_per_split=512, num_warps=4, num_stages=3)
 
 # A layer of at most this many outputs (a 1B model's attention projections and down projection) has
 # too few column tiles to keep 132 multiprocessors reading for one row: its quantized K splits are half
@@ -341,6 +345,7 @@ def _int4_int8_kernel(
     instruction, no tensor cores), then total = fma(scale * d, sum, total); total = fma(s, min, total),
     group after group. Nothing here depends on the other rows of the tile, so BLOCK_M may follow M
     without changing a bit."""
+    tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
@@ -348,32 +353,43 @@ def _int4_int8_kernel(
     # rows and columns past the edges repeat the last one (and are not stored), so no load needs a mask
     rows64 = tl.minimum(rows, M - 1).to(tl.int64)
     cols64 = tl.minimum(cols, N - 1).to(tl.int64)
-    x_rows = x_ptr + rows64 * stride_xm  # [BM]
-    d_rows = d_ptr + rows64 * (K // 32)
-    s_rows = s_ptr + rows64 * (K // 32)
-    # word t (of 4) of a group holds the codes of inputs 4t..4t+3 in its low nibbles, +16 in its high ones
-    w_words = words_ptr + cols64[:, None] * stride_wn + tl.arange(0, 4)[None, :]  # [BN, 4]
+    # pointers at the split's first group, advanced a step (four groups) at a time; offsets in groups
+    # of a multiple of 4, so the compiler knows the loads below are aligned vectors
+    g_begin = tl.program_id(2) * (k_per_split // 128) * 4
     four = tl.arange(0, 4)[None, :]
+    # word t (of 4) of a group holds the codes of inputs 4t..4t+3 in its low nibbles, +16 in its high ones
+    w_step = words_ptr + cols64[:, None] * stride_wn + g_begin * 4 + four  # [BN, 4]
+    scales_step = scales_ptr + cols64[:, None] * stride_sn + g_begin + four  # [BN, 4]: four groups'
+    mins_step = mins_ptr + cols64[:, None] * stride_mn + g_begin + four
+    x_step = x_ptr + rows64 * stride_xm + g_begin * 8  # [BM]: eight words of int8 codes per group
+    d_step = d_ptr + rows64 * (K // 32) + g_begin
+    s_step = s_ptr + rows64 * (K // 32) + g_begin
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # outputs first, as group_dot gives them
-    for k0 in range(k_begin, k_end, 128):  # four groups a step
-        g0 = (k0 // 128) * 4  # (so known to be a multiple of 4: the loads below are vectors)
-        # the four groups' scales and mins, [BN] each
+    for k0 in range(k_begin, k_end, 128):
         if EVEN_K:
-            scales = split4(tl.load(scales_ptr + cols64[:, None] * stride_sn + g0 + four))
-            lows = split4(tl.load(mins_ptr + cols64[:, None] * stride_mn + g0 + four))
-        else:
-            g_ok = (g0 + four) < k_end // 32
-            scales = split4(tl.load(scales_ptr + cols64[:, None] * stride_sn + g0 + four, mask=g_ok, other=0.0))
-            lows = split4(tl.load(mins_ptr + cols64[:, None] * stride_mn + g0 + four, mask=g_ok, other=0.0))
+            scales = split4(tl.load(scales_step))  # [BN] each
+            lows = split4(tl.load(mins_step))
+        else:  # a split that ends within the step: past its end the scale and min are 0, so those
+            # groups add nothing, and their loads stay in the split
+            g_ok = k0 // 32 + four < k_end // 32
+            scales = split4(tl.load(scales_step, mask=g_ok, other=0.0))
+            lows = split4(tl.load(mins_step, mask=g_ok, other=0.0))
         for gi in tl.static_range(4):
-            g = g0 + gi
-            if not EVEN_K:  # a split that ends within the step: past its end the scale and min are 0
-                g = tl.minimum(g, k_end // 32 - 1)  # (so the group adds nothing) and the loads stay in it
-            isum = group_dot(tl.load(w_words + g * 4), x_rows + g * 8, INTERPRET)  # [BN, BM]
-            d = tl.load(d_rows + g)
-            s = tl.load(s_rows + g)
+            if EVEN_K:
+                g = gi
+            else:
+                g = tl.minimum(gi, (k_end - k0) // 32 - 1)
+            isum = group_dot(tl.load(w_step + g * 4), x_step + g * 8, INTERPRET)  # [BN, BM]
+            d = tl.load(d_step + g)
+            s = tl.load(s_step + g)
             acc = tl.fma(scales[gi].to(tl.float32)[:, None] * d[None, :], isum.to(tl.float32), acc)
             acc = tl.fma(s[None, :], lows[gi].to(tl.float32)[:, None], acc)
+        w_step += 16
+        scales_step += 4
+        mins_step += 4
+        x_step += 32
+        d_step += 4
+        s_step += 4
     acc = tl.trans(acc)
     _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
 
