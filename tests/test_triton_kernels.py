@@ -249,7 +249,8 @@ def test_int4_int8_matmul_is_the_cpus_int4_times_int8_bit_for_bit(extension):
 
     if not extension.int8_activations() or not int4_block_rows():
         pytest.skip("the CPU's int4 x int8 kernel does not run here")
-    m, k, n = 13, 512, 128  # K: one split of a narrow layer
+    m, n = 13, 128
+    k = matmul.config_for(matmul.INT4_INT8_CONFIG, n, 4096).k_per_split  # one split of this layer
     codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=41)
     layer = Int4Linear(Int4Groups(codes.cpu(), scales.float().cpu(), mins.float().cpu()), torch.float32, int8_activations=True)
     x = _randn(m, k, seed=42, dtype=torch.bfloat16) * 2
