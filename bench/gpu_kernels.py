@@ -7,8 +7,9 @@ bits (`same_bits` in the JSON); `int4-bf16x2`, the candidate that computes weigh
 FMAs from bfloat16 scales (`int4_matmul(packed_bf16=True)`: other bits by design, fewer instructions
 in the loop for sm_90), at each int4 config and two 128-column ones; `int4-int8`, int4 weights times
 int8 inputs by dp4a (`int4_int8_matmul`, `--activations int8`: the inputs' quantization included, its
-row tile following M), at its candidate configs; and the int8 kernel on the lm_head (a 4-bit GGUF's
-Q8_0 embedding). `--kinds` keeps some of them.
+row tile following M), at its candidate configs, and from 16 rows `int4-int8-mma`, its tensor-core
+kernel's tiles (the same bits); and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding).
+`--kinds` keeps some of them.
 Each timing is a CUDA graph of one call per layer, each layer its own weight (the weights stream from
 memory as in a decode step, not from L2), replayed; the result is microseconds per call and the weight
 bytes per second that gives.
@@ -72,12 +73,12 @@ def candidates():
     # instructions per weight; 64 columns 3.5, 256 1.09): how many programs keep the loads in flight
     int4_int8s = [
         None,
-        c(16, 128, 128, 1024, 4, 3),
-        c(16, 128, 128, 256, 4, 3),
-        c(16, 64, 128, 512, 2, 3),
-        c(16, 256, 128, 512, 8, 3),
-        c(16, 256, 128, 1024, 8, 3),
-        c(16, 64, 128, 256, 2, 3),
+        c(8, 128, 128, 1024, 4, 3),
+        c(8, 128, 128, 256, 4, 3),
+        c(8, 64, 128, 512, 2, 3),
+        c(8, 256, 128, 512, 8, 3),
+        c(8, 256, 128, 1024, 8, 3),
+        c(8, 64, 128, 256, 2, 3),
     ]
     return floats, int4s, int4_int8s
 
@@ -109,6 +110,17 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
     from kvserve.kernels.gpu import matmul as mm
 
     floats, int4s, int4_int8s = candidates()
+    # (block_m, block_n, warps) of the tensor-core int4 x int8 kernel: sm_90 loops of 0.35-0.50
+    # instructions per weight and row without spills (offline ptxas); 64 x 64 on 4 warps spilled
+    int4_int8_mma_tiles = [
+        (16, 128, 4),
+        (16, 64, 4),
+        (32, 128, 8),
+        (64, 128, 8),
+        (64, 64, 8),
+        (64, 32, 4),
+        (128, 64, 8),
+    ]
     # the packed-bfloat16 candidate's loop for sm_90 has the fewest instructions per weight with 128
     # columns (4.0 against 4.7 for 64, offline ptxas; the default kernel's: 7.0)
     int4_wide = [mm.TileConfig(16, 128, 128, 1024, 4, 3), mm.TileConfig(16, 128, 128, 512, 4, 4)]
@@ -134,8 +146,13 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         switches = {"PERMUTE": permute, "PACKED_BF16": packed_bf16}
         return lambda: [mm._launch(mm._int4_kernel, cfg, x, n, a, None, out_dtype, **switches) for a in layers]
 
-    def int4_int8_calls(x, cfg):
-        cfg = dataclasses.replace(cfg or mm.config_for(mm.INT4_INT8_CONFIG, n, k), block_m=mm._row_tile(x.shape[0]))
+    def int4_int8_calls(x, cfg, kernel=mm._int4_int8_kernel):
+        if cfg is None:  # kvserve's: int4_int8_matmul's choice of kernel and tiles
+            return lambda: [
+                mm.int4_int8_matmul(x, p, s, mn, out_dtype) for p, s, mn in zip(packed, scales, mins, strict=True)
+            ]
+        if kernel is mm._int4_int8_kernel:
+            cfg = dataclasses.replace(cfg, block_m=mm._row_tile(x.shape[0]))
         layers = [(p.view(torch.int32), s, mn) for p, s, mn in zip(packed, scales, mins, strict=True)]
 
         def calls():
@@ -143,7 +160,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             for words, s, mn in layers:
                 q, d, sums = mm.quantize_int8(x)
                 weight = (d, sums, words, s, mn, words.stride(0), s.stride(0), mn.stride(0))
-                outs.append(mm._launch(mm._int4_int8_kernel, cfg, q, n, weight, None, out_dtype, k=k))
+                outs.append(mm._launch(kernel, cfg, q, n, weight, None, out_dtype, k=k))
             return outs
 
         return calls
@@ -158,6 +175,12 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
         runs = [("cublas", "cublas", lambda x=x: [F.linear(x, w) for w in weights])]
         runs += [("int4-int8", cfg, int4_int8_calls(x, cfg)) for cfg in int4_int8s]
+        if m >= 16:  # the tensor-core kernel's tiles (kvserve runs it from INT4_INT8_MMA_ROWS rows)
+            mma = [
+                mm.TileConfig(b_m, b_n, 128, mm.config_for(mm.INT4_INT8_CONFIG, n, k).k_per_split, w, 3)
+                for b_m, b_n, w in int4_int8_mma_tiles
+            ]
+            runs += [("int4-int8-mma", cfg, int4_int8_calls(x, cfg, mm._int4_int8_mma_kernel)) for cfg in mma]
         runs += [("float", cfg, float_calls(x, cfg)) for cfg in floats]
         runs += [("int4", cfg, int4_calls(x, cfg)) for cfg in int4s]
         runs += [("int4-convert", None, int4_calls(x, None, permute=False))]

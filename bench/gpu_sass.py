@@ -59,7 +59,7 @@ def loop_body(sass: str) -> list[str]:
         target = re.search(r"\((\.L_x_\d+)\)", rest) if op == "BRA" else None
         if target and labels.get(target.group(1), i + 1) <= i:
             body = [o for o, _ in ops[labels[target.group(1)] : i + 1]]
-            if any("MMA" in o or "IDP" in o for o in body) and len(body) > len(best):
+            if any("MMA" in o or "IDP" in o for o in body) and len(body) > len(best):  # IGMMA too
                 best = body
     return best
 
@@ -67,7 +67,8 @@ def loop_body(sass: str) -> list[str]:
 def variants():
     """(name, kernel, config, scale dtype, kernel switches): the default kernel and the packed-bfloat16
     candidate, with the layer's scales as stored (float16) or as bfloat16, at 64 and 128 columns; the
-    int8-input kernel (dp4a) for one row at 128 (its own), 64 and 256 columns, and for 16 rows."""
+    int8-input kernel (dp4a) for one row at 128 (its own), 64 and 256 columns, and for 16 rows, and
+    its tensor-core kernel (int8 wgmma) in its tiles."""
     from kvserve.kernels.gpu import matmul as mm
 
     base = mm.config_for(mm.INT4_CONFIG, N, K)
@@ -81,9 +82,31 @@ def variants():
         ("packed-bf16, 128 columns", mm._int4_kernel, wide, bf16, {"PACKED_BF16": True}),
         ("default, 128 columns", mm._int4_kernel, wide, half, {}),
         ("int8 inputs (dp4a), one row", mm._int4_int8_kernel, dp4a, half, {}),
-        ("int8 inputs (dp4a), one row, 64 columns", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_n=64), half, {}),
-        ("int8 inputs (dp4a), one row, 256 columns", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_n=256), half, {}),
+        (
+            "int8 inputs (dp4a), one row, 64 columns",
+            mm._int4_int8_kernel,
+            dataclasses.replace(dp4a, block_n=64),
+            half,
+            {},
+        ),
+        (
+            "int8 inputs (dp4a), one row, 256 columns",
+            mm._int4_int8_kernel,
+            dataclasses.replace(dp4a, block_n=256),
+            half,
+            {},
+        ),
+        ("int8 inputs (dp4a), 8 rows", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_m=8), half, {}),
         ("int8 inputs (dp4a), 16 rows", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_m=16), half, {}),
+    ] + [
+        (
+            f"int8 inputs, tensor cores, {tile['block_m']} rows",
+            mm._int4_int8_mma_kernel,
+            dataclasses.replace(dp4a, **tile),
+            half,
+            {},
+        )
+        for _, tile in mm.INT4_INT8_MMA_TILES
     ]
 
 
@@ -101,17 +124,17 @@ def main() -> None:
     def compile_only(kernel, grid):
         def warmup(*a, **kw):
             compiled = kernel.run(*a, grid=grid, warmup=True, **kw)
-            if kernel in (mm._int4_kernel, mm._int4_int8_kernel):
+            if kernel in (mm._int4_kernel, mm._int4_int8_kernel, mm._int4_int8_mma_kernel):
                 current["compiled"], current["kw"] = compiled, kw
 
         return warmup
 
     JITFunction.__getitem__ = compile_only
-    x = torch.randn(16, K).to(torch.bfloat16)
+    x = torch.randn(64, K).to(torch.bfloat16)
     packed = mm.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8))
     for name, kernel, config, scale_dtype, switches in variants():
         scales = torch.rand(N, K // 32).to(scale_dtype)
-        if kernel is mm._int4_int8_kernel:  # x as quantize_int8 gives it (that kernel compiles, not counted)
+        if kernel is not mm._int4_kernel:  # x as quantize_int8 gives it (that kernel compiles, not counted)
             words, d, s = mm.quantize_int8(x)
             codes = packed.view(torch.int32)
             weight = (d, s, codes, scales, scales, codes.stride(0), scales.stride(0), scales.stride(0))

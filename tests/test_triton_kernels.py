@@ -252,7 +252,9 @@ def test_int4_int8_matmul_is_the_cpus_int4_times_int8_bit_for_bit(extension):
     m, n = 13, 128
     k = matmul.config_for(matmul.INT4_INT8_CONFIG, n, 4096).k_per_split  # one split of this layer
     codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=41)
-    layer = Int4Linear(Int4Groups(codes.cpu(), scales.float().cpu(), mins.float().cpu()), torch.float32, int8_activations=True)
+    layer = Int4Linear(
+        Int4Groups(codes.cpu(), scales.float().cpu(), mins.float().cpu()), torch.float32, int8_activations=True
+    )
     x = _randn(m, k, seed=42, dtype=torch.bfloat16) * 2
     expected = layer(x.float().cpu())
     packed = matmul.pack_int4(codes)
@@ -280,6 +282,25 @@ def test_int4_int8_matmul_with_k_splits_rows_alone_and_any_row_tile(monkeypatch)
     for block_m in (1, 2, 16):
         monkeypatch.setattr(matmul, "INT4_INT8_CONFIG", dataclasses.replace(matmul.INT4_INT8_CONFIG, block_m=block_m))
         assert torch.equal(run(x), out), block_m
+
+
+def test_int4_int8_matmul_on_the_tensor_cores_gives_the_bits_of_dp4a():
+    """From INT4_INT8_MMA_ROWS rows the groups' sums run as int8 dots (`_int4_int8_mma_kernel`, in each of
+    its row tiles): the same integer sums and float steps, so every row the bits it has alone or in a
+    few rows through dp4a, with K splits (the last not a whole step), a bias and a bfloat16 output."""
+    m, k, n = 41, 1024 + 160, 80  # 41, 20 and 12 rows: each of INT4_INT8_MMA_TILES
+    codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=46)
+    x = _randn(m, k, seed=47, dtype=torch.bfloat16)
+    bias = _randn(n, seed=48)
+    packed = matmul.pack_int4(codes)
+    run = lambda rows: matmul.int4_int8_matmul(rows, packed, scales, mins, None, bias)  # noqa: E731
+    out = run(x)
+    assert out.dtype == torch.bfloat16
+    few = matmul.INT4_INT8_MMA_ROWS - 1
+    assert torch.equal(torch.cat([run(x[i : i + few]) for i in range(0, m, few)]), out)
+    assert torch.equal(torch.cat([run(x[:20]), run(x[20:32]), run(x[32:])]), out)
+    for row in (0, m // 2, m - 1):
+        assert torch.equal(run(x[row : row + 1])[0], out[row]), row
 
 
 def _int8_weight(n: int, k: int, seed: int):
@@ -609,7 +630,9 @@ def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kin
     out = run(x)
     if kind == "int4-int8":  # against the inputs as the kernel rounds them, and the weight in float64
         q, d, _ = _quantized_inputs(x[:8])
-        _check_matmul(out[:8], (q.double().reshape(8, -1, 32) * d[..., None]).reshape(8, k).to(DEVICE), w.double(), None)
+        _check_matmul(
+            out[:8], (q.double().reshape(8, -1, 32) * d[..., None]).reshape(8, k).to(DEVICE), w.double(), None
+        )
     else:
         _check_matmul(out[:8], x[:8], w.to(x.dtype), None)
     for rows in ([0], [1], [15], [16], [63], [64], [299], list(range(5, 42)), list(range(64, 128))):
@@ -718,7 +741,13 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         call = call.rpartition("-")[0]  # without the batch size
         kernels.setdefault((call, kernel), set()).add(binary)
         assert tf32 == 0, (call, kernel)
-        uses_dot = kernel in ("_float_kernel", "_int4_kernel", "_int8_kernel", "_attention_kernel")
+        uses_dot = kernel in (
+            "_float_kernel",
+            "_int4_kernel",
+            "_int8_kernel",
+            "_attention_kernel",
+            "_int4_int8_mma_kernel",
+        )
         assert (mma > 0) == (uses_dot and call != "matmul-fp32"), (call, kernel, mma)
     assert set(kernels) == {
         ("rms_norm", "_rms_norm_kernel"),
@@ -736,14 +765,14 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int8", "_sum_splits_kernel"),
         ("int4-int8", "_quantize_int8_kernel"),
         ("int4-int8", "_int4_int8_kernel"),
+        ("int4-int8", "_int4_int8_mma_kernel"),
         ("int4-int8", "_sum_splits_kernel"),
         ("store_kv", "_store_kv_kernel"),
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),
         ("attention-splits", "_combine_kernel"),
     }
-    # one binary per call whatever the batch's size: nothing compiled differently for one row; but the
-    # int4 x int8 kernel, whose row tile follows M (its rows' sums are exact and their float steps their
-    # own: test_int4_int8_matmul_with_k_splits_rows_alone_and_any_row_tile)
-    assert len(kernels.pop(("int4-int8", "_int4_int8_kernel"))) == 2
+    # one binary per call whatever the batch's size: nothing compiled differently for one row (int4 x
+    # int8 runs dp4a for one row and the tensor cores for 37, with the same bits: its rows' sums are
+    # exact and their float steps their own, test_int4_int8_matmul_on_the_tensor_cores_gives_the_bits_of_dp4a)
     assert all(len(binaries) == 1 for binaries in kernels.values()), kernels

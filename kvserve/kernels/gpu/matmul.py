@@ -51,10 +51,22 @@ INT8_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, 
 # int4 weights times int8 inputs (dp4a, no tensor cores; four groups a step, so block_k is 128): block_m
 # is at most this, and otherwise follows M (int4_int8_matmul), as each row's sums are exact and its float
 # steps its own. One output column per thread: the K loop for sm_90 (offline ptxas, bench/gpu_sass.py)
-# takes 1.05 instructions per weight for one row, 0.77 per weight and row for 16 (64 columns: 3.5, two
-# threads a column), where a weight read from memory at an H200's 4.8 TB/s leaves about 4 instructions
-# per weight; short K splits give a one-row decode enough programs to keep the loads in flight.
-INT4_INT8_CONFIG = TileConfig(block_m=16, block_n=128, block_k=128, k_per_split=512, num_warps=4, num_stages=3)
+# takes 1.05 instructions per weight for one row (64 columns: 3.5, two threads a column), where a
+# weight read from memory at an H200's 4.8 TB/s leaves about 4 instructions per weight; short K splits
+# give a one-row decode enough programs to keep the loads in flight.
+INT4_INT8_CONFIG = TileConfig(block_m=8, block_n=128, block_k=128, k_per_split=512, num_warps=4, num_stages=3)
+# From this many rows the groups' integer sums run on the tensor cores, in tiles that follow M (the K
+# splits stay the layer's). Per weight (and per weight and row), the sm_90 loops by offline ptxas:
+# dp4a 1.05 for one row, 0.87 per row for 8, 0.77 for 16; int8 dots in tiles of 16 x 128 on 4 warps
+# 7.98 for 16 rows (mma.sync), 32 x 128 on 8 warps 12.67 for 32, 64 x 128 on 8 warps (wgmma) 0.345 per
+# row; 64 x 64 on 4 warps spilled. At least 4 of a group's float steps per row and output (a
+# conversion, the scale's product, two FMAs) are every kernel's: 0.125 per weight and row.
+INT4_INT8_MMA_ROWS = 9
+INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
+    (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
+    (32, {"block_m": 32, "block_n": 128, "num_warps": 8}),
+    (None, {"block_m": 64, "block_n": 128, "num_warps": 8}),
+)
 
 # A layer of at most this many outputs (a 1B model's attention projections and down projection) has
 # too few column tiles to keep 132 multiprocessors reading for one row: its quantized K splits are half
@@ -375,10 +387,7 @@ def _int4_int8_kernel(
             scales = split4(tl.load(scales_step, mask=g_ok, other=0.0))
             lows = split4(tl.load(mins_step, mask=g_ok, other=0.0))
         for gi in tl.static_range(4):
-            if EVEN_K:
-                g = gi
-            else:
-                g = tl.minimum(gi, (k_end - k0) // 32 - 1)
+            g = gi if EVEN_K else tl.minimum(gi, (k_end - k0) // 32 - 1)
             isum = group_dot(tl.load(w_step + g * 4), x_step + g * 8, INTERPRET)  # [BN, BM]
             d = tl.load(d_step + g)
             s = tl.load(s_step + g)
@@ -391,6 +400,91 @@ def _int4_int8_kernel(
         d_step += 4
         s_step += 4
     acc = tl.trans(acc)
+    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_int8_mma_kernel(
+    x_ptr,
+    out_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_os,
+    k_per_split,
+    d_ptr,
+    s_ptr,
+    words_ptr,
+    scales_ptr,
+    mins_ptr,
+    stride_wn,
+    stride_sn,
+    stride_mn,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`_int4_int8_kernel`'s arithmetic for many rows, each group's integer sums on the tensor cores
+    (an int8 dot of K = 32, exact in int32 whatever its order) and the same float steps per row and
+    output in the same order, so the same bits: a row's result does not depend on which of the two
+    kernels its batch took. The group's inputs and codes enter the dot interleaved (input j beside
+    input j + 16, as a byte holds their codes), the same order on both sides."""
+    tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    rows64 = tl.minimum(rows, M - 1).to(tl.int64)  # past the edges: the last row and column again
+    cols64 = tl.minimum(cols, N - 1).to(tl.int64)
+    g_begin = tl.program_id(2) * (k_per_split // 128) * 4
+    half = tl.arange(0, 16)
+    x_bytes = x_ptr.to(tl.pointer_type(tl.int8))  # the int8 codes, M x K
+    x_step = x_bytes + rows64[:, None] * (stride_xm * 4) + g_begin * 32 + half[None, :]  # [BM, 16]
+    w_bytes = words_ptr.to(tl.pointer_type(tl.uint8))  # byte j of a group: inputs j and j + 16
+    w_step = w_bytes + cols64[None, :] * (stride_wn * 4) + g_begin * 16 + half[:, None]  # [16, BN]
+    d_step = d_ptr + rows64 * (K // 32) + g_begin
+    s_step = s_ptr + rows64 * (K // 32) + g_begin
+    scales_step = scales_ptr + cols64 * stride_sn + g_begin
+    mins_step = mins_ptr + cols64 * stride_mn + g_begin
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(k_begin, k_end, 128):
+        for gi in tl.static_range(4):
+            if EVEN_K:
+                g = gi
+                g_ok = True
+            else:  # past the split's end: the last group's loads, with scale and min 0 (adds nothing)
+                g = tl.minimum(gi, (k_end - k0) // 32 - 1)
+                g_ok = k0 + gi * 32 < k_end
+            low = tl.load(x_step + g * 32)  # [BM, 16]: inputs 0..15 of the group
+            high = tl.load(x_step + (g * 32 + 16))
+            inputs = tl.reshape(tl.join(low, high), (BLOCK_M, 32))  # input j, then j + 16, ...
+            packed = tl.load(w_step + g * 16)  # [16, BN]
+            codes = tl.join((packed & 15).to(tl.int8), (packed >> 4).to(tl.int8))  # [16, BN, 2]
+            codes = tl.reshape(tl.permute(codes, (0, 2, 1)), (32, BLOCK_N))  # the same order along K
+            isum = tl.dot(inputs, codes, out_dtype=tl.int32)  # [BM, BN]
+            d = tl.load(d_step + g)
+            s = tl.load(s_step + g)
+            if EVEN_K:
+                scale = tl.load(scales_step + g).to(tl.float32)
+                low_value = tl.load(mins_step + g).to(tl.float32)
+            else:
+                scale = tl.where(g_ok, tl.load(scales_step + g).to(tl.float32), 0.0)
+                low_value = tl.where(g_ok, tl.load(mins_step + g).to(tl.float32), 0.0)
+            acc = tl.fma(scale[None, :] * d[:, None], isum.to(tl.float32), acc)
+            acc = tl.fma(s[:, None], low_value[None, :], acc)
+        x_step += 128
+        w_step += 64
+        d_step += 4
+        s_step += 4
+        scales_step += 4
+        mins_step += 4
     _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
 
 
@@ -578,21 +672,28 @@ def int4_int8_matmul(
 ) -> torch.Tensor:
     """`int4_matmul` with x quantized to int8 per row and group of 32 (llama.cpp's Q8_1 inputs,
     kvserve's `--activations int8` on the CPU; `quantized`: `quantize_int8(x)` if already made): per
-    group an exact integer sum over code * q, then two float32 FMAs per output (`_int4_int8_kernel`).
-    Without a K split (K at most the layer's `k_per_split`) the result is int4_int8.cpp's on the CPU,
-    bit for bit.
+    group an exact integer sum over code * q, then two float32 FMAs per output. Without a K split (K at
+    most the layer's `k_per_split`) the result is int4_int8.cpp's on the CPU, bit for bit.
 
-    The row tile follows M (every row's arithmetic is its own), so one row runs a one-row tile."""
+    Every row's arithmetic is its own and its sums exact, so the kernel may follow M without changing a
+    bit: below INT4_INT8_MMA_ROWS rows dp4a (`_int4_int8_kernel`, its row tile M rounded up), from
+    there the tensor cores (`_int4_int8_mma_kernel`, in INT4_INT8_MMA_TILES); all with the layer's K
+    splits."""
     n = packed.shape[0]
     k = x.shape[1]
     assert packed.shape == (n, k // 2) and k % GROUP_SIZE == 0, (x.shape, packed.shape)
     assert scales.shape == mins.shape == (n, k // GROUP_SIZE), (scales.shape, mins.shape)
     packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
     words = packed.view(torch.int32)  # [N, K / 8]: four per group of 32
-    config = dataclasses.replace(config_for(INT4_INT8_CONFIG, n, k), block_m=_row_tile(x.shape[0]))
+    config = config_for(INT4_INT8_CONFIG, n, k)  # its K splits, whichever kernel runs: the same sums
+    if x.shape[0] >= INT4_INT8_MMA_ROWS:
+        tile = next(t for rows, t in INT4_INT8_MMA_TILES if rows is None or x.shape[0] <= rows)
+        kernel, config = _int4_int8_mma_kernel, dataclasses.replace(config, **tile)
+    else:
+        kernel, config = _int4_int8_kernel, dataclasses.replace(config, block_m=_row_tile(x.shape[0]))
     quantized = quantize_int8(x) if quantized is None else quantized
     args = (*quantized[1:], words, scales, mins, words.stride(0), scales.stride(0), mins.stride(0))
-    return _launch(_int4_int8_kernel, config, quantized[0], n, args, bias, out_dtype or x.dtype, k=k)
+    return _launch(kernel, config, quantized[0], n, args, bias, out_dtype or x.dtype, k=k)
 
 
 def _row_tile(m: int) -> int:
