@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.cuda_graphs import buckets_for
+from kvserve.kernels.gpu import matmul
 from kvserve.layers.gpu import GpuInt4Linear, GpuLinear, GpuRMSNorm
 from tests.conftest import wait_idle_and_check
 from tests.test_engine_bundled import assert_first_divergence_agrees
@@ -159,6 +160,19 @@ def test_four_bit_weights_with_int8_inputs_batched_like_solo_and_like_the_cpu(ti
         solo = [q4.generate(p, params) for p in PROMPTS]
         batched = q4.generate(PROMPTS, params)
         assert [r.token_ids for r in batched] == [r.token_ids for r in solo]
+        # the norms hand qkv_proj and gate_up_proj their inputs' int8 form: the same bits as each layer's
+        # own quantizing, which then runs for o_proj alone (down_proj's 112 inputs keep it a float layer)
+        norms = [m for m in q4.model.modules() if isinstance(m, GpuRMSNorm) and m.int8_output]
+        assert len(norms) == 2 * len(q4.model.layers)
+        calls = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(matmul, "quantize_int8", lambda x, own=matmul.quantize_int8: calls.append(x) or own(x))
+            handed = q4.generate(PROMPTS[1], params)
+            assert len(calls) == len(q4.model.layers) * len(handed.token_ids)  # a forward per token
+            for norm in norms:
+                patch.setattr(norm, "int8_output", False)
+            own = q4.generate(PROMPTS[1], params)
+        assert handed.token_ids == own.token_ids == solo[1].token_ids and handed.logprobs == own.logprobs
         wait_idle_and_check(q4)
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("KVSERVE_KERNELS")

@@ -241,6 +241,29 @@ def test_quantize_int8_is_the_cpus_quantization(dtype):
     assert (q.reshape(m, -1, 32).abs().amax(-1)[d_expected != 0] == 127).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norms_and_the_gated_activation_make_quantize_int8s_bits_of_their_output(dtype):
+    """rms_norm, add_rms_norm and gated_activation asked for their output's int8 form give
+    quantize_int8(output), bit for bit, and the same output as without it (rows of two norm steps, the
+    second partial; an activation of two column programs, the second partial)."""
+    x, delta, weight = (
+        _randn(5, 1088, seed=49, dtype=dtype),
+        _randn(5, 1088, seed=50, dtype=dtype),
+        _randn(1088, seed=51, dtype=dtype),
+    )
+    gate_up = _randn(7, 2 * 608, seed=52, dtype=dtype) * 3
+    runs = [
+        (lambda q: norm.rms_norm(x, weight, 1e-6, q), norm.rms_norm(x, weight, 1e-6)),
+        (lambda q: norm.add_rms_norm(x, delta, weight, 1e-6, q)[1], norm.add_rms_norm(x, delta, weight, 1e-6)[1]),
+        (lambda q: elementwise.gated_activation(gate_up, False, q), elementwise.gated_activation(gate_up, False)),
+    ]
+    for run, plain in runs:
+        quantized = []
+        out = run(quantized)
+        assert torch.equal(out, plain) and len(quantized) == 1
+        assert all(torch.equal(a, b) for a, b in zip(quantized[0], matmul.quantize_int8(out), strict=True))
+
+
 def test_int4_int8_matmul_is_the_cpus_int4_times_int8_bit_for_bit(extension):
     """Without a K split, int4_int8_matmul is int4_int8.cpp's arithmetic (Int4Linear with int8 inputs):
     the same integer sums and float steps in the same order, so the same float32 bits, at every row
@@ -693,6 +716,8 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"rms_norm-{m}"; norm.rms_norm(x, torch.ones(2048, dtype=bf16), 1e-6)
     call = f"add_rms_norm-{m}"; norm.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6)
     call = f"gated-{m}"; elementwise.gated_activation(x, False)
+    call = f"gated-int8-{m}"; elementwise.gated_activation(x, False, [])
+    call = f"add_rms_norm-int8-{m}"; norm.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, [])
     qk = x.view(m, 16, 128)[:, :10]  # q and k heads of a fused projection's output
     call = f"rotate-{m}"; elementwise.rotate(qk, x[:, None, :128], x[:, None, :128])
     call = f"matmul-bf16-{m}"; matmul.matmul(x, torch.randn(256, 2048).to(bf16), torch.randn(256).to(bf16))
@@ -753,6 +778,8 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("rms_norm", "_rms_norm_kernel"),
         ("add_rms_norm", "_rms_norm_kernel"),
         ("gated", "_gated_kernel"),
+        ("gated-int8", "_gated_kernel"),
+        ("add_rms_norm-int8", "_rms_norm_kernel"),
         ("rotate", "_rotate_kernel"),
         ("matmul-bf16", "_float_kernel"),
         ("matmul-fp32", "_float_kernel"),

@@ -27,6 +27,11 @@ from torch import nn
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import GROUP_SIZE, Int4Groups
 
+# The attribute by which a GPU norm or gated activation hands its output's int8 form (matmul.quantize_int8's
+# words, d and s, made in the same kernel) to the int4 layer that takes it (`hand_int8_inputs`): one
+# launch fewer per such layer and step.
+INT8_FORM = "kvserve_int8_form"
+
 
 def uses_triton(device: torch.device | str) -> bool:
     """Whether a model on `device` runs the GPU path: on CUDA, or anywhere with KVSERVE_KERNELS=triton."""
@@ -113,7 +118,8 @@ class GpuInt4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         out_dtype = self.out_dtype or x.dtype
         if self.int8_activations:
-            out = int4_int8_matmul(x2, self.packed, self.scales, self.mins, out_dtype, self.bias)
+            quantized = getattr(x, INT8_FORM, None)  # made by the kernel that made x, if any
+            out = int4_int8_matmul(x2, self.packed, self.scales, self.mins, out_dtype, self.bias, quantized)
         else:
             out = int4_matmul(x2, self.packed, self.scales, self.mins, out_dtype, self.bias, self.packed_bf16)
         return out.view(*x.shape[:-1], self.out_features)
@@ -158,16 +164,20 @@ class GpuInt8GroupLinear(nn.Module):
 
 class GpuRMSNorm(RMSNorm):
     """RMSNorm through the Triton kernel (one program per row, its sum in one order) while batch
-    invariant; PyTorch's reduction otherwise, whose split of a row may follow the number of rows."""
+    invariant; PyTorch's reduction otherwise, whose split of a row may follow the number of rows.
+    With `int8_output` (`hand_int8_inputs`) the kernel also makes its output's int8 form."""
 
     batch_invariant = True
+    int8_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
             return super().forward(x)
         from kvserve.kernels.gpu.norm import rms_norm
 
-        return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        quantized = [] if self.int8_output else None
+        out = rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, quantized).view(x.shape)
+        return _with_int8_form(out, quantized)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.batch_invariant:
@@ -175,8 +185,45 @@ class GpuRMSNorm(RMSNorm):
         from kvserve.kernels.gpu.norm import add_rms_norm
 
         hidden = x.shape[-1]
-        total, out = add_rms_norm(x.reshape(-1, hidden), delta.reshape(-1, hidden), self.weight, self.eps)
-        return total.view(x.shape), out.view(x.shape)
+        quantized = [] if self.int8_output else None
+        total, out = add_rms_norm(x.reshape(-1, hidden), delta.reshape(-1, hidden), self.weight, self.eps, quantized)
+        return total.view(x.shape), _with_int8_form(out.view(x.shape), quantized)
+
+
+def _with_int8_form(out: torch.Tensor, quantized: list | None) -> torch.Tensor:
+    if quantized:
+        setattr(out, INT8_FORM, quantized[0])
+    return out
+
+
+def gated_activation_int8(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """kernels/gpu/elementwise.gated_activation, its output handed on with its int8 form."""
+    from kvserve.kernels.gpu import elementwise
+
+    quantized: list = []
+    return _with_int8_form(elementwise.gated_activation(gate_up, gelu, quantized), quantized)
+
+
+def hand_int8_inputs(model: nn.Module) -> None:
+    """Where an int4 layer takes int8 inputs, have the kernel that makes its input make their int8 form
+    too (the same bits as the layer's own quantizing, one launch fewer): each decoder layer's attention
+    norm for qkv_proj, its MLP norm for gate_up_proj, its gated activation for down_proj. o_proj's
+    input, the attention's output, the layer quantizes itself. Undone where the layer takes floats."""
+    from kvserve.kernels.gpu import elementwise
+    from kvserve.models.decoder import DecoderLayer
+
+    def takes_int8(layer: nn.Module) -> bool:
+        return isinstance(layer, GpuInt4Linear) and layer.int8_activations
+
+    for layer in model.modules():
+        if not isinstance(layer, DecoderLayer):
+            continue
+        for norm, consumer in ((layer.attn_norm, layer.self_attn.qkv_proj), (layer.ffn_norm, layer.mlp.gate_up_proj)):
+            if isinstance(norm, GpuRMSNorm):
+                norm.int8_output = takes_int8(consumer)
+        mlp = layer.mlp
+        if mlp.gated_activation in (elementwise.gated_activation, gated_activation_int8):  # the GPU's
+            mlp.gated_activation = gated_activation_int8 if takes_int8(mlp.down_proj) else elementwise.gated_activation
 
 
 def use_triton_forms(model: nn.Module) -> None:

@@ -171,3 +171,19 @@ def round_to_int(x, INTERPRET: tl.constexpr):
         return tl.inline_asm_elementwise(
             asm="cvt.rni.s32.f32 $0, $1;", constraints="=r,r", args=[x], dtype=tl.int32, is_pure=True, pack=1
         )
+
+
+@triton.jit
+def quantize_groups(x, INTERPRET: tl.constexpr):
+    """Groups of 32 inputs x [G, 32] (float32) quantized as the CPU's quantize_group: d = max|x| / 127,
+    q = x * (1 / d) rounded to nearest even and saturated to int8, s = d * (the sum of the unsaturated
+    integers) -> (q as eight int32 words per group [G, 8], byte j of word t input 4t + j; d [G]; s [G]).
+    Every kernel that quantizes inputs for the int4 x int8 matmuls calls this: the same bits."""
+    d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
+    inv = tl.where(d != 0.0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d != 0.0, d, 1.0)), 0.0)
+    q = round_to_int(x * inv[:, None], INTERPRET)
+    s = d * tl.sum(q, axis=1).to(tl.float32)
+    q = tl.minimum(tl.maximum(q, -128), 127) & 255
+    shifts = (tl.arange(0, 4) * 8)[None, None, :]
+    words = tl.sum(tl.reshape(q, (x.shape[0], 8, 4)) << shifts, axis=2)  # disjoint bytes: the sum is an OR
+    return words, d, s

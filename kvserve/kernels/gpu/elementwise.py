@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import cast
+from kvserve.kernels.gpu.common import cast, quantize_groups
 
 ACT_ROWS, ACT_BLOCK = 4, 512  # rows x outputs of the gated activation per program
 ROTATE_ROWS = 32  # (token, head) rows that one program of RoPE rotates
@@ -29,7 +29,11 @@ def _gated_kernel(
     intermediate,
     stride_in,
     stride_out,
+    words_ptr,
+    d_ptr,
+    s_ptr,
     GELU: tl.constexpr,
+    QUANTIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -45,18 +49,36 @@ def _gated_kernel(
     else:  # x / (1 + exp(-x))
         act = gate / (1.0 + tl.exp(-gate))
     act = cast(act, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # PyTorch stores the activation first
-    tl.store(out_ptr + rows * stride_out + cols, cast(act * up, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    out = cast(act * up, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + rows * stride_out + cols, out, mask=mask)
+    if QUANTIZE:  # the output as stored, per group of 32 (intermediate a multiple of 32): the down projection's
+        words, d, s = quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK_ROWS * (BLOCK // 32), 32)), INTERPRET)
+        groups = (tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32))[None, :]  # [1, BLOCK / 32]
+        g_mask = (rows < num_rows) & (groups < intermediate // 32)  # [BLOCK_ROWS, BLOCK / 32]
+        per_row = intermediate // 32
+        words = tl.reshape(words, (BLOCK_ROWS, BLOCK // 32, 8))
+        word_index = (rows * per_row + groups)[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        tl.store(words_ptr + word_index, words, mask=g_mask[:, :, None])
+        tl.store(d_ptr + rows * per_row + groups, tl.reshape(d, (BLOCK_ROWS, BLOCK // 32)), mask=g_mask)
+        tl.store(s_ptr + rows * per_row + groups, tl.reshape(s, (BLOCK_ROWS, BLOCK // 32)), mask=g_mask)
 
 
-def gated_activation(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+def gated_activation(gate_up: torch.Tensor, gelu: bool, quantized: list | None = None) -> torch.Tensor:
     """act(gate) * up for gate_up [M, 2I] = [gate | up] -> [M, I] in gate_up's dtype, act SiLU or (gelu)
     tanh-GELU, the activation rounded to that dtype before the product, as
-    `F.silu(gate) * up` stores it."""
+    `F.silu(gate) * up` stores it. With `quantized` (I a multiple of 32), the result's
+    `matmul.quantize_int8` is appended to it, made by the same kernel."""
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
     rows, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, intermediate, dtype=gate_up.dtype, device=gate_up.device)
+    if quantized is not None:
+        assert intermediate % 32 == 0, intermediate
+        d = torch.empty(rows, intermediate // 32, dtype=torch.float32, device=gate_up.device)
+        words = torch.empty(rows, intermediate // 4, dtype=torch.int32, device=gate_up.device)
+        quantized.append((words, d, torch.empty_like(d)))
+    words, d, s = quantized[-1] if quantized is not None else (out, out, out)  # (not written without QUANTIZE)
     if rows > 0:
         grid = (triton.cdiv(rows, ACT_ROWS), triton.cdiv(intermediate, ACT_BLOCK))
         _gated_kernel[grid](
@@ -66,7 +88,11 @@ def gated_activation(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
             intermediate,
             gate_up.stride(0),
             out.stride(0),
+            words,
+            d,
+            s,
             GELU=gelu,
+            QUANTIZE=quantized is not None,
             BLOCK_ROWS=ACT_ROWS,
             BLOCK=ACT_BLOCK,
             INTERPRET=INTERPRET,

@@ -17,7 +17,15 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import cast, dot, group_dot, nibble_fma_bf16, nibble_to_float, round_to_int, split4
+from kvserve.kernels.gpu.common import (
+    cast,
+    dot,
+    group_dot,
+    nibble_fma_bf16,
+    nibble_to_float,
+    quantize_groups,
+    split4,
+)
 
 GROUP_SIZE = 32  # inputs per scale (and min) of the quantized weights
 
@@ -285,21 +293,14 @@ def _quantize_int8_kernel(
     GROUPS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Per row and group of 32 inputs, as the CPU's quantize_group: d = max|x| / 127, q = x * (1 / d)
-    rounded to nearest even and saturated to int8, s = d * (the sum of the unsaturated integers); q as
-    eight int32 words per group (byte j of word t: input 4t + j), d and s as float32."""
+    """Per row and group of 32 inputs, `common.quantize_groups`: q as eight int32 words per group, d and
+    s as float32."""
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     inputs = groups[:, None] * 32 + tl.arange(0, 32)[None, :]  # [G, 32]
     g_ok = groups < K // 32
     x = tl.load(x_ptr + row * stride_xm + inputs, mask=g_ok[:, None], other=0.0).to(tl.float32)
-    d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
-    inv = tl.where(d != 0.0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d != 0.0, d, 1.0)), 0.0)
-    q = round_to_int(x * inv[:, None], INTERPRET)
-    s = d * tl.sum(q, axis=1).to(tl.float32)
-    q = tl.minimum(tl.maximum(q, -128), 127) & 255
-    shifts = (tl.arange(0, 4) * 8)[None, None, :]
-    words = tl.sum(tl.reshape(q, (GROUPS, 8, 4)) << shifts, axis=2)  # disjoint bytes: the sum is an OR
+    words, d, s = quantize_groups(x, INTERPRET)
     word_index = groups[:, None] * 8 + tl.arange(0, 8)[None, :]
     tl.store(words_ptr + row * (K // 4) + word_index, words, mask=g_ok[:, None])
     tl.store(d_ptr + row * (K // 32) + groups, d, mask=g_ok)
