@@ -288,8 +288,10 @@ def test_weight_choices_and_their_errors():
     with pytest.raises(InvalidRequestError, match="activations must be one of") as info:
         resolve_activations("int4", cpu, "auto")
     assert info.value.param == "activations"
-    with pytest.raises(InvalidRequestError, match="on cuda use activations=float"):
-        resolve_activations("int8", cuda, "float")
+    assert resolve_activations("int8", cuda, "auto") == "int8"  # the GPU's int4 layers by dp4a
+    with pytest.raises(InvalidRequestError, match="on mps use activations=float") as info:
+        resolve_activations("int8", mps, "float")
+    assert info.value.param == "activations"
 
 
 @pytest.mark.parametrize("avx2", [True, False])
@@ -300,7 +302,10 @@ def test_auto_activations_are_int8_for_quantized_weights_on_an_avx2_cpu(monkeypa
     assert resolve_activations("auto", cpu, "q4") == ("int8" if avx2 else "float")
     assert resolve_activations("auto", cpu, "float") == "float"  # nothing would quantize its inputs
     assert resolve_activations("auto", cuda, "float") == "float"
+    assert resolve_activations("auto", cuda, "auto") == "float"  # int8 on a GPU only when asked for, as yet
     assert resolve_activations("float", cpu, "auto") == "float"  # asked for: kept
+    monkeypatch.setenv("KVSERVE_KERNELS", "triton")  # the GPU's kernels on this CPU: the GPU's choice
+    assert resolve_activations("auto", cpu, "auto") == "float"
 
 
 def test_llm_reports_int8_activations_only_where_a_layer_takes_them(tiny_model_dir, monkeypatch):

@@ -28,7 +28,7 @@ from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import GROUP_SIZE, Int4Groups
 
 # The attribute by which a GPU norm or gated activation hands its output's int8 form (matmul.quantize_int8's
-# words, d and s, made in the same kernel) to the int4 layer that takes it (`hand_int8_inputs`): one
+# words, d and s, made in the same kernel) to the int4 layer that takes it (`set_int8_inputs`): one
 # launch fewer per such layer and step.
 INT8_FORM = "kvserve_int8_form"
 
@@ -82,7 +82,7 @@ class GpuInt4Linear(nn.Module):
     two per byte on the device (kernels/gpu/matmul.pack_int4) and dequantized in registers; given in
     `out_dtype` (float32 for the lm_head's logits), else in x's dtype. One kernel for every row count.
 
-    With `int8_activations` (`--activations int8`, set by quantized.set_activations) x is quantized to
+    With `int8_activations` (`--activations int8`, set by set_int8_inputs) x is quantized to
     int8 per group of 32 and each group's products are summed in integers (`int4_int8_matmul`): the
     CPU's int4 x int8 arithmetic, with no float weight ever made."""
 
@@ -165,7 +165,7 @@ class GpuInt8GroupLinear(nn.Module):
 class GpuRMSNorm(RMSNorm):
     """RMSNorm through the Triton kernel (one program per row, its sum in one order) while batch
     invariant; PyTorch's reduction otherwise, whose split of a row may follow the number of rows.
-    With `int8_output` (`hand_int8_inputs`) the kernel also makes its output's int8 form."""
+    With `int8_output` (`set_int8_inputs`) the kernel also makes its output's int8 form."""
 
     batch_invariant = True
     int8_output = False
@@ -204,17 +204,21 @@ def gated_activation_int8(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     return _with_int8_form(elementwise.gated_activation(gate_up, gelu, quantized), quantized)
 
 
-def hand_int8_inputs(model: nn.Module) -> None:
-    """Where an int4 layer takes int8 inputs, have the kernel that makes its input make their int8 form
-    too (the same bits as the layer's own quantizing, one launch fewer): each decoder layer's attention
-    norm for qkv_proj, its MLP norm for gate_up_proj, its gated activation for down_proj. o_proj's
-    input, the attention's output, the layer quantizes itself. Undone where the layer takes floats."""
+def set_int8_inputs(model: nn.Module, on: bool) -> None:
+    """Make every GpuInt4Linear of `model` take int8 inputs (`on`, `--activations int8`) or float ones
+    (its int8-group layers keep float inputs); and where one takes int8, have the kernel that makes its
+    input make their int8 form too (the same bits as the layer's own quantizing, one launch fewer): each
+    decoder layer's attention norm for qkv_proj, its MLP norm for gate_up_proj, its gated activation for
+    down_proj. o_proj's input, the attention's output, the layer quantizes itself."""
     from kvserve.kernels.gpu import elementwise
     from kvserve.models.decoder import DecoderLayer
 
     def takes_int8(layer: nn.Module) -> bool:
         return isinstance(layer, GpuInt4Linear) and layer.int8_activations
 
+    for module in model.modules():
+        if isinstance(module, GpuInt4Linear):
+            module.int8_activations = on
     for layer in model.modules():
         if not isinstance(layer, DecoderLayer):
             continue

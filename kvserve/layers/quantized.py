@@ -91,14 +91,11 @@ def int4_few_rows(dtype: torch.dtype) -> int:
 
 def set_activations(model: nn.Module, activations: str) -> None:
     """Make every Int4Linear, Int8GroupLinear (the lm_head among them) and StoredQuadsLinear (Int6Linear,
-    Int5Linear) of `model` take float ("float") or int8 ("int8") inputs; on the GPU path, its int4
-    layers (GpuInt4Linear; its int8-group layers keep float inputs)."""
-    from kvserve.layers.gpu import GpuInt4Linear, hand_int8_inputs
-
+    Int5Linear) of `model` take float ("float") or int8 ("int8") inputs (the GPU's forms:
+    layers/gpu.set_int8_inputs)."""
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8GroupLinear, StoredQuadsLinear, GpuInt4Linear)):
+        if isinstance(module, (Int4Linear, Int8GroupLinear, StoredQuadsLinear)):
             module.int8_activations = activations == "int8"
-    hand_int8_inputs(model)
 
 
 def set_batch_invariant(model: nn.Module, on: bool) -> None:

@@ -17,7 +17,14 @@ from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from kvserve.errors import UnsupportedModelError
-from kvserve.layers.gpu import GpuInt4Linear, GpuInt8GroupLinear, GpuLinear, use_triton_forms, uses_triton
+from kvserve.layers.gpu import (
+    GpuInt4Linear,
+    GpuInt8GroupLinear,
+    GpuLinear,
+    set_int8_inputs,
+    use_triton_forms,
+    uses_triton,
+)
 from kvserve.layers.quads import int4_quads_cpu, quads_cpu, to_quads
 from kvserve.layers.quantized import (
     GROUP_SIZE,
@@ -173,6 +180,8 @@ def load_model(
         use_triton_forms(model)
     model.eval().requires_grad_(False)
     set_activations(model, activations)
+    if uses_triton(device):
+        set_int8_inputs(model, activations == "int8")
     del params, tensors
     _return_freed_memory()
     return model
