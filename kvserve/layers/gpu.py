@@ -84,7 +84,8 @@ class GpuInt4Linear(nn.Module):
 
     With `int8_activations` (`--activations int8`, set by set_int8_inputs) x is quantized to
     int8 per group of 32 and each group's products are summed in integers (`int4_int8_matmul`): the
-    CPU's int4 x int8 arithmetic, with no float weight ever made."""
+    CPU's int4 x int8 arithmetic, with no float weight ever made; its kernel follows the row count, the
+    bits do not."""
 
     # The kernel's packed-bfloat16 candidate (int4_matmul's packed_bf16: scales and mins kept as
     # bfloat16), off until a GPU measures it faster; bench/gpu.py's `q4-bf16x2` run turns it on.

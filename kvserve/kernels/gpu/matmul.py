@@ -5,6 +5,10 @@ the same bits whether it is computed alone or among thousands (R7). A config is 
 never per M. The weight axis K may be split into fixed ranges of `k_per_split` (a property of the
 layer, the same for every M) whose float32 partial sums are then added in split order; that gives a
 decode step (few rows, memory-bound) more programs to read the weight with.
+
+The int4 x int8 kernels are the exception that keeps the rule's purpose: their group sums are exact
+integers and each row's float steps its own, so `int4_int8_matmul` picks its kernel and row tile by M
+and a row's bits do not change.
 """
 
 from __future__ import annotations
@@ -67,8 +71,8 @@ INT4_INT8_CONFIG = TileConfig(block_m=8, block_n=128, block_k=128, k_per_split=5
 # splits stay the layer's). Per weight (and per weight and row), the sm_90 loops by offline ptxas:
 # dp4a 1.05 for one row, 0.87 per row for 8, 0.77 for 16; int8 dots in tiles of 16 x 128 on 4 warps
 # 7.98 for 16 rows (mma.sync), 32 x 128 on 8 warps 12.67 for 32, 64 x 128 on 8 warps (wgmma) 0.345 per
-# row; 64 x 64 on 4 warps spilled. At least 4 of a group's float steps per row and output (a
-# conversion, the scale's product, two FMAs) are every kernel's: 0.125 per weight and row.
+# row; 64 x 64 on 4 warps spilled. Every kernel pays four float operations per group, row and output
+# (a conversion, the scale's product, two FMAs): 0.125 per weight and row.
 INT4_INT8_MMA_ROWS = 9
 INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
