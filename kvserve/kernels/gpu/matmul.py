@@ -329,6 +329,22 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return words, d, s
 
 
+@triton.jit
+def _int8_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """An int4 x int8 program's rows and columns, those as int64 with the edges' repeated (rows and
+    columns past them repeat the last one and are not stored, so no load needs a mask), its K split
+    [k_begin, k_end) and the split's first group, a multiple of 4 the compiler knows (so the loads
+    that follow from it are aligned vectors)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    rows64 = tl.minimum(rows, M - 1).to(tl.int64)
+    cols64 = tl.minimum(cols, N - 1).to(tl.int64)
+    g_begin = tl.program_id(2) * (k_per_split // 128) * 4
+    return rows, cols, rows64, cols64, k_begin, k_end, g_begin
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_int8_kernel(
     x_ptr,
@@ -358,21 +374,13 @@ def _int4_int8_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """int4 weights times int8 inputs (x: `quantize_int8`'s words, d and s; BLOCK_K 128: four groups
-    a step), as int4_int8.cpp on the CPU: per group of 32 and output the exact integer sum over code * q (dp4a: four products per
-    instruction, no tensor cores), then total = fma(scale * d, sum, total); total = fma(s, min, total),
-    group after group. Nothing here depends on the other rows of the tile, so BLOCK_M may follow M
-    without changing a bit."""
+    a step), as int4_int8.cpp on the CPU: per group of 32 and output the exact integer sum over
+    code * q (dp4a: four products per instruction, no tensor cores), then total = fma(scale * d, sum,
+    total); total = fma(s, min, total), group after group. Nothing here depends on the other rows of
+    the tile, so BLOCK_M may follow M without changing a bit."""
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_begin = tl.program_id(2) * k_per_split
-    k_end = tl.minimum(K, k_begin + k_per_split)
-    # rows and columns past the edges repeat the last one (and are not stored), so no load needs a mask
-    rows64 = tl.minimum(rows, M - 1).to(tl.int64)
-    cols64 = tl.minimum(cols, N - 1).to(tl.int64)
-    # pointers at the split's first group, advanced a step (four groups) at a time; offsets in groups
-    # of a multiple of 4, so the compiler knows the loads below are aligned vectors
-    g_begin = tl.program_id(2) * (k_per_split // 128) * 4
+    rows, cols, rows64, cols64, k_begin, k_end, g_begin = _int8_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    # pointers at the split's first group, advanced a step (four groups) at a time
     four = tl.arange(0, 4)[None, :]
     # word t (of 4) of a group holds the codes of inputs 4t..4t+3 in its low nibbles, +16 in its high ones
     w_step = words_ptr + cols64[:, None] * stride_wn + g_begin * 4 + four  # [BN, 4]
@@ -442,13 +450,7 @@ def _int4_int8_mma_kernel(
     kernels its batch took. The group's inputs and codes enter the dot interleaved (input j beside
     input j + 16, as a byte holds their codes), the same order on both sides."""
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_begin = tl.program_id(2) * k_per_split
-    k_end = tl.minimum(K, k_begin + k_per_split)
-    rows64 = tl.minimum(rows, M - 1).to(tl.int64)  # past the edges: the last row and column again
-    cols64 = tl.minimum(cols, N - 1).to(tl.int64)
-    g_begin = tl.program_id(2) * (k_per_split // 128) * 4
+    rows, cols, rows64, cols64, k_begin, k_end, g_begin = _int8_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     half = tl.arange(0, 16)
     x_bytes = x_ptr.to(tl.pointer_type(tl.int8))  # the int8 codes, M x K
     x_step = x_bytes + rows64[:, None] * (stride_xm * 4) + g_begin * 32 + half[None, :]  # [BM, 16]
