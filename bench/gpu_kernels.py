@@ -9,6 +9,9 @@ in the loop for sm_90), at each int4 config and two 128-column ones; `int4-int8`
 int8 inputs by dp4a (`int4_int8_matmul`, `--activations int8`: the inputs' quantization included, its
 row tile following M), at its candidate configs, and from 16 rows `int4-int8-mma`, its tensor-core
 kernel's tiles (the same bits); and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding).
+Each layer has its own tile counters, as in the engine, so that a K split's last program adds the
+splits; `float-sum-kernel`, `int4-sum-kernel` and `int4-int8-sum-kernel` time kvserve's configs with
+`_sum_splits_kernel` launched instead, as before 2026-11-29 (the same bits, `same_bits`).
 `--kinds` keeps some of them.
 Each timing is a CUDA graph of one call per layer, each layer its own weight (the weights stream from
 memory as in a decode step, not from L2), replayed; the result is microseconds per call and the weight
@@ -44,6 +47,7 @@ SHAPES = {
     "tiny": {"a": (64, 64), "b": (128, 64), "lm_head": (96, 64)},
 }
 LAYERS = {"llama1b": 16, "smol135m": 30, "tiny": 2}
+SUM_KERNEL_KINDS = ("float-sum-kernel", "int4-sum-kernel", "int4-int8-sum-kernel")
 
 
 def candidates():
@@ -134,39 +138,46 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
     )
     scales8 = [torch.rand(n, k // 32, device=device, generator=gen) * 0.01 for _ in codes8]
     out_dtype = torch.float32 if name == "lm_head" else torch.bfloat16
+    counters = [mm.split_counters(device) for _ in range(count)]  # each layer its own, as in the engine
 
-    def float_calls(x, cfg):
+    def float_calls(x, cfg, tile_sums=True):
         cfg = cfg or mm.config_for(mm.FLOAT_CONFIG, n, k)
-        return lambda: [mm._launch(mm._float_kernel, cfg, x, n, (w, w.stride(0)), None, out_dtype) for w in weights]
+        layers = list(zip(weights, counters if tile_sums else [None] * count, strict=True))
+        return lambda: [
+            mm._launch(mm._float_kernel, cfg, x, n, (w, w.stride(0)), None, out_dtype, counters=c) for w, c in layers
+        ]
 
-    def int4_calls(x, cfg, permute=True, packed_bf16=False):
+    def int4_calls(x, cfg, permute=True, packed_bf16=False, tile_sums=True):
         cfg = cfg or mm.config_for(mm.INT4_CONFIG, n, k)
         groups = zip(packed, scales16, mins16, strict=True) if packed_bf16 else zip(packed, scales, mins, strict=True)
         layers = [(p, s, mn, p.stride(0), s.stride(0), mn.stride(0)) for p, s, mn in groups]
+        layers = list(zip(layers, counters if tile_sums else [None] * count, strict=True))
         switches = {"PERMUTE": permute, "PACKED_BF16": packed_bf16}
-        return lambda: [mm._launch(mm._int4_kernel, cfg, x, n, a, None, out_dtype, **switches) for a in layers]
+        return lambda: [
+            mm._launch(mm._int4_kernel, cfg, x, n, a, None, out_dtype, counters=c, **switches) for a, c in layers
+        ]
 
-    def int4_int8_calls(x, cfg, kernel=mm._int4_int8_kernel):
+    def int4_int8_calls(x, cfg, kernel=mm._int4_int8_kernel, tile_sums=True):
         if cfg is None:  # kvserve's: int4_int8_matmul's choice of kernel and tiles
-            return lambda: [
-                mm.int4_int8_matmul(x, p, s, mn, out_dtype) for p, s, mn in zip(packed, scales, mins, strict=True)
-            ]
+            layers = list(zip(packed, scales, mins, counters if tile_sums else [None] * count, strict=True))
+            return lambda: [mm.int4_int8_matmul(x, p, s, mn, out_dtype, counters=c) for p, s, mn, c in layers]
         if kernel is mm._int4_int8_kernel:
             cfg = dataclasses.replace(cfg, block_m=mm._row_tile(x.shape[0]))
-        layers = [(p.view(torch.int32), s, mn) for p, s, mn in zip(packed, scales, mins, strict=True)]
+        layers = [(p.view(torch.int32), s, mn, c) for p, s, mn, c in zip(packed, scales, mins, counters, strict=True)]
 
         def calls():
             outs = []
-            for words, s, mn in layers:
+            for words, s, mn, c in layers:
                 q, d, sums = mm.quantize_int8(x)
                 weight = (d, sums, words, s, mn, words.stride(0), s.stride(0), mn.stride(0))
-                outs.append(mm._launch(kernel, cfg, q, n, weight, None, out_dtype, k=k))
+                outs.append(mm._launch(kernel, cfg, q, n, weight, None, out_dtype, k=k, counters=c))
             return outs
 
         return calls
 
     def int8_calls(x):
-        return lambda: [mm.int8_group_matmul(x, c, s, out_dtype) for c, s in zip(codes8, scales8, strict=True)]
+        layers = list(zip(codes8, scales8, counters, strict=False))
+        return lambda: [mm.int8_group_matmul(x, c, s, out_dtype, counters=t) for c, s, t in layers]
 
     for m in rows:
         if time.perf_counter() - started > budget_s:
@@ -185,6 +196,11 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         runs += [("int4", cfg, int4_calls(x, cfg)) for cfg in int4s]
         runs += [("int4-convert", None, int4_calls(x, None, permute=False))]
         runs += [("int4-bf16x2", cfg, int4_calls(x, cfg, packed_bf16=True)) for cfg in int4s + int4_wide]
+        runs += [  # kvserve's configs with the sum kernel launched after each split call
+            ("float-sum-kernel", None, float_calls(x, None, tile_sums=False)),
+            ("int4-sum-kernel", None, int4_calls(x, None, tile_sums=False)),
+            ("int4-int8-sum-kernel", None, int4_int8_calls(x, None, tile_sums=False)),
+        ]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
             runs += [("int8", None, int8_calls(x))]
         runs = [run for run in runs if kinds is None or run[0] in kinds]
@@ -199,8 +215,9 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
                 continue
             base = kind.split("-")[0]
             # int4-bf16x2 rounds scales and mins to bfloat16 first, int4-int8 the inputs: other bits by design
-            compared = cfg is None and kind == "int4-convert" and base in outputs
-            same_bits = torch.equal(outputs[kind], outputs[base]) if compared else None
+            same_as = kind.removesuffix("-sum-kernel") if kind.endswith("-sum-kernel") else base
+            compared = cfg is None and kind in ("int4-convert", *SUM_KERNEL_KINDS) and same_as in outputs
+            same_bits = torch.equal(outputs[kind], outputs[same_as]) if compared else None
             weight_bytes = n * k * {"int4": 0.5 + 4 / 32, "int8": 1 + 4 / 32}.get(base, 2)  # int4-*: int4's
             result["records"].append(
                 {

@@ -116,6 +116,51 @@ def test_matmul_with_a_k_split_sums_the_splits(monkeypatch):
     _each_row_alone(lambda rows: matmul.matmul(rows, w, bias), x, out)
 
 
+class _SumLaunches:
+    """Stands in for `_sum_splits_kernel`, counting its launches and running it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("kind", ["float", "int4", "int8", "int4-int8", "int4-int8-mma"])
+def test_the_last_k_split_of_a_tile_adds_the_splits_with_the_sum_kernels_bits(monkeypatch, kind):
+    """With a layer's counters each tile's last K split adds every split's partial sums (in split order,
+    then the bias): the bits of `_sum_splits_kernel`, which is then not launched, and the counters are
+    all 0 again for the next call; a call of more tiles than counters launches the sum kernel."""
+    m = {"int4-int8": 3, "int4-int8-mma": 20}.get(kind, 19)  # dp4a for 3 rows, the tensor cores for 20
+    k, n = 1024 + 160, 80  # three splits (int4 and int8 of 512, float of 512 here), the last one short
+    monkeypatch.setattr(matmul, "FLOAT_CONFIG", dataclasses.replace(matmul.FLOAT_CONFIG, k_per_split=512))
+    x = _randn(m, k, seed=80, dtype=torch.bfloat16)
+    bias = _randn(n, seed=81)
+    if kind == "float":
+        w = _randn(n, k, seed=82, dtype=torch.bfloat16)
+        run = lambda counters: matmul.matmul(x, w, bias, torch.float32, counters)  # noqa: E731
+    elif kind == "int8":
+        codes, scales, _ = _int8_weight(n, k, seed=82)
+        run = lambda counters: matmul.int8_group_matmul(x, codes, scales, None, bias, counters)  # noqa: E731
+    else:
+        codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=82)
+        packed = matmul.pack_int4(codes)
+        if kind == "int4":
+            run = lambda counters: matmul.int4_matmul(x, packed, scales, mins, None, bias, counters=counters)  # noqa: E731
+        else:
+            run = lambda counters: matmul.int4_int8_matmul(x, packed, scales, mins, None, bias, counters=counters)  # noqa: E731
+    sums = _SumLaunches(matmul._sum_splits_kernel)
+    monkeypatch.setattr(matmul, "_sum_splits_kernel", sums)
+    expected = run(None)
+    assert sums.launches == 1  # the call splits K
+    counters = matmul.split_counters(DEVICE)
+    for _ in range(2):  # the second call finds the counters as the first left them
+        assert torch.equal(run(counters), expected)
+        assert sums.launches == 1 and not counters.any()
+    assert torch.equal(run(counters[:0]), expected) and sums.launches == 2  # no room for a tile's counter
+
+
 def test_a_layers_configuration_follows_its_shape_never_its_rows():
     """config_for takes the layer's shape only (R7: never the rows); narrow layers get shorter quantized
     K splits, or narrower float tiles where K makes one split, and every split is whole tiles."""
@@ -705,7 +750,8 @@ def launch(kernel, grid):
         compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
         mma = len(re.findall(r"\bw?gmma\.mma_async|\bmma\.sync", compiled.asm["ptx"]))
         tf32 = len(re.findall(r"tf32", compiled.asm["ptx"]))
-        print(json.dumps([call, kernel.__name__, mma, tf32, compiled.hash]), flush=True)
+        counts = len(re.findall(r"\batom\.global\.gpu\.acq_rel\.add", compiled.asm["ptx"]))
+        print(json.dumps([call, kernel.__name__, mma, tf32, counts, compiled.hash]), flush=True)
     return warmup
 JITFunction.__getitem__ = launch
 
@@ -729,6 +775,11 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"int4-bf16x2-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales, packed_bf16=True)
     call = f"int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
     call = f"int4-int8-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
+    counters = matmul.split_counters("cpu")  # each tile's last K split adds the splits
+    call = f"int4-tiles-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
+    call = f"int8-tiles-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), counters=counters)
+    call = f"int4-int8-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
+    call = f"matmul-tiles-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters)
 k_cache = torch.zeros(8, 16, 2, 128, dtype=bf16)
 for t in (1, 3):  # a decode of one token, a prefill tile of 3, the metadata at odd offsets of one buffer
     meta = torch.arange(100, dtype=torch.int32)
@@ -762,10 +813,13 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     assert result.returncode == 0, result.stderr[-3000:]
     launches = [json.loads(line) for line in result.stdout.splitlines()]
     kernels: dict[tuple[str, str], set[str]] = {}
-    for call, kernel, mma, tf32, binary in launches:
+    for call, kernel, mma, tf32, counts, binary in launches:
         call = call.rpartition("-")[0]  # without the batch size
         kernels.setdefault((call, kernel), set()).add(binary)
         assert tf32 == 0, (call, kernel)
+        # a tile's splits counted by one atomic add, released and acquired across the GPU
+        matmul_kernel = kernel not in ("_quantize_int8_kernel", "_sum_splits_kernel")
+        assert counts == (1 if call.endswith("-tiles") and matmul_kernel else 0), (call, kernel, counts)
         uses_dot = kernel in (
             "_float_kernel",
             "_int4_kernel",
@@ -794,6 +848,12 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int4-int8", "_int4_int8_kernel"),
         ("int4-int8", "_int4_int8_mma_kernel"),
         ("int4-int8", "_sum_splits_kernel"),
+        ("int4-tiles", "_int4_kernel"),  # no sum kernel: each tile's last split adds
+        ("int8-tiles", "_int8_kernel"),
+        ("int4-int8-tiles", "_quantize_int8_kernel"),
+        ("int4-int8-tiles", "_int4_int8_kernel"),
+        ("int4-int8-tiles", "_int4_int8_mma_kernel"),
+        ("matmul-tiles", "_float_kernel"),  # K = 4096: two splits of 2048
         ("store_kv", "_store_kv_kernel"),
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),

@@ -49,6 +49,7 @@ class GpuLinear(nn.Module):
         self.bias = bias
         self.out_dtype = out_dtype
         self.batch_invariant = True  # see quantized.set_batch_invariant
+        self.register_buffer("split_counters", _split_counters(self.weight.device), persistent=False)
 
     @classmethod
     def of(cls, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> GpuLinear:
@@ -61,13 +62,21 @@ class GpuLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         out_dtype = self.out_dtype or x.dtype
         if self.batch_invariant or out_dtype != x.dtype:
-            out = matmul(x2, self.weight, self.bias, out_dtype)
+            out = matmul(x2, self.weight, self.bias, out_dtype, self.split_counters)
         else:
             out = F.linear(x2, self.weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """The layer's tile counters, with which its matmul's last K split adds the splits' sums (one launch
+    fewer a call: kernels/gpu/matmul.split_counters)."""
+    from kvserve.kernels.gpu.matmul import split_counters
+
+    return split_counters(device)
 
 
 def _group_values(values: torch.Tensor) -> torch.Tensor:
@@ -112,6 +121,7 @@ class GpuInt4Linear(nn.Module):
         self.register_buffer("scales", group_values(weight.scales).to(device))  # [N, K / 32]
         self.register_buffer("mins", group_values(weight.mins).to(device))  # [N, K / 32]
         self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
+        self.register_buffer("split_counters", _split_counters(device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from kvserve.kernels.gpu.matmul import int4_int8_matmul, int4_matmul
@@ -120,9 +130,13 @@ class GpuInt4Linear(nn.Module):
         out_dtype = self.out_dtype or x.dtype
         if self.int8_activations:
             quantized = getattr(x, INT8_FORM, None)  # made by the kernel that made x, if any
-            out = int4_int8_matmul(x2, self.packed, self.scales, self.mins, out_dtype, self.bias, quantized)
+            out = int4_int8_matmul(
+                x2, self.packed, self.scales, self.mins, out_dtype, self.bias, quantized, self.split_counters
+            )
         else:
-            out = int4_matmul(x2, self.packed, self.scales, self.mins, out_dtype, self.bias, self.packed_bf16)
+            out = int4_matmul(
+                x2, self.packed, self.scales, self.mins, out_dtype, self.bias, self.packed_bf16, self.split_counters
+            )
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -150,13 +164,13 @@ class GpuInt8GroupLinear(nn.Module):
         self.register_buffer("codes", codes.to(device))  # [N, K] int8
         self.register_buffer("scales", scales.float().to(device))  # [N, K / 32]
         self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
+        self.register_buffer("split_counters", _split_counters(device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from kvserve.kernels.gpu.matmul import int8_group_matmul
 
-        out = int8_group_matmul(
-            x.reshape(-1, self.in_features), self.codes, self.scales, self.out_dtype or x.dtype, self.bias
-        )
+        x2 = x.reshape(-1, self.in_features)
+        out = int8_group_matmul(x2, self.codes, self.scales, self.out_dtype or x.dtype, self.bias, self.split_counters)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

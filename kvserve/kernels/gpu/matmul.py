@@ -101,11 +101,33 @@ def config_for(base: TileConfig, n: int, k: int) -> TileConfig:
 
 SUM_BLOCK = 1024  # outputs per program of the kernel that adds the K splits' partial sums
 
+# Tiles a layer's call may have for its last split to add the partial sums itself (`_finish_tile`'s
+# SUM_IN_TILE), one int32 counter each: a 16384-output int4 layer in 64-column tiles up to 256 rows.
+# A decode step saves `_sum_splits_kernel`'s launches: on the 1B shapes 16 a step in bfloat16 (the down
+# projections), 64 in 4-bit (every projection); a long prefill, for which a launch is nothing, takes it.
+SPLIT_COUNTERS = 4096
+
+
+def split_counters(device: torch.device | str) -> torch.Tensor:
+    """A layer's tile counters for its K splits' sums (`_launch`'s `counters`), all 0 between calls.
+    Each layer owns its own: calls on one stream are ordered, and one layer is not run on two at once."""
+    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _store_output(acc, out_ptr, bias_ptr, offsets, cols, mask, N, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+    """out = acc (+ bias, added in float32), rounded once to the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offsets, cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
 
 @triton.jit
 def _finish_tile(
     acc,
     out_ptr,
+    partial_ptr,
+    counters_ptr,
     bias_ptr,
     rows,
     cols,
@@ -115,18 +137,32 @@ def _finish_tile(
     stride_os,
     HAS_BIAS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    SUM_IN_TILE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Store a tile's float32 sums: as this split's partial sums (workspace [splits, M, N]), or with
-    the bias added in float32 and rounded once to the output's dtype."""
+    """Store a tile's float32 sums: as the output (+ bias), or as this K split's partial sums (workspace
+    [splits, M, N]). With SUM_IN_TILE the tile's last split to finish, counted on the tile's counter,
+    adds every split's partial sums in split order and stores the output: `_sum_splits_kernel`'s
+    additions in its order, so its bits, without its launch; it leaves the counter at 0 for the next
+    call."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     if IS_SPLIT:
-        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_os + offsets, acc, mask=mask)
+        partial = partial_ptr + offsets
+        tl.store(partial + tl.program_id(2).to(tl.int64) * stride_os, acc, mask=mask)
+        if SUM_IN_TILE:
+            tl.debug_barrier()  # every thread's partial sums stored before the count (released with it)
+            counter = counters_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+                # from L2 (".cg"): the other splits' sums were stored by other multiprocessors
+                acc = tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
+                for _ in range(1, tl.num_programs(2)):
+                    partial += stride_os
+                    acc += tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(counter, 0)
+                _store_output(acc, out_ptr, bias_ptr, offsets, cols, mask, N, HAS_BIAS, INTERPRET)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offsets, cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+        _store_output(acc, out_ptr, bias_ptr, offsets, cols, mask, N, HAS_BIAS, INTERPRET)
 
 
 @triton.jit
@@ -168,6 +204,8 @@ def _sum_splits_kernel(
 def _float_kernel(
     x_ptr,
     out_ptr,
+    partial_ptr,
+    counters_ptr,
     bias_ptr,
     M,
     N,
@@ -180,6 +218,7 @@ def _float_kernel(
     stride_wn,
     HAS_BIAS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    SUM_IN_TILE: tl.constexpr,
     EVEN_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -202,7 +241,23 @@ def _float_kernel(
         if w.dtype != x.dtype:  # a weight of another float dtype: rounded to x's
             w = cast(w.to(tl.float32), x.dtype, INTERPRET)
         acc = dot(x, w, acc, INTERPRET)
-    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
+    _finish_tile(
+        acc,
+        out_ptr,
+        partial_ptr,
+        counters_ptr,
+        bias_ptr,
+        rows,
+        cols,
+        M,
+        N,
+        stride_om,
+        stride_os,
+        HAS_BIAS,
+        IS_SPLIT,
+        SUM_IN_TILE,
+        INTERPRET,
+    )
 
 
 @triton.jit
@@ -219,6 +274,8 @@ def _repeat_rows(values, TIMES: tl.constexpr):
 def _int4_kernel(
     x_ptr,
     out_ptr,
+    partial_ptr,
+    counters_ptr,
     bias_ptr,
     M,
     N,
@@ -235,6 +292,7 @@ def _int4_kernel(
     stride_mn,
     HAS_BIAS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    SUM_IN_TILE: tl.constexpr,
     EVEN_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -282,7 +340,23 @@ def _int4_kernel(
             x = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
             w = cast(tl.fma(scale, nibble_to_float(byte, True, PERMUTE, INTERPRET), low), x.dtype, INTERPRET)
             acc = dot(x, w, acc, INTERPRET)
-    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
+    _finish_tile(
+        acc,
+        out_ptr,
+        partial_ptr,
+        counters_ptr,
+        bias_ptr,
+        rows,
+        cols,
+        M,
+        N,
+        stride_om,
+        stride_os,
+        HAS_BIAS,
+        IS_SPLIT,
+        SUM_IN_TILE,
+        INTERPRET,
+    )
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -349,6 +423,8 @@ def _int8_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 def _int4_int8_kernel(
     x_ptr,
     out_ptr,
+    partial_ptr,
+    counters_ptr,
     bias_ptr,
     M,
     N,
@@ -367,6 +443,7 @@ def _int4_int8_kernel(
     stride_mn,
     HAS_BIAS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    SUM_IN_TILE: tl.constexpr,
     EVEN_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -413,13 +490,31 @@ def _int4_int8_kernel(
         d_step += 4
         s_step += 4
     acc = tl.trans(acc)
-    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
+    _finish_tile(
+        acc,
+        out_ptr,
+        partial_ptr,
+        counters_ptr,
+        bias_ptr,
+        rows,
+        cols,
+        M,
+        N,
+        stride_om,
+        stride_os,
+        HAS_BIAS,
+        IS_SPLIT,
+        SUM_IN_TILE,
+        INTERPRET,
+    )
 
 
 @triton.jit(do_not_specialize=["M"])
 def _int4_int8_mma_kernel(
     x_ptr,
     out_ptr,
+    partial_ptr,
+    counters_ptr,
     bias_ptr,
     M,
     N,
@@ -438,6 +533,7 @@ def _int4_int8_mma_kernel(
     stride_mn,
     HAS_BIAS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    SUM_IN_TILE: tl.constexpr,
     EVEN_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -492,13 +588,31 @@ def _int4_int8_mma_kernel(
         s_step += 4
         scales_step += 4
         mins_step += 4
-    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
+    _finish_tile(
+        acc,
+        out_ptr,
+        partial_ptr,
+        counters_ptr,
+        bias_ptr,
+        rows,
+        cols,
+        M,
+        N,
+        stride_om,
+        stride_os,
+        HAS_BIAS,
+        IS_SPLIT,
+        SUM_IN_TILE,
+        INTERPRET,
+    )
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every number of rows
 def _int8_kernel(
     x_ptr,
     out_ptr,
+    partial_ptr,
+    counters_ptr,
     bias_ptr,
     M,
     N,
@@ -513,6 +627,7 @@ def _int8_kernel(
     stride_sn,
     HAS_BIAS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    SUM_IN_TILE: tl.constexpr,
     EVEN_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -538,7 +653,23 @@ def _int8_kernel(
         scale = _repeat_rows(scale.to(tl.float32), 32)
         w = cast(codes.to(tl.float32) * scale, x.dtype, INTERPRET)
         acc = dot(x, w, acc, INTERPRET)
-    _finish_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT, INTERPRET)
+    _finish_tile(
+        acc,
+        out_ptr,
+        partial_ptr,
+        counters_ptr,
+        bias_ptr,
+        rows,
+        cols,
+        M,
+        N,
+        stride_om,
+        stride_os,
+        HAS_BIAS,
+        IS_SPLIT,
+        SUM_IN_TILE,
+        INTERPRET,
+    )
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -554,11 +685,14 @@ def _launch(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype | None,
     k: int | None = None,
+    counters: torch.Tensor | None = None,
     **constexprs,
 ) -> torch.Tensor:
     """Run one of the matmul kernels over x [M, K] into [M, n], through float32 partial sums per
     K split when the config splits this K; `k`: K where x's columns are not the inputs one for one
-    (int8 codes four to a word); `constexprs`, the kernel's other compile-time switches."""
+    (int8 codes four to a word); `counters`: the layer's `split_counters`, with which each tile's last
+    split adds the partial sums (where the call has at most that many tiles), else
+    `_sum_splits_kernel` does, a launch more; `constexprs`, the kernel's other compile-time switches."""
     assert x.dim() == 2, x.shape
     x = _row_major(x)
     m = x.shape[0]
@@ -574,11 +708,14 @@ def _launch(
     num_splits = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), num_splits)
     is_split = num_splits > 1
-    # partial sums [splits, M, N] in float32, or the output itself
-    target = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device) if is_split else out
+    # partial sums [splits, M, N] in float32
+    partial = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device) if is_split else out
+    sum_in_tile = is_split and counters is not None and grid[0] * grid[1] <= counters.numel()
     kernel[grid](
         x,
-        target,
+        out,
+        partial,
+        counters if sum_in_tile else out,
         bias,
         m,
         n,
@@ -590,6 +727,7 @@ def _launch(
         *weight_args,
         HAS_BIAS=bias is not None,
         IS_SPLIT=is_split,
+        SUM_IN_TILE=sum_in_tile,
         EVEN_K=k % config.block_k == 0,
         INTERPRET=INTERPRET,
         BLOCK_M=config.block_m,
@@ -599,22 +737,28 @@ def _launch(
         num_stages=config.num_stages,
         **constexprs,
     )
-    if is_split:
+    if is_split and not sum_in_tile:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
-            target, bias, out, m * n, n, num_splits, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, INTERPRET=INTERPRET
+            partial, bias, out, m * n, n, num_splits, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, INTERPRET=INTERPRET
         )
     return out
 
 
 def matmul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype).
 
     Products of x's dtype (the weight is converted to it; bfloat16/float16 on the tensor cores,
     float32 as exact float32 products, never TF32), summed in float32; the bias is added in float32
     before the one rounding to out_dtype. out_dtype=torch.float32 gives an lm_head's logits from
-    bfloat16 weights without a bfloat16 rounding in between."""
+    bfloat16 weights without a bfloat16 rounding in between. `counters` (every matmul here): the
+    layer's `split_counters`, so that its K splits are added without a launch of their own; the same
+    bits without."""
     assert weight.dim() == 2 and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
     weight = _row_major(weight)
     return _launch(
@@ -625,6 +769,7 @@ def matmul(
         (weight, weight.stride(0)),
         bias,
         out_dtype,
+        counters=counters,
     )
 
 
@@ -646,6 +791,7 @@ def int4_matmul(
     out_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
     packed_bf16: bool = False,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype), W [N, K] given as
     `pack_int4` codes with scales and mins [N, K // 32] (float16, float32 or bfloat16).
@@ -665,7 +811,8 @@ def int4_matmul(
     assert scales.shape == mins.shape == (n, k // GROUP_SIZE), (scales.shape, mins.shape)
     packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
     args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
-    return _launch(_int4_kernel, config_for(INT4_CONFIG, n, k), x, n, args, bias, out_dtype, PACKED_BF16=packed_bf16)
+    config = config_for(INT4_CONFIG, n, k)
+    return _launch(_int4_kernel, config, x, n, args, bias, out_dtype, counters=counters, PACKED_BF16=packed_bf16)
 
 
 def int4_int8_matmul(
@@ -676,6 +823,7 @@ def int4_int8_matmul(
     out_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
     quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`int4_matmul` with x quantized to int8 per row and group of 32 (llama.cpp's Q8_1 inputs,
     kvserve's `--activations int8` on the CPU; `quantized`: `quantize_int8(x)` if already made): per
@@ -700,7 +848,7 @@ def int4_int8_matmul(
         kernel, config = _int4_int8_kernel, dataclasses.replace(config, block_m=_row_tile(x.shape[0]))
     quantized = quantize_int8(x) if quantized is None else quantized
     args = (*quantized[1:], words, scales, mins, words.stride(0), scales.stride(0), mins.stride(0))
-    return _launch(kernel, config, quantized[0], n, args, bias, out_dtype or x.dtype, k=k)
+    return _launch(kernel, config, quantized[0], n, args, bias, out_dtype or x.dtype, k=k, counters=counters)
 
 
 def _row_tile(m: int) -> int:
@@ -715,6 +863,7 @@ def int8_group_matmul(
     scales: torch.Tensor,
     out_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype), W[n, k] =
     codes[n, k] * scales[n, k // 32] (GGML's Q8_0: int8 codes [N, K], float32 scales [N, K // 32]).
@@ -726,4 +875,4 @@ def int8_group_matmul(
     assert scales.shape == (n, k // GROUP_SIZE), scales.shape
     codes, scales = _row_major(codes), _row_major(scales)
     args = (codes, scales, codes.stride(0), scales.stride(0))
-    return _launch(_int8_kernel, config_for(INT8_CONFIG, n, k), x, n, args, bias, out_dtype)
+    return _launch(_int8_kernel, config_for(INT8_CONFIG, n, k), x, n, args, bias, out_dtype, counters=counters)
