@@ -117,7 +117,8 @@ def test_matmul_with_a_k_split_sums_the_splits(monkeypatch):
 
 
 class _SumLaunches:
-    """Stands in for `_sum_splits_kernel`, counting its launches and running it."""
+    """Stands in for a kernel that adds up splits (`_sum_splits_kernel`, `_combine_kernel`), counting
+    its launches and running it."""
 
     def __init__(self, kernel):
         self.kernel, self.launches = kernel, 0
@@ -670,6 +671,37 @@ def test_padding_tiles_and_rows_are_left_alone(monkeypatch):
     assert torch.equal(out[[0, 2]], expected)
 
 
+@pytest.mark.parametrize("window", [0, 40])
+def test_the_last_split_merges_the_splits_with_the_combine_kernels_bits(monkeypatch, window):
+    """With counters, each (tile, KV head)'s last split program merges the splits: the bits of
+    `_combine_kernel`, which is then not launched, the counters all 0 after every call; with a tile of
+    length 0 and more splits than the keys need (a CUDA graph's batch); too few counters: the combine
+    kernel."""
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 64)
+    combines = _SumLaunches(attention._combine_kernel)
+    monkeypatch.setattr(attention, "_combine_kernel", combines)
+    lengths, spans, num_heads, num_kv_heads, head_dim = ATTENTION_CASES["decode-gqa"]
+    cache = PagedCache.make(lengths, num_kv_heads, head_dim, torch.bfloat16, seed=62)
+    q = _randn(len(spans), num_heads, head_dim, seed=63, dtype=torch.bfloat16)
+    counters = attention.attention_counters(DEVICE)
+    for step in (Step(spans), Step([(1, 36, 1), (2, 149, 1), (0, 4, 1)])):
+        qs = q if step.spans == spans else q[[1, 2, 0]]
+        for num_splits in (3, 5):
+            expected = _attend(cache, step, qs, window, num_splits)
+            launches = combines.launches
+            assert torch.equal(_attend(cache, step, qs, window, num_splits, counters=counters), expected)
+            assert combines.launches == launches and not counters.any(), num_splits
+            too_few = counters[: len(step.spans) * num_kv_heads - 1]
+            assert torch.equal(_attend(cache, step, qs, window, num_splits, counters=too_few), expected)
+            assert combines.launches == launches + 1
+    positions = torch.tensor([36, 0, 149], dtype=torch.int32, device=DEVICE)  # row 1 is a padding tile's
+    tiles = [torch.tensor(t, dtype=torch.int32, device=DEVICE) for t in ([1, 0, 2], [0, 1, 2], [1, 0, 1])]
+    args = (q, cache.k, cache.v, cache.block_tables(), positions, *tiles, head_dim**-0.5, window, 8)
+    expected = attention.paged_attention(*args, out=torch.full_like(q, 7.0))
+    out = attention.paged_attention(*args, out=torch.full_like(q, 7.0), counters=counters)
+    assert torch.equal(out, expected) and (out[1] == 7.0).all() and not counters.any()
+
+
 # --- At model sizes, on a GPU only (the interpreter would take hours)
 
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes need a GPU")
@@ -789,6 +821,7 @@ for t in (1, 3):  # a decode of one token, a prefill tile of 3, the metadata at 
     args = (torch.randn(t, 8, 128).to(bf16), k_cache, k_cache, meta[5:9].view(1, 4), positions, tile_seq, tile_first, tile_len, 0.1)
     call = f"attention-{t}"; attention.paged_attention(*args)
     call = f"attention-splits-{t}"; attention.paged_attention(*args, num_splits=2)
+    call = f"attention-tiles-{t}"; attention.paged_attention(*args, num_splits=2, counters=attention.attention_counters("cpu"))
 """
 
 
@@ -818,7 +851,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         kernels.setdefault((call, kernel), set()).add(binary)
         assert tf32 == 0, (call, kernel)
         # a tile's splits counted by one atomic add, released and acquired across the GPU
-        matmul_kernel = kernel not in ("_quantize_int8_kernel", "_sum_splits_kernel")
+        matmul_kernel = kernel not in ("_quantize_int8_kernel", "_sum_splits_kernel")  # or the attention's
         assert counts == (1 if call.endswith("-tiles") and matmul_kernel else 0), (call, kernel, counts)
         uses_dot = kernel in (
             "_float_kernel",
@@ -858,6 +891,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),
         ("attention-splits", "_combine_kernel"),
+        ("attention-tiles", "_attention_kernel"),  # no combine kernel: each tile's last split merges
     }
     # one binary per call whatever the batch's size: nothing compiled differently for one row (int4 x
     # int8 runs dp4a for one row and the tensor cores for 37, with the same bits: its rows' sums are

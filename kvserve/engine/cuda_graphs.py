@@ -111,6 +111,9 @@ class DecodeGraphs:
         for bucket in self.buckets:
             used = self.layout.total - (self.layout.max_batch - bucket) * self.layout.max_blocks
             self._transfers[bucket] = (self.static[:used], self.host[:used])
+        from kvserve.kernels.gpu.attention import attention_counters  # triton, imported on the GPU path only
+
+        self._attention_counters = attention_counters(device)  # the graphs' own
         self._replays: dict[int, Callable[[], None]] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -136,6 +139,7 @@ class DecodeGraphs:
             tile_first=rows,
             tile_len=tile_len,
             num_splits=step_num_splits([1] * batch, self.max_position),
+            split_counters=self._attention_counters,
         )
         return self.model.compute_logits(self.model(ids, positions, metadata))
 

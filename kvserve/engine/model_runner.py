@@ -111,6 +111,12 @@ class ModelRunner:
             build.load()
         elif self.wants_fused:
             build.start_loading()
+        # the eager steps' counters for merging attention splits in the kernel (kernels/gpu/attention.py)
+        self.attention_counters = None
+        if self.triton:
+            from kvserve.kernels.gpu.attention import attention_counters
+
+            self.attention_counters = attention_counters(self.device)
         self.graphs: DecodeGraphs | None = None
         if self.triton and cuda_graphs and model.has_embedding and model.has_head:
             capture = cuda_capture if self.device.type == "cuda" else eager_capture
@@ -204,7 +210,9 @@ class ModelRunner:
             [len(s.token_ids) for s in items],
         )
         if self.triton:
-            positions, metadata = build_triton_batch(*batch, self.block_size, self.tokens_per_tile, self.device)
+            positions, metadata = build_triton_batch(
+                *batch, self.block_size, self.tokens_per_tile, self.device, self.attention_counters
+            )
             return lambda: self.model.run_layers(hidden, positions, metadata)
         fused = self._fused_decoder()
         if fused is not None and (self.batch_invariant or any(s.num_computed_tokens for s in items)):

@@ -42,6 +42,8 @@ class TritonAttentionMetadata:
     tile_first: torch.Tensor  # [num_tiles] int32 first token of the tile (a row of q)
     tile_len: torch.Tensor  # [num_tiles] int32 tokens in the tile; 0: a padding tile
     num_splits: int  # key ranges of SPLIT_KEYS attended apart, then combined (fixed for a CUDA graph)
+    # with num_splits > 1, kernels/gpu/attention.attention_counters: the splits merged without a launch
+    split_counters: torch.Tensor | None = None
 
 
 def tile_layout(
@@ -67,10 +69,12 @@ def build_triton_batch(
     block_size: int,
     tokens_per_tile: int,
     device: torch.device | str,
+    split_counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TritonAttentionMetadata]:
     """Positions [T] (int32) and the metadata for a step: sequence i has `num_computed_tokens[i]`
     tokens in its blocks and adds `num_new_tokens[i]` (a prompt, a chunk, one decode token). Built on
-    the host and copied to the device in one transfer."""
+    the host and copied to the device in one transfer. `split_counters`: the caller's
+    `attention_counters`, kept for its steps."""
     positions = np.concatenate(
         [np.arange(c, c + n, dtype=np.int64) for c, n in zip(num_computed_tokens, num_new_tokens, strict=True)]
     )
@@ -95,6 +99,7 @@ def build_triton_batch(
         tile_first=parts[3],
         tile_len=parts[4],
         num_splits=step_num_splits(num_new_tokens, int(positions.max())),
+        split_counters=split_counters,
     )
     return parts[0], metadata
 
@@ -127,4 +132,5 @@ def triton_paged_attention(
         scale,
         window,
         metadata.num_splits,
+        counters=metadata.split_counters,
     )

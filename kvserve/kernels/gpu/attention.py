@@ -16,8 +16,9 @@ prefill and a chunk behind a cached prefix give the same bits.
 Keys are also cut into splits of `SPLIT_KEYS` absolute positions. Each split is attended from a fresh
 state, and a token's result is the merge of its splits' states in increasing order (`_merge`), the
 same arithmetic whichever program does it: with num_splits > 1 one program per split writes its
-state to a workspace and a combine kernel merges them; with num_splits = 1 each program walks all
-the tile's splits and merges them itself (no workspace: what a long prefill wants).
+state to a workspace and the last of a (tile, KV head)'s programs to finish merges them (counted by
+an atomic add; a combine kernel does it where there are no counters); with num_splits = 1 each
+program walks all the tile's splits and merges them itself (no workspace: what a long prefill wants).
 """
 
 from __future__ import annotations
@@ -39,6 +40,19 @@ STORE_NUM_WARPS = 1  # store_kv moves one token's Hkv x D values per program: a 
 EMPTY_MAX: tl.constexpr = tl.constexpr(-1e30)
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+# (tile, KV head) counters for merging splits in the attention kernel (`attention_counters`): a step of
+# MAX_SPLIT_BATCH decodes (layers/attention_triton.py) has that many tiles; a call of more tiles than
+# this launches `_combine_kernel` instead.
+ATTENTION_COUNTERS = 1024
+
+
+def attention_counters(device: torch.device | str) -> torch.Tensor:
+    """The counters with which each (tile, KV head)'s last split merges the splits (`paged_attention`'s
+    `counters`), all 0 between calls: one set serves every layer of a step, as calls on one stream
+    are ordered."""
+    return torch.zeros(ATTENTION_COUNTERS, dtype=torch.int32, device=device)
 
 
 def _rows(group: int) -> int:
@@ -236,6 +250,7 @@ def _attention_kernel(
     part_m,
     part_denom,
     part_acc,
+    counters_ptr,
     block_tables,
     positions,
     tile_seq,
@@ -265,6 +280,7 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    COMBINE_IN_TILE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -296,6 +312,16 @@ def _attention_kernel(
                 tl.store(part_m + state, m, mask=is_row)
                 tl.store(part_denom + state, denom, mask=is_row)
                 tl.store(part_acc + state[:, None] * HEAD_DIM + d[None, :], acc, mask=row_mask)
+            if COMBINE_IN_TILE:  # the (tile, KV head)'s last split to finish merges them all
+                tl.debug_barrier()  # every thread's state stored before the count (released with it)
+                counter = counters_ptr + tile * tl.num_programs(1) + kv_head
+                if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+                    _combine_splits(
+                        out_ptr, part_m, part_denom, part_acc, r, is_row, token, pos, first_key, key_begin,
+                        key_end, kv_head, stride_ot, stride_oh, num_heads, part_stride,
+                        GROUP, ROWS, HEAD_DIM, BLOCK_D, SPLIT_KEYS, INTERPRET,
+                    )  # fmt: skip
+                    tl.store(counter, 0)  # for the next call
         else:
             m = tl.full((ROWS,), EMPTY_MAX, tl.float32)
             denom = tl.zeros((ROWS,), tl.float32)
@@ -308,6 +334,58 @@ def _attention_kernel(
                 )  # fmt: skip
                 m, denom, acc = _merge(m, denom, acc, m_split, denom_split, acc_split)
             _store_rows(out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, HEAD_DIM, INTERPRET)
+
+
+@triton.jit
+def _combine_splits(
+    out_ptr,
+    part_m,
+    part_denom,
+    part_acc,
+    r,
+    is_row,
+    token,
+    pos,
+    first_key,
+    key_begin,
+    key_end,
+    kv_head,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    part_stride,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Merge each row's splits (only those holding its keys) in increasing order, as the attention
+    kernel does in registers with num_splits = 1, and normalize. The states are read from L2 (".cg"):
+    other multiprocessors stored them."""
+    head = kv_head * GROUP + r % GROUP
+    first_split = first_key // SPLIT_KEYS  # [ROWS] the splits holding the row's keys
+    last_split = pos // SPLIT_KEYS
+    d = tl.arange(0, BLOCK_D)
+    row_mask = is_row[:, None] & (d < HEAD_DIM)[None, :]
+    m = tl.full((ROWS,), EMPTY_MAX, tl.float32)
+    denom = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
+    for split in range(key_begin // SPLIT_KEYS, tl.cdiv(key_end, SPLIT_KEYS)):
+        # a split without keys of the row holds the empty state: taken as such, not read
+        has = is_row & (first_split <= split) & (split <= last_split)
+        state = split * part_stride + token * num_heads + head
+        m_split = tl.load(part_m + state, mask=has, other=EMPTY_MAX, cache_modifier=".cg")
+        denom_split = tl.load(part_denom + state, mask=has, other=0.0, cache_modifier=".cg")
+        acc_split = tl.load(
+            part_acc + state[:, None] * HEAD_DIM + d[None, :],
+            mask=has[:, None] & row_mask,
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m, denom, acc = _merge(m, denom, acc, m_split, denom_split, acc_split)
+    _store_rows(out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, HEAD_DIM, INTERPRET)
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)
@@ -331,34 +409,18 @@ def _combine_kernel(
     SPLIT_KEYS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Merge each row's splits (only those holding its keys) in increasing order, as the attention
-    kernel does in registers with num_splits = 1, and normalize."""
+    """`_combine_splits` for each (tile, KV head): where the attention kernel has no counters."""
     tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
     num_tokens = tl.load(tile_len + tile)
     if num_tokens > 0:
         r, is_row, token, pos, first_key, key_begin, key_end = _tile_rows(
             positions, tile_first, tile, num_tokens, window, GROUP, ROWS
         )
-        head = kv_head * GROUP + r % GROUP
-        first_split = first_key // SPLIT_KEYS  # [ROWS] the splits holding the row's keys
-        last_split = pos // SPLIT_KEYS
-        d = tl.arange(0, BLOCK_D)
-        row_mask = is_row[:, None] & (d < HEAD_DIM)[None, :]
-        m = tl.full((ROWS,), EMPTY_MAX, tl.float32)
-        denom = tl.zeros((ROWS,), tl.float32)
-        acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
-        for split in range(key_begin // SPLIT_KEYS, tl.cdiv(key_end, SPLIT_KEYS)):
-            # a split without keys of the row holds the empty state: taken as such, not read
-            has = is_row & (first_split <= split) & (split <= last_split)
-            state = split * part_stride + token * num_heads + head
-            m_split = tl.load(part_m + state, mask=has, other=EMPTY_MAX)
-            denom_split = tl.load(part_denom + state, mask=has, other=0.0)
-            acc_split = tl.load(
-                part_acc + state[:, None] * HEAD_DIM + d[None, :], mask=has[:, None] & row_mask, other=0.0
-            )
-            m, denom, acc = _merge(m, denom, acc, m_split, denom_split, acc_split)
-        _store_rows(out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, HEAD_DIM, INTERPRET)
+        _combine_splits(
+            out_ptr, part_m, part_denom, part_acc, r, is_row, token, pos, first_key, key_begin, key_end,
+            tl.program_id(1), stride_ot, stride_oh, num_heads, part_stride,
+            GROUP, ROWS, HEAD_DIM, BLOCK_D, SPLIT_KEYS, INTERPRET,
+        )  # fmt: skip
 
 
 def paged_attention(
@@ -374,6 +436,7 @@ def paged_attention(
     window: int = 0,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged caches [num_blocks, block_size, Hkv, D] -> out [T, H, D]
     in q's dtype.
@@ -387,7 +450,9 @@ def paged_attention(
     dtype (in float32 where q's dtype differs).
 
     num_splits = 1: each (tile, KV head) program walks its keys' splits and merges them itself.
-    num_splits > 1: one program per split, merged by a second kernel; then num_splits must cover
+    num_splits > 1: one program per split, merged by a second kernel, or with `counters` (int32 zeros,
+    at least tiles x Hkv of them, left zero: `attention_counters`) by the last split program of each
+    (tile, KV head) to finish, with the same arithmetic; then num_splits must cover
     every position of the call (>= num_splits_for(max position)), as splits past it are not run. A
     token's result is the same bits for 1 and for any such num_splits, and whatever the tiling of
     its sequence's tokens and the other sequences of the call. The grid depends only on
@@ -412,6 +477,7 @@ def paged_attention(
     part_denom = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_acc = torch.empty((*part_shape, head_dim) if is_split else (1,), dtype=torch.float32, device=q.device)
     part_stride = num_tokens * num_heads
+    combine_in_tile = is_split and counters is not None and counters.numel() >= num_tiles * num_kv_heads
     meta = dict(
         GROUP=group,
         ROWS=_rows(group),
@@ -428,6 +494,7 @@ def paged_attention(
         part_m,
         part_denom,
         part_acc,
+        counters if combine_in_tile else part_m,
         block_tables,
         positions,
         tile_seq,
@@ -448,11 +515,12 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N,
         IS_SPLIT=is_split,
+        COMBINE_IN_TILE=combine_in_tile,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
         **meta,
     )
-    if is_split:
+    if is_split and not combine_in_tile:
         _combine_kernel[(num_tiles, num_kv_heads)](
             out,
             part_m,
