@@ -74,6 +74,7 @@ def test_the_model_runs_its_gpu_forms_and_decode_graphs(llm):
     assert runner.triton and runner.fused is None and not runner.wants_fused
     layer = llm.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, GpuLinear) and isinstance(layer.attn_norm, GpuRMSNorm)
+    assert layer.self_attn.rotate_and_store is not None  # RoPE and the KV write in one kernel
     assert isinstance(llm.model.lm_head, GpuLinear) and llm.model.lm_head.out_dtype == torch.float32
     assert runner.graphs is not None and runner.graphs.buckets == [1, 2, 4, 8] and llm.weights["cuda_graphs"]
 

@@ -445,6 +445,28 @@ def test_rotate_matches_layers_rotary_on_a_strided_view(rotary_dim):
     assert torch.equal(elementwise.rotate(qk[2:3], cos[2:3], sin[2:3])[0], out[2])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_rotate_and_store_is_the_bits_of_rotate_then_store_kv(cache_dtype):
+    """q rotated as `rotate` gives it, k rotated and v written into the caches as `store_kv` writes them
+    (a negative slot: nothing), from the strided views of a fused projection's output, GQA."""
+    tokens, heads, kv_heads, head_dim, num_blocks = 5, 6, 2, 32, 4
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, seed=43, dtype=torch.bfloat16)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    angles = _randn(tokens, 1, head_dim // 2, seed=44)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(torch.bfloat16)
+    slots = torch.tensor([37, -1, 0, 63, 5], dtype=torch.int32, device=DEVICE)
+    caches = [_randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, seed=s, dtype=cache_dtype) for s in (45, 46)]
+    expected = [c.clone() for c in caches]
+    rotated = elementwise.rotate(qk, cos, sin)
+    attention.store_kv(rotated[:, heads:], v, *expected, slots)
+    q = elementwise.rotate_and_store(qk, v, cos, sin, *caches, slots)
+    assert q.shape == (tokens, heads, head_dim) and q.is_contiguous()
+    assert torch.equal(q, rotated[:, :heads])
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_add_rms_norm_is_the_bits_of_the_add_then_the_norm(dtype):
     x = _randn(9, 1100, seed=43, dtype=dtype) * 3  # hidden > norm.BLOCK: two steps a row
@@ -798,6 +820,8 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"add_rms_norm-int8-{m}"; norm.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, [])
     qk = x.view(m, 16, 128)[:, :10]  # q and k heads of a fused projection's output
     call = f"rotate-{m}"; elementwise.rotate(qk, x[:, None, :128], x[:, None, :128])
+    kv_cache = torch.zeros(8, 16, 2, 128, dtype=bf16)
+    call = f"rotate_and_store-{m}"; elementwise.rotate_and_store(x.view(m, 16, 128)[:, :10], x.view(m, 16, 128)[:, 10:12], x[:, None, :128], x[:, None, :128], kv_cache, kv_cache, torch.arange(m, dtype=torch.int32))
     call = f"matmul-bf16-{m}"; matmul.matmul(x, torch.randn(256, 2048).to(bf16), torch.randn(256).to(bf16))
     call = f"matmul-fp32-{m}"; matmul.matmul(x.float(), torch.randn(256, 2048))
     call = f"lm_head-{m}"; matmul.matmul(x, torch.randn(256, 2048).to(bf16), out_dtype=torch.float32)
@@ -868,6 +892,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("gated-int8", "_gated_kernel"),
         ("add_rms_norm-int8", "_rms_norm_kernel"),
         ("rotate", "_rotate_kernel"),
+        ("rotate_and_store", "_rotate_store_kernel"),
         ("matmul-bf16", "_float_kernel"),
         ("matmul-fp32", "_float_kernel"),
         ("lm_head", "_float_kernel"),

@@ -183,8 +183,8 @@ def _build_group(
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: StepMetadata,
@@ -195,11 +195,13 @@ def paged_attention(
     over the last `window` positions, its own included, where window > 0): here in PyTorch, or
     through the Triton kernels for metadata built by `build_triton_batch` (the GPU's path).
 
-    q: [T, H, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
-    (mutated in place at `slot_mapping`). Returns [T, H, D].
+    q: [T, H, D]; k, v: [T, Hkv, D], or None on the Triton path where a kernel wrote them already;
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D] (mutated in place at `slot_mapping`). Returns
+    [T, H, D].
     """
     if isinstance(metadata, TritonAttentionMetadata):
         return triton_paged_attention(q, k, v, k_cache, v_cache, metadata, scale, window)
+    assert k is not None and v is not None, "the new keys and values, written here"
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))

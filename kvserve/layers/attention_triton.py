@@ -106,8 +106,8 @@ def build_triton_batch(
 
 def triton_paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: TritonAttentionMetadata,
@@ -115,11 +115,12 @@ def triton_paged_attention(
     window: int = 0,
 ) -> torch.Tensor:
     """Write the new K/V into the cache, then attend each query over its own sequence's keys up to its
-    position (the last `window` of them where window > 0). q: [T, H, D]; k, v: [T, Hkv, D]. Returns
-    [T, H, D]."""
+    position (the last `window` of them where window > 0). q: [T, H, D]; k, v: [T, Hkv, D], or None
+    where they are in the cache already (elementwise.rotate_and_store). Returns [T, H, D]."""
     from kvserve.kernels.gpu.attention import paged_attention, store_kv
 
-    store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    if k is not None and v is not None:
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
     return paged_attention(
         q,
         k_cache,

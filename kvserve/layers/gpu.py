@@ -248,13 +248,14 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
 def use_triton_forms(model: nn.Module) -> None:
     """Turn a loaded model's float linear layers into GpuLinear (the lm_head giving float32 logits)
     and its norms into GpuRMSNorm, in place, sharing their tensors, and give its layers the one-kernel
-    RoPE and gated activation. Quantized layers the loader already built in their GPU forms."""
+    RoPE (with the KV cache's write where it rotates whole heads) and gated activation. Quantized layers the loader already built in their GPU forms."""
     from kvserve.kernels.gpu import elementwise
     from kvserve.models.decoder import MLP, Attention
 
     for name, module in list(model.named_modules()):
         if isinstance(module, Attention):
             module.rotate = elementwise.rotate
+            module.rotate_and_store = elementwise.rotate_and_store
         elif isinstance(module, MLP):
             module.gated_activation = elementwise.gated_activation
         if isinstance(module, nn.Linear):

@@ -39,6 +39,8 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
         self.rotate = rotate  # RoPE; on a GPU one kernel for q and k (layers/gpu.use_triton_forms)
+        # on a GPU, RoPE of whole heads with the new K/V written into the cache, one kernel
+        self.rotate_and_store = None
 
     def forward(
         self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, metadata: StepMetadata
@@ -50,11 +52,16 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.rotate_and_store is not None and self.rotary_dim == self.head_dim:
+            caches = (self.k_cache, self.v_cache, metadata.slot_mapping)
+            q = self.rotate_and_store(qk, v, *ropes[self.rope_table], *caches)  # k and v are in the cache
+            out = paged_attention(q, None, None, self.k_cache, self.v_cache, metadata, self.scale, self.window)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         # q and k are rotated together, their first rotary_dim dimensions
         rotated = self.rotate(qk[..., : self.rotary_dim], *ropes[self.rope_table])
         qk = rotated if self.rotary_dim == self.head_dim else torch.cat((rotated, qk[..., self.rotary_dim :]), -1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, metadata, self.scale, self.window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

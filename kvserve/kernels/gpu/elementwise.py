@@ -1,6 +1,7 @@
 """The elementwise steps of a layer, each one kernel where PyTorch launches two or three: the gated
-activation (SiLU or tanh-GELU of the gate times the up projection) and RoPE of q and k (the residual
-add with the RMSNorm after it is norm.add_rms_norm). On a GPU a decode step of a small model is
+activation (SiLU or tanh-GELU of the gate times the up projection) and RoPE of q and k, with the
+new keys and values written into the KV cache in the same kernel (the residual add with the RMSNorm
+after it is norm.add_rms_norm). On a GPU a decode step of a small model is
 hundreds of such launches of a few microseconds each, so fewer launches is what they are for.
 
 Each element's arithmetic is the same whatever the batch (R7): no reduction across rows, whichever
@@ -160,3 +161,115 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
             num_warps=4,
         )
     return out
+
+
+@triton.jit(do_not_specialize=["num_rows", "slot_mapping"])  # one binary for every number of rows
+def _rotate_store_kernel(
+    qk_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    num_rows,
+    stride_xt,
+    stride_xh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_st,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    num_heads,
+    num_kv_heads,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """`_rotate_kernel` over the (token, head) rows of q and k, then q's rows to q_ptr and k's, with v's
+    row of the same KV head, into the caches at the token's slot, as attention.store_kv writes them
+    (nothing for a negative slot)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    heads = num_heads + num_kv_heads
+    token, head = (rows // heads)[:, None], (rows % heads)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (rows < num_rows)[:, None] & (d < HEAD_DIM)
+    x_row = qk_ptr + token * stride_xt + head * stride_xh
+    x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
+    rolled = tl.load(x_row + (d + HEAD_DIM // 2) % HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + token * stride_ct + d, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_st + d, mask=mask, other=0.0).to(tl.float32)
+    x_cos = cast(x * cos, q_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # as _rotate_kernel
+    out = cast(x_cos + rolled * sin, q_ptr.dtype.element_ty, INTERPRET)
+    is_q = head < num_heads
+    tl.store(q_ptr + (token * num_heads + head) * HEAD_DIM + d, out, mask=mask & is_q)
+    slot = tl.load(slot_mapping + token, mask=(rows < num_rows)[:, None], other=-1).to(tl.int64)  # [R, 1]
+    kv_mask = mask & (~is_q) & (slot >= 0)
+    kv_head = tl.maximum(head - num_heads, 0)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    k = cast(out.to(tl.float32), k_cache.dtype.element_ty, INTERPRET)
+    tl.store(k_cache + block * stride_kcb + offset * stride_kcs + kv_head * stride_kch + d, k, mask=kv_mask)
+    v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + d, mask=kv_mask, other=0.0)
+    v = cast(v.to(tl.float32), v_cache.dtype.element_ty, INTERPRET)
+    tl.store(v_cache + block * stride_vcb + offset * stride_vcs + kv_head * stride_vch + d, v, mask=kv_mask)
+
+
+def rotate_and_store(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE over the whole head of q and k, qk [T, H + Hkv, D] (`rotate`'s bits), with k and v [T, Hkv, D]
+    then written into the caches at slot_mapping [T] (`attention.store_kv`'s bits; none for a negative
+    slot), in one kernel where those are two: returns the rotated q, a new contiguous [T, H, D]."""
+    tokens, heads, head_dim = qk.shape
+    num_kv_heads = v.shape[1]
+    assert v.shape == (tokens, num_kv_heads, head_dim) and slot_mapping.shape == (tokens,), (qk.shape, v.shape)
+    assert cos.shape == sin_signed.shape == (tokens, 1, head_dim), (qk.shape, cos.shape)
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape, k_cache.shape
+    assert qk.stride(-1) == v.stride(-1) == cos.stride(-1) == sin_signed.stride(-1) == 1, "rows must be contiguous"
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1
+    num_heads = heads - num_kv_heads
+    q = torch.empty(tokens, num_heads, head_dim, dtype=torch.promote_types(qk.dtype, cos.dtype), device=qk.device)
+    if tokens > 0:
+        rows = tokens * heads
+        _rotate_store_kernel[(triton.cdiv(rows, ROTATE_ROWS),)](
+            qk,
+            v,
+            cos,
+            sin_signed,
+            q,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            rows,
+            qk.stride(0),
+            qk.stride(1),
+            v.stride(0),
+            v.stride(1),
+            cos.stride(0),
+            sin_signed.stride(0),
+            *k_cache.stride()[:3],
+            *v_cache.stride()[:3],
+            num_heads,
+            num_kv_heads,
+            BLOCK_SIZE=k_cache.shape[1],
+            HEAD_DIM=head_dim,
+            BLOCK_ROWS=ROTATE_ROWS,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            INTERPRET=INTERPRET,
+            num_warps=4,
+        )
+    return q
