@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.cuda_graphs import buckets_for
-from kvserve.kernels.gpu import matmul
+from kvserve.kernels.gpu import elementwise, matmul
 from kvserve.layers.gpu import GpuInt4Linear, GpuLinear, GpuRMSNorm
 from tests.conftest import wait_idle_and_check
 from tests.test_engine_bundled import assert_first_divergence_agrees
@@ -183,6 +183,35 @@ def test_four_bit_weights_with_int8_inputs_batched_like_solo_and_like_the_cpu(ti
             wait_idle_and_check(cpu)
     for got, want in zip(solo, expected, strict=True):
         assert_first_divergence_agrees(got, want)
+
+
+def test_every_int4_layers_int8_inputs_come_from_the_kernel_before_it(tmp_path, triton_kernels):
+    """With head_dim 32 and an MLP of 128, all four int4 layers of a decoder layer take their int8
+    inputs from the kernel that made their input (the norms, the attention, the gated activation):
+    no quantizing launch of its own, and the same tokens and logprobs as each layer quantizing its own."""
+    from tests.conftest import make_tiny_llama, write_byte_tokenizer
+
+    shapes = dict(num_attention_heads=2, num_key_value_heads=1, intermediate_size=128)
+    make_tiny_llama(tmp_path, seed=7, initializer_range=0.2, **shapes)
+    write_byte_tokenizer(tmp_path)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+    with _llm(tmp_path, weights="q4", activations="int8") as q4:
+        layers = q4.model.layers
+        assert all(layer.self_attn.int8_output for layer in layers)
+        calls = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(matmul, "quantize_int8", lambda x, own=matmul.quantize_int8: calls.append(x) or own(x))
+            handed = q4.generate(PROMPTS[1], params)
+            assert calls == []
+            for layer in layers:  # now each layer quantizes its own inputs
+                patch.setattr(layer.attn_norm, "int8_output", False)
+                patch.setattr(layer.ffn_norm, "int8_output", False)
+                patch.setattr(layer.self_attn, "int8_output", False)
+                patch.setattr(layer.mlp, "gated_activation", elementwise.gated_activation)
+            own = q4.generate(PROMPTS[1], params)
+            assert len(calls) == 4 * len(layers) * len(own.token_ids)  # four a layer and forward
+        assert handed.token_ids == own.token_ids and handed.logprobs == own.logprobs
+        wait_idle_and_check(q4)
 
 
 def test_four_bit_packed_bfloat16_candidate_batched_like_solo(tiny_model_dir, triton_kernels, monkeypatch):

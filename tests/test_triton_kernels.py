@@ -724,6 +724,29 @@ def test_the_last_split_merges_the_splits_with_the_combine_kernels_bits(monkeypa
     assert torch.equal(out, expected) and (out[1] == 7.0).all() and not counters.any()
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_makes_quantize_int8s_bits_of_its_output(monkeypatch, num_splits):
+    """With `quantized` the attention's output also comes in its int8 form (o_proj's inputs): the bits of
+    matmul.quantize_int8 of the output viewed as [T, H * D], however the splits are merged (in the
+    program, by the combine kernel, by the last split); a head_dim that is not a power of two times 32:
+    nothing is appended."""
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 64)
+    lengths, spans, num_heads, num_kv_heads, _ = ATTENTION_CASES["decode-gqa"]
+    for head_dim in (32, 48):
+        cache = PagedCache.make(lengths, num_kv_heads, head_dim, torch.bfloat16, seed=64)
+        q = _randn(len(spans), num_heads, head_dim, seed=65, dtype=torch.bfloat16)
+        for counters in (None, attention.attention_counters(DEVICE)):
+            quantized = []
+            out = _attend(cache, Step(spans), q, 0, num_splits, counters=counters, quantized=quantized)
+            assert torch.equal(out, _attend(cache, Step(spans), q, 0, num_splits))
+            if head_dim == 48:
+                assert quantized == []
+                continue
+            (got,) = quantized
+            expected = matmul.quantize_int8(out.reshape(len(spans), num_heads * head_dim))
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), counters
+
+
 # --- At model sizes, on a GPU only (the interpreter would take hours)
 
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes need a GPU")

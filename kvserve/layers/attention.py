@@ -190,6 +190,7 @@ def paged_attention(
     metadata: StepMetadata,
     scale: float,
     window: int = 0,
+    quantized: list | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into the cache, then attend over each sequence's whole context (each query
     over the last `window` positions, its own included, where window > 0): here in PyTorch, or
@@ -197,10 +198,10 @@ def paged_attention(
 
     q: [T, H, D]; k, v: [T, Hkv, D], or None on the Triton path where a kernel wrote them already;
     k_cache, v_cache: [num_blocks, block_size, Hkv, D] (mutated in place at `slot_mapping`). Returns
-    [T, H, D].
+    [T, H, D]. `quantized`: the Triton kernels may append the output's int8 form to it (o_proj's inputs).
     """
     if isinstance(metadata, TritonAttentionMetadata):
-        return triton_paged_attention(q, k, v, k_cache, v_cache, metadata, scale, window)
+        return triton_paged_attention(q, k, v, k_cache, v_cache, metadata, scale, window, quantized)
     assert k is not None and v is not None, "the new keys and values, written here"
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))

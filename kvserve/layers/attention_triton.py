@@ -113,10 +113,12 @@ def triton_paged_attention(
     metadata: TritonAttentionMetadata,
     scale: float,
     window: int = 0,
+    quantized: list | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into the cache, then attend each query over its own sequence's keys up to its
     position (the last `window` of them where window > 0). q: [T, H, D]; k, v: [T, Hkv, D], or None
-    where they are in the cache already (elementwise.rotate_and_store). Returns [T, H, D]."""
+    where they are in the cache already (elementwise.rotate_and_store). Returns [T, H, D]; with
+    `quantized`, kernels/gpu/attention.paged_attention's."""
     from kvserve.kernels.gpu.attention import paged_attention, store_kv
 
     if k is not None and v is not None:
@@ -134,4 +136,5 @@ def triton_paged_attention(
         window,
         metadata.num_splits,
         counters=metadata.split_counters,
+        quantized=quantized,
     )

@@ -192,7 +192,7 @@ class GpuRMSNorm(RMSNorm):
 
         quantized = [] if self.int8_output else None
         out = rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, quantized).view(x.shape)
-        return _with_int8_form(out, quantized)
+        return with_int8_form(out, quantized)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.batch_invariant:
@@ -202,10 +202,11 @@ class GpuRMSNorm(RMSNorm):
         hidden = x.shape[-1]
         quantized = [] if self.int8_output else None
         total, out = add_rms_norm(x.reshape(-1, hidden), delta.reshape(-1, hidden), self.weight, self.eps, quantized)
-        return total.view(x.shape), _with_int8_form(out.view(x.shape), quantized)
+        return total.view(x.shape), with_int8_form(out.view(x.shape), quantized)
 
 
-def _with_int8_form(out: torch.Tensor, quantized: list | None) -> torch.Tensor:
+def with_int8_form(out: torch.Tensor, quantized: list | None) -> torch.Tensor:
+    """out, handing on the int8 form a kernel appended to `quantized` (if it did) to the layer it feeds."""
     if quantized:
         setattr(out, INT8_FORM, quantized[0])
     return out
@@ -216,15 +217,16 @@ def gated_activation_int8(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     from kvserve.kernels.gpu import elementwise
 
     quantized: list = []
-    return _with_int8_form(elementwise.gated_activation(gate_up, gelu, quantized), quantized)
+    return with_int8_form(elementwise.gated_activation(gate_up, gelu, quantized), quantized)
 
 
 def set_int8_inputs(model: nn.Module, on: bool) -> None:
     """Make every GpuInt4Linear of `model` take int8 inputs (`on`, `--activations int8`) or float ones
     (its int8-group layers keep float inputs); and where one takes int8, have the kernel that makes its
     input make their int8 form too (the same bits as the layer's own quantizing, one launch fewer): each
-    decoder layer's attention norm for qkv_proj, its MLP norm for gate_up_proj, its gated activation for
-    down_proj. o_proj's input, the attention's output, the layer quantizes itself."""
+    decoder layer's attention norm for qkv_proj, its attention for o_proj (where its head_dim is a power
+    of two and a multiple of 32; else o_proj quantizes its input itself), its MLP norm for gate_up_proj,
+    its gated activation for down_proj."""
     from kvserve.kernels.gpu import elementwise
     from kvserve.models.decoder import DecoderLayer
 
@@ -240,6 +242,7 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
         for norm, consumer in ((layer.attn_norm, layer.self_attn.qkv_proj), (layer.ffn_norm, layer.mlp.gate_up_proj)):
             if isinstance(norm, GpuRMSNorm):
                 norm.int8_output = takes_int8(consumer)
+        layer.self_attn.int8_output = takes_int8(layer.self_attn.o_proj)
         mlp = layer.mlp
         if mlp.gated_activation in (elementwise.gated_activation, gated_activation_int8):  # the GPU's
             mlp.gated_activation = gated_activation_int8 if takes_int8(mlp.down_proj) else elementwise.gated_activation

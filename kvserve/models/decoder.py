@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.attention import StepMetadata, paged_attention
+from kvserve.layers.gpu import with_int8_form
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import float32_linear
 from kvserve.layers.rotary import RotaryEmbedding, rotate
@@ -41,6 +42,9 @@ class Attention(nn.Module):
         self.rotate = rotate  # RoPE; on a GPU one kernel for q and k (layers/gpu.use_triton_forms)
         # on a GPU, RoPE of whole heads with the new K/V written into the cache, one kernel
         self.rotate_and_store = None
+        # on a GPU with int8 inputs to o_proj, the attention also makes its output's int8 form
+        # (layers/gpu.set_int8_inputs)
+        self.int8_output = False
 
     def forward(
         self, ropes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, metadata: StepMetadata
@@ -56,14 +60,19 @@ class Attention(nn.Module):
         if self.rotate_and_store is not None and self.rotary_dim == self.head_dim:
             caches = (self.k_cache, self.v_cache, metadata.slot_mapping)
             q = self.rotate_and_store(qk, v, *ropes[self.rope_table], *caches)  # k and v are in the cache
-            out = paged_attention(q, None, None, self.k_cache, self.v_cache, metadata, self.scale, self.window)
-            return self.o_proj(out.reshape(num_tokens, self.q_size))
+            return self._attend_and_project(q, None, None, metadata)
         # q and k are rotated together, their first rotary_dim dimensions
         rotated = self.rotate(qk[..., : self.rotary_dim], *ropes[self.rope_table])
         qk = rotated if self.rotary_dim == self.head_dim else torch.cat((rotated, qk[..., self.rotary_dim :]), -1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, metadata, self.scale, self.window)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self._attend_and_project(q, k, v, metadata)
+
+    def _attend_and_project(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, metadata: StepMetadata
+    ) -> torch.Tensor:
+        quantized = [] if self.int8_output else None
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, metadata, self.scale, self.window, quantized)
+        return self.o_proj(with_int8_form(out.reshape(q.shape[0], self.q_size), quantized))
 
 
 class MLP(nn.Module):

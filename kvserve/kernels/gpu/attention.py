@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import cast, dot
+from kvserve.kernels.gpu.common import cast, dot, quantize_groups
 
 ROWS = 16  # query rows (tokens x query heads of a KV head) per program, padded; the same for decode and prefill
 BLOCK_N = 64  # keys per chunk, aligned to absolute positions (chunk c holds keys c * BLOCK_N ...)
@@ -228,13 +228,43 @@ def _tile_rows(positions, tile_first, tile, num_tokens, window, GROUP: tl.conste
 
 
 @triton.jit
-def _store_rows(out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, INTERPRET):
-    """out[token, head] = acc / denom for the real rows, rounded to out's dtype."""
+def _store_rows(
+    out_ptr,
+    acc,
+    denom,
+    is_row,
+    token,
+    head,
+    stride_ot,
+    stride_oh,
+    words_ptr,
+    dq_ptr,
+    sq_ptr,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out[token, head] = acc / denom for the real rows, rounded to out's dtype. QUANTIZE (out [T, H, D]
+    contiguous, D a power of two and a multiple of 32): also each row as stored, per group of 32, in
+    `quantize_groups`'s int8 form at [token, head * D / 32 + group] of [T, H * D / 32] groups: o_proj's
+    inputs as matmul.quantize_int8 makes them from out viewed as [T, H * D]."""
     d = tl.arange(0, acc.shape[1])
     out = acc / tl.where(is_row, denom, 1.0)[:, None]
     offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     mask = is_row[:, None] & (d < HEAD_DIM)[None, :]
-    tl.store(out_ptr + offsets, cast(out, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    out = cast(out, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + offsets, out, mask=mask)
+    if QUANTIZE:
+        GROUPS: tl.constexpr = HEAD_DIM // 32  # per row
+        ROWS: tl.constexpr = acc.shape[0]
+        words, dq, sq = quantize_groups(tl.reshape(out.to(tl.float32), (ROWS * GROUPS, 32)), INTERPRET)
+        group = (token * num_heads + head)[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]  # [ROWS, GROUPS]
+        g_mask = is_row[:, None] & (tl.arange(0, GROUPS) < GROUPS)[None, :]
+        tl.store(dq_ptr + group, tl.reshape(dq, (ROWS, GROUPS)), mask=g_mask)
+        tl.store(sq_ptr + group, tl.reshape(sq, (ROWS, GROUPS)), mask=g_mask)
+        word = group[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        tl.store(words_ptr + word, tl.reshape(words, (ROWS, GROUPS, 8)), mask=g_mask[:, :, None])
 
 
 # one binary for every batch: no specialization on the batch's sizes, nor on where its metadata lies
@@ -271,6 +301,9 @@ def _attention_kernel(
     stride_table,
     num_heads,
     part_stride,
+    words_ptr,
+    dq_ptr,
+    sq_ptr,
     DOT_DTYPE: tl.constexpr,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
@@ -281,6 +314,7 @@ def _attention_kernel(
     SPLIT_KEYS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     COMBINE_IN_TILE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -318,8 +352,8 @@ def _attention_kernel(
                 if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
                     _combine_splits(
                         out_ptr, part_m, part_denom, part_acc, r, is_row, token, pos, first_key, key_begin,
-                        key_end, kv_head, stride_ot, stride_oh, num_heads, part_stride,
-                        GROUP, ROWS, HEAD_DIM, BLOCK_D, SPLIT_KEYS, INTERPRET,
+                        key_end, kv_head, stride_ot, stride_oh, num_heads, part_stride, words_ptr, dq_ptr, sq_ptr,
+                        GROUP, ROWS, HEAD_DIM, BLOCK_D, SPLIT_KEYS, QUANTIZE, INTERPRET,
                     )  # fmt: skip
                     tl.store(counter, 0)  # for the next call
         else:
@@ -333,7 +367,10 @@ def _attention_kernel(
                     DOT_DTYPE, ROWS, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SPLIT_KEYS, INTERPRET,
                 )  # fmt: skip
                 m, denom, acc = _merge(m, denom, acc, m_split, denom_split, acc_split)
-            _store_rows(out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, HEAD_DIM, INTERPRET)
+            _store_rows(
+                out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, words_ptr, dq_ptr, sq_ptr, num_heads,
+                HEAD_DIM, QUANTIZE, INTERPRET,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -354,11 +391,15 @@ def _combine_splits(
     stride_oh,
     num_heads,
     part_stride,
+    words_ptr,
+    dq_ptr,
+    sq_ptr,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
+    QUANTIZE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Merge each row's splits (only those holding its keys) in increasing order, as the attention
@@ -385,7 +426,10 @@ def _combine_splits(
             cache_modifier=".cg",
         )
         m, denom, acc = _merge(m, denom, acc, m_split, denom_split, acc_split)
-    _store_rows(out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, HEAD_DIM, INTERPRET)
+    _store_rows(
+        out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, words_ptr, dq_ptr, sq_ptr, num_heads,
+        HEAD_DIM, QUANTIZE, INTERPRET,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_BATCH_ARGS)
@@ -402,11 +446,15 @@ def _combine_kernel(
     stride_oh,
     num_heads,
     part_stride,
+    words_ptr,
+    dq_ptr,
+    sq_ptr,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
+    QUANTIZE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """`_combine_splits` for each (tile, KV head): where the attention kernel has no counters."""
@@ -418,8 +466,8 @@ def _combine_kernel(
         )
         _combine_splits(
             out_ptr, part_m, part_denom, part_acc, r, is_row, token, pos, first_key, key_begin, key_end,
-            tl.program_id(1), stride_ot, stride_oh, num_heads, part_stride,
-            GROUP, ROWS, HEAD_DIM, BLOCK_D, SPLIT_KEYS, INTERPRET,
+            tl.program_id(1), stride_ot, stride_oh, num_heads, part_stride, words_ptr, dq_ptr, sq_ptr,
+            GROUP, ROWS, HEAD_DIM, BLOCK_D, SPLIT_KEYS, QUANTIZE, INTERPRET,
         )  # fmt: skip
 
 
@@ -437,6 +485,7 @@ def paged_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    quantized: list | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged caches [num_blocks, block_size, Hkv, D] -> out [T, H, D]
     in q's dtype.
@@ -456,7 +505,11 @@ def paged_attention(
     every position of the call (>= num_splits_for(max position)), as splits past it are not run. A
     token's result is the same bits for 1 and for any such num_splits, and whatever the tiling of
     its sequence's tokens and the other sequences of the call. The grid depends only on
-    (num_tiles, Hkv, num_splits), as a CUDA graph needs."""
+    (num_tiles, Hkv, num_splits), as a CUDA graph needs.
+
+    `quantized`: where D is a power of two and a multiple of 32, the same kernels also make out's
+    int8 form (out viewed as [T, H * D]: matmul.quantize_int8's words, d and s, the same bits) and
+    append it; elsewhere nothing is appended."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
@@ -477,6 +530,15 @@ def paged_attention(
     part_denom = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_acc = torch.empty((*part_shape, head_dim) if is_split else (1,), dtype=torch.float32, device=q.device)
     part_stride = num_tokens * num_heads
+    quantize = quantized is not None and head_dim % 32 == 0 and head_dim == triton.next_power_of_2(head_dim)
+    if quantize:  # o_proj's int8 inputs, written with the output
+        assert out.is_contiguous(), "the int8 form is of out viewed as [T, H * D]"
+        groups = num_heads * head_dim // 32
+        dq = torch.empty(num_tokens, groups, dtype=torch.float32, device=q.device)
+        quantized.append(
+            (torch.empty(num_tokens, groups * 8, dtype=torch.int32, device=q.device), dq, torch.empty_like(dq))
+        )
+    words, dq, sq = quantized[-1] if quantize else (part_m, part_m, part_m)  # (not written without QUANTIZE)
     combine_in_tile = is_split and counters is not None and counters.numel() >= num_tiles * num_kv_heads
     meta = dict(
         GROUP=group,
@@ -484,6 +546,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         SPLIT_KEYS=SPLIT_KEYS,
+        QUANTIZE=quantize,
         INTERPRET=INTERPRET,
     )
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
@@ -511,6 +574,9 @@ def paged_attention(
         block_tables.stride(0),
         num_heads,
         part_stride,
+        words,
+        dq,
+        sq,
         DOT_DTYPE=dot_dtype,
         BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N,
@@ -534,6 +600,9 @@ def paged_attention(
             out.stride(1),
             num_heads,
             part_stride,
+            words,
+            dq,
+            sq,
             num_warps=NUM_WARPS,
             **meta,
         )
