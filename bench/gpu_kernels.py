@@ -8,7 +8,8 @@ FMAs from bfloat16 scales (`int4_matmul(packed_bf16=True)`: other bits by design
 in the loop for sm_90), at each int4 config and two 128-column ones; `int4-int8`, int4 weights times
 int8 inputs by dp4a (`int4_int8_matmul`, `--activations int8`: the inputs' quantization included, its
 row tile following M), at its candidate configs, and from 16 rows `int4-int8-mma`, its tensor-core
-kernel's tiles (the same bits); and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding).
+kernel's tiles (the same bits); and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding),
+with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`).
 Each layer has its own tile counters, as in the engine, so that a K split's last program adds the
 splits; `float-sum-kernel`, `int4-sum-kernel` and `int4-int8-sum-kernel` time kvserve's configs with
 `_sum_splits_kernel` launched instead, as before 2026-11-29 (the same bits, `same_bits`).
@@ -175,8 +176,10 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
 
         return calls
 
-    def int8_calls(x):
+    def int8_calls(x, int8_inputs=False):
         layers = list(zip(codes8, scales8, counters, strict=False))
+        if int8_inputs:  # --activations int8: the inputs' quantization included
+            return lambda: [mm.int8_int8_matmul(x, c, s, out_dtype, counters=t) for c, s, t in layers]
         return lambda: [mm.int8_group_matmul(x, c, s, out_dtype, counters=t) for c, s, t in layers]
 
     for m in rows:
@@ -202,12 +205,12 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             ("int4-int8-sum-kernel", None, int4_int8_calls(x, None, tile_sums=False)),
         ]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
-            runs += [("int8", None, int8_calls(x))]
+            runs += [("int8", None, int8_calls(x)), ("int8-int8", None, int8_calls(x, int8_inputs=True))]
         runs = [run for run in runs if kinds is None or run[0] in kinds]
         outputs = {}  # kind -> the first layer's output with kvserve's config: the same bits every way
         for kind, cfg, fn in runs:
             try:
-                seconds = timed(fn, device) / (len(codes8) if kind == "int8" else count)
+                seconds = timed(fn, device) / (len(codes8) if kind in ("int8", "int8-int8") else count)
                 if cfg is None:
                     outputs[kind] = fn()[0]
             except Exception as e:  # a config that does not compile or launch is a finding

@@ -68,7 +68,7 @@ def variants():
     """(name, kernel, config, scale dtype, kernel switches): the default kernel and the packed-bfloat16
     candidate, with the layer's scales as stored (float16) or as bfloat16, at 64 and 128 columns; the
     int8-input kernel (dp4a) for one row at 128 (its own), 64 and 256 columns, and for 16 rows, and
-    its tensor-core kernel (int8 wgmma) in its tiles."""
+    its tensor-core kernel (int8 wgmma) in its tiles; and int8 codes (Q8_0) times int8 inputs for one row."""
     from kvserve.kernels.gpu import matmul as mm
 
     base = mm.config_for(mm.INT4_CONFIG, N, K)
@@ -98,6 +98,7 @@ def variants():
         ),
         ("int8 inputs (dp4a), 8 rows", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_m=8), half, {}),
         ("int8 inputs (dp4a), 16 rows", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_m=16), half, {}),
+        ("int8 codes, int8 inputs (dp4a), one row", mm._int4_int8_kernel, dp4a, torch.float32, {"CODE_BITS": 8}),
     ] + [
         (
             f"int8 inputs, tensor cores, {tile['block_m']} rows",
@@ -132,13 +133,14 @@ def main() -> None:
     JITFunction.__getitem__ = compile_only
     x = torch.randn(64, K).to(torch.bfloat16)
     packed = mm.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8))
+    codes8 = torch.randint(-128, 128, (N, K), dtype=torch.int8)  # a Q8_0 layer's
     for name, kernel, config, scale_dtype, switches in variants():
         scales = torch.rand(N, K // 32).to(scale_dtype)
         if kernel is not mm._int4_kernel:  # x as quantize_int8 gives it (that kernel compiles, not counted)
             words, d, s = mm.quantize_int8(x)
-            codes = packed.view(torch.int32)
+            codes = (codes8 if switches.get("CODE_BITS") == 8 else packed).view(torch.int32)
             weight = (d, s, codes, scales, scales, codes.stride(0), scales.stride(0), scales.stride(0))
-            mm._launch(kernel, config, words, N, weight, None, x.dtype, k=K)
+            mm._launch(kernel, config, words, N, weight, None, x.dtype, k=K, **switches)
         else:
             weight = (packed, scales, scales, packed.stride(0), scales.stride(0), scales.stride(0))
             mm._launch(kernel, config, x, N, weight, None, None, **switches)

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from kvserve import LLM, SamplingParams
 from kvserve.engine.cuda_graphs import buckets_for
 from kvserve.kernels.gpu import elementwise, matmul
-from kvserve.layers.gpu import GpuInt4Linear, GpuLinear, GpuRMSNorm
+from kvserve.layers.gpu import GpuInt4Linear, GpuInt8GroupLinear, GpuLinear, GpuRMSNorm
 from tests.conftest import wait_idle_and_check
 from tests.test_engine_bundled import assert_first_divergence_agrees
 
@@ -161,15 +161,20 @@ def test_four_bit_weights_with_int8_inputs_batched_like_solo_and_like_the_cpu(ti
         solo = [q4.generate(p, params) for p in PROMPTS]
         batched = q4.generate(PROMPTS, params)
         assert [r.token_ids for r in batched] == [r.token_ids for r in solo]
-        # the norms hand qkv_proj and gate_up_proj their inputs' int8 form: the same bits as each layer's
-        # own quantizing, which then runs for o_proj alone (down_proj's 112 inputs keep it a float layer)
+        # the norms hand qkv_proj, gate_up_proj and the (Q8_0) lm_head their inputs' int8 form: the same
+        # bits as each layer's own quantizing, which then runs for o_proj alone (head_dim 16; down_proj's
+        # 112 inputs keep it a float layer), and for the lm_head in an eager step, which takes the rows
+        # that sample
+        assert isinstance(q4.model.lm_head, GpuInt8GroupLinear) and q4.model.lm_head.int8_activations
         norms = [m for m in q4.model.modules() if isinstance(m, GpuRMSNorm) and m.int8_output]
-        assert len(norms) == 2 * len(q4.model.layers)
+        assert len(norms) == 2 * len(q4.model.layers) + 1
         calls = []
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(matmul, "quantize_int8", lambda x, own=matmul.quantize_int8: calls.append(x) or own(x))
+            before = q4.runner_timings()
             handed = q4.generate(PROMPTS[1], params)
-            assert len(calls) == len(q4.model.layers) * len(handed.token_ids)  # a forward per token
+            eager_steps = _eager_steps_since(q4, before)
+            assert len(calls) == len(q4.model.layers) * len(handed.token_ids) + eager_steps  # a forward per token
             for norm in norms:
                 patch.setattr(norm, "int8_output", False)
             own = q4.generate(PROMPTS[1], params)
@@ -185,10 +190,17 @@ def test_four_bit_weights_with_int8_inputs_batched_like_solo_and_like_the_cpu(ti
         assert_first_divergence_agrees(got, want)
 
 
+def _eager_steps_since(llm: LLM, before: dict) -> int:
+    """Steps run without a CUDA graph since the runner's timings were `before`."""
+    after = llm.runner_timings()
+    return round((after["steps"] - before["steps"]) - (after["graph_steps"] - before["graph_steps"]))
+
+
 def test_every_int4_layers_int8_inputs_come_from_the_kernel_before_it(tmp_path, triton_kernels):
     """With head_dim 32 and an MLP of 128, all four int4 layers of a decoder layer take their int8
-    inputs from the kernel that made their input (the norms, the attention, the gated activation):
-    no quantizing launch of its own, and the same tokens and logprobs as each layer quantizing its own."""
+    inputs from the kernel that made their input (the norms, the attention, the gated activation), and
+    the lm_head from the final norm in a CUDA graph's step: no quantizing launch of their own, and the
+    same tokens and logprobs as each layer quantizing its own."""
     from tests.conftest import make_tiny_llama, write_byte_tokenizer
 
     shapes = dict(num_attention_heads=2, num_key_value_heads=1, intermediate_size=128)
@@ -201,15 +213,19 @@ def test_every_int4_layers_int8_inputs_come_from_the_kernel_before_it(tmp_path, 
         calls = []
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(matmul, "quantize_int8", lambda x, own=matmul.quantize_int8: calls.append(x) or own(x))
+            before = q4.runner_timings()
             handed = q4.generate(PROMPTS[1], params)
-            assert calls == []
+            assert len(calls) == _eager_steps_since(q4, before)  # the lm_head's, on the rows that sample
             for layer in layers:  # now each layer quantizes its own inputs
                 patch.setattr(layer.attn_norm, "int8_output", False)
                 patch.setattr(layer.ffn_norm, "int8_output", False)
                 patch.setattr(layer.self_attn, "int8_output", False)
                 patch.setattr(layer.mlp, "gated_activation", elementwise.gated_activation)
+            calls.clear()
+            before = q4.runner_timings()
             own = q4.generate(PROMPTS[1], params)
-            assert len(calls) == 4 * len(layers) * len(own.token_ids)  # four a layer and forward
+            # four a layer and forward, and the lm_head's in an eager step
+            assert len(calls) == 4 * len(layers) * len(own.token_ids) + _eager_steps_since(q4, before)
         assert handed.token_ids == own.token_ids and handed.logprobs == own.logprobs
         wait_idle_and_check(q4)
 

@@ -128,7 +128,7 @@ class _SumLaunches:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("kind", ["float", "int4", "int8", "int4-int8", "int4-int8-mma"])
+@pytest.mark.parametrize("kind", ["float", "int4", "int8", "int4-int8", "int4-int8-mma", "int8-int8"])
 def test_the_last_k_split_of_a_tile_adds_the_splits_with_the_sum_kernels_bits(monkeypatch, kind):
     """With a layer's counters each tile's last K split adds every split's partial sums (in split order,
     then the bias): the bits of `_sum_splits_kernel`, which is then not launched, and the counters are
@@ -144,6 +144,9 @@ def test_the_last_k_split_of_a_tile_adds_the_splits_with_the_sum_kernels_bits(mo
     elif kind == "int8":
         codes, scales, _ = _int8_weight(n, k, seed=82)
         run = lambda counters: matmul.int8_group_matmul(x, codes, scales, None, bias, counters)  # noqa: E731
+    elif kind == "int8-int8":
+        codes, scales, _ = _int8_weight(n, k, seed=82)
+        run = lambda counters: matmul.int8_int8_matmul(x, codes, scales, None, bias, counters=counters)  # noqa: E731
     else:
         codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=82)
         packed = matmul.pack_int4(codes)
@@ -391,6 +394,26 @@ def test_int8_group_matmul_against_float64(dtype, out_dtype):
     out = matmul.int8_group_matmul(x, codes, scales, out_dtype, bias)
     assert out.dtype == (out_dtype or dtype)
     _check_matmul(out, x, w.to(dtype), bias)
+
+
+def test_int8_int8_matmul_against_float64_rows_alone_and_on_the_tensor_cores():
+    """Q8_0 codes times inputs quantized per group (`int8_int8_matmul`): within float32's summation of
+    the quantized inputs times the weight; with K splits (the last not a whole step) and a bias; each
+    row alone its bits in the batch, through dp4a (few rows) and the tensor cores (many) alike."""
+    m, k, n = 41, 1024 + 160, 80
+    codes, scales, w = _int8_weight(n, k, seed=90)
+    x = _randn(m, k, seed=91, dtype=torch.bfloat16)
+    bias = _randn(n, seed=92)
+    run = lambda rows: matmul.int8_int8_matmul(rows, codes, scales, torch.float32, bias)  # noqa: E731
+    out = run(x)
+    q, d, _ = _quantized_inputs(x)
+    rounded = (q.double().reshape(m, -1, 32) * d.double()[..., None]).reshape(m, k).to(DEVICE)
+    _check_matmul(out, rounded, w.double(), bias)
+    few = matmul.INT4_INT8_MMA_ROWS - 1
+    assert torch.equal(torch.cat([run(x[i : i + few]) for i in range(0, m, few)]), out)
+    assert torch.equal(torch.cat([run(x[:20]), run(x[20:32]), run(x[32:])]), out)
+    for row in (0, m // 2, m - 1):
+        assert torch.equal(run(x[row : row + 1])[0], out[row]), row
 
 
 def test_int8_group_matmul_each_row_alone():
@@ -753,7 +776,7 @@ on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes n
 
 
 @on_gpu
-@pytest.mark.parametrize("kind", ["float", "lm_head", "int4", "int8", "int4-int8"])
+@pytest.mark.parametrize("kind", ["float", "lm_head", "int4", "int8", "int4-int8", "int8-int8"])
 def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kind):
     m, k, n = 300, 4096, 1024
     x = _randn(m, k, seed=70, dtype=torch.bfloat16)
@@ -769,11 +792,14 @@ def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kin
         codes, scales, mins, w = _int4_weight(n, k, torch.float16, seed=72)
         packed = matmul.pack_int4(codes)
         run = lambda rows: matmul.int4_int8_matmul(rows, packed, scales, mins)  # noqa: E731
+    elif kind == "int8-int8":
+        codes, scales, w = _int8_weight(n, k, seed=73)
+        run = lambda rows: matmul.int8_int8_matmul(rows, codes, scales)  # noqa: E731
     else:
         codes, scales, w = _int8_weight(n, k, seed=73)
         run = lambda rows: matmul.int8_group_matmul(rows, codes, scales)  # noqa: E731
     out = run(x)
-    if kind == "int4-int8":  # against the inputs as the kernel rounds them, and the weight in float64
+    if kind.endswith("-int8"):  # against the inputs as the kernel rounds them, and the weight in float64
         q, d, _ = _quantized_inputs(x[:8])
         _check_matmul(
             out[:8], (q.double().reshape(8, -1, 32) * d[..., None]).reshape(8, k).to(DEVICE), w.double(), None
@@ -854,6 +880,7 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"int4-bf16x2-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales, packed_bf16=True)
     call = f"int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
     call = f"int4-int8-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
+    call = f"int8-int8-{m}"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
     counters = matmul.split_counters("cpu")  # each tile's last K split adds the splits
     call = f"int4-tiles-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
     call = f"int8-tiles-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), counters=counters)
@@ -929,6 +956,10 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int4-int8", "_int4_int8_kernel"),
         ("int4-int8", "_int4_int8_mma_kernel"),
         ("int4-int8", "_sum_splits_kernel"),
+        ("int8-int8", "_quantize_int8_kernel"),
+        ("int8-int8", "_int4_int8_kernel"),  # CODE_BITS 8
+        ("int8-int8", "_int4_int8_mma_kernel"),
+        ("int8-int8", "_sum_splits_kernel"),
         ("int4-tiles", "_int4_kernel"),  # no sum kernel: each tile's last split adds
         ("int8-tiles", "_int8_kernel"),
         ("int4-int8-tiles", "_quantize_int8_kernel"),

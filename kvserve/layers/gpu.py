@@ -146,7 +146,11 @@ class GpuInt4Linear(nn.Module):
 
 class GpuInt8GroupLinear(nn.Module):
     """y = x @ W.T (+ bias) with W as int8 codes and a float32 scale per 32 inputs (GGML's Q8_0), given in
-    `out_dtype` (float32 for the lm_head's logits), else in x's dtype. One kernel for every row count."""
+    `out_dtype` (float32 for the lm_head's logits), else in x's dtype. One kernel for every row count.
+
+    With `int8_activations` (`--activations int8`, set by set_int8_inputs) x is quantized to int8 per
+    group of 32 and each group's products summed in integers (`int8_int8_matmul`, llama.cpp's Q8_0 x
+    Q8_0), as the CPU's Int8GroupLinear takes int8 inputs then."""
 
     def __init__(
         self,
@@ -161,20 +165,27 @@ class GpuInt8GroupLinear(nn.Module):
         if scales.shape[1] * GROUP_SIZE != self.in_features:
             raise ValueError(f"the GPU's int8 kernel takes a scale per {GROUP_SIZE} inputs")
         self.out_dtype = out_dtype
+        self.int8_activations = False
         self.register_buffer("codes", codes.to(device))  # [N, K] int8
         self.register_buffer("scales", scales.float().to(device))  # [N, K / 32]
         self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
         self.register_buffer("split_counters", _split_counters(device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kvserve.kernels.gpu.matmul import int8_group_matmul
+        from kvserve.kernels.gpu.matmul import int8_group_matmul, int8_int8_matmul
 
         x2 = x.reshape(-1, self.in_features)
-        out = int8_group_matmul(x2, self.codes, self.scales, self.out_dtype or x.dtype, self.bias, self.split_counters)
+        out_dtype = self.out_dtype or x.dtype
+        if self.int8_activations:
+            quantized = getattr(x, INT8_FORM, None)  # made by the kernel that made x, if any
+            out = int8_int8_matmul(x2, self.codes, self.scales, out_dtype, self.bias, quantized, self.split_counters)
+        else:
+            out = int8_group_matmul(x2, self.codes, self.scales, out_dtype, self.bias, self.split_counters)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        inputs = ", int8 inputs" if self.int8_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}{inputs}"
 
 
 class GpuRMSNorm(RMSNorm):
@@ -221,9 +232,10 @@ def gated_activation_int8(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
 
 
 def set_int8_inputs(model: nn.Module, on: bool) -> None:
-    """Make every GpuInt4Linear of `model` take int8 inputs (`on`, `--activations int8`) or float ones
-    (its int8-group layers keep float inputs); and where one takes int8, have the kernel that makes its
-    input make their int8 form too (the same bits as the layer's own quantizing, one launch fewer): each
+    """Make every GpuInt4Linear and GpuInt8GroupLinear of `model` take int8 inputs (`on`, `--activations
+    int8`) or float ones; and where one takes int8, have the kernel that makes its input make their
+    int8 form too (the same bits as the layer's own quantizing, one launch fewer): the final norm for
+    the lm_head, and each
     decoder layer's attention norm for qkv_proj, its attention for o_proj (where its head_dim is a power
     of two and a multiple of 32; else o_proj quantizes its input itself), its MLP norm for gate_up_proj,
     its gated activation for down_proj."""
@@ -231,11 +243,13 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
     from kvserve.models.decoder import DecoderLayer
 
     def takes_int8(layer: nn.Module) -> bool:
-        return isinstance(layer, GpuInt4Linear) and layer.int8_activations
+        return isinstance(layer, (GpuInt4Linear, GpuInt8GroupLinear)) and layer.int8_activations
 
     for module in model.modules():
-        if isinstance(module, GpuInt4Linear):
+        if isinstance(module, (GpuInt4Linear, GpuInt8GroupLinear)):
             module.int8_activations = on
+    if isinstance(getattr(model, "norm", None), GpuRMSNorm):  # a pipeline's last stage, or the whole model
+        model.norm.int8_output = takes_int8(model.lm_head)
     for layer in model.modules():
         if not isinstance(layer, DecoderLayer):
             continue

@@ -162,6 +162,53 @@ def group_dot(w, q, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def int8_group_dot(w_low, w_high, q, INTERPRET: tl.constexpr):
+    """The exact integer sums over a group of 32 of code * q for int8 codes (GGML's Q8_0): w_low, w_high
+    [N, 4] int32, words 0..3 and 4..7 of each output's 32 code bytes (word t: inputs 4t..4t+3); q as
+    `group_dot`'s -> [N, M]. On a GPU eight dp4a per output and row."""
+    if INTERPRET:
+        shifts = tl.arange(0, 4) * 8
+        inputs = tl.load(q[:, None] + tl.arange(0, 8)[None, :])  # [M, 8]
+        inputs = tl.reshape((inputs[:, :, None] << (24 - shifts)[None, None, :]) >> 24, (q.shape[0], 32))
+        words = tl.reshape(tl.join(w_low, w_high), (w_low.shape[0], 4, 2))  # [N, 4, 2]: word t and 4 + t
+        words = tl.reshape(tl.permute(words, (0, 2, 1)), (w_low.shape[0], 8))  # word order 0..7
+        codes = tl.reshape((words[:, :, None] << (24 - shifts)[None, None, :]) >> 24, (w_low.shape[0], 32))
+        return tl.sum(codes[:, None, :] * inputs[None, :, :], axis=2)
+    else:
+        w0, w1, w2, w3 = split4(w_low)
+        w4, w5, w6, w7 = split4(w_high)
+        x0, x1, x2, x3 = _load4(q)
+        x4, x5, x6, x7 = _load4(q + 4)
+        return tl.inline_asm_elementwise(
+            asm="{ dp4a.s32.s32 $0, $1, $9, 0; dp4a.s32.s32 $0, $2, $10, $0; dp4a.s32.s32 $0, $3, $11, $0;"
+            " dp4a.s32.s32 $0, $4, $12, $0; dp4a.s32.s32 $0, $5, $13, $0; dp4a.s32.s32 $0, $6, $14, $0;"
+            " dp4a.s32.s32 $0, $7, $15, $0; dp4a.s32.s32 $0, $8, $16, $0; }",
+            constraints="=r" + ",r" * 16,
+            args=[
+                w0[:, None],
+                w1[:, None],
+                w2[:, None],
+                w3[:, None],
+                w4[:, None],
+                w5[:, None],
+                w6[:, None],
+                w7[:, None],
+                x0[None, :],
+                x1[None, :],
+                x2[None, :],
+                x3[None, :],
+                x4[None, :],
+                x5[None, :],
+                x6[None, :],
+                x7[None, :],
+            ],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+
+
+@triton.jit
 def round_to_int(x, INTERPRET: tl.constexpr):
     """float32 x (|x| < 2**22) rounded to the nearest integer, ties to even, as int32 (one conversion
     instruction on a GPU; the interpreter adds and subtracts 1.5 * 2**23, which rounds the same)."""

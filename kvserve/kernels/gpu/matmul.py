@@ -25,6 +25,7 @@ from kvserve.kernels.gpu.common import (
     cast,
     dot,
     group_dot,
+    int8_group_dot,
     nibble_fma_bf16,
     nibble_to_float,
     quantize_groups,
@@ -449,18 +450,22 @@ def _int4_int8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CODE_BITS: tl.constexpr = 4,
 ):
     """int4 weights times int8 inputs (x: `quantize_int8`'s words, d and s; BLOCK_K 128: four groups
     a step), as int4_int8.cpp on the CPU: per group of 32 and output the exact integer sum over
     code * q (dp4a: four products per instruction, no tensor cores), then total = fma(scale * d, sum,
     total); total = fma(s, min, total), group after group. Nothing here depends on the other rows of
-    the tile, so BLOCK_M may follow M without changing a bit."""
+    the tile, so BLOCK_M may follow M without changing a bit. CODE_BITS 8: int8 codes (GGML's Q8_0,
+    eight words a group) and no min: total = fma(scale * d, sum, total)."""
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
     rows, cols, rows64, cols64, k_begin, k_end, g_begin = _int8_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    WORDS: tl.constexpr = CODE_BITS  # int32 words of codes per group of 32
     # pointers at the split's first group, advanced a step (four groups) at a time
     four = tl.arange(0, 4)[None, :]
-    # word t (of 4) of a group holds the codes of inputs 4t..4t+3 in its low nibbles, +16 in its high ones
-    w_step = words_ptr + cols64[:, None] * stride_wn + g_begin * 4 + four  # [BN, 4]
+    # 4-bit: word t (of 4) of a group holds the codes of inputs 4t..4t+3 in its low nibbles, +16 in its
+    # high ones; 8-bit: word t (of 8) those of inputs 4t..4t+3
+    w_step = words_ptr + cols64[:, None] * stride_wn + g_begin * WORDS + four  # [BN, 4]
     scales_step = scales_ptr + cols64[:, None] * stride_sn + g_begin + four  # [BN, 4]: four groups'
     mins_step = mins_ptr + cols64[:, None] * stride_mn + g_begin + four
     x_step = x_ptr + rows64 * stride_xm + g_begin * 8  # [BM]: eight words of int8 codes per group
@@ -470,20 +475,27 @@ def _int4_int8_kernel(
     for k0 in range(k_begin, k_end, 128):
         if EVEN_K:
             scales = split4(tl.load(scales_step))  # [BN] each
-            lows = split4(tl.load(mins_step))
+            if CODE_BITS == 4:
+                lows = split4(tl.load(mins_step))
         else:  # a split that ends within the step: past its end the scale and min are 0, so those
             # groups add nothing, and their loads stay in the split
             g_ok = k0 // 32 + four < k_end // 32
             scales = split4(tl.load(scales_step, mask=g_ok, other=0.0))
-            lows = split4(tl.load(mins_step, mask=g_ok, other=0.0))
+            if CODE_BITS == 4:
+                lows = split4(tl.load(mins_step, mask=g_ok, other=0.0))
         for gi in tl.static_range(4):
             g = gi if EVEN_K else tl.minimum(gi, (k_end - k0) // 32 - 1)
-            isum = group_dot(tl.load(w_step + g * 4), x_step + g * 8, INTERPRET)  # [BN, BM]
+            if CODE_BITS == 4:
+                isum = group_dot(tl.load(w_step + g * 4), x_step + g * 8, INTERPRET)  # [BN, BM]
+            else:
+                w_group = w_step + g * 8
+                isum = int8_group_dot(tl.load(w_group), tl.load(w_group + 4), x_step + g * 8, INTERPRET)
             d = tl.load(d_step + g)
-            s = tl.load(s_step + g)
             acc = tl.fma(scales[gi].to(tl.float32)[:, None] * d[None, :], isum.to(tl.float32), acc)
-            acc = tl.fma(s[None, :], lows[gi].to(tl.float32)[:, None], acc)
-        w_step += 16
+            if CODE_BITS == 4:
+                s = tl.load(s_step + g)
+                acc = tl.fma(s[None, :], lows[gi].to(tl.float32)[:, None], acc)
+        w_step += 4 * WORDS
         scales_step += 4
         mins_step += 4
         x_step += 32
@@ -539,19 +551,25 @@ def _int4_int8_mma_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CODE_BITS: tl.constexpr = 4,
 ):
     """`_int4_int8_kernel`'s arithmetic for many rows, each group's integer sums on the tensor cores
     (an int8 dot of K = 32, exact in int32 whatever its order) and the same float steps per row and
     output in the same order, so the same bits: a row's result does not depend on which of the two
-    kernels its batch took. The group's inputs and codes enter the dot interleaved (input j beside
-    input j + 16, as a byte holds their codes), the same order on both sides."""
+    kernels its batch took. 4-bit: the group's inputs and codes enter the dot interleaved (input j
+    beside input j + 16, as a byte holds their codes), the same order on both sides. CODE_BITS 8 as
+    `_int4_int8_kernel`'s."""
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
     rows, cols, rows64, cols64, k_begin, k_end, g_begin = _int8_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     half = tl.arange(0, 16)
     x_bytes = x_ptr.to(tl.pointer_type(tl.int8))  # the int8 codes, M x K
     x_step = x_bytes + rows64[:, None] * (stride_xm * 4) + g_begin * 32 + half[None, :]  # [BM, 16]
-    w_bytes = words_ptr.to(tl.pointer_type(tl.uint8))  # byte j of a group: inputs j and j + 16
-    w_step = w_bytes + cols64[None, :] * (stride_wn * 4) + g_begin * 16 + half[:, None]  # [16, BN]
+    if CODE_BITS == 4:
+        w_bytes = words_ptr.to(tl.pointer_type(tl.uint8))  # byte j of a group: inputs j and j + 16
+        w_step = w_bytes + cols64[None, :] * (stride_wn * 4) + g_begin * 16 + half[:, None]  # [16, BN]
+    else:
+        w_bytes = words_ptr.to(tl.pointer_type(tl.int8))  # byte j of a group: input j
+        w_step = w_bytes + cols64[None, :] * (stride_wn * 4) + g_begin * 32 + tl.arange(0, 32)[:, None]  # [32, BN]
     d_step = d_ptr + rows64 * (K // 32) + g_begin
     s_step = s_ptr + rows64 * (K // 32) + g_begin
     scales_step = scales_ptr + cols64 * stride_sn + g_begin
@@ -567,23 +585,30 @@ def _int4_int8_mma_kernel(
                 g_ok = k0 + gi * 32 < k_end
             low = tl.load(x_step + g * 32)  # [BM, 16]: inputs 0..15 of the group
             high = tl.load(x_step + (g * 32 + 16))
-            inputs = tl.reshape(tl.join(low, high), (BLOCK_M, 32))  # input j, then j + 16, ...
-            packed = tl.load(w_step + g * 16)  # [16, BN]
-            codes = tl.join((packed & 15).to(tl.int8), (packed >> 4).to(tl.int8))  # [16, BN, 2]
-            codes = tl.reshape(tl.permute(codes, (0, 2, 1)), (32, BLOCK_N))  # the same order along K
+            if CODE_BITS == 4:
+                inputs = tl.reshape(tl.join(low, high), (BLOCK_M, 32))  # input j, then j + 16, ...
+                packed = tl.load(w_step + g * 16)  # [16, BN]
+                codes = tl.join((packed & 15).to(tl.int8), (packed >> 4).to(tl.int8))  # [16, BN, 2]
+                codes = tl.reshape(tl.permute(codes, (0, 2, 1)), (32, BLOCK_N))  # the same order along K
+            else:
+                inputs = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_M, 32))  # inputs 0..31
+                codes = tl.load(w_step + g * 32)  # [32, BN]
             isum = tl.dot(inputs, codes, out_dtype=tl.int32)  # [BM, BN]
             d = tl.load(d_step + g)
-            s = tl.load(s_step + g)
             if EVEN_K:
                 scale = tl.load(scales_step + g).to(tl.float32)
-                low_value = tl.load(mins_step + g).to(tl.float32)
             else:
                 scale = tl.where(g_ok, tl.load(scales_step + g).to(tl.float32), 0.0)
-                low_value = tl.where(g_ok, tl.load(mins_step + g).to(tl.float32), 0.0)
             acc = tl.fma(scale[None, :] * d[:, None], isum.to(tl.float32), acc)
-            acc = tl.fma(s[:, None], low_value[None, :], acc)
+            if CODE_BITS == 4:
+                s = tl.load(s_step + g)
+                if EVEN_K:
+                    low_value = tl.load(mins_step + g).to(tl.float32)
+                else:
+                    low_value = tl.where(g_ok, tl.load(mins_step + g).to(tl.float32), 0.0)
+                acc = tl.fma(s[:, None], low_value[None, :], acc)
         x_step += 128
-        w_step += 64
+        w_step += 16 * CODE_BITS
         d_step += 4
         s_step += 4
         scales_step += 4
@@ -840,6 +865,46 @@ def int4_int8_matmul(
     assert scales.shape == mins.shape == (n, k // GROUP_SIZE), (scales.shape, mins.shape)
     packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
     words = packed.view(torch.int32)  # [N, K / 8]: four per group of 32
+    return _int8_inputs_launch(x, n, words, scales, mins, out_dtype, bias, quantized, counters, code_bits=4)
+
+
+def int8_int8_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`int8_group_matmul`'s weights (int8 codes [N, K], a scale per 32 inputs: GGML's Q8_0) times x
+    quantized to int8 per row and group of 32 (`quantize_int8`; `quantized` if already made), as
+    llama.cpp's Q8_0 x Q8_0: per group an exact integer sum over code * q, then total = fma(scale * d,
+    sum, total), group after group. The kernels and tiles of `int4_int8_matmul` (the same bits for any
+    number of rows)."""
+    n, k = codes.shape
+    assert x.shape[1] == k and k % GROUP_SIZE == 0 and codes.dtype == torch.int8, (x.shape, codes.shape)
+    assert scales.shape == (n, k // GROUP_SIZE), scales.shape
+    codes, scales = _row_major(codes), _row_major(scales)
+    words = codes.view(torch.int32)  # [N, K / 4]: eight per group of 32
+    return _int8_inputs_launch(x, n, words, scales, scales, out_dtype, bias, quantized, counters, code_bits=8)
+
+
+def _int8_inputs_launch(
+    x: torch.Tensor,
+    n: int,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    out_dtype: torch.dtype | None,
+    bias: torch.Tensor | None,
+    quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    counters: torch.Tensor | None,
+    code_bits: int,
+) -> torch.Tensor:
+    """The int4 x int8 or int8 x int8 kernel for x's row count: dp4a below INT4_INT8_MMA_ROWS rows (its
+    row tile M rounded up), the tensor cores from there (in INT4_INT8_MMA_TILES); the layer's K splits."""
+    k = x.shape[1]
     config = config_for(INT4_INT8_CONFIG, n, k)  # its K splits, whichever kernel runs: the same sums
     if x.shape[0] >= INT4_INT8_MMA_ROWS:
         tile = next(t for rows, t in INT4_INT8_MMA_TILES if rows is None or x.shape[0] <= rows)
@@ -848,7 +913,8 @@ def int4_int8_matmul(
         kernel, config = _int4_int8_kernel, dataclasses.replace(config, block_m=_row_tile(x.shape[0]))
     quantized = quantize_int8(x) if quantized is None else quantized
     args = (*quantized[1:], words, scales, mins, words.stride(0), scales.stride(0), mins.stride(0))
-    return _launch(kernel, config, quantized[0], n, args, bias, out_dtype or x.dtype, k=k, counters=counters)
+    out_dtype = out_dtype or x.dtype
+    return _launch(kernel, config, quantized[0], n, args, bias, out_dtype, k=k, counters=counters, CODE_BITS=code_bits)
 
 
 def _row_tile(m: int) -> int:
