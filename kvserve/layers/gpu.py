@@ -24,13 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.layers.int8_form import INT8_FORM, with_int8_form
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import GROUP_SIZE, Int4Groups
-
-# The attribute by which a GPU norm or gated activation hands its output's int8 form (matmul.quantize_int8's
-# words, d and s, made in the same kernel) to the int4 layer that takes it (`set_int8_inputs`): one
-# launch fewer per such layer and step.
-INT8_FORM = "kvserve_int8_form"
 
 
 def uses_triton(device: torch.device | str) -> bool:
@@ -214,13 +210,6 @@ class GpuRMSNorm(RMSNorm):
         quantized = [] if self.int8_output else None
         total, out = add_rms_norm(x.reshape(-1, hidden), delta.reshape(-1, hidden), self.weight, self.eps, quantized)
         return total.view(x.shape), with_int8_form(out.view(x.shape), quantized)
-
-
-def with_int8_form(out: torch.Tensor, quantized: list | None) -> torch.Tensor:
-    """out, handing on the int8 form a kernel appended to `quantized` (if it did) to the layer it feeds."""
-    if quantized:
-        setattr(out, INT8_FORM, quantized[0])
-    return out
 
 
 def gated_activation_int8(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:

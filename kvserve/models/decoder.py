@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.attention import StepMetadata, paged_attention
-from kvserve.layers.gpu import with_int8_form
+from kvserve.layers.int8_form import with_int8_form
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import float32_linear
 from kvserve.layers.rotary import RotaryEmbedding, rotate
