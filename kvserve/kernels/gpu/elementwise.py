@@ -101,6 +101,18 @@ def gated_activation(gate_up: torch.Tensor, gelu: bool, quantized: list | None =
     return out
 
 
+@triton.jit
+def _rope(x_row, cos_row, sin_row, d, mask, out_ptr, ROTARY_DIM: tl.constexpr, INTERPRET: tl.constexpr):
+    """x * cos + roll(x, R / 2) * sin_signed for rows of x (pointers x_row, cos_row, sin_row, [R, 1]) at
+    columns d, in out_ptr's dtype; x * cos rounded to it first, as PyTorch stores it."""
+    x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
+    rolled = tl.load(x_row + (d + ROTARY_DIM // 2) % ROTARY_DIM, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_row + d, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_row + d, mask=mask, other=0.0).to(tl.float32)
+    x_cos = cast(x * cos, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+    return cast(x_cos + rolled * sin, out_ptr.dtype.element_ty, INTERPRET)
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # one binary for every number of rows
 def _rotate_kernel(
     x_ptr,
@@ -124,12 +136,9 @@ def _rotate_kernel(
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (rows < num_rows)[:, None] & (d < ROTARY_DIM)
     x_row = x_ptr + token * stride_xt + head * stride_xh
-    x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
-    rolled = tl.load(x_row + (d + ROTARY_DIM // 2) % ROTARY_DIM, mask=mask, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + token * stride_ct + d, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + token * stride_st + d, mask=mask, other=0.0).to(tl.float32)
-    x_cos = cast(x * cos, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # PyTorch stores x * cos first
-    out = cast(x_cos + rolled * sin, out_ptr.dtype.element_ty, INTERPRET)
+    out = _rope(
+        x_row, cos_ptr + token * stride_ct, sin_ptr + token * stride_st, d, mask, out_ptr, ROTARY_DIM, INTERPRET
+    )
     tl.store(out_ptr + rows[:, None] * ROTARY_DIM + d, out, mask=mask)
 
 
@@ -203,12 +212,7 @@ def _rotate_store_kernel(
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (rows < num_rows)[:, None] & (d < HEAD_DIM)
     x_row = qk_ptr + token * stride_xt + head * stride_xh
-    x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
-    rolled = tl.load(x_row + (d + HEAD_DIM // 2) % HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + token * stride_ct + d, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + token * stride_st + d, mask=mask, other=0.0).to(tl.float32)
-    x_cos = cast(x * cos, q_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # as _rotate_kernel
-    out = cast(x_cos + rolled * sin, q_ptr.dtype.element_ty, INTERPRET)
+    out = _rope(x_row, cos_ptr + token * stride_ct, sin_ptr + token * stride_st, d, mask, q_ptr, HEAD_DIM, INTERPRET)
     is_q = head < num_heads
     tl.store(q_ptr + (token * num_heads + head) * HEAD_DIM + d, out, mask=mask & is_q)
     slot = tl.load(slot_mapping + token, mask=(rows < num_rows)[:, None], other=-1).to(tl.int64)  # [R, 1]
