@@ -61,6 +61,23 @@ def no_leaks(request):
         wait_idle_and_check(request.getfixturevalue("llm"))
 
 
+def test_gpu_forms_run_pytorchs_attention_metadata_too(tiny_model_dir, triton_kernels):
+    """A model in its GPU forms driven with PyTorch's attention metadata (tests/simple_generate.py, as
+    references and bench/numerics.py do) takes the two-kernel RoPE path and PyTorch's cache write: the
+    same greedy tokens as through the engine."""
+    from kvserve.weights.loader import load_model
+    from tests.simple_generate import stream_token_ids
+
+    model = load_model(tiny_model_dir, torch.float32, progress=False)
+    assert model.layers[0].self_attn.rotate_and_store is not None
+    ids = [5, 17, 99, 3]
+    got = list(stream_token_ids(model, ids, 4))
+    with _llm(tiny_model_dir) as llm:
+        expected = llm.generate(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        wait_idle_and_check(llm)
+    assert got == expected.token_ids
+
+
 def test_buckets_cover_every_batch_up_to_max_num_seqs():
     assert buckets_for(1) == [1]
     assert buckets_for(8) == [1, 2, 4, 8]

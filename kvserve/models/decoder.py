@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.attention import StepMetadata, paged_attention
+from kvserve.layers.attention_triton import TritonAttentionMetadata
 from kvserve.layers.int8_form import with_int8_form
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantized import float32_linear
@@ -57,7 +58,11 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.rotate_and_store is not None and self.rotary_dim == self.head_dim:
+        if (
+            self.rotate_and_store is not None
+            and self.rotary_dim == self.head_dim
+            and isinstance(metadata, TritonAttentionMetadata)  # (GPU forms may run PyTorch's attention too)
+        ):
             caches = (self.k_cache, self.v_cache, metadata.slot_mapping)
             q = self.rotate_and_store(qk, v, *ropes[self.rope_table], *caches)  # k and v are in the cache
             return self._attend_and_project(q, None, None, metadata)
