@@ -224,10 +224,9 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
     """Make every GpuInt4Linear and GpuInt8GroupLinear of `model` take int8 inputs (`on`, `--activations
     int8`) or float ones; and where one takes int8, have the kernel that makes its input make their
     int8 form too (the same bits as the layer's own quantizing, one launch fewer): the final norm for
-    the lm_head, and each
-    decoder layer's attention norm for qkv_proj, its attention for o_proj (where its head_dim is a power
-    of two and a multiple of 32; else o_proj quantizes its input itself), its MLP norm for gate_up_proj,
-    its gated activation for down_proj."""
+    the lm_head, and in each decoder layer the attention norm for qkv_proj, the attention for o_proj
+    (where head_dim is a power of two times 32; else o_proj quantizes its input itself), the MLP norm
+    for gate_up_proj, the gated activation for down_proj."""
     from kvserve.kernels.gpu import elementwise
     from kvserve.models.decoder import DecoderLayer
 
@@ -254,7 +253,8 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
 def use_triton_forms(model: nn.Module) -> None:
     """Turn a loaded model's float linear layers into GpuLinear (the lm_head giving float32 logits)
     and its norms into GpuRMSNorm, in place, sharing their tensors, and give its layers the one-kernel
-    RoPE (with the KV cache's write where it rotates whole heads) and gated activation. Quantized layers the loader already built in their GPU forms."""
+    RoPE (with the KV cache's write where it rotates whole heads) and gated activation. Quantized
+    layers the loader already built in their GPU forms."""
     from kvserve.kernels.gpu import elementwise
     from kvserve.models.decoder import MLP, Attention
 

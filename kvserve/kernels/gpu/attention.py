@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import cast, dot, quantize_groups
+from kvserve.kernels.gpu.common import cast, dot, quantize_groups, store_groups
 
 ROWS = 16  # query rows (tokens x query heads of a KV head) per program, padded; the same for decode and prefill
 BLOCK_N = 64  # keys per chunk, aligned to absolute positions (chunk c holds keys c * BLOCK_N ...)
@@ -261,10 +261,7 @@ def _store_rows(
         words, dq, sq = quantize_groups(tl.reshape(out.to(tl.float32), (ROWS * GROUPS, 32)), INTERPRET)
         group = (token * num_heads + head)[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]  # [ROWS, GROUPS]
         g_mask = is_row[:, None] & (tl.arange(0, GROUPS) < GROUPS)[None, :]
-        tl.store(dq_ptr + group, tl.reshape(dq, (ROWS, GROUPS)), mask=g_mask)
-        tl.store(sq_ptr + group, tl.reshape(sq, (ROWS, GROUPS)), mask=g_mask)
-        word = group[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-        tl.store(words_ptr + word, tl.reshape(words, (ROWS, GROUPS, 8)), mask=g_mask[:, :, None])
+        store_groups(words, dq, sq, group, g_mask, words_ptr, dq_ptr, sq_ptr)
 
 
 # one binary for every batch: no specialization on the batch's sizes, nor on where its metadata lies

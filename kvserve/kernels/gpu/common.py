@@ -114,6 +114,14 @@ def _load4(pointer):
 
 
 @triton.jit
+def _signed_bytes(words):
+    """int32 words [R, W] -> their bytes as signed integers [R, 4 * W], byte j of word t at 4t + j (the
+    interpreter's way to what dp4a reads)."""
+    shifts = tl.arange(0, 4) * 8
+    return tl.reshape((words[:, :, None] << (24 - shifts)[None, None, :]) >> 24, (words.shape[0], 4 * words.shape[1]))
+
+
+@triton.jit
 def group_dot(w, q, INTERPRET: tl.constexpr):
     """The exact integer sums over a group of 32 of code * q: w [N, 4] int32, a GGML Q4 group's 16 bytes
     per output (word t: the codes of inputs 4t..4t+3 in its low nibbles, 16+4t..16+4t+3 in its high
@@ -124,8 +132,7 @@ def group_dot(w, q, INTERPRET: tl.constexpr):
     multiple of 16); no float and no conversion."""
     if INTERPRET:  # the same sums from every byte at once
         shifts = tl.arange(0, 4) * 8
-        inputs = tl.load(q[:, None] + tl.arange(0, 8)[None, :])  # [M, 8]
-        inputs = tl.reshape((inputs[:, :, None] << (24 - shifts)[None, None, :]) >> 24, (q.shape[0], 32))
+        inputs = _signed_bytes(tl.load(q[:, None] + tl.arange(0, 8)[None, :]))  # [M, 32]
         codes = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 255, (w.shape[0], 16))  # byte 4t + j
         codes = tl.reshape(tl.permute(tl.join(codes & 15, codes >> 4), (0, 2, 1)), (w.shape[0], 32))
         return tl.sum(codes[:, None, :] * inputs[None, :, :], axis=2)
@@ -167,12 +174,9 @@ def int8_group_dot(w_low, w_high, q, INTERPRET: tl.constexpr):
     [N, 4] int32, words 0..3 and 4..7 of each output's 32 code bytes (word t: inputs 4t..4t+3); q as
     `group_dot`'s -> [N, M]. On a GPU eight dp4a per output and row."""
     if INTERPRET:
-        shifts = tl.arange(0, 4) * 8
-        inputs = tl.load(q[:, None] + tl.arange(0, 8)[None, :])  # [M, 8]
-        inputs = tl.reshape((inputs[:, :, None] << (24 - shifts)[None, None, :]) >> 24, (q.shape[0], 32))
+        inputs = _signed_bytes(tl.load(q[:, None] + tl.arange(0, 8)[None, :]))  # [M, 32]
         words = tl.reshape(tl.join(w_low, w_high), (w_low.shape[0], 4, 2))  # [N, 4, 2]: word t and 4 + t
-        words = tl.reshape(tl.permute(words, (0, 2, 1)), (w_low.shape[0], 8))  # word order 0..7
-        codes = tl.reshape((words[:, :, None] << (24 - shifts)[None, None, :]) >> 24, (w_low.shape[0], 32))
+        codes = _signed_bytes(tl.reshape(tl.permute(words, (0, 2, 1)), (w_low.shape[0], 8)))  # words 0..7
         return tl.sum(codes[:, None, :] * inputs[None, :, :], axis=2)
     else:
         w0, w1, w2, w3 = split4(w_low)
@@ -206,6 +210,19 @@ def int8_group_dot(w_low, w_high, q, INTERPRET: tl.constexpr):
             is_pure=True,
             pack=1,
         )
+
+
+@triton.jit
+def store_groups(words, d, s, group, mask, words_ptr, d_ptr, s_ptr):
+    """`quantize_groups`' results for groups [R, G] (words [R * G, 8], d and s [R * G], row-major) stored
+    where `mask` at the group indices `group` [R, G] of outputs of groups of 32 (d and s one per group,
+    words eight): every kernel that quantizes stores its int8 form so."""
+    R: tl.constexpr = group.shape[0]
+    G: tl.constexpr = group.shape[1]
+    tl.store(d_ptr + group, tl.reshape(d, (R, G)), mask=mask)
+    tl.store(s_ptr + group, tl.reshape(s, (R, G)), mask=mask)
+    word = group[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    tl.store(words_ptr + word, tl.reshape(words, (R, G, 8)), mask=mask[:, :, None])
 
 
 @triton.jit

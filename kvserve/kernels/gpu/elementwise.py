@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import cast, quantize_groups
+from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups
 
 ACT_ROWS, ACT_BLOCK = 4, 512  # rows x outputs of the gated activation per program
 ROTATE_ROWS = 32  # (token, head) rows that one program of RoPE rotates
@@ -56,12 +56,7 @@ def _gated_kernel(
         words, d, s = quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK_ROWS * (BLOCK // 32), 32)), INTERPRET)
         groups = (tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32))[None, :]  # [1, BLOCK / 32]
         g_mask = (rows < num_rows) & (groups < intermediate // 32)  # [BLOCK_ROWS, BLOCK / 32]
-        per_row = intermediate // 32
-        words = tl.reshape(words, (BLOCK_ROWS, BLOCK // 32, 8))
-        word_index = (rows * per_row + groups)[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-        tl.store(words_ptr + word_index, words, mask=g_mask[:, :, None])
-        tl.store(d_ptr + rows * per_row + groups, tl.reshape(d, (BLOCK_ROWS, BLOCK // 32)), mask=g_mask)
-        tl.store(s_ptr + rows * per_row + groups, tl.reshape(s, (BLOCK_ROWS, BLOCK // 32)), mask=g_mask)
+        store_groups(words, d, s, rows * (intermediate // 32) + groups, g_mask, words_ptr, d_ptr, s_ptr)
 
 
 def gated_activation(gate_up: torch.Tensor, gelu: bool, quantized: list | None = None) -> torch.Tensor:

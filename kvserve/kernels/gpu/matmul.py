@@ -30,6 +30,7 @@ from kvserve.kernels.gpu.common import (
     nibble_to_float,
     quantize_groups,
     split4,
+    store_groups,
 )
 
 GROUP_SIZE = 32  # inputs per scale (and min) of the quantized weights
@@ -380,10 +381,7 @@ def _quantize_int8_kernel(
     g_ok = groups < K // 32
     x = tl.load(x_ptr + row * stride_xm + inputs, mask=g_ok[:, None], other=0.0).to(tl.float32)
     words, d, s = quantize_groups(x, INTERPRET)
-    word_index = groups[:, None] * 8 + tl.arange(0, 8)[None, :]
-    tl.store(words_ptr + row * (K // 4) + word_index, words, mask=g_ok[:, None])
-    tl.store(d_ptr + row * (K // 32) + groups, d, mask=g_ok)
-    tl.store(s_ptr + row * (K // 32) + groups, s, mask=g_ok)
+    store_groups(words, d, s, (row * (K // 32) + groups)[None, :], g_ok[None, :], words_ptr, d_ptr, s_ptr)
 
 
 QUANTIZE_GROUPS = 16  # groups of 32 inputs per program of _quantize_int8_kernel

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import cast, quantize_groups
+from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups
 
 BLOCK = 1024  # elements of a row per step; the row's squares are summed per lane, then across lanes
 NUM_WARPS = 4  # per row; fixed, as the lanes' final sum follows the layout
@@ -62,12 +62,9 @@ def _rms_norm_kernel(
         tl.store(out_ptr + row * stride_out + start + lanes, out, mask=mask)
         if QUANTIZE:  # (hidden a multiple of 32: a group is all in the row or all past it)
             words, d, s = quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK // 32, 32)), INTERPRET)
-            groups = start // 32 + tl.arange(0, BLOCK // 32)
+            groups = (start // 32 + tl.arange(0, BLOCK // 32))[None, :]  # [1, BLOCK / 32]
             g_ok = groups < hidden // 32
-            word_index = groups[:, None] * 8 + tl.arange(0, 8)[None, :]
-            tl.store(words_ptr + row * (hidden // 4) + word_index, words, mask=g_ok[:, None])
-            tl.store(d_ptr + row * (hidden // 32) + groups, d, mask=g_ok)
-            tl.store(s_ptr + row * (hidden // 32) + groups, s, mask=g_ok)
+            store_groups(words, d, s, row * (hidden // 32) + groups, g_ok, words_ptr, d_ptr, s_ptr)
 
 
 Int8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # matmul.quantize_int8's (words, d, s)
