@@ -17,14 +17,16 @@ folder; the 1B shape also as a GGUF, Q4_0 layers and a Q8_0 embedding, written w
 and measures the device-to-device copy bandwidth. Then per shape and engine: ready time, tok/s at each
 stream count (distinct ~60-token prompts, `--max-tokens` each with EOS ignored, all at once), TTFT p50,
 and each figure as a fraction of the bandwidth limit (streams x bandwidth / weight bytes: each step
-reads the weights once). Engines: kvserve (bf16 batch-invariant, bf16 with --batch-invariant off,
-4-bit, 4-bit with int8 inputs (`--activations int8`: dp4a) as `q4-int8`, and 4-bit with the int4
-kernel's packed-bfloat16 candidate as `q4-bf16x2`), transformers
-`generate` eager, and with its static cache under torch.compile (the best transformers offers); kvserve's batched greedy outputs are compared with their solo runs (R7). Runs are
-ordered by importance and skipped, with a note, once `--budget-s` is spent (a torch.compile run needs
-COMPILED_RUN_S of it left). Last, tests/test_triton_kernels.py and tests/test_cuda.py run until
-`--deadline-s`, so the whole run stays inside the device's 8 minutes. The JSON is rewritten after every
-run (a run cut short keeps its figures) and printed at the end; default bench/results/gpu.json.
+reads the weights once). Engines: kvserve (bf16 batch-invariant; the same with --async-scheduling off
+as `bf16-sync`; bf16 with --batch-invariant off; 4-bit; 4-bit with int8 inputs (`--activations int8`:
+dp4a) as `q4-int8`; 4-bit with the int4 kernel's packed-bfloat16 candidate as `q4-bf16x2`),
+transformers `generate` eager, and with its static cache under torch.compile (the best transformers
+offers); kvserve's batched greedy outputs are compared with their solo runs (R7). Runs are ordered by
+importance and skipped, with a note, once `--budget-s` is spent (a torch.compile run needs
+COMPILED_RUN_S of it left). Last, tests/test_triton_kernels.py, tests/test_cuda.py and
+tests/test_async_scheduling.py run until `--deadline-s`, so the whole run stays inside the device's 8
+minutes. The JSON is rewritten after every run (a run cut short keeps its figures) and printed at the
+end; default bench/results/gpu.json.
 """
 
 from __future__ import annotations
@@ -229,7 +231,13 @@ def packed_bf16(on: bool):
 
 
 def run_kvserve(
-    model: Path, device: str, streams: list[int], max_tokens: int, batch_invariant: bool, activations: str = "auto"
+    model: Path,
+    device: str,
+    streams: list[int],
+    max_tokens: int,
+    batch_invariant: bool,
+    activations: str = "auto",
+    async_scheduling: bool | None = None,
 ) -> dict:
     from kvserve import LLM, SamplingParams
 
@@ -240,6 +248,7 @@ def run_kvserve(
         device=device,
         batch_invariant=batch_invariant,
         activations=activations,
+        async_scheduling=async_scheduling,
         max_num_seqs=max(streams),
         progress=False,
         session_db=False,
@@ -256,6 +265,7 @@ def run_kvserve(
             "weight_bytes": llm.weights["bytes"],
             "weights": llm.weights["mode"],
             "cuda_graphs": llm.weights["cuda_graphs"],
+            "async_scheduling": llm.weights["async_scheduling"],
             "levels": levels,
             "batched_equals_solo": solo_check,
             "runner": llm.runner_timings(),
@@ -340,7 +350,7 @@ def run_tests(timeout: float) -> dict:
     env = {**os.environ, "KVSERVE_FUSED_DECODE": "0"}  # the GPU tests need no C++ CPU kernels: no build
     try:
         done = subprocess.run(
-            [*command, TRITON_TESTS, "tests/test_cuda.py"],
+            [*command, TRITON_TESTS, "tests/test_cuda.py", "tests/test_async_scheduling.py"],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -420,6 +430,7 @@ def main() -> None:
             plan.append(("transformers-compiled", shape, "bf16", False))
         if "q4" in models[shape]:  # and with int8 inputs (dp4a), on the same file
             plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
+        plan.append(("kvserve", shape, "bf16-sync", True))  # without async scheduling: what it gains
         plan.append(("kvserve", shape, "bf16", False))
         if "q4" in models[shape]:  # the int4 kernel's packed-bfloat16 candidate, on the same file
             plan.append(("kvserve", shape, "q4-bf16x2", True))
@@ -435,8 +446,9 @@ def main() -> None:
             if engine == "kvserve":
                 model = models[shape][weights.partition("-")[0]]
                 activations = "int8" if weights == "q4-int8" else "auto"
+                ahead = False if weights.endswith("-sync") else None
                 with packed_bf16(weights == "q4-bf16x2"):
-                    run = run_kvserve(model, args.device, streams, args.max_tokens, flag, activations)
+                    run = run_kvserve(model, args.device, streams, args.max_tokens, flag, activations, ahead)
             else:
                 compiled = engine == "transformers-compiled"
                 run = run_transformers(models[shape]["bf16"], args.device, streams, args.max_tokens, compiled)

@@ -6,9 +6,11 @@ the step waits on the host (Python, the scheduler, the sampler's copy back), not
 
 Then, without the profiler (whose tracing slows the host), `host` cases: 1 and 64 streams of each
 shape in bfloat16 (and 4 bits), each engine phase timed by the wall clock per decode step (schedule, the
-runner's sampling rows, the graph's fill, copy and replay call, the sampler with its wait for the
-GPU, the scheduler's and the outputs' update), beside the decode graph's own GPU time (replayed alone
-between CUDA events: its kernels and the gaps between them). Wall minus graph is the host's share.
+runner's sampling rows, the graph's fill, copy and replay call, the sampler's launch, its wait for the
+GPU and copy back, the scheduler's and the outputs' update), beside the decode graph's own GPU time
+(replayed alone between CUDA events: its kernels and the gaps between them). Wall minus graph is the
+host's share. They run with async scheduling (the default on a GPU: the host's work of step n under
+the GPU's step n+1), and the first shape's bfloat16 also without it.
 (At 64 streams a 1B step took 3.3 ms in gpu.py's run against 1.4 ms of kernels under the profiler.)
 
     python bench/gpu.py --prepare          # here, once: the tokenizer the models are built with
@@ -111,7 +113,8 @@ def host_case(llm, streams: int, tokens: int, name: str) -> dict:
         wrap(engine, "_step_done", "step_done (update, detokenize, deliver)")
         wrap(runner, "execute", "execute")
         wrap(runner, "_sampling_rows", "execute: sampling rows")
-        wrap(runner, "_sample", "execute: sampler (argmax, wait for the GPU, copy back)")
+        wrap(runner, "_launch_sample", "execute: sampler launch")
+        wrap(runner, "_output", "sampler: wait for the GPU, copy back")
         if runner.graphs is not None:
             wrap(runner.graphs, "run", "execute: graph run (fill, copy, replay call)")
             for batch in list(runner.graphs._replays):
@@ -163,12 +166,21 @@ def main() -> None:
     cases = []
     host = []
     for shape in args.shapes.split(",") if args.host else []:
-        for weights in models[shape]:
+        # async scheduling (the default on a GPU), and the first shape's bf16 without it: what it hides
+        runs = [(weights, None) for weights in models[shape]]
+        runs += [("bf16", False)] if shape == args.shapes.split(",")[0] else []
+        for weights, ahead in runs:
             with LLM(
-                str(models[shape][weights]), device=args.device, max_num_seqs=64, progress=False, session_db=False
+                str(models[shape][weights]),
+                device=args.device,
+                max_num_seqs=64,
+                progress=False,
+                session_db=False,
+                async_scheduling=ahead,
             ) as llm:
+                suffix = "" if llm.weights["async_scheduling"] else "-sync"
                 for streams in (1, 64):
-                    host.append(host_case(llm, streams, args.tokens * 4, f"{shape}-{weights}-{streams}"))
+                    host.append(host_case(llm, streams, args.tokens * 4, f"{shape}-{weights}{suffix}-{streams}"))
                     print(json.dumps(host[-1]), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"cases": cases, "host": host}, indent=1) + "\n")

@@ -39,6 +39,10 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _on_off_auto(value: str) -> bool | None:
+    return None if value == "auto" else value == "on"
+
+
 def _terminal_llm(args: argparse.Namespace, **kwargs):
     """The LLM of `generate` and `chat`: the model flags, one sequence at a time."""
     from kvserve.llm import LLM
@@ -50,6 +54,7 @@ def _terminal_llm(args: argparse.Namespace, **kwargs):
         activations=args.activations,
         batch_invariant=args.batch_invariant == "on",
         cuda_graphs=args.cuda_graphs == "on",
+        async_scheduling=_on_off_auto(args.async_scheduling),
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=1,
         **kwargs,
@@ -118,6 +123,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             args.batch_invariant == "on",
             device,
             args.cuda_graphs == "on",
+            _on_off_auto(args.async_scheduling),
         )
         return run_node(topology, spec)
     settings = ServerSettings(
@@ -135,6 +141,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         activations=args.activations,
         batch_invariant=args.batch_invariant == "on",
         cuda_graphs=args.cuda_graphs == "on",
+        async_scheduling=_on_off_auto(args.async_scheduling),
         max_body_bytes=args.max_body_bytes,
         max_sessions=args.max_sessions,
         max_sessions_per_key=args.max_sessions_per_key or None,
@@ -293,6 +300,15 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "every step eagerly (the same tokens, slower)",
         "on",
         choices=("on", "off"),
+    )
+    _flag(
+        p,
+        "--async-scheduling",
+        "queue decode step n+1 on the device before taking back step n's tokens, so the GPU never waits for "
+        "the host's bookkeeping (each request's next token is read on the device; a token past a stop is "
+        "computed and dropped); auto: on a GPU (the same tokens either way)",
+        "auto",
+        choices=("auto", "on", "off"),
     )
     _flag(
         p,

@@ -117,6 +117,7 @@ def stage_spec(
     batch_invariant: bool,
     device: torch.device,
     cuda_graphs: bool = True,
+    async_scheduling: bool | None = None,
 ) -> StageSpec:
     """The model file and the resolved settings an LLM runs with (its pipeline stages too; `kvserve
     serve` on a host without rank 0 resolves its flags through this as well)."""
@@ -131,6 +132,7 @@ def stage_spec(
         batch_invariant=batch_invariant,
         device=str(device),
         cuda_graphs=cuda_graphs,
+        async_scheduling=device.type == "cuda" if async_scheduling is None else async_scheduling,
     )
 
 
@@ -151,6 +153,7 @@ class LLM:
         activations: str = "auto",
         batch_invariant: bool = True,
         cuda_graphs: bool = True,
+        async_scheduling: bool | None = None,
         device: str | torch.device | None = None,
         kv_cache_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
@@ -176,6 +179,8 @@ class LLM:
         across hosts (`kvserve serve --nnodes ...` builds it). Everything else is the same either way.
         `cuda_graphs` (on a GPU): decode steps replay CUDA graphs captured here, one per batch-size
         bucket up to `max_num_seqs` (engine/cuda_graphs.py); off, every step runs eagerly.
+        `async_scheduling` (None: on a GPU): the engine queues step n+1 on the device before it takes back
+        step n's tokens, a request's next token read there (engine/core.py); the same tokens either way.
         A session holds at most `max_session_tokens` tokens (default and most: the context), and one
         message, append or system prompt at most `max_message_bytes` UTF-8 bytes (default 16 per
         token of that); more is refused with InvalidRequestError and not applied.
@@ -189,7 +194,17 @@ class LLM:
                 f"{topology.local_ranks} only (kvserve serve does that on its own).",
                 "node_rank",
             )
-        spec = stage_spec(model, dtype, weights, activations, kv_cache_dtype, batch_invariant, self.device, cuda_graphs)
+        spec = stage_spec(
+            model,
+            dtype,
+            weights,
+            activations,
+            kv_cache_dtype,
+            batch_invariant,
+            self.device,
+            cuda_graphs,
+            async_scheduling,
+        )
         self.dtype, self.kv_cache_dtype = spec.dtype, spec.kv_cache_dtype
         self.model_path: Path = Path(spec.model)
         model_config = load_config(self.model_path)
@@ -261,6 +276,7 @@ class LLM:
             else "float",
             "batch_invariant": batch_invariant,
             "cuda_graphs": getattr(self.engine.runner, "graphs", None) is not None,  # a pipeline runs none
+            "async_scheduling": getattr(self.engine.runner, "runs_ahead", False),
             **weight_summary(self.model),
         }
         self._log_start()

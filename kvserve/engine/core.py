@@ -8,7 +8,11 @@ step after they are sent.
 
 A runner (`Runner`) computes a step at once (`ModelRunner`: its result comes back from `execute`)
 or, a pipeline of stages (kvserve/pipeline), starts it and hands the result back later through
-`step_done`; up to `runner.depth` steps are then in flight, each over other requests.
+`step_done`; up to `runner.depth` steps are then in flight, each over other requests. A runner that
+runs ahead (`runs_ahead`, async scheduling on a GPU) queues each step on the device and hands it back
+through `collect`: the loop launches step n+1, over the same requests where the scheduler lets them go
+ahead, before it takes back step n, so that the host's bookkeeping of step n runs while the device
+computes step n+1.
 """
 
 from __future__ import annotations
@@ -49,9 +53,14 @@ class Runner(Protocol):
     """Computes the engine's steps (ModelRunner in-process, PipelineRunner over stages)."""
 
     depth: int  # steps that may be in flight at once; 1: execute returns each step's result
+    runs_ahead: bool  # execute queues the step, collect() hands back the oldest one (async scheduling)
+    num_pending: int  # steps queued, running ahead, that collect() has not handed back
 
     def execute(self, out: SchedulerOutput, ticket: int = 0) -> RunnerOutput | None:
         """The step's result, or None when it comes back later through EngineCore.step_done(ticket, ...)."""
+
+    def collect(self) -> tuple[int, RunnerOutput | Exception]:
+        """Running ahead: the oldest queued step's (ticket, outcome), once the device has it."""
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state of finished requests."""
@@ -215,13 +224,14 @@ class EngineCore:
             self.is_closed = True
             self._ready.set()
             return
+        self.scheduler.run_ahead = self._runs_ahead
         self._ready.set()
         next_tick = 0.0  # the hooks' periodic work (session expiry) at most once a second, not every step
         try:
             while True:
                 now = time.monotonic()
                 holding = self.burst.holding(now)  # a first step after idle, waiting for the burst to gather
-                block = holding or not self._can_launch()
+                block = holding or not (self._can_launch() or self._pending())
                 # Idle: wake up now and then if the hooks have periodic work (sessions to expire).
                 timeout = 1.0 if block and self.hooks is not None and self.hooks.wants_ticks() else None
                 if holding:
@@ -253,6 +263,7 @@ class EngineCore:
                         message = None
                 if self._can_launch() and not self.burst.holding(time.monotonic()):
                     self._launch()
+                self._take_back()
                 self._publish_stats()
                 self._end_turn()
         except BaseException as exc:  # a bug in the engine itself: fail everyone loudly, never hang them
@@ -319,6 +330,21 @@ class EngineCore:
             error = InvalidRequestError(f"The request's grammar cannot be compiled: {problem}", "response_format")
             self._fail([request.request_id], error)
 
+    @property
+    def _runs_ahead(self) -> bool:
+        return getattr(self.runner, "runs_ahead", False)
+
+    def _pending(self) -> int:
+        return self.runner.num_pending if self._runs_ahead else 0
+
+    def _take_back(self) -> None:
+        """Running ahead: take back the oldest step once the next is queued behind it (the device
+        stays busy meanwhile), or when no step can start beside it."""
+        while self._pending() and (self._pending() > 1 or not self._can_launch()):
+            ticket, outcome = self.runner.collect()
+            self._stalled = False
+            self._step_done(ticket, outcome, rerun=False)
+
     def _can_launch(self) -> bool:
         return (
             not self._stalled
@@ -330,7 +356,9 @@ class EngineCore:
         """Schedule a step and start it. With a pipeline (depth > 1) the requests are split into about
         depth micro-batches, so that every stage has one to work on."""
         depth = self.runner.depth
-        share = None if depth == 1 else math.ceil((len(self.scheduler.running) + len(self.scheduler.waiting)) / depth)
+        share = None
+        if depth > 1 and not self._runs_ahead:
+            share = math.ceil((len(self.scheduler.running) + len(self.scheduler.waiting)) / depth)
         out = self.scheduler.schedule(share)
         failed = self.grammars.fill_masks(out)
         if failed:  # a grammar hit the engine's limits: its request fails, before the step
@@ -354,12 +382,12 @@ class EngineCore:
         if outcome is not None:
             self._step_done(ticket, outcome)
 
-    def _step_done(self, ticket: int, outcome: RunnerOutput | Exception) -> None:
+    def _step_done(self, ticket: int, outcome: RunnerOutput | Exception, rerun: bool = True) -> None:
         out = self.in_flight.pop(ticket, None)
         if out is None:  # the engine stopped waiting for it
             return
         if isinstance(outcome, Exception):
-            self._step_failed(out, outcome)
+            self._step_failed(out, outcome, rerun)
             return
         self.steps_total += 1
         updated = self.scheduler.update_from_output(out, outcome.sampled)
@@ -401,11 +429,12 @@ class EngineCore:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
         return True
 
-    def _step_failed(self, out: SchedulerOutput, exc: Exception) -> None:
+    def _step_failed(self, out: SchedulerOutput, exc: Exception, rerun: bool = True) -> None:
         """A step failed: run each of its requests alone and fail only those that still fail, so one
         request's bad input never ends the requests batched with it. Writing a position's K/V twice
         is harmless (same slot, same values), and nothing in the scheduler has advanced before
-        `update_from_output`."""
+        `update_from_output`. Not `rerun`: a queued step whose results could not be copied back (the
+        device failed, after later steps took its tokens): its requests fail."""
         live = []
         for item in out.scheduled:
             request = out.requests[item.request_id]
@@ -413,7 +442,12 @@ class EngineCore:
                 live.append(item)
             else:  # finished meanwhile (aborted while a pipeline computed it): its blocks may be another's
                 self.scheduler.in_flight.discard(request)
-        if len(live) > 1:
+        if not rerun and live:
+            logger.error("a queued step of %d requests failed", len(live), exc_info=exc)
+            self._fail(
+                [item.request_id for item in live], EngineError(f"The model failed on this request's step: {exc!r}")
+            )
+        elif len(live) > 1:
             logger.warning("a step of %d requests failed (%r); running them one by one", len(live), exc)
             for item in live:
                 self._submit(out.only(item))

@@ -12,6 +12,10 @@ fixed by position, never by the batch).
 
 Everything the engine guarantees stays with the scheduler, which never sees a graph: an abort, a
 preemption or a finished request only changes what the next step's buffer holds.
+
+Running ahead (async scheduling, model_runner.py), the graphs read a row's token from the runner's
+`token_slots` where the buffer names a slot (a step ahead: its token is being sampled on the device),
+and `store_tokens` writes each row's draw to the slot the buffer names for it, both on the device.
 """
 
 from __future__ import annotations
@@ -73,8 +77,9 @@ class _Layout:
 
     @property
     def sizes(self) -> list[int]:
-        # token ids, positions, slots, tile lengths, tile rows (0..max_batch-1), block tables
-        return [self.max_batch] * 5 + [self.max_batch * self.max_blocks]
+        # token ids, positions, slots, tile lengths, tile rows (0..max_batch-1), token slots read (-1:
+        # none), token slots written, block tables
+        return [self.max_batch] * 7 + [self.max_batch * self.max_blocks]
 
     @property
     def total(self) -> int:
@@ -91,8 +96,10 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_model_len: int,
         capture: Capture = cuda_capture,
+        token_slots: torch.Tensor | None = None,
     ) -> None:
         self.model = model
+        self.token_slots = token_slots  # running ahead: where steps ahead take their tokens
         self.block_size = block_size
         self.buckets = buckets_for(max_num_seqs)
         self.layout = _Layout(self.buckets[-1], math.ceil(max_model_len / block_size))
@@ -114,23 +121,32 @@ class DecodeGraphs:
         from kvserve.kernels.gpu.attention import attention_counters  # triton, imported on the GPU path only
 
         self._attention_counters = attention_counters(device)  # the graphs' own
+        self._batch = 0  # rows of the last run
         self._replays: dict[int, Callable[[], None]] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        ids, positions, slots, tile_len, rows, tables = buffer.split(self.layout.sizes)
-        return [ids, positions, slots, tile_len, rows, tables.view(self.layout.max_batch, self.layout.max_blocks)]
+        *rows, tables = buffer.split(self.layout.sizes)
+        return [*rows, tables.view(self.layout.max_batch, self.layout.max_blocks)]
 
     def _fill_padding(self) -> None:
-        """Every row a padding row: no KV write (slot -1), no attention (tile length 0)."""
-        ids, positions, slots, tile_len, rows, tables = self._host_views
-        ids[:], positions[:], slots[:], tile_len[:], tables[:] = 0, 0, -1, 0, 0
+        """Every row a padding row: no KV write (slot -1), no attention (tile length 0), its token as
+        given, its draw (if any) into the last token slot, which nobody reads."""
+        ids, positions, slots, tile_len, rows, sources, sinks, tables = self._host_views
+        ids[:], positions[:], slots[:], tile_len[:], tables[:], sources[:] = 0, 0, -1, 0, 0, -1
+        sinks[:] = self._sink
         rows[:] = np.arange(self.layout.max_batch)
+
+    @property
+    def _sink(self) -> int:
+        return self.token_slots.numel() - 1 if self.token_slots is not None else 0
 
     def _forward(self, batch: int) -> torch.Tensor:
         """The whole step for `batch` rows of the static buffers -> float32 logits [batch, vocab]."""
-        ids, positions, slots, tile_len, rows, tables = (v[:batch] for v in self._views(self.static))
+        ids, positions, slots, tile_len, rows, sources, _, tables = (v[:batch] for v in self._views(self.static))
+        if self.token_slots is not None:  # a step ahead's token, from the slot its sampling step writes
+            ids = torch.where(sources >= 0, self.token_slots[sources.clamp(min=0)], ids)
         metadata = TritonAttentionMetadata(
             slot_mapping=slots,
             block_tables=tables,
@@ -169,16 +185,24 @@ class DecodeGraphs:
             and max(num_blocks) <= self.layout.max_blocks
         )
 
-    def run(self, token_ids: list[int], num_computed_tokens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run(
+        self,
+        token_ids: list[int],
+        num_computed_tokens: list[int],
+        block_tables: list[list[int]],
+        sources: list[int] | None = None,
+        sinks: list[int] | None = None,
+    ) -> torch.Tensor:
         """Float32 logits [B, vocab] of one decode step: sequence i adds token_ids[i] at position
         num_computed_tokens[i] (in its blocks block_tables[i]). A view of the bucket's output, valid
-        until the next run."""
+        until the next run. Running ahead, row i takes its token from token slot sources[i] where that
+        is not -1, and `store_tokens` writes its draw to slot sinks[i] (-1: none)."""
         batch = len(token_ids)
         bucket = self._bucket_of[batch]
         size = self.block_size
         if self._copied is not None:
             self._copied.synchronize()
-        ids, positions, slots, tile_len, _, tables = self._host_views
+        ids, positions, slots, tile_len, _, source_view, sink_view, tables = self._host_views
         row_slots = []
         for row, (table, computed) in enumerate(zip(block_tables, num_computed_tokens, strict=True)):
             tables[row, : len(table)] = table  # entries past a sequence's own blocks are never read
@@ -186,6 +210,10 @@ class DecodeGraphs:
         ids[:batch], positions[:batch], slots[:batch], tile_len[:batch] = token_ids, num_computed_tokens, row_slots, 1
         if bucket > batch:
             ids[batch:bucket], positions[batch:bucket], slots[batch:bucket], tile_len[batch:bucket] = 0, 0, -1, 0
+        if self.token_slots is not None:
+            source_view[:batch] = sources if sources is not None else -1
+            sink_view[:batch] = [self._sink if s < 0 else s for s in sinks] if sinks is not None else self._sink
+            source_view[batch:bucket], sink_view[batch:bucket] = -1, self._sink
         # one transfer, of what the bucket's graph reads: the per-row values and its rows' block tables
         # (the tables come last, row by row: a prefix), not the largest bucket's whole table
         static, host = self._transfers[bucket]
@@ -193,4 +221,13 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
         self._replays[bucket]()
+        self._batch = batch
         return self._logits[bucket][:batch]
+
+    def store_tokens(self, tokens: torch.Tensor, sampling_rows_only: bool = False) -> None:
+        """After the last run's sampler: its draws [B] (one per row; with `sampling_rows_only`, one per
+        row that samples) into the token slots the buffer names, on the device."""
+        sinks = self._views(self.static)[6][: self._batch].long()
+        if sampling_rows_only:  # rare (a prefill-only request in a graph step): its indices from here
+            sinks = sinks[sinks != self._sink]
+        self.token_slots.index_copy_(0, sinks, tokens.int())

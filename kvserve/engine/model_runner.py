@@ -12,12 +12,19 @@ On a GPU the model's Python forward runs over the Triton kernels (layers/gpu.py,
 layers/attention_triton.py), which keep the same promise, and decode steps replay CUDA graphs
 (engine/cuda_graphs.py). The Python forward with PyTorch's attention serves where neither can (no
 compiler, KVSERVE_FUSED_DECODE=0).
+
+Async scheduling (`runs_ahead`, on a GPU by default): `execute` queues a step and its sampler on the
+device and returns; `collect` hands back the oldest step's tokens once the device has them, while the
+step after it is already queued, so the GPU never waits for the host's bookkeeping. A step scheduled
+ahead of its request's sampling step (scheduler.AHEAD) takes that token on the device: every sampling
+row writes its token into the request's slot of `token_slots`, which the next step's embedding reads.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,7 +32,7 @@ import torch
 
 from kvserve.engine.cuda_graphs import DecodeGraphs, cuda_capture, eager_capture
 from kvserve.engine.kv_cache import allocate_kv_cache
-from kvserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from kvserve.engine.sampler import Sampled, Sampler, SamplingRow, TokenLogprobs
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kernels import build
 from kvserve.layers import fused_decode
@@ -47,6 +54,7 @@ class RunnerTimings:
     fused_steps: int = 0  # steps run by the C++ layer loop, each token with its own block table
     fused_prefills: int = 0  # steps of fresh prompts only, run by the same loop
     graph_steps: int = 0  # decode steps replayed as a CUDA graph (GPU)
+    ahead_rows: int = 0  # rows scheduled ahead, their token read on the device (async scheduling)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -57,6 +65,7 @@ class RunnerTimings:
             "fused_steps": self.fused_steps,
             "fused_prefills": self.fused_prefills,
             "graph_steps": self.graph_steps,
+            "ahead_rows": self.ahead_rows,
         }
 
 
@@ -67,9 +76,8 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    """Computes each step in this process, at once (the engine's Runner with depth 1)."""
-
-    depth = 1
+    """Computes each step in this process: at once (the engine's Runner with depth 1), or running ahead
+    (depth 2: a step queued behind the one whose result `collect` waits for)."""
 
     def __init__(
         self,
@@ -82,10 +90,12 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_model_len: int = 2048,
         cuda_graphs: bool = True,
+        async_scheduling: bool = False,
     ) -> None:
         """`max_num_seqs` and `max_model_len` size the CUDA graphs (GPU, a whole model, `cuda_graphs`):
         captured here, so start-up includes them. Without a GPU (KVSERVE_KERNELS=triton on a CPU) the
-        graphs' bookkeeping runs with each replay computed eagerly, for tests."""
+        graphs' bookkeeping runs with each replay computed eagerly, for tests. `async_scheduling` runs
+        ahead where the step runs on the Triton kernels (a whole model: the sampler is here)."""
         self.model = model
         self.batch_invariant = batch_invariant
         set_batch_invariant(model, batch_invariant)
@@ -117,10 +127,23 @@ class ModelRunner:
             from kvserve.kernels.gpu.attention import attention_counters
 
             self.attention_counters = attention_counters(self.device)
+        whole = model.has_embedding and model.has_head
+        self.runs_ahead = async_scheduling and self.triton and whole
+        self.depth = 2 if self.runs_ahead else 1
+        self.token_slots: torch.Tensor | None = None
+        if self.runs_ahead:
+            # A slot per request with a sampling step in flight: at most two steps' requests, and the
+            # last slot takes the draws of rows that need none (a graph's rows all write one).
+            self.token_slots = torch.zeros(2 * max_num_seqs + 1, dtype=torch.int32, device=self.device)
+        self._free_slots = list(range(2 * max_num_seqs)) if self.runs_ahead else []
+        self._slot_of: dict[str, int] = {}
+        self._samples_in_flight: dict[str, int] = {}  # request id -> its sampling steps not collected
+        self._taken: list[str] = []  # the slots the step being queued took
+        self._pending: deque[tuple[int, Sampled, list[str]]] = deque()  # (ticket, draws, their request ids)
         self.graphs: DecodeGraphs | None = None
-        if self.triton and cuda_graphs and model.has_embedding and model.has_head:
+        if self.triton and cuda_graphs and whole:
             capture = cuda_capture if self.device.type == "cuda" else eager_capture
-            self.graphs = DecodeGraphs(model, block_size, max_num_seqs, max_model_len, capture)
+            self.graphs = DecodeGraphs(model, block_size, max_num_seqs, max_model_len, capture, self.token_slots)
             self.graphs.capture_all()
 
     @property
@@ -137,32 +160,104 @@ class ModelRunner:
         return self.fused
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, ticket: int = 0) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, ticket: int = 0) -> RunnerOutput | None:
+        """The step's result; running ahead, None: the step is queued, and `collect` hands it back."""
         items = out.scheduled
-        if self.graphs is not None and self.graphs.covers(
-            [len(s.token_ids) for s in items], [len(s.block_ids) for s in items]
-        ):
-            return self._execute_graph(items)
-        return self.sample(items, self.forward(items))
+        self._taken.clear()
+        try:
+            if self.graphs is not None and self.graphs.covers(
+                [len(s.token_ids) for s in items], [len(s.block_ids) for s in items]
+            ):
+                sampled, ids = self._execute_graph(items)
+            else:
+                hidden = self.forward(items)
+                t0 = time.perf_counter()
+                ends, rows, ids = self._sampling_rows(items)
+                logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)]) if ends else None
+                sampled = self._launch_sample(logits, rows, ids) if ends else None
+                if sampled is not None and self.runs_ahead:
+                    sinks = torch.tensor([self._take_slot(i) for i in ids], dtype=torch.long).to(self.device)
+                    self.token_slots.index_copy_(0, sinks, sampled.tokens.int())
+                self.timings.sample += time.perf_counter() - t0
+        except Exception:  # not queued: the slots it took are not written (EngineCore re-runs its requests)
+            for request_id in self._taken:
+                self._put_slot(request_id)
+            raise
+        if not self.runs_ahead:
+            return self._output(sampled, ids)
+        self._pending.append((ticket, sampled, ids))
+        return None
 
-    def _execute_graph(self, items: list[ScheduledRequest]) -> RunnerOutput:
+    @property
+    def num_pending(self) -> int:
+        """Steps queued (running ahead) whose results `collect` has not handed back."""
+        return len(self._pending)
+
+    def collect(self) -> tuple[int, RunnerOutput | Exception]:
+        """The oldest queued step's (ticket, result), once the device has computed it; an exception
+        where copying its results back failed (the device's own failure)."""
+        ticket, sampled, ids = self._pending.popleft()
+        t0 = time.perf_counter()
+        try:
+            outcome: RunnerOutput | Exception = self._output(sampled, ids)
+        except Exception as exc:
+            outcome = exc
+        for request_id in ids:
+            self._put_slot(request_id)
+        self.timings.sample += time.perf_counter() - t0
+        return ticket, outcome
+
+    def _take_slot(self, request_id: str) -> int:
+        """The token slot of a request whose sampling step is being queued."""
+        if request_id not in self._slot_of:
+            self._slot_of[request_id] = self._free_slots.pop()
+        self._samples_in_flight[request_id] = self._samples_in_flight.get(request_id, 0) + 1
+        self._taken.append(request_id)
+        return self._slot_of[request_id]
+
+    def _put_slot(self, request_id: str) -> None:
+        """One of a request's sampling steps is back: its slot is free once no step in flight writes it."""
+        self._samples_in_flight[request_id] -= 1
+        if not self._samples_in_flight[request_id]:
+            del self._samples_in_flight[request_id]
+            self._free_slots.append(self._slot_of.pop(request_id))
+
+    def _sources(self, items: list[ScheduledRequest]) -> list[int] | None:
+        """Per item, the token slot its token comes from (-1: token_ids as given); None if no item is
+        ahead."""
+        ahead = sum(s.ahead for s in items)
+        if not ahead:
+            return None
+        self.timings.ahead_rows += ahead
+        return [self._slot_of[s.request_id] if s.ahead else -1 for s in items]
+
+    def _execute_graph(self, items: list[ScheduledRequest]) -> tuple[Sampled | None, list[str]]:
         """A decode step replayed as the CUDA graph of its bucket, then the sampler."""
         t0 = time.perf_counter()
         ends, rows, ids = self._sampling_rows(items)
+        sinks = None
+        if self.runs_ahead:
+            sources = self._sources(items)
+            sinks = [self._take_slot(s.request_id) if s.sample else -1 for s in items]
         t1 = time.perf_counter()
         logits = self.graphs.run(
-            [s.token_ids[0] for s in items], [s.num_computed_tokens for s in items], [s.block_ids for s in items]
+            [0 if s.ahead else s.token_ids[0] for s in items],
+            [s.num_computed_tokens for s in items],
+            [s.block_ids for s in items],
+            *((sources, sinks) if sinks is not None else ()),
         )
         if len(ends) < len(items):  # a prefill-only request ending on one token samples nothing
             logits = logits[torch.tensor(ends, device=self.device)]
         t2 = time.perf_counter()
-        result = self._sample(logits, rows, ids) if ends else RunnerOutput()
+        sampled = self._launch_sample(logits, rows, ids) if ends else None
+        if sampled is not None and sinks is not None:
+            self.graphs.store_tokens(sampled.tokens, len(ends) < len(items))
         self.timings.prepare += t1 - t0
         self.timings.forward += t2 - t1
         self.timings.sample += time.perf_counter() - t2
         self.timings.steps += 1
         self.timings.graph_steps += 1
-        return result
+        return sampled, ids
 
     @torch.inference_mode()
     def forward(self, items: list[ScheduledRequest], hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -187,7 +282,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)]) if ends else None
         t2 = time.perf_counter()
-        result = self._sample(logits, rows, ids) if logits is not None else RunnerOutput()
+        result = self._output(self._launch_sample(logits, rows, ids) if logits is not None else None, ids)
         self.timings.prepare += t1 - t0
         self.timings.forward += t2 - t1
         self.timings.sample += time.perf_counter() - t2
@@ -200,6 +295,11 @@ class ModelRunner:
         model's Python forward over the Triton kernels (GPU); over PyTorch's attention (no compiler)."""
         if hidden is None:
             input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.long).to(self.device)
+            sources = self._sources(items)
+            if sources is not None:  # steps ahead: their tokens from the slots their sampling steps write
+                src = torch.tensor([source for s, source in zip(items, sources, strict=True) for _ in s.token_ids])
+                src = src.to(self.device)
+                input_ids = torch.where(src >= 0, self.token_slots[src.clamp(min=0)].long(), input_ids)
             hidden = self.model.embed(input_ids)  # [T, hidden]
         else:
             hidden = hidden.to(self.device)
@@ -257,15 +357,21 @@ class ModelRunner:
                 )
         return ends, rows, ids
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], ids: list[str]) -> RunnerOutput:
+    def _launch_sample(self, logits: torch.Tensor, rows: list[SamplingRow], ids: list[str]) -> Sampled:
         # A failed step is re-run (EngineCore confines failures): a draw must not advance twice.
         seeded = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
         try:
-            tokens, logprobs = self.sampler(logits, rows)
+            return self.sampler.launch(logits, rows)
         except Exception:
             for generator, state in seeded:
                 generator.set_state(state)
             raise
+
+    @staticmethod
+    def _output(sampled: Sampled | None, ids: list[str]) -> RunnerOutput:
+        if sampled is None:
+            return RunnerOutput()
+        tokens, logprobs = sampled.result()
         return RunnerOutput(
             sampled=dict(zip(ids, tokens, strict=True)),
             logprobs={i: lp for i, lp in zip(ids, logprobs, strict=True) if lp is not None},

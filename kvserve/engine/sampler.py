@@ -38,8 +38,44 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
+class Sampled:
+    """A batch's draws, launched on the logits' device: `tokens` [B] there at once, the host's lists
+    (`result`) once the device has computed them. On a GPU everything is queued behind the step and
+    copied back without a stop of the host, so a runner may queue its next step first (async
+    scheduling); on the CPU it is computed already."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        self.tokens = tokens
+        pinned = tokens.is_cuda
+        self._tokens = tokens.to("cpu", non_blocking=pinned)
+        # per row asking for them: ([the chosen token's logprob, the top n's], the top n's ids), on the host
+        self._logprobs = [
+            None if lp is None else tuple(t.to("cpu", non_blocking=pinned) for t in lp) for lp in logprobs
+        ]
+        self._done = None
+        if pinned:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if self._done is not None:
+            self._done.synchronize()  # this batch's kernels and copies only, not what was queued after
+        token_list = self._tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = []
+        for token, lp in zip(token_list, self._logprobs, strict=True):
+            if lp is None:
+                logprobs.append(None)
+                continue
+            values = lp[0].tolist()
+            logprobs.append(TokenLogprobs(token, values[0], list(zip(lp[1].tolist(), values[1:], strict=True))))
+        return token_list, logprobs
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> Sampled:
         # logits: [B, V] float32, one row per sampled request
         num_rows, vocab = logits.shape
         raw_logprobs = None
@@ -73,21 +109,16 @@ class Sampler:
         if random_rows:
             tokens[random_rows] = _draw(logits, [(i, rows[i]) for i in random_rows])
 
-        token_list = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * num_rows
-        if raw_logprobs is not None:
+        logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_rows
+        if raw_logprobs is not None:  # on the device: the chosen token's logprob and the top n
             for i, row in enumerate(rows):
                 n = row.params.logprobs
                 if n is None:
                     continue
-                chosen = token_list[i]
-                top_values, top_ids = raw_logprobs[i].topk(n) if n else (torch.empty(0), torch.empty(0))
-                logprobs[i] = TokenLogprobs(
-                    chosen,
-                    float(raw_logprobs[i, chosen]),
-                    list(zip(top_ids.tolist(), top_values.tolist(), strict=True)),
-                )
-        return token_list, logprobs
+                top_values, top_ids = raw_logprobs[i].topk(n)
+                chosen = raw_logprobs[i].gather(0, tokens[i : i + 1])
+                logprobs[i] = (torch.cat([chosen, top_values]), top_ids)
+        return Sampled(tokens, logprobs)
 
 
 def _draw(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> torch.Tensor:

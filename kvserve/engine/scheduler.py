@@ -11,6 +11,15 @@ A step may still be computing when the next is scheduled (a pipeline of stages, 
 its requests are in flight until `update_from_output` takes its result, and meanwhile they are
 neither scheduled again nor preempted; `schedule(max_num_scheduled)` splits the rest into
 micro-batches.
+
+A runner that runs ahead (async scheduling, `run_ahead`: one GPU step queued while the host takes
+back the one before) may get a request again while its sampling step computes: one decode token at
+the position of the token being sampled, whose id the runner takes on the device (`AHEAD`). Only
+where nothing about the next step depends on that token's value on the host: no grammar, no
+penalties, min_tokens reached, and the pending token cannot end it by length. If it ends it
+otherwise (a stop token or string, an abort), the step ahead is computed and its token dropped.
+Requests go ahead only when every one in flight can (or ends with its pending token): one that must
+wait for its token on the host would otherwise be left out of every other step.
 """
 
 from __future__ import annotations
@@ -23,6 +32,9 @@ from typing import Any
 from kvserve.engine.block_pool import BlockPool, hash_full_blocks
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
+
+# The token id of a step scheduled ahead: the runner takes it on the device from the step in flight.
+AHEAD = -1
 
 
 @dataclass
@@ -40,6 +52,8 @@ class ScheduledRequest:
     # The tokens its grammar allows next (a torch int32 tensor, one bit per token id), set by the
     # engine before the step runs on the rows that sample under a grammar (engine/grammar.py).
     token_bitmask: Any = None
+    # Scheduled ahead: token_ids is [AHEAD], the token its step in flight samples (run_ahead).
+    ahead: bool = False
 
 
 @dataclass
@@ -82,6 +96,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.in_flight: set[Request] = set()  # scheduled in a step whose result has not come back
+        self.run_ahead = False  # the runner takes a pending token on the device (async scheduling)
+        self.sampling: set[Request] = set()  # in flight in a step that samples its next token
+        self.ahead: set[Request] = set()  # in flight twice: a step ahead queued behind its sampling step
         self.stats = SchedulerStats()
         # Called with a number of blocks when the pool is short, before anything is preempted
         # (sessions unpin idle conversations here).
@@ -93,8 +110,13 @@ class Scheduler:
 
     @property
     def has_ready_work(self) -> bool:
-        """Whether a request could be scheduled now: one waiting (and ready), or one running not in flight."""
-        return len(self.running) > len(self.in_flight) or any(r.is_ready for r in self.waiting)
+        """Whether a request could be scheduled now: one waiting (and ready), one running not in flight,
+        or one in flight that may go ahead."""
+        return (
+            len(self.running) > len(self.in_flight)
+            or any(r.is_ready for r in self.waiting)
+            or (self._goes_ahead() and any(self._may_go_ahead(r) for r in self.in_flight))
+        )
 
     @property
     def num_paused(self) -> int:
@@ -123,10 +145,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         room = max_num_scheduled if max_num_scheduled is not None else len(self.running) + len(self.waiting)
+        ahead = self._goes_ahead()
         index = 0
         while index < len(self.running) and budget > 0 and len(out.scheduled) < room:
             request = self.running[index]
             if request in self.in_flight:
+                if ahead and self._may_go_ahead(request) and self._allocate_slots(request, 1, ahead=True):
+                    out.scheduled.append(self._scheduled_ahead(request))
+                    budget -= 1
                 index += 1
                 continue
             if request.is_paused:  # out of the batch, its blocks back in the pool, its place kept
@@ -191,7 +217,44 @@ class Scheduler:
             request = self.requests[item.request_id]
             out.requests[item.request_id] = request
             self.in_flight.add(request)
+            if item.sample:
+                self.sampling.add(request)
+            if item.ahead:
+                self.ahead.add(request)
         return out
+
+    def _goes_ahead(self) -> bool:
+        """Whether requests in flight may get steps ahead now: every one of them can or needs none."""
+        return self.run_ahead and all(self._may_go_ahead(r) or self._ends_with_pending(r) for r in self.in_flight)
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Whether the token its step in flight samples ends the request by length."""
+        return request in self.sampling and (
+            request.num_output_tokens + 1 >= request.params.max_tokens or request.num_tokens + 1 >= self.max_model_len
+        )
+
+    def _may_go_ahead(self, request: Request) -> bool:
+        """Whether a request in flight may get a step ahead: its one step in flight samples, and the
+        next step needs nothing on the host from that token (see the module's docstring)."""
+        params = request.params
+        return (
+            request in self.sampling
+            and request not in self.ahead
+            and not request.is_paused
+            and request.grammar is None
+            and not params.has_penalties
+            and params.min_tokens <= request.num_output_tokens
+            and request.num_output_tokens + 1 < params.max_tokens
+            and request.num_tokens + 1 < self.max_model_len
+        )
+
+    def _returned(self, request: Request) -> None:
+        """One of a request's steps came back: it stays in flight while its step ahead computes."""
+        if request in self.ahead:
+            self.ahead.discard(request)
+        else:
+            self.in_flight.discard(request)
+            self.sampling.discard(request)
 
     def _pop_victim(self, index: int) -> Request:
         """The running request to preempt for running[index]: the most recently admitted one not in
@@ -210,7 +273,7 @@ class Scheduler:
         updated = []
         for item in out.scheduled:
             request = out.requests[item.request_id]
-            self.in_flight.discard(request)
+            self._returned(request)
             if request.is_finished or self.requests.get(item.request_id) is not request:
                 continue
             request.num_computed_tokens += len(item.token_ids)
@@ -245,6 +308,8 @@ class Scheduler:
         """The one place a request leaves: its blocks are freed and it is forgotten."""
         assert status.is_finished
         self.in_flight.discard(request)
+        self.sampling.discard(request)
+        self.ahead.discard(request)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
@@ -268,11 +333,28 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
         )
 
-    def _allocate_slots(self, request: Request, num_new: int) -> bool:
-        needed = -(-(request.num_computed_tokens + num_new) // self.block_size) - len(request.block_ids)
+    def _scheduled_ahead(self, request: Request) -> ScheduledRequest:
+        """A step ahead: the token its step in flight samples, at that token's position."""
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=[AHEAD],
+            num_computed_tokens=request.num_tokens,
+            block_ids=list(request.block_ids),
+            sample=True,
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            ahead=True,
+        )
+
+    def _allocate_slots(self, request: Request, num_new: int, ahead: bool = False) -> bool:
+        """Blocks for num_new more tokens (past the pending one, ahead); False if the pool is short. A
+        step ahead only takes free blocks: it never reclaims nor preempts."""
+        computed = request.num_tokens if ahead else request.num_computed_tokens
+        needed = -(-(computed + num_new) // self.block_size) - len(request.block_ids)
         if needed <= 0:
             return True
-        if needed > self.pool.num_free_blocks and self.reclaim is not None:
+        if needed > self.pool.num_free_blocks and self.reclaim is not None and not ahead:
             self.reclaim(needed)
         if needed > self.pool.num_free_blocks:
             return False

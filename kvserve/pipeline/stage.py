@@ -32,6 +32,7 @@ class StageSpec:
     batch_invariant: bool
     device: str = "cpu"  # torch.device's spelling, "cuda:1" included
     cuda_graphs: bool = True  # decode steps of a whole model on a GPU replay CUDA graphs (engine/cuda_graphs.py)
+    async_scheduling: bool = False  # a whole model's runner queues step n+1 before taking back step n
 
     def settings(self, stages: int) -> dict[str, object]:
         """What must be the same on every rank, besides kvserve's version and the model file."""
@@ -86,4 +87,5 @@ def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, pr
         sizes.max_num_seqs,
         sizes.max_model_len,
         spec.cuda_graphs,
+        spec.async_scheduling,
     )

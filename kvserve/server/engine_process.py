@@ -50,6 +50,7 @@ def build_llm(settings: ServerSettings) -> LLM:
         activations=settings.activations,
         batch_invariant=settings.batch_invariant,
         cuda_graphs=settings.cuda_graphs,
+        async_scheduling=settings.async_scheduling,
         kv_cache_tokens=settings.kv_cache_tokens,
         kv_cache_dtype=settings.kv_cache_dtype,
         max_num_seqs=settings.max_num_seqs,

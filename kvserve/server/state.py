@@ -40,6 +40,7 @@ class ServerSettings:
     activations: str = "auto"
     batch_invariant: bool = True
     cuda_graphs: bool = True
+    async_scheduling: bool | None = None  # None: on a GPU
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_sessions: int = 1024
     max_sessions_per_key: int | None = 256

@@ -1,0 +1,241 @@
+"""Async scheduling: the engine queues step n+1 before it takes back step n, a request's next token read
+on the device (engine/core.py, engine/scheduler.py's steps ahead, engine/model_runner.py's token slots).
+
+The scheduler's bookkeeping is checked alone, with exact block ids. Through the engine the GPU path runs
+on a CPU (KVSERVE_KERNELS=triton, Triton's interpreter, the CUDA graphs' bookkeeping), where each
+request's tokens and logprobs must equal those of the same engine without async scheduling: greedy,
+seeded, logprobs, penalties, min_tokens, stop tokens and strings, aborts and preemption; and no KV block
+may leak. tests/test_cuda.py runs the same comparison on a GPU, where the device really runs ahead.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import AHEAD, Scheduler
+from kvserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _scheduler(num_blocks: int = 8, block_size: int = 4) -> Scheduler:
+    scheduler = Scheduler(BlockPool(num_blocks, block_size, True), 8, 64, 64)
+    scheduler.run_ahead = True
+    return scheduler
+
+
+def _request(request_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> Request:
+    return Request(request_id, prompt, params, eos_token_ids=(0,))
+
+
+def test_a_request_goes_ahead_of_its_sampling_step_at_the_pending_tokens_position():
+    scheduler = _scheduler()
+    request = _request("a", [5, 6, 7, 8, 9])
+    scheduler.add_request(request)
+    prefill = scheduler.schedule()
+    assert [(s.token_ids, s.num_computed_tokens, s.block_ids, s.sample) for s in prefill.scheduled] == [
+        ([5, 6, 7, 8, 9], 0, [0, 1], True)
+    ]
+    first_ahead = scheduler.schedule()  # the prefill samples token 5's slot: position 5 is in block 1
+    assert [(s.token_ids, s.num_computed_tokens, s.block_ids, s.ahead) for s in first_ahead.scheduled] == [
+        ([AHEAD], 5, [0, 1], True)
+    ]
+    assert scheduler.schedule().is_empty  # two steps in flight: nothing more
+    assert scheduler.update_from_output(prefill, {"a": 11}) == [request]
+    assert request.output_token_ids == [11] and request.num_computed_tokens == 5
+    assert request in scheduler.in_flight  # its step ahead still computes
+    second_ahead = scheduler.schedule()  # position 6 (token 11 at 5 is being computed)
+    assert [(s.token_ids, s.num_computed_tokens, s.block_ids) for s in second_ahead.scheduled] == [([AHEAD], 6, [0, 1])]
+    scheduler.update_from_output(first_ahead, {"a": 12})
+    assert request.output_token_ids == [11, 12] and request.num_computed_tokens == 6
+    third_ahead = scheduler.schedule()
+    assert [(s.num_computed_tokens, s.block_ids) for s in third_ahead.scheduled] == [(7, [0, 1])]
+    scheduler.update_from_output(second_ahead, {"a": 13})
+    fourth_ahead = scheduler.schedule()  # position 8 opens block 2
+    assert [(s.num_computed_tokens, s.block_ids) for s in fourth_ahead.scheduled] == [(8, [0, 1, 2])]
+    scheduler.update_from_output(third_ahead, {"a": 14})
+    fifth_ahead = scheduler.schedule()  # it samples the 6th token of 6
+    assert [(s.num_computed_tokens, s.block_ids) for s in fifth_ahead.scheduled] == [(9, [0, 1, 2])]
+    scheduler.update_from_output(fourth_ahead, {"a": 15})
+    assert scheduler.schedule().is_empty and not scheduler.has_ready_work  # the token in flight is the last
+    scheduler.update_from_output(fifth_ahead, {"a": 16})
+    assert request.status == RequestStatus.FINISHED_LENGTH and request.output_token_ids == [11, 12, 13, 14, 15, 16]
+    assert scheduler.pool.num_used_blocks == 0 and not scheduler.in_flight and not scheduler.ahead
+
+
+def test_a_stop_drops_the_step_ahead_and_frees_the_blocks_at_once():
+    scheduler = _scheduler()
+    request = _request("a", [5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0))
+    scheduler.add_request(request)
+    prefill = scheduler.schedule()
+    ahead = scheduler.schedule()
+    assert ahead.scheduled[0].block_ids == [0, 1]  # position 4 needs a second block
+    scheduler.update_from_output(prefill, {"a": 0})  # EOS
+    assert request.status == RequestStatus.FINISHED_STOPPED and scheduler.pool.num_used_blocks == 0
+    assert scheduler.update_from_output(ahead, {"a": 9}) == []  # computed, dropped
+    assert request.output_token_ids == [0] and not scheduler.in_flight and not scheduler.ahead
+
+
+def test_no_step_ahead_where_the_pending_token_matters_on_the_host():
+    for params in (
+        SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.2),
+        SamplingParams(max_tokens=6, temperature=0, frequency_penalty=0.5),
+        SamplingParams(max_tokens=6, temperature=0, min_tokens=3),
+        SamplingParams(max_tokens=1, temperature=0),  # its pending token is its last
+    ):
+        scheduler = _scheduler()
+        scheduler.add_request(_request("a", [5, 6, 7], params))
+        scheduler.schedule()
+        assert scheduler.schedule().is_empty, params
+        assert not scheduler.has_ready_work
+
+
+def test_requests_go_ahead_only_when_every_one_in_flight_can():
+    """One that must wait for its token on the host would be left out of every other step."""
+    scheduler = _scheduler()
+    scheduler.add_request(_request("greedy", [5, 6, 7]))
+    scheduler.add_request(_request("penalized", [5, 6, 8], SamplingParams(max_tokens=6, repetition_penalty=1.2)))
+    both = scheduler.schedule()
+    assert scheduler.schedule().is_empty
+    scheduler.update_from_output(both, {"greedy": 3, "penalized": 4})
+    again = scheduler.schedule()
+    assert [(s.request_id, s.ahead) for s in again.scheduled] == [("greedy", False), ("penalized", False)]
+
+
+def test_a_step_ahead_takes_only_free_blocks_and_never_preempts():
+    scheduler = _scheduler(num_blocks=2, block_size=4)
+    scheduler.add_request(_request("a", [1, 2, 3, 4]))
+    scheduler.add_request(_request("b", [5, 6, 7, 8]))
+    both = scheduler.schedule()
+    assert [s.block_ids for s in both.scheduled] == [[0], [1]]
+    # each step ahead needs a second block and none is free: nothing, and nobody preempted
+    assert scheduler.schedule().is_empty and scheduler.stats.num_preemptions_total == 0
+    scheduler.update_from_output(both, {"a": 3, "b": 4})
+    assert scheduler.pool.num_used_blocks == 2
+
+
+# ----- through the engine, on the GPU path (Triton's interpreter on a CPU) ---------------------------
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def triton_kernels():
+    pytest.importorskip("triton")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSERVE_KERNELS", "triton")
+        yield
+
+
+def _llm(model_dir, async_scheduling: bool, **kwargs):
+    from kvserve import LLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = dict(device=device, dtype="float32", kv_cache_tokens=2048, max_num_seqs=8, progress=False)
+    return LLM(str(model_dir), session_db=False, async_scheduling=async_scheduling, **{**options, **kwargs})
+
+
+def _run(llm, prompts, params) -> list[tuple]:
+    """Every request at once; each one's tokens, text, finish reason and logprobs."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda pair: llm.generate(*pair), zip(prompts, params, strict=True)))
+    return [
+        (o.token_ids, o.text, o.finish_reason, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs or []])
+        for o in outs
+    ]
+
+
+PROMPTS = ["hi", "the quick brown fox", "lorem ipsum dolor sit amet", "x" * 40, "ab cd ef", "0123"]
+
+
+def test_the_same_tokens_and_logprobs_with_and_without_async_scheduling(tiny_model_dir, triton_kernels):
+    from tests.conftest import wait_idle_and_check
+
+    with _llm(tiny_model_dir, False) as sync:
+        assert not sync.weights["async_scheduling"]
+        probe = sync.generate(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert len(probe.text) >= 6
+        params = [
+            SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, logprobs=2),
+            SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[probe.token_ids[3]]),  # stops at its 4th
+            SamplingParams(max_tokens=7, temperature=0.9, seed=3, ignore_eos=True),
+            SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, presence_penalty=0.5),
+            SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, min_tokens=4),
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=[probe.text[4:6]]),
+        ]
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[4], PROMPTS[1]]
+        expected = _run(sync, prompts, params)
+        wait_idle_and_check(sync)
+    assert expected[1][2] == "stop" and len(expected[1][0]) <= 4 and expected[5][2] == "stop"
+    with _llm(tiny_model_dir, True) as ahead:
+        assert ahead.weights["async_scheduling"] and ahead.engine.runner.depth == 2
+        assert _run(ahead, prompts, params) == expected
+        assert ahead.runner_timings()["ahead_rows"] > 0  # it did run ahead, not only in turn
+        assert [r[:3] for r in _run(ahead, prompts[:1], params[:1])] == [expected[0][:3]]  # alone, too
+        wait_idle_and_check(ahead)
+
+
+def test_an_abort_behind_a_step_ahead_frees_every_block(tiny_model_dir, triton_kernels):
+    """Held at a known point: the request's step n is queued and its step ahead waits at the gate
+    when the abort is sent; both steps are computed, the ahead one's token dropped, every block freed."""
+    from tests.conftest import StepGate, wait_idle_and_check
+
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with _llm(tiny_model_dir, True) as llm:
+        solo = llm.generate(PROMPTS[2], GREEDY).token_ids
+        with StepGate(llm) as gate:
+            stream = llm.stream(PROMPTS[1], params)
+            gate.allow(3)  # the prefill, then two decode steps
+            chunks = [next(stream), next(stream)]
+            gate.step()
+            gate.entered.wait()
+            llm.abort(chunks[0].request_id)
+            gate.open()
+            rest = list(stream)
+        assert rest[-1].finish_reason == "abort"
+        assert len([t for c in chunks + rest for t in c.token_ids]) < params.max_tokens
+        wait_idle_and_check(llm)
+        assert llm.generate(PROMPTS[2], GREEDY).token_ids == solo  # the freed blocks serve another
+
+
+def test_preemption_and_prefix_hits_running_ahead(tiny_model_dir, triton_kernels):
+    """8 blocks of 16 for three requests that need 3 each as they decode: preempted ones recompute and
+    go ahead again; each gets its solo run's tokens."""
+    from tests.conftest import wait_idle_and_check
+
+    prompts = [f"{i} lorem ipsum dolor sit amet" for i in range(3)]
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    with _llm(tiny_model_dir, True) as roomy:
+        solo = [roomy.generate(p, params).token_ids for p in prompts]
+    with _llm(tiny_model_dir, True, kv_cache_tokens=8 * 16) as tight:
+        assert [r.token_ids for r in tight.generate(prompts, params)] == solo
+        assert tight.stats()["num_preemptions_total"] > 0
+        assert tight.generate(prompts[0], params).token_ids == solo[0]  # behind its cached prefix
+        wait_idle_and_check(tight)
+
+
+def test_a_prompt_joins_a_request_running_ahead(tiny_model_dir, triton_kernels):
+    """A prompt admitted while a request runs ahead shares an eager step with that request's step ahead,
+    whose token comes from the device there too: both get their solo runs' tokens."""
+    from tests.conftest import StepGate, wait_idle_and_check
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with _llm(tiny_model_dir, True) as llm:
+        solo = [llm.generate(p, params).token_ids for p in PROMPTS[1:3]]
+        with StepGate(llm) as gate, ThreadPoolExecutor(1) as pool:
+            first = llm.stream(PROMPTS[1], params)
+            gate.allow(3)
+            head = [next(first), next(first)]
+            gate.step()  # a step ahead is queued and the next waits at the gate
+            second = pool.submit(llm.generate, PROMPTS[2], params)
+            gate.open()
+            tokens = [t for chunk in [*head, *first] for t in chunk.token_ids]
+            assert [tokens, second.result().token_ids] == solo
+        wait_idle_and_check(llm)
