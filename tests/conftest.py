@@ -139,10 +139,12 @@ class StepGate:
     injects a failure there).
     """
 
-    def __init__(self, llm, fault=None) -> None:
+    def __init__(self, llm, fault=None, take_back: bool = True) -> None:
         import threading
 
         self.fault = fault
+        self.take_back = take_back
+        self.engine = llm.engine
         self.runner = llm.engine.runner
         self.entered = threading.Event()
         self.num_entered = 0  # steps that reached the gate
@@ -151,8 +153,14 @@ class StepGate:
 
     def __enter__(self) -> StepGate:
         execute = type(self.runner).execute.__get__(self.runner)
+        engine = self.engine
 
         def gated(out, *args):
+            # Running ahead (async scheduling, on a GPU), the step before this one is still queued: it is
+            # taken back first, so that a step waiting here has every step before it applied (unless
+            # `take_back` is False: tests of running ahead).
+            while self.take_back and getattr(self.runner, "runs_ahead", False) and self.runner.num_pending:
+                engine._step_done(*self.runner.collect(), rerun=False)
             self.entered.set()
             with self._changed:
                 self.num_entered += 1

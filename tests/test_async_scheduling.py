@@ -5,7 +5,8 @@ The scheduler's bookkeeping is checked alone, with exact block ids. Through the 
 on a CPU (KVSERVE_KERNELS=triton, Triton's interpreter, the CUDA graphs' bookkeeping), where each
 request's tokens and logprobs must equal those of the same engine without async scheduling: greedy,
 seeded, logprobs, penalties, min_tokens, stop tokens and strings, aborts and preemption; and no KV block
-may leak. tests/test_cuda.py runs the same comparison on a GPU, where the device really runs ahead.
+may leak. On a GPU (bench/gpu.py runs this file there) the same tests run where the device really runs
+ahead.
 """
 
 from __future__ import annotations
@@ -190,12 +191,11 @@ def test_an_abort_behind_a_step_ahead_frees_every_block(tiny_model_dir, triton_k
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     with _llm(tiny_model_dir, True) as llm:
         solo = llm.generate(PROMPTS[2], GREEDY).token_ids
-        with StepGate(llm) as gate:
+        with StepGate(llm, take_back=False) as gate:
             stream = llm.stream(PROMPTS[1], params)
             gate.allow(3)  # the prefill, then two decode steps
             chunks = [next(stream), next(stream)]
-            gate.step()
-            gate.entered.wait()
+            gate.step()  # step n is queued, the step ahead of it waits at the gate
             llm.abort(chunks[0].request_id)
             gate.open()
             rest = list(stream)
@@ -229,13 +229,33 @@ def test_a_prompt_joins_a_request_running_ahead(tiny_model_dir, triton_kernels):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     with _llm(tiny_model_dir, True) as llm:
         solo = [llm.generate(p, params).token_ids for p in PROMPTS[1:3]]
-        with StepGate(llm) as gate, ThreadPoolExecutor(1) as pool:
+        with StepGate(llm, take_back=False) as gate, ThreadPoolExecutor(1) as pool:
             first = llm.stream(PROMPTS[1], params)
             gate.allow(3)
             head = [next(first), next(first)]
-            gate.step()  # a step ahead is queued and the next waits at the gate
+            gate.step()  # a step is queued, the step ahead of it waits at the gate
             second = pool.submit(llm.generate, PROMPTS[2], params)
             gate.open()
             tokens = [t for chunk in [*head, *first] for t in chunk.token_ids]
             assert [tokens, second.result().token_ids] == solo
+        wait_idle_and_check(llm)
+
+
+def test_a_gate_that_takes_steps_back_early_leaves_the_tokens_alone(tiny_model_dir, triton_kernels):
+    """The test suite's StepGate takes the queued step back before the next one runs (so that tests
+    written for steps in turn hold on a GPU): a step ahead then finds its token on the host."""
+    from tests.conftest import StepGate, wait_idle_and_check
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with _llm(tiny_model_dir, True) as llm:
+        solo = llm.generate(PROMPTS[2], params).token_ids
+        with StepGate(llm) as gate:
+            stream = llm.stream(PROMPTS[2], params)
+            gate.allow(2)
+            first = next(stream)
+            gate.step()  # every step before the one at the gate is applied
+            assert llm.stats()["generation_tokens_total"] >= 2
+            gate.open()
+            tokens = [*first.token_ids, *(t for chunk in stream for t in chunk.token_ids)]
+        assert tokens == solo
         wait_idle_and_check(llm)

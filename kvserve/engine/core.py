@@ -279,6 +279,8 @@ class EngineCore:
             if self.grammars is not None:
                 self.grammars.close()
             if self.runner is not None:
+                while self._pending():  # steps still queued on the device: done before their memory goes
+                    self.runner.collect()
                 self.runner.close()
 
     def _runner_died(self, reason: str) -> None:

@@ -139,6 +139,7 @@ class ModelRunner:
         self._slot_of: dict[str, int] = {}
         self._samples_in_flight: dict[str, int] = {}  # request id -> its sampling steps not collected
         self._taken: list[str] = []  # the slots the step being queued took
+        self._drawn: list = []  # its seeded generators' states before its draws
         self._pending: deque[tuple[int, Sampled, list[str]]] = deque()  # (ticket, draws, their request ids)
         self.graphs: DecodeGraphs | None = None
         if self.triton and cuda_graphs and whole:
@@ -164,6 +165,7 @@ class ModelRunner:
         """The step's result; running ahead, None: the step is queued, and `collect` hands it back."""
         items = out.scheduled
         self._taken.clear()
+        self._drawn = []
         try:
             if self.graphs is not None and self.graphs.covers(
                 [len(s.token_ids) for s in items], [len(s.block_ids) for s in items]
@@ -179,9 +181,11 @@ class ModelRunner:
                     sinks = torch.tensor([self._take_slot(i) for i in ids], dtype=torch.long).to(self.device)
                     self.token_slots.index_copy_(0, sinks, sampled.tokens.int())
                 self.timings.sample += time.perf_counter() - t0
-        except Exception:  # not queued: the slots it took are not written (EngineCore re-runs its requests)
+        except Exception:  # not queued: EngineCore re-runs its requests, with their slots and draws as before
             for request_id in self._taken:
                 self._put_slot(request_id)
+            for generator, state in self._drawn:
+                generator.set_state(state)
             raise
         if not self.runs_ahead:
             return self._output(sampled, ids)
@@ -222,26 +226,37 @@ class ModelRunner:
             del self._samples_in_flight[request_id]
             self._free_slots.append(self._slot_of.pop(request_id))
 
-    def _sources(self, items: list[ScheduledRequest]) -> list[int] | None:
-        """Per item, the token slot its token comes from (-1: token_ids as given); None if no item is
-        ahead."""
-        ahead = sum(s.ahead for s in items)
-        if not ahead:
-            return None
-        self.timings.ahead_rows += ahead
-        return [self._slot_of[s.request_id] if s.ahead else -1 for s in items]
+    def _step_tokens(self, items: list[ScheduledRequest]) -> tuple[list[list[int]], list[int] | None]:
+        """Per item, its token ids and the token slot its token comes from (-1: the ids as given); None
+        for the slots if no item takes one. An item ahead reads the slot of its request's sampling step
+        in flight, or, where that step is back already (nothing queues a step between scheduling one
+        and running it but a test's gate), the token it appended on the host."""
+        tokens, sources = [], []
+        for s in items:
+            if not s.ahead:
+                tokens.append(s.token_ids)
+                sources.append(-1)
+            elif s.request_id in self._slot_of:
+                self.timings.ahead_rows += 1
+                tokens.append([0])
+                sources.append(self._slot_of[s.request_id])
+            else:  # (an output list without it: the request was aborted, and this step's token is dropped)
+                index = s.num_computed_tokens - len(s.prompt_token_ids)
+                tokens.append([s.output_token_ids[index] if index < len(s.output_token_ids) else 0])
+                sources.append(-1)
+        return tokens, sources if any(source >= 0 for source in sources) else None
 
     def _execute_graph(self, items: list[ScheduledRequest]) -> tuple[Sampled | None, list[str]]:
         """A decode step replayed as the CUDA graph of its bucket, then the sampler."""
         t0 = time.perf_counter()
         ends, rows, ids = self._sampling_rows(items)
+        tokens, sources = self._step_tokens(items)
         sinks = None
         if self.runs_ahead:
-            sources = self._sources(items)
             sinks = [self._take_slot(s.request_id) if s.sample else -1 for s in items]
         t1 = time.perf_counter()
         logits = self.graphs.run(
-            [0 if s.ahead else s.token_ids[0] for s in items],
+            [t[0] for t in tokens],
             [s.num_computed_tokens for s in items],
             [s.block_ids for s in items],
             *((sources, sinks) if sinks is not None else ()),
@@ -294,10 +309,10 @@ class ModelRunner:
         default); the C++ loop's causal prefill for fresh prompts (batch invariance off); the
         model's Python forward over the Triton kernels (GPU); over PyTorch's attention (no compiler)."""
         if hidden is None:
-            input_ids = torch.tensor([t for s in items for t in s.token_ids], dtype=torch.long).to(self.device)
-            sources = self._sources(items)
+            tokens, sources = self._step_tokens(items)
+            input_ids = torch.tensor([t for ids in tokens for t in ids], dtype=torch.long).to(self.device)
             if sources is not None:  # steps ahead: their tokens from the slots their sampling steps write
-                src = torch.tensor([source for s, source in zip(items, sources, strict=True) for _ in s.token_ids])
+                src = torch.tensor([source for ids, source in zip(tokens, sources, strict=True) for _ in ids])
                 src = src.to(self.device)
                 input_ids = torch.where(src >= 0, self.token_slots[src.clamp(min=0)].long(), input_ids)
             hidden = self.model.embed(input_ids)  # [T, hidden]
@@ -361,7 +376,9 @@ class ModelRunner:
         # A failed step is re-run (EngineCore confines failures): a draw must not advance twice.
         seeded = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
         try:
-            return self.sampler.launch(logits, rows)
+            sampled = self.sampler.launch(logits, rows)
+            self._drawn = seeded  # put back too if the step fails after its draws (execute)
+            return sampled
         except Exception:
             for generator, state in seeded:
                 generator.set_state(state)

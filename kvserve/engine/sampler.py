@@ -89,7 +89,7 @@ class Sampler:
         if masked or biased or penalized or constrained:  # the caller's logits stay as they are
             logits = logits.clone()
         for i, stops in masked.items():
-            logits[i, stops] = float("-inf")
+            logits[i, _on(logits.device, stops)] = float("-inf")
         for i in biased:
             _apply_bias(logits[i], rows[i].params.logit_bias)
         for i in penalized:
@@ -107,7 +107,7 @@ class Sampler:
         else:
             tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
         if random_rows:
-            tokens[random_rows] = _draw(logits, [(i, rows[i]) for i in random_rows])
+            tokens[_on(logits.device, random_rows)] = _draw(logits, [(i, rows[i]) for i in random_rows])
 
         logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_rows
         if raw_logprobs is not None:  # on the device: the chosen token's logprob and the top n
@@ -130,7 +130,8 @@ def _draw(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> torch.Te
     cost on a CPU). Which way a row goes depends on its own settings only."""
     vocab = logits.shape[-1]
     params = [row.params for _, row in rows]
-    temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    device = logits.device
+    temperatures = _on(device, [p.temperature for p in params], torch.float32)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     removes = [_ranked(p, vocab) or _floored(p) for p in params]  # top-k, top-p or min-p: _filter
     filtered = [j for j, r in enumerate(removes) if r]
@@ -142,19 +143,29 @@ def _draw(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> torch.Te
         tokens[plain] = ops.sample_rows(logits, index, 1 / temperatures[plain], seeds)
     drawn = filtered if kernel else list(range(len(rows)))
     if drawn:
-        sub = logits[[rows[j][0] for j in drawn]] / temperatures[drawn, None]
+        picked = _on(device, drawn)
+        sub = logits[_on(device, [rows[j][0] for j in drawn])] / temperatures[picked][:, None]
         sub = _filter(sub, [params[j] for j in drawn])
         generators = [rows[j][1].generator for j in drawn]
         if kernel:
             ones = torch.ones(len(drawn), dtype=torch.float32)
-            tokens[drawn] = ops.sample_rows(sub, torch.arange(len(drawn)), ones, _seeds(generators))
+            tokens[picked] = ops.sample_rows(sub, torch.arange(len(drawn)), ones, _seeds(generators))
         else:
             probs = torch.softmax(sub, dim=-1)
             noise = torch.empty_like(probs)
             for j, generator in enumerate(generators):  # U in [0, 1): U = 0 gives E = inf, never drawn
                 noise[j].uniform_(generator=generator)
-            tokens[drawn] = (probs / noise.log_().neg_()).argmax(dim=-1)
+            tokens[picked] = (probs / noise.log_().neg_()).argmax(dim=-1)
     return tokens
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of `values` on `device`, as indices or per-row settings. On a GPU through pinned memory
+    without stopping the host: a blocking copy would wait for every kernel queued before it, the next
+    step's too when the engine runs ahead (async scheduling)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 def _seeds(generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -201,8 +212,8 @@ def _apply_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> No
     vocab = logits.shape[0]
     pairs = [(t, b) for t, b in bias if t < vocab]
     if pairs:
-        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=logits.device)
-        logits.index_add_(0, ids, torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device))
+        ids = _on(logits.device, [t for t, _ in pairs])
+        logits.index_add_(0, ids, _on(logits.device, [b for _, b in pairs], logits.dtype))
 
 
 def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -219,11 +230,11 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     params, vocab = row.params, logits.shape[0]
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
-        seen = seen[seen < vocab].to(logits.device)
+        seen = _on(logits.device, seen[seen < vocab].tolist())
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if (params.frequency_penalty or params.presence_penalty) and row.output_token_ids:
-        out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+        out = _on(logits.device, row.output_token_ids)
         counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device).scatter_add_(
             0, out, torch.ones_like(out, dtype=logits.dtype)
         )
@@ -239,9 +250,10 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     if ranked or floored:  # the caller's logits stay as they are
         logits = logits.clone()
     if ranked:
-        sub = logits[ranked]
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in ranked], device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in ranked], dtype=logits.dtype, device=logits.device)
+        ranked_rows = _on(logits.device, ranked)
+        sub = logits[ranked_rows]
+        top_k = _on(logits.device, [params[i].top_k if params[i].top_k > 0 else vocab for i in ranked])
+        top_p = _on(logits.device, [params[i].top_p for i in ranked], logits.dtype)
         sorted_logits, order = sub.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         remove = ranks >= top_k[:, None]
@@ -250,13 +262,14 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         mass_before = _row_cumsum(sorted_probs) - sorted_probs
         remove |= mass_before >= top_p[:, None]
         remove[:, 0] = False
-        logits[ranked] = sub.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
+        logits[ranked_rows] = sub.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
     if floored:
-        sub = logits[floored]
-        min_p = torch.tensor([params[i].min_p for i in floored], dtype=logits.dtype, device=logits.device)
+        floored_rows = _on(logits.device, floored)
+        sub = logits[floored_rows]
+        min_p = _on(logits.device, [params[i].min_p for i in floored], logits.dtype)
         probs = torch.softmax(sub, dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits[floored] = sub.masked_fill(probs < threshold, float("-inf"))
+        logits[floored_rows] = sub.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
