@@ -172,15 +172,10 @@ class ModelRunner:
             ):
                 sampled, ids = self._execute_graph(items)
             else:
-                hidden = self.forward(items)
-                t0 = time.perf_counter()
-                ends, rows, ids = self._sampling_rows(items)
-                logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)]) if ends else None
-                sampled = self._launch_sample(logits, rows, ids) if ends else None
+                sampled, ids = self._launch_from_hidden(items, self.forward(items))
                 if sampled is not None and self.runs_ahead:
                     sinks = torch.tensor([self._take_slot(i) for i in ids], dtype=torch.long).to(self.device)
                     self.token_slots.index_copy_(0, sinks, sampled.tokens.int())
-                self.timings.sample += time.perf_counter() - t0
         except Exception:  # not queued: EngineCore re-runs its requests, with their slots and draws as before
             for request_id in self._taken:
                 self._put_slot(request_id)
@@ -292,16 +287,22 @@ class ModelRunner:
     def sample(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> RunnerOutput:
         """The next token of every request that samples this step, from `forward`'s hidden states:
         logits from the lm_head (float32), then the sampler (the model's last stage)."""
+        return self._output(*self._launch_from_hidden(items, hidden))
+
+    def _launch_from_hidden(
+        self, items: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> tuple[Sampled | None, list[str]]:
+        """`sample`'s logits and draws, launched; None where no row samples."""
         t0 = time.perf_counter()
         ends, rows, ids = self._sampling_rows(items)
         t1 = time.perf_counter()
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)]) if ends else None
         t2 = time.perf_counter()
-        result = self._output(self._launch_sample(logits, rows, ids) if logits is not None else None, ids)
+        sampled = self._launch_sample(logits, rows, ids) if logits is not None else None
         self.timings.prepare += t1 - t0
         self.timings.forward += t2 - t1
         self.timings.sample += time.perf_counter() - t2
-        return result
+        return sampled, ids
 
     def _prepare_forward(self, items: list, hidden: torch.Tensor | None) -> Callable[[], torch.Tensor]:
         """The step's forward (hidden states [T, hidden] for its T tokens), its inputs built now, on

@@ -151,7 +151,7 @@ class Scheduler:
             request = self.running[index]
             if request in self.in_flight:
                 if ahead and self._may_go_ahead(request) and self._allocate_slots(request, 1, ahead=True):
-                    out.scheduled.append(self._scheduled_ahead(request))
+                    out.scheduled.append(self._scheduled(request, 1, ahead=True))
                     budget -= 1
                 index += 1
                 continue
@@ -320,31 +320,20 @@ class Scheduler:
         del self.requests[request.request_id]
 
     # ----- internals ------------------------------------------------------------------------
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
+    def _scheduled(self, request: Request, num_new: int, ahead: bool = False) -> ScheduledRequest:
+        """The request's next num_new tokens; `ahead`: the one token its step in flight samples, at
+        that token's position."""
+        start = request.num_tokens if ahead else request.num_computed_tokens
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=[AHEAD] if ahead else request.all_token_ids[start : start + num_new],
             num_computed_tokens=start,
             block_ids=list(request.block_ids),
-            sample=start + num_new == request.num_tokens and not request.prefill_only,
+            sample=ahead or (start + num_new == request.num_tokens and not request.prefill_only),
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
-        )
-
-    def _scheduled_ahead(self, request: Request) -> ScheduledRequest:
-        """A step ahead: the token its step in flight samples, at that token's position."""
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=[AHEAD],
-            num_computed_tokens=request.num_tokens,
-            block_ids=list(request.block_ids),
-            sample=True,
-            params=request.params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            ahead=True,
+            ahead=ahead,
         )
 
     def _allocate_slots(self, request: Request, num_new: int, ahead: bool = False) -> bool:
