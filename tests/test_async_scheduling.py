@@ -121,6 +121,23 @@ def test_a_step_ahead_takes_only_free_blocks_and_never_preempts():
     assert scheduler.pool.num_used_blocks == 2
 
 
+def test_a_short_pool_stops_every_step_ahead_so_preemption_takes_the_newest():
+    """ "a" needs a block for its step ahead and none is free: if "b" went ahead alone, "a" would find
+    every other request in flight and preempt itself. Nobody goes ahead; then "a" preempts "b", the
+    newest, as the scheduler does without async scheduling."""
+    scheduler = _scheduler(num_blocks=2, block_size=4)
+    scheduler.add_request(_request("a", [1, 2, 3, 4]))
+    scheduler.add_request(_request("b", [5, 6, 7]))  # its step ahead, at position 3, fits its block
+    both = scheduler.schedule()
+    assert [s.block_ids for s in both.scheduled] == [[0], [1]]
+    assert scheduler.schedule().is_empty and not scheduler.has_ready_work
+    scheduler.update_from_output(both, {"a": 3, "b": 4})
+    after = scheduler.schedule()
+    assert after.preempted_ids == ["b"]
+    assert [(s.request_id, s.token_ids, s.block_ids, s.ahead) for s in after.scheduled] == [("a", [3], [0, 1], False)]
+    assert scheduler.requests["b"].status == RequestStatus.PREEMPTED and scheduler.pool.num_used_blocks == 2
+
+
 # ----- through the engine, on the GPU path (Triton's interpreter on a CPU) ---------------------------
 
 if not torch.cuda.is_available():
@@ -238,6 +255,37 @@ def test_a_prompt_joins_a_request_running_ahead(tiny_model_dir, triton_kernels):
             gate.open()
             tokens = [t for chunk in [*head, *first] for t in chunk.token_ids]
             assert [tokens, second.result().token_ids] == solo
+        wait_idle_and_check(llm)
+
+
+def test_a_prefill_only_row_in_a_graph_step_beside_a_step_ahead(tiny_model_dir, triton_kernels):
+    """A session's eager prefill (prefill_only: no token sampled) of one token lands in a decode graph
+    step beside a request's step ahead: the step stores the draw of its one sampling row, and the
+    request gets its solo run's tokens. (No step goes ahead of that draw: while a row that does not
+    sample is in flight the scheduler holds every step ahead, so the next step reads it on the host.)"""
+    from kvserve.engine.request import Request
+    from tests.conftest import StepGate, wait_idle_and_check
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with _llm(tiny_model_dir, True) as llm:
+        solo = llm.generate(PROMPTS[1], params).token_ids
+        graphs, stored = llm.engine.runner.graphs, []
+        store_tokens = graphs.store_tokens
+        graphs.store_tokens = lambda tokens, sinks=None: (
+            stored.append((graphs._batch, sinks)) or store_tokens(tokens, sinks)
+        )
+        prefill = Request("prefill-only", [65], SamplingParams(max_tokens=1, temperature=0), prefill_only=True)
+        with StepGate(llm, take_back=False) as gate:
+            stream = llm.stream(PROMPTS[1], params)
+            gate.allow(3)
+            head = [next(stream), next(stream)]
+            gate.step()  # a step is queued, the step ahead of it waits at the gate
+            llm.engine.post(lambda: llm.engine.admit(prefill, None))
+            gate.open()
+            tokens = [t for chunk in [*head, *stream] for t in chunk.token_ids]
+        assert tokens == solo
+        # a graph step of two rows stored the one draw of the row that samples
+        assert any(rows == 2 and sinks is not None and len(sinks) == 1 for rows, sinks in stored)
         wait_idle_and_check(llm)
 
 

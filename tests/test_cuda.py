@@ -97,6 +97,31 @@ def test_breaking_out_of_a_stream_gives_the_blocks_back(llm):
     assert wait_idle_and_check(llm)["used"] == 0
 
 
+def test_async_steps_queue_without_waiting_for_the_device(llm):
+    """Async scheduling overlaps the host with the device only if no step waits for it: no blocking copy
+    to the device, no read of a device value. Torch's sync debug mode makes such a call raise (and the
+    request fail) in a decode graph step and in eager steps: prompts joining running requests, logprobs,
+    seeded sampling with top-p, a logit bias."""
+    assert llm.weights["async_scheduling"]
+    texts = [prompt(i, 20 + 40 * i) for i in range(6)]
+    params = [
+        GREEDY,
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logit_bias={5: 2.0}),
+    ]
+    llm.generate(texts, params[2])  # kernels compiled, pinned memory cached
+    before = llm.runner_timings()["ahead_rows"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with ThreadPoolExecutor(len(texts)) as pool:
+            outs = list(pool.map(lambda i: llm.generate(texts[i], params[i % len(params)]), range(len(texts))))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [(len(o.token_ids), o.finish_reason) for o in outs] == [(24, "length")] * len(texts)
+    assert llm.runner_timings()["ahead_rows"] > before
+
+
 @pytest.mark.parametrize("weights, activations", [("bf16", "auto"), ("q4", "auto"), ("q8", "auto"), ("q4", "int8")])
 def test_batched_preempted_and_cached_requests_equal_their_solo_runs(tiny_model_dir, weights, activations):
     """R7 on the GPU in bfloat16 and with quantized weights (4-bit with float and with int8 inputs): 16

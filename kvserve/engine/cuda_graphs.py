@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from kvserve.layers.attention_triton import TritonAttentionMetadata, step_num_splits
+from kvserve.layers.transfer import to_device
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -224,10 +225,12 @@ class DecodeGraphs:
         self._batch = batch
         return self._logits[bucket][:batch]
 
-    def store_tokens(self, tokens: torch.Tensor, sampling_rows_only: bool = False) -> None:
-        """After the last run's sampler: its draws [B] (one per row; with `sampling_rows_only`, one per
-        row that samples) into the token slots the buffer names, on the device."""
-        sinks = self._views(self.static)[6][: self._batch].long()
-        if sampling_rows_only:  # rare (a prefill-only request in a graph step): its indices from here
-            sinks = sinks[sinks != self._sink]
-        self.token_slots.index_copy_(0, sinks, tokens.int())
+    def store_tokens(self, tokens: torch.Tensor, sinks: list[int] | None = None) -> None:
+        """After the last run's sampler: its draws [B] (one per row) into the token slots the buffer
+        names, on the device; or, where not every row samples (rare: a prefill-only request in a graph
+        step), its draws into the slots `sinks` names."""
+        if sinks is None:
+            index = self._views(self.static)[6][: self._batch].long()
+        else:
+            index = to_device(torch.tensor(sinks), self.token_slots.device)
+        self.token_slots.index_copy_(0, index, tokens.int())

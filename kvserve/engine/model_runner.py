@@ -41,6 +41,7 @@ from kvserve.layers.attention_triton import build_triton_batch
 from kvserve.layers.fused_decode import FusedDecoder
 from kvserve.layers.gpu import uses_triton
 from kvserve.layers.quantized import set_batch_invariant
+from kvserve.layers.transfer import to_device
 
 
 @dataclass
@@ -174,7 +175,7 @@ class ModelRunner:
             else:
                 sampled, ids = self._launch_from_hidden(items, self.forward(items))
                 if sampled is not None and self.runs_ahead:
-                    sinks = torch.tensor([self._take_slot(i) for i in ids], dtype=torch.long).to(self.device)
+                    sinks = to_device(torch.tensor([self._take_slot(i) for i in ids]), self.device)
                     self.token_slots.index_copy_(0, sinks, sampled.tokens.int())
         except Exception:  # not queued: EngineCore re-runs its requests, with their slots and draws as before
             for request_id in self._taken:
@@ -257,11 +258,11 @@ class ModelRunner:
             *((sources, sinks) if sinks is not None else ()),
         )
         if len(ends) < len(items):  # a prefill-only request ending on one token samples nothing
-            logits = logits[torch.tensor(ends, device=self.device)]
+            logits = logits[to_device(torch.tensor(ends), self.device)]
         t2 = time.perf_counter()
         sampled = self._launch_sample(logits, rows, ids) if ends else None
         if sampled is not None and sinks is not None:
-            self.graphs.store_tokens(sampled.tokens, len(ends) < len(items))
+            self.graphs.store_tokens(sampled.tokens, [sinks[i] for i in ends] if len(ends) < len(items) else None)
         self.timings.prepare += t1 - t0
         self.timings.forward += t2 - t1
         self.timings.sample += time.perf_counter() - t2
@@ -296,7 +297,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         ends, rows, ids = self._sampling_rows(items)
         t1 = time.perf_counter()
-        logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)]) if ends else None
+        logits = self.model.compute_logits(hidden[to_device(torch.tensor(ends), self.device)]) if ends else None
         t2 = time.perf_counter()
         sampled = self._launch_sample(logits, rows, ids) if logits is not None else None
         self.timings.prepare += t1 - t0
@@ -311,10 +312,10 @@ class ModelRunner:
         model's Python forward over the Triton kernels (GPU); over PyTorch's attention (no compiler)."""
         if hidden is None:
             tokens, sources = self._step_tokens(items)
-            input_ids = torch.tensor([t for ids in tokens for t in ids], dtype=torch.long).to(self.device)
+            input_ids = to_device(torch.tensor([t for ids in tokens for t in ids]), self.device)
             if sources is not None:  # steps ahead: their tokens from the slots their sampling steps write
-                src = torch.tensor([source for ids, source in zip(tokens, sources, strict=True) for _ in ids])
-                src = src.to(self.device)
+                src = [source for ids, source in zip(tokens, sources, strict=True) for _ in ids]
+                src = to_device(torch.tensor(src), self.device)
                 input_ids = torch.where(src >= 0, self.token_slots[src.clamp(min=0)].long(), input_ids)
             hidden = self.model.embed(input_ids)  # [T, hidden]
         else:

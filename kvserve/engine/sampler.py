@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kernels import ops
+from kvserve.layers.transfer import to_device
 from kvserve.sampling_params import SamplingParams
 
 
@@ -99,7 +100,7 @@ class Sampler:
             if logits.device.type == "cpu" and ops.available():
                 ops.apply_token_bitmask(logits, torch.tensor(constrained), bitmasks)
             else:
-                logits[constrained] += bitmask_bias(bitmasks, vocab).to(logits.device)
+                logits[_on(logits.device, constrained)] += to_device(bitmask_bias(bitmasks, vocab), logits.device)
 
         random_rows = [i for i, row in enumerate(rows) if row.params.temperature != 0]
         if len(random_rows) < num_rows:
@@ -160,12 +161,8 @@ def _draw(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> torch.Te
 
 
 def _on(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A tensor of `values` on `device`, as indices or per-row settings. On a GPU through pinned memory
-    without stopping the host: a blocking copy would wait for every kernel queued before it, the next
-    step's too when the engine runs ahead (async scheduling)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    """A tensor of `values` on `device`, as indices or per-row settings, queued without a stop of the host."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _seeds(generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -19,7 +19,9 @@ where nothing about the next step depends on that token's value on the host: no 
 penalties, min_tokens reached, and the pending token cannot end it by length. If it ends it
 otherwise (a stop token or string, an abort), the step ahead is computed and its token dropped.
 Requests go ahead only when every one in flight can (or ends with its pending token): one that must
-wait for its token on the host would otherwise be left out of every other step.
+wait for its token on the host would otherwise be left out of every other step. And only when the
+free blocks cover all their steps ahead, which never reclaim nor preempt: when the pool runs short
+the engine takes its steps in turn again, and preemption picks the newest request as above.
 """
 
 from __future__ import annotations
@@ -224,8 +226,19 @@ class Scheduler:
         return out
 
     def _goes_ahead(self) -> bool:
-        """Whether requests in flight may get steps ahead now: every one of them can or needs none."""
-        return self.run_ahead and all(self._may_go_ahead(r) or self._ends_with_pending(r) for r in self.in_flight)
+        """Whether requests in flight may get steps ahead now: every one of them can or needs none, and
+        the free blocks cover all their steps ahead. Otherwise none goes ahead: their steps come back,
+        and the next schedule preempts as without async scheduling, the newest request first (one that
+        missed its block while the others ran ahead would be in flight never, and preempt itself)."""
+        if not self.run_ahead:
+            return False
+        needed = 0
+        for request in self.in_flight:
+            if self._may_go_ahead(request):
+                needed += max(0, -(-(request.num_tokens + 1) // self.block_size) - len(request.block_ids))
+            elif not self._ends_with_pending(request):
+                return False
+        return needed <= self.pool.num_free_blocks
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Whether the token its step in flight samples ends the request by length."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.layers.transfer import to_device
+
 # Up to this many sequences of one new token each, a step splits each one's keys into ranges attended by
 # programs of their own (a long decode still occupies the GPU); otherwise the tiles occupy it, and one
 # kernel per layer saves the merge and its workspace (splits x tokens x heads x head_dim floats: a long
@@ -73,7 +75,7 @@ def build_triton_batch(
 ) -> tuple[torch.Tensor, TritonAttentionMetadata]:
     """Positions [T] (int32) and the metadata for a step: sequence i has `num_computed_tokens[i]`
     tokens in its blocks and adds `num_new_tokens[i]` (a prompt, a chunk, one decode token). Built on
-    the host and copied to the device in one transfer. `split_counters`: the caller's
+    the host and copied to the device in one transfer, queued without a stop of the host. `split_counters`: the caller's
     `attention_counters`, kept for its steps."""
     positions = np.concatenate(
         [np.arange(c, c + n, dtype=np.int64) for c, n in zip(num_computed_tokens, num_new_tokens, strict=True)]
@@ -88,7 +90,7 @@ def build_triton_batch(
     packed = torch.from_numpy(
         np.concatenate([positions, slots, tiles.reshape(-1), tables.reshape(-1)]).astype(np.int32)
     )
-    on_device = packed.to(device)
+    on_device = to_device(packed, device)
     num_tokens, num_tiles = len(positions), tiles.shape[1]
     parts = on_device.split([num_tokens, num_tokens, num_tiles, num_tiles, num_tiles, tables.size])
     metadata = TritonAttentionMetadata(
