@@ -770,6 +770,104 @@ def test_attention_makes_quantize_int8s_bits_of_its_output(monkeypatch, num_spli
             assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), counters
 
 
+# --- The sampler's pick: argmax, or a draw at a temperature
+
+
+def test_pick_is_torch_argmax_with_its_ties_and_leaves_the_counters_at_zero():
+    from kvserve.kernels.gpu import sample
+
+    vocab = 2 * sample.BLOCK + 77  # three chunks, the last one short
+    logits = _randn(6, vocab, seed=40)
+    logits[0, [5, 900]] = 9.0  # equal maxima in one chunk: the first
+    logits[1, [sample.BLOCK + 3, 7]] = 9.0  # in two chunks: the first chunk's
+    logits[2] = float("-inf")  # nothing allowed: torch's 0
+    logits[3, :-1] = float("-inf")  # only the last token
+    logits[4, [10, 2 * sample.BLOCK + 5]] = float("inf")
+    logits[5, 3000] = float("nan")  # NaN is the largest, as torch takes it
+    counters = sample.counters(DEVICE)
+    want = logits.argmax(dim=-1)
+    assert torch.equal(sample.pick(logits, counters), want)
+    assert not counters.any()
+    rows = torch.tensor([4, 1, 1], device=DEVICE)
+    assert torch.equal(sample.pick(logits, counters, rows), want[rows])  # named rows, twice the same one
+    many = _randn(sample.NUM_COUNTERS + 6, 50, seed=43)  # more rows than counters: two launches
+    assert torch.equal(sample.pick(many, counters), many.argmax(dim=-1))
+    assert not counters.any()
+
+
+def test_pick_draws_from_the_softmax_at_the_temperature():
+    """3,000 draws of one row (one seed each) against softmax(logits / T): within 4.5 standard
+    deviations per token; a token at -inf is never drawn."""
+    from kvserve.kernels.gpu import sample
+
+    logits = torch.tensor([[1.0, 2.0, 0.5, float("-inf"), 3.0, -1.0, 2.5, 0.0]], device=DEVICE)
+    temperature, draws = 0.7, 3000
+    seeds = torch.arange(draws, dtype=torch.int64, device=DEVICE) * 7919 + 2**40
+    inv = torch.full((draws,), 1 / temperature, device=DEVICE)
+    tokens = sample.pick(
+        logits, sample.counters(DEVICE), torch.zeros(draws, dtype=torch.int32, device=DEVICE), seeds, inv
+    )
+    counts = torch.bincount(tokens.cpu(), minlength=8).double()
+    probs = torch.softmax(logits[0].double().cpu() / temperature, dim=-1)
+    sigma = (probs * (1 - probs) / draws).sqrt()
+    assert counts[3] == 0
+    assert ((counts / draws - probs).abs() <= 4.5 * sigma + 1e-9).all(), (counts / draws, probs)
+
+
+def test_a_draw_depends_on_its_row_and_seed_only():
+    """R7: a row's draw is the same alone and among others, wherever it sits; the same seed gives the
+    same draw, another seed (mostly) another."""
+    from kvserve.kernels.gpu import sample
+
+    logits = _randn(5, 3000, seed=41) * 2
+    counters = sample.counters(DEVICE)
+    seeds = torch.tensor([11, 12, 13, 14, 15], dtype=torch.int64, device=DEVICE)
+    inv = torch.tensor([1.0, 0.5, 2.0, 1.0, 1.25], device=DEVICE)
+    together = sample.pick(logits, counters, None, seeds, inv)
+    for i in range(5):
+        row = torch.tensor([i], device=DEVICE)
+        assert torch.equal(sample.pick(logits, counters, row, seeds[i : i + 1], inv[i : i + 1]), together[i : i + 1])
+    reordered = torch.tensor([3, 0, 4], device=DEVICE)
+    assert torch.equal(sample.pick(logits, counters, reordered, seeds[reordered], inv[reordered]), together[reordered])
+    rows = torch.zeros(64, dtype=torch.int64, device=DEVICE)
+    many = sample.pick(logits, counters, rows, torch.arange(64, device=DEVICE), torch.ones(64, device=DEVICE))
+    assert len(set(many.tolist())) > 10  # 64 seeds on one row: many tokens
+    assert not counters.any()
+
+
+def test_the_samplers_gpu_branch_picks_through_the_kernel():
+    """engine/sampler.py with the pick's counters (its branch for logits on a GPU): greedy rows are the
+    argmax, a plain row is the pick of the seed its generator gives, filtered rows (top-p, top-k) keep
+    to their filters, and each row's token is the same alone as beside the others."""
+    from kvserve.engine.sampler import SamplingRow, _argmax_rows, _draw, _seeds
+    from kvserve.kernels.gpu import sample
+    from kvserve.sampling_params import SamplingParams
+
+    logits = _randn(3, 3000, seed=42) * 3
+    counters = sample.counters(DEVICE)
+    params = [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=1.2, top_p=0.5, seed=2),
+        SamplingParams(temperature=0.5, top_k=3, seed=3),
+    ]
+
+    def row(p: SamplingParams) -> SamplingRow:
+        return SamplingRow(p, [1], [], torch.Generator().manual_seed(p.seed), ())
+
+    together = _draw(logits, [(i, row(p)) for i, p in enumerate(params)], counters)
+    for i, p in enumerate(params):
+        assert torch.equal(_draw(logits[i : i + 1], [(0, row(p))], counters), together[i : i + 1]), p
+    seed = _seeds([torch.Generator().manual_seed(1)]).to(DEVICE)
+    inv = torch.tensor([1 / 0.8], device=DEVICE)
+    assert torch.equal(together[:1], sample.pick(logits, counters, torch.tensor([0], device=DEVICE), seed, inv))
+    assert together[2] in logits[2].topk(3).indices
+    probs = torch.softmax(logits[1] / 1.2, dim=-1).sort(descending=True)
+    nucleus = probs.indices[: int((probs.values.cumsum(0) < 0.5).sum()) + 1]
+    assert together[1] in nucleus
+    assert torch.equal(_argmax_rows(logits, counters), logits.argmax(dim=-1))
+    assert not counters.any()
+
+
 # --- At model sizes, on a GPU only (the interpreter would take hours)
 
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes need a GPU")
@@ -858,7 +956,7 @@ def launch(kernel, grid):
     return warmup
 JITFunction.__getitem__ = launch
 
-from kvserve.kernels.gpu import attention, elementwise, matmul, norm
+from kvserve.kernels.gpu import attention, elementwise, matmul, norm, sample
 bf16 = torch.bfloat16
 for m in (1, 37):  # the same binaries for 1 row and for 37
     x = torch.randn(m, 2048).to(bf16)
@@ -886,6 +984,8 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"int8-tiles-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), counters=counters)
     call = f"int4-int8-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
     call = f"matmul-tiles-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters)
+    call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
+    call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
 k_cache = torch.zeros(8, 16, 2, 128, dtype=bf16)
 for t in (1, 3):  # a decode of one token, a prefill tile of 3, the metadata at odd offsets of one buffer
     meta = torch.arange(100, dtype=torch.int32)
@@ -926,7 +1026,8 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         assert tf32 == 0, (call, kernel)
         # a tile's splits counted by one atomic add, released and acquired across the GPU
         matmul_kernel = kernel not in ("_quantize_int8_kernel", "_sum_splits_kernel")  # or the attention's
-        assert counts == (1 if call.endswith("-tiles") and matmul_kernel else 0), (call, kernel, counts)
+        counted = (call.endswith("-tiles") and matmul_kernel) or kernel == "_pick_kernel"  # a row's chunks, too
+        assert counts == (1 if counted else 0), (call, kernel, counts)
         uses_dot = kernel in (
             "_float_kernel",
             "_int4_kernel",
@@ -971,6 +1072,8 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("attention-splits", "_attention_kernel"),
         ("attention-splits", "_combine_kernel"),
         ("attention-tiles", "_attention_kernel"),  # no combine kernel: each tile's last split merges
+        ("pick", "_pick_kernel"),
+        ("pick-random", "_pick_kernel"),
     }
     # one binary per call whatever the batch's size: nothing compiled differently for one row (int4 x
     # int8 runs dp4a for one row and the tensor cores for 37, with the same bits: its rows' sums are

@@ -433,12 +433,14 @@ class ModelRunner:
         self.graphs = None
 
     def _generator(self, s) -> torch.Generator | None:
+        """A seeded request's generator: on the host on every device, as the sampler's kernels take one
+        seed a row and step from it (a GPU's generator would need its draw copied back)."""
         seed = s.params.seed
         if seed is None or s.params.is_greedy:
             return None
         generator = self.generators.get(s.request_id)
         if generator is None:
-            generator = torch.Generator(device=self.device)
+            generator = torch.Generator()
             generator.manual_seed(seed)
             self.generators[s.request_id] = generator
         return generator

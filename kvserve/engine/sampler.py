@@ -5,13 +5,14 @@ tokens, logit_bias, repetition / frequency / presence penalties, the grammar's m
 output: every token it forbids at -inf), then greedy argmax, or temperature, top-k, top-p and min-p
 followed by a draw. Each of these runs on the rows that ask for it only, so a row's result never
 depends on its neighbours'. A draw is `argmax(probs / E)` with E ~ Exp(1) per token (equivalent to
-sampling from `probs`); a seeded request draws its randomness from its own generator (on the CPU one
-seed per step for the C++ kernel, which hashes it with each token id), so it gets the same tokens
-alone or in any batch.
+sampling from `probs`); a seeded request draws its randomness from its own generator (one seed per
+step for the kernel, which hashes it with each token id: the C++ one on the CPU, the Triton pick on a
+GPU), so it gets the same tokens alone or in any batch.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -73,6 +74,9 @@ class Sampled:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self._counters: torch.Tensor | None = None  # the GPU pick's row counters (kernels/gpu/sample.py)
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         return self.launch(logits, rows).result()
 
@@ -103,12 +107,14 @@ class Sampler:
                 logits[_on(logits.device, constrained)] += to_device(bitmask_bias(bitmasks, vocab), logits.device)
 
         random_rows = [i for i, row in enumerate(rows) if row.params.temperature != 0]
+        counters = self._gpu_counters(logits)
         if len(random_rows) < num_rows:
-            tokens = _argmax_rows(logits)
+            tokens = _argmax_rows(logits, counters)
         else:
             tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
         if random_rows:
-            tokens[_on(logits.device, random_rows)] = _draw(logits, [(i, rows[i]) for i in random_rows])
+            drawn = _draw(logits, [(i, rows[i]) for i in random_rows], counters)
+            tokens[_on(logits.device, random_rows)] = drawn
 
         logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_rows
         if raw_logprobs is not None:  # on the device: the chosen token's logprob and the top n
@@ -121,14 +127,34 @@ class Sampler:
                 logprobs[i] = (torch.cat([chosen, top_values]), top_ids)
         return Sampled(tokens, logprobs)
 
+    def _gpu_counters(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The GPU pick's row counters where the logits are on a GPU that runs the Triton kernels."""
+        if not logits.is_cuda or not _triton():
+            return None
+        if self._counters is None or self._counters.device != logits.device:
+            from kvserve.kernels.gpu import sample
 
-def _draw(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> torch.Tensor:
+            self._counters = sample.counters(logits.device)
+        return self._counters
+
+
+@functools.cache
+def _triton() -> bool:
+    from kvserve.kernels import gpu
+
+    return gpu.available()
+
+
+def _draw(
+    logits: torch.Tensor, rows: list[tuple[int, SamplingRow]], counters: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token for each (index into logits [B, V], row) at the row's temperature: argmax(probs / E),
     E ~ Exp(1) per token, each row's randomness from its own generator (the default one where None).
-    On the CPU the C++ kernel in one pass, from one 63-bit seed a row draws from its generator per step,
-    on the logits as they are (rows without top-k, top-p or min-p: no copy) or as filtered; elsewhere
-    E = -log(U) from uniforms the generator draws (torch's exponential_ has the same law, at 5x the
-    cost on a CPU). Which way a row goes depends on its own settings only."""
+    In one pass from one 63-bit seed a row draws from its generator per step, on the logits as they are
+    (rows without top-k, top-p or min-p: no copy) or as filtered: on the CPU the C++ kernel, on a GPU
+    with `counters` the Triton pick (kernels/gpu/sample.py, in its Gumbel form). Elsewhere E = -log(U)
+    from uniforms the generator draws (torch's exponential_ has the same law, at 5x the cost on a CPU).
+    Which way a row goes depends on its own settings only."""
     vocab = logits.shape[-1]
     params = [row.params for _, row in rows]
     device = logits.device
@@ -137,11 +163,11 @@ def _draw(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> torch.Te
     removes = [_ranked(p, vocab) or _floored(p) for p in params]  # top-k, top-p or min-p: _filter
     filtered = [j for j, r in enumerate(removes) if r]
     plain = [j for j, r in enumerate(removes) if not r]
-    kernel = logits.device.type == "cpu" and ops.available()
+    kernel = counters is not None or (logits.device.type == "cpu" and ops.available())
     if kernel and plain:
         seeds = _seeds([rows[j][1].generator for j in plain])
-        index = torch.tensor([rows[j][0] for j in plain])
-        tokens[plain] = ops.sample_rows(logits, index, 1 / temperatures[plain], seeds)
+        index = [rows[j][0] for j in plain]
+        tokens[_on(device, plain)] = _sample_rows(logits, index, 1 / temperatures[_on(device, plain)], seeds, counters)
     drawn = filtered if kernel else list(range(len(rows)))
     if drawn:
         picked = _on(device, drawn)
@@ -149,15 +175,33 @@ def _draw(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> torch.Te
         sub = _filter(sub, [params[j] for j in drawn])
         generators = [rows[j][1].generator for j in drawn]
         if kernel:
-            ones = torch.ones(len(drawn), dtype=torch.float32)
-            tokens[picked] = ops.sample_rows(sub, torch.arange(len(drawn)), ones, _seeds(generators))
+            ones = torch.ones(len(drawn), dtype=torch.float32, device=device)
+            tokens[picked] = _sample_rows(sub, list(range(len(drawn))), ones, _seeds(generators), counters)
         else:
             probs = torch.softmax(sub, dim=-1)
             noise = torch.empty_like(probs)
             for j, generator in enumerate(generators):  # U in [0, 1): U = 0 gives E = inf, never drawn
-                noise[j].uniform_(generator=generator)
+                on = device if generator is None else generator.device  # a CPU generator's draws copied over
+                noise[j] = torch.empty(vocab, device=on).uniform_(generator=generator)
             tokens[picked] = (probs / noise.log_().neg_()).argmax(dim=-1)
     return tokens
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    index: list[int],
+    inv_temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor | None,
+) -> torch.Tensor:
+    """The kernels' draw for logits' rows `index` (each at 1 / inv_temperatures, from its seed):
+    the C++ kernel's on the CPU, the Triton pick's on a GPU (with its row counters)."""
+    if counters is None:
+        return ops.sample_rows(logits, torch.tensor(index), inv_temperatures, seeds)
+    from kvserve.kernels.gpu import sample
+
+    device = logits.device
+    return sample.pick(logits, counters, _on(device, index), to_device(seeds, device), inv_temperatures)
 
 
 def _on(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -213,11 +257,17 @@ def _apply_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> No
         logits.index_add_(0, ids, _on(logits.device, [b for _, b in pairs], logits.dtype))
 
 
-def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def _argmax_rows(logits: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
     """logits.argmax(dim=-1), through the C++ kernel on the CPU once it is loaded (torch's is scalar
-    there, a visible share of a many-row step over a large vocabulary)."""
+    there, a visible share of a many-row step over a large vocabulary), and on a GPU with `counters`
+    through the Triton pick (a row's vocabulary split over programs: torch's took 16 us for one row of
+    49,152 on an H200, gpu_profile.json)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and ops.available():
         return ops.argmax_rows(logits)
+    if counters is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        from kvserve.kernels.gpu import sample
+
+        return sample.pick(logits, counters)
     return logits.argmax(dim=-1)
 
 

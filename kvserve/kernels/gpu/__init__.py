@@ -1,5 +1,6 @@
 """kvserve's GPU kernels, written in Triton: RMSNorm (`norm`), matmuls over float, int4 and int8
-weights (`matmul`) and paged attention with its KV-cache writes (`attention`).
+weights (`matmul`), paged attention with its KV-cache writes (`attention`), the gated activation and
+RoPE (`elementwise`), and the sampler's argmax and draws (`sample`).
 
 Every kernel is batch invariant (R7, docs/architecture.md): a row's result is computed with one
 fixed tile configuration and reductions in one order, so its bits never depend on how many other

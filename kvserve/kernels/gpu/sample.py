@@ -1,0 +1,117 @@
+"""The sampler's pick on a GPU: each row's argmax, or a draw at the row's temperature, in one launch.
+
+A draw is the Gumbel-max form of the CPU's `argmax(probs / E)`, E ~ Exp(1) per token: the argmax of
+logit / T - log(E), which is log(probs / E) less the row's log-sum-exp, so the same law with no
+softmax. E = -log(U) from Philox (`tl.randint`) keyed by the row's 64-bit seed and the token id, U on
+a grid of 2^-24 in [0, 1) (U = 0 gives E = inf: never drawn); the seed is one draw per step from
+the request's generator (engine/sampler.py), as for the CPU's kernel. So a row's token depends on its
+logits, temperature and seed only, never on the rows beside it (R7), and torch's per-row uniform_
+launches (one per random row and step) are gone.
+
+Each row's vocabulary is cut into chunks of BLOCK tokens, one program each; every program stores its
+chunk's best (value, first index), counts itself on the row's counter, and the row's last program
+takes the first best of the chunks in order: torch.argmax's choice (the first of equal maxima;
+NaN counts as the largest value, as there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # tokens per program: 24 programs a row for a 49,152-token vocabulary
+NUM_COUNTERS = 1024  # rows a call picks with the counters; more rows take several calls
+
+
+@triton.jit(do_not_specialize=["vocab", "stride"])
+def _pick_kernel(
+    logits_ptr,
+    rows_ptr,
+    seeds_ptr,
+    inv_temperatures_ptr,
+    best_ptr,
+    index_ptr,
+    counters_ptr,
+    out_ptr,
+    vocab,
+    stride,
+    HAS_ROWS: tl.constexpr,
+    RANDOM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    row = tl.load(rows_ptr + r).to(tl.int64) if HAS_ROWS else r.to(tl.int64)
+    tokens = chunk * BLOCK + tl.arange(0, BLOCK)
+    valid = tokens < vocab
+    x = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf"))
+    x = tl.where(x == x, x, float("inf"))  # NaN: the largest, as torch.argmax takes it
+    if RANDOM:
+        bits = tl.randint(tl.load(seeds_ptr + r), tokens).to(tl.uint32, bitcast=True)
+        u = (bits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 24 bits: k / 2^24, exact
+        score = x * tl.load(inv_temperatures_ptr + r) - tl.log(-tl.log(u))
+        x = tl.where(valid, score, float("-inf"))
+    best = tl.max(x, axis=0)
+    first = tl.min(tl.where((x == best) & valid, tokens, vocab), axis=0)
+    tl.store(best_ptr + r * num_chunks + chunk, best)
+    tl.store(index_ptr + r * num_chunks + chunk, first)
+    tl.debug_barrier()  # the chunk's best stored before the count (released with it)
+    if tl.atomic_add(counters_ptr + r, 1, sem="acq_rel") == num_chunks - 1:
+        # the row's last program: the chunks' bests in order, the first of equal ones kept ("from L2":
+        # other multiprocessors stored them)
+        top = tl.load(best_ptr + r * num_chunks, cache_modifier=".cg")
+        pick = tl.load(index_ptr + r * num_chunks, cache_modifier=".cg")
+        for c in range(1, num_chunks):
+            value = tl.load(best_ptr + r * num_chunks + c, cache_modifier=".cg")
+            index = tl.load(index_ptr + r * num_chunks + c, cache_modifier=".cg")
+            better = value > top
+            top = tl.where(better, value, top)
+            pick = tl.where(better, index, pick)
+        tl.store(out_ptr + r, tl.minimum(pick, vocab - 1).to(tl.int64))
+        tl.store(counters_ptr + r, 0)
+
+
+def counters(device: torch.device | str) -> torch.Tensor:
+    """A sampler's row counters for `pick`, all 0 between calls (calls on one stream are ordered)."""
+    return torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
+
+
+def pick(
+    logits: torch.Tensor,
+    counters: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    inv_temperatures: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token ids [R] (int64) from logits [B, V] (float32, each row contiguous): for each row named in
+    `rows` (int, on the device; None: every row) its argmax, or with `seeds` (int64 [R]) a draw at
+    the temperature 1 / `inv_temperatures` (float32 [R])."""
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    num_rows, vocab = logits.shape[0] if rows is None else rows.numel(), logits.shape[1]
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
+    num_chunks = triton.cdiv(vocab, BLOCK)
+    random = seeds is not None
+    for start in range(0, num_rows, NUM_COUNTERS):
+        end = min(start + NUM_COUNTERS, num_rows)
+        best = torch.empty((end - start, num_chunks), dtype=torch.float32, device=logits.device)
+        index = torch.empty((end - start, num_chunks), dtype=torch.int32, device=logits.device)
+        _pick_kernel[(end - start, num_chunks)](
+            logits[start:] if rows is None else logits,
+            logits if rows is None else rows[start:end],
+            seeds[start:end] if random else logits,
+            inv_temperatures[start:end] if random else logits,
+            best,
+            index,
+            counters,
+            out[start:end],
+            vocab,
+            logits.stride(0),
+            HAS_ROWS=rows is not None,
+            RANDOM=random,
+            BLOCK=BLOCK,
+        )
+    return out
