@@ -10,7 +10,8 @@ runner's sampling rows, the graph's fill, copy and replay call, the sampler's la
 GPU and copy back, the scheduler's and the outputs' update), beside the decode graph's own GPU time
 (replayed alone between CUDA events: its kernels and the gaps between them). Wall minus graph is the
 host's share. They run with async scheduling (the default on a GPU: the host's work of step n under
-the GPU's step n+1), and the first shape's bfloat16 also without it.
+the GPU's step n+1), and the first shape's bfloat16 also without it, and with 64 streams of seeded
+draws at temperature 1 (the sampler's pick kernel).
 (At 64 streams a 1B step took 3.3 ms in gpu.py's run against 1.4 ms of kernels under the profiler.)
 
     python bench/gpu.py --prepare          # here, once: the tokenizer the models are built with
@@ -77,9 +78,9 @@ def profile_case(llm, streams: int, tokens: int, trace_dir: Path, name: str) -> 
     }
 
 
-def host_case(llm, streams: int, tokens: int, name: str) -> dict:
+def host_case(llm, streams: int, tokens: int, name: str, temperature: float = 0.0) -> dict:
     """Per decode step, ms: the wall time, each phase's wall time on the engine thread, and the graph of
-    the streams' bucket replayed alone on the GPU."""
+    the streams' bucket replayed alone on the GPU. Greedy, or seeded draws at `temperature`."""
     import torch
 
     from bench.gpu import prompts
@@ -120,7 +121,7 @@ def host_case(llm, streams: int, tokens: int, name: str) -> dict:
             for batch in list(runner.graphs._replays):
                 wrap(runner.graphs._replays, batch, "execute: graph replay call")
 
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=7, ignore_eos=True)
     batch = prompts(streams, seed=12 + streams)
     llm.generate(batch, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
     llm.engine.call(install)
@@ -181,6 +182,11 @@ def main() -> None:
                 suffix = "" if llm.weights["async_scheduling"] else "-sync"
                 for streams in (1, 64):
                     host.append(host_case(llm, streams, args.tokens * 4, f"{shape}-{weights}{suffix}-{streams}"))
+                    print(json.dumps(host[-1]), flush=True)
+                if weights == "bf16" and ahead is None and shape == args.shapes.split(",")[0]:
+                    # seeded draws at temperature 1 (the OpenAI API's default): the sampler's pick kernel
+                    name = f"{shape}-{weights}{suffix}-64-sampled"
+                    host.append(host_case(llm, 64, args.tokens * 4, name, temperature=1.0))
                     print(json.dumps(host[-1]), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"cases": cases, "host": host}, indent=1) + "\n")

@@ -269,11 +269,16 @@ def test_a_prefill_only_row_in_a_graph_step_beside_a_step_ahead(tiny_model_dir, 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     with _llm(tiny_model_dir, True) as llm:
         solo = llm.generate(PROMPTS[1], params).token_ids
-        graphs, stored = llm.engine.runner.graphs, []
+        runner, stored = llm.engine.runner, []
+        graphs = runner.graphs
         store_tokens = graphs.store_tokens
-        graphs.store_tokens = lambda tokens, sinks=None: (
-            stored.append((graphs._batch, sinks)) or store_tokens(tokens, sinks)
-        )
+
+        def store_and_look(tokens, sinks=None):  # the slots its requests hold, and what they hold after
+            slots = sorted(runner._slot_of.values())
+            store_tokens(tokens, sinks)
+            stored.append((graphs._batch, sinks, slots, tokens.tolist(), runner.token_slots[slots].tolist()))
+
+        graphs.store_tokens = store_and_look
         prefill = Request("prefill-only", [65], SamplingParams(max_tokens=1, temperature=0), prefill_only=True)
         with StepGate(llm, take_back=False) as gate:
             stream = llm.stream(PROMPTS[1], params)
@@ -284,8 +289,9 @@ def test_a_prefill_only_row_in_a_graph_step_beside_a_step_ahead(tiny_model_dir, 
             gate.open()
             tokens = [t for chunk in [*head, *stream] for t in chunk.token_ids]
         assert tokens == solo
-        # a graph step of two rows stored the one draw of the row that samples
-        assert any(rows == 2 and sinks is not None and len(sinks) == 1 for rows, sinks in stored)
+        # a graph step of two rows stored the one draw of the row that samples, in its request's slot
+        partial = [(sinks, slots, drawn, held) for rows, sinks, slots, drawn, held in stored if rows == 2]
+        assert partial and all(sinks == slots and drawn == held for sinks, slots, drawn, held in partial)
         wait_idle_and_check(llm)
 
 

@@ -212,6 +212,42 @@ def test_the_sampling_kernel_follows_the_distribution_under_any_seeds(extension,
             assert int(alone[0]) == int(tokens[i])
 
 
+def _top_step_of_u(vocab: int) -> tuple[int, int]:
+    """A (seed, token) whose uniform in sample_rows falls in the top of its 2^24 steps: sampling.cpp's
+    hash (splitmix64's finalizer for the row's keys, two rounds of lowbias32) in numpy, over seeds."""
+    import numpy as np
+
+    def mix32(x):
+        x = (x ^ (x >> np.uint32(16))) * np.uint32(0x7FEB352D)
+        x = (x ^ (x >> np.uint32(15))) * np.uint32(0x846CA68B)
+        return x ^ (x >> np.uint32(16))
+
+    tokens = np.arange(vocab, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        for start in range(0, 1 << 20, 1024):
+            z = np.arange(start, start + 1024, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            z ^= z >> np.uint64(31)
+            key0, key1 = (z & np.uint64(0xFFFFFFFF)).astype(np.uint32), (z >> np.uint64(32)).astype(np.uint32)
+            hashed = mix32(mix32(tokens[None, :] + key0[:, None]) ^ key1[:, None])
+            hits = np.argwhere(hashed >> np.uint32(8) == 0xFFFFFF)
+            if len(hits):
+                return start + int(hits[0][0]), int(hits[0][1])
+    raise AssertionError("no seed found")
+
+
+def test_the_top_step_of_u_gives_a_finite_score(extension):
+    """U's top step, centred, is 1 - 2^-25, which rounds to 1 in float: -log(U) was 0 and the token's
+    score infinite, so it was drawn whatever its probability (a draw in 2^24 / vocab). Held below 1,
+    a token at e^-50 of the others' probability is not drawn."""
+    seed, token = _top_step_of_u(4096)
+    logits = torch.zeros(1, 4096)
+    logits[0, token] = -50.0
+    drawn = extension.sample_rows(logits, torch.zeros(1, dtype=torch.long), torch.ones(1), torch.tensor([seed]))
+    assert int(drawn[0]) != token
+
+
 def test_the_cpu_sampler_draws_through_the_kernel_one_seed_a_row_and_step(extension):
     """On the CPU with the kernels loaded a random row takes one 63-bit seed from its generator per step
     and sample_rows draws with it: the Sampler's token is the kernel's for that seed, on the logits as

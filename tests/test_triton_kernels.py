@@ -18,8 +18,11 @@ import pytest
 
 pytest.importorskip("triton")
 
+import triton
+import triton.language as tl
+
 from kvserve.kernels import gpu
-from kvserve.kernels.gpu import attention, elementwise, matmul, norm
+from kvserve.kernels.gpu import attention, elementwise, matmul, norm, sample
 
 if not torch.cuda.is_available() and not gpu.INTERPRET:
     pytest.skip("kvserve.kernels.gpu was imported before TRITON_INTERPRET was set", allow_module_level=True)
@@ -774,7 +777,6 @@ def test_attention_makes_quantize_int8s_bits_of_its_output(monkeypatch, num_spli
 
 
 def test_pick_is_torch_argmax_with_its_ties_and_leaves_the_counters_at_zero():
-    from kvserve.kernels.gpu import sample
 
     vocab = 2 * sample.BLOCK + 77  # three chunks, the last one short
     logits = _randn(6, vocab, seed=40)
@@ -795,10 +797,26 @@ def test_pick_is_torch_argmax_with_its_ties_and_leaves_the_counters_at_zero():
     assert not counters.any()
 
 
+@triton.jit
+def _uniforms_kernel(bits_ptr, out_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(out_ptr + offsets, sample.uniform_of(tl.load(bits_ptr + offsets).to(tl.uint32, bitcast=True)))
+
+
+def test_a_draws_uniform_is_never_0_nor_1():
+    """U = 0 made a token's score -inf (a row's one finite token lost to a forbidden one); U = 1 made it
+    +inf (drawn whatever its probability). The lowest and highest bits give 2^-24 and 1 - 2^-24."""
+    bits = torch.tensor([0, 511, 512, 2**31 - 1, -(2**31), -1, -512, 12345678], dtype=torch.int32, device=DEVICE)
+    out = torch.empty(8, device=DEVICE)
+    _uniforms_kernel[(1,)](bits, out, N=8)
+    top = (bits.long() & 0xFFFFFFFF) >> 9
+    assert torch.equal(out.double(), ((top.double() + 0.5) * 2.0**-23).to(DEVICE))
+    assert out.min() == 2.0**-24 and out.max() == 1 - 2.0**-24
+
+
 def test_pick_draws_from_the_softmax_at_the_temperature():
     """3,000 draws of one row (one seed each) against softmax(logits / T): within 4.5 standard
     deviations per token; a token at -inf is never drawn."""
-    from kvserve.kernels.gpu import sample
 
     logits = torch.tensor([[1.0, 2.0, 0.5, float("-inf"), 3.0, -1.0, 2.5, 0.0]], device=DEVICE)
     temperature, draws = 0.7, 3000
@@ -817,7 +835,6 @@ def test_pick_draws_from_the_softmax_at_the_temperature():
 def test_a_draw_depends_on_its_row_and_seed_only():
     """R7: a row's draw is the same alone and among others, wherever it sits; the same seed gives the
     same draw, another seed (mostly) another."""
-    from kvserve.kernels.gpu import sample
 
     logits = _randn(5, 3000, seed=41) * 2
     counters = sample.counters(DEVICE)
@@ -840,7 +857,6 @@ def test_the_samplers_gpu_branch_picks_through_the_kernel():
     argmax, a plain row is the pick of the seed its generator gives, filtered rows (top-p, top-k) keep
     to their filters, and each row's token is the same alone as beside the others."""
     from kvserve.engine.sampler import SamplingRow, _argmax_rows, _draw, _seeds
-    from kvserve.kernels.gpu import sample
     from kvserve.sampling_params import SamplingParams
 
     logits = _randn(3, 3000, seed=42) * 3

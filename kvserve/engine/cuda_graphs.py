@@ -232,5 +232,5 @@ class DecodeGraphs:
         if sinks is None:
             index = self._views(self.static)[6][: self._batch].long()
         else:
-            index = to_device(torch.tensor(sinks), self.token_slots.device)
+            index = to_device(torch.tensor(sinks, dtype=torch.long), self.token_slots.device)
         self.token_slots.index_copy_(0, index, tokens.int())

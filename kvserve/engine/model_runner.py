@@ -175,7 +175,7 @@ class ModelRunner:
             else:
                 sampled, ids = self._launch_from_hidden(items, self.forward(items))
                 if sampled is not None and self.runs_ahead:
-                    sinks = to_device(torch.tensor([self._take_slot(i) for i in ids]), self.device)
+                    sinks = to_device(torch.tensor([self._take_slot(i) for i in ids], dtype=torch.long), self.device)
                     self.token_slots.index_copy_(0, sinks, sampled.tokens.int())
         except Exception:  # not queued: EngineCore re-runs its requests, with their slots and draws as before
             for request_id in self._taken:
@@ -258,7 +258,7 @@ class ModelRunner:
             *((sources, sinks) if sinks is not None else ()),
         )
         if len(ends) < len(items):  # a prefill-only request ending on one token samples nothing
-            logits = logits[to_device(torch.tensor(ends), self.device)]
+            logits = logits[to_device(torch.tensor(ends, dtype=torch.long), self.device)]
         t2 = time.perf_counter()
         sampled = self._launch_sample(logits, rows, ids) if ends else None
         if sampled is not None and sinks is not None:
@@ -297,7 +297,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         ends, rows, ids = self._sampling_rows(items)
         t1 = time.perf_counter()
-        logits = self.model.compute_logits(hidden[to_device(torch.tensor(ends), self.device)]) if ends else None
+        logits = (
+            self.model.compute_logits(hidden[to_device(torch.tensor(ends, dtype=torch.long), self.device)])
+            if ends
+            else None
+        )
         t2 = time.perf_counter()
         sampled = self._launch_sample(logits, rows, ids) if logits is not None else None
         self.timings.prepare += t1 - t0
@@ -312,10 +316,10 @@ class ModelRunner:
         model's Python forward over the Triton kernels (GPU); over PyTorch's attention (no compiler)."""
         if hidden is None:
             tokens, sources = self._step_tokens(items)
-            input_ids = to_device(torch.tensor([t for ids in tokens for t in ids]), self.device)
+            input_ids = to_device(torch.tensor([t for ids in tokens for t in ids], dtype=torch.long), self.device)
             if sources is not None:  # steps ahead: their tokens from the slots their sampling steps write
                 src = [source for ids, source in zip(tokens, sources, strict=True) for _ in ids]
-                src = to_device(torch.tensor(src), self.device)
+                src = to_device(torch.tensor(src, dtype=torch.long), self.device)
                 input_ids = torch.where(src >= 0, self.token_slots[src.clamp(min=0)].long(), input_ids)
             hidden = self.model.embed(input_ids)  # [T, hidden]
         else:

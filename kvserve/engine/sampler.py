@@ -182,7 +182,7 @@ def _draw(
             noise = torch.empty_like(probs)
             for j, generator in enumerate(generators):  # U in [0, 1): U = 0 gives E = inf, never drawn
                 on = device if generator is None else generator.device  # a CPU generator's draws copied over
-                noise[j] = torch.empty(vocab, device=on).uniform_(generator=generator)
+                noise[j] = torch.empty(vocab, dtype=noise.dtype, device=on).uniform_(generator=generator)
             tokens[picked] = (probs / noise.log_().neg_()).argmax(dim=-1)
     return tokens
 
@@ -201,7 +201,7 @@ def _sample_rows(
     from kvserve.kernels.gpu import sample
 
     device = logits.device
-    return sample.pick(logits, counters, _on(device, index), to_device(seeds, device), inv_temperatures)
+    return sample.pick(logits.contiguous(), counters, _on(device, index), to_device(seeds, device), inv_temperatures)
 
 
 def _on(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -7,6 +7,7 @@
 
 #include "kernels.h"
 
+#include <algorithm>
 #include <limits>
 
 namespace kvserve {
@@ -58,10 +59,14 @@ inline void row_keys(uint64_t z, uint32_t& key0, uint32_t& key1) {
   key1 = static_cast<uint32_t>(z >> 32);
 }
 
+// The float below 1: the top step's centre, 1 - 2^-25, rounds to 1 in float (and -log(1) = 0 made that
+// token's score infinite, drawn whatever its probability: a draw in 2^24 / vocab).
+constexpr float kBelowOne = 0x1.fffffep-1f;
+
 // Token v's uniform in (0, 1) under a row's keys: two rounds of mix32 over (v + key0) ^ key1, its top 24
-// bits centred in their step, so never 0 or 1.
+// bits centred in their step (the top step held below 1), so never 0 or 1.
 inline float uniform_of(uint32_t v, uint32_t key0, uint32_t key1) {
-  return (static_cast<float>(mix32(mix32(v + key0) ^ key1) >> 8) + 0.5f) * 0x1p-24f;
+  return std::min((static_cast<float>(mix32(mix32(v + key0) ^ key1) >> 8) + 0.5f) * 0x1p-24f, kBelowOne);
 }
 
 #if KVSERVE_HAS_AVX2_FMA
@@ -138,8 +143,9 @@ at::Tensor sample_rows(at::Tensor logits, const at::Tensor& rows, const at::Tens
       for (; v + 8 <= vocab; v += 8) {
         const __m256i h = mix32x8(_mm256_xor_si256(mix32x8(_mm256_add_epi32(ids, _mm256_set1_epi32(key0))),
                                                    _mm256_set1_epi32(static_cast<int32_t>(key1))));
-        const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0x1p-24f),
-                                         _mm256_set1_ps(0x1p-25f));
+        const __m256 u = _mm256_min_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)),
+                                                       _mm256_set1_ps(0x1p-24f), _mm256_set1_ps(0x1p-25f)),
+                                       _mm256_set1_ps(kBelowOne));
         const __m256 p = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + v), _mm256_set1_ps(peak)), inv8));
         const __m256 score = _mm256_div_ps(p, _mm256_sub_ps(_mm256_setzero_ps(), log8(u)));
         const __m256 better = _mm256_cmp_ps(score, best8, _CMP_GT_OQ);  // strictly: the first index keeps a tie

@@ -2,16 +2,17 @@
 
 A draw is the Gumbel-max form of the CPU's `argmax(probs / E)`, E ~ Exp(1) per token: the argmax of
 logit / T - log(E), which is log(probs / E) less the row's log-sum-exp, so the same law with no
-softmax. E = -log(U) from Philox (`tl.randint`) keyed by the row's 64-bit seed and the token id, U on
-a grid of 2^-24 in [0, 1) (U = 0 gives E = inf: never drawn); the seed is one draw per step from
-the request's generator (engine/sampler.py), as for the CPU's kernel. So a row's token depends on its
+softmax. E = -log(U) from Philox (`tl.randint`) keyed by the row's 64-bit seed and the token id, U at
+the centres of a grid of 2^-23 in (0, 1): never 0 nor 1, so E is finite and positive, a token at -inf
+is never drawn and a row's one finite token always is. The seed is one draw per step from the
+request's generator (engine/sampler.py), as for the CPU's kernel. So a row's token depends on its
 logits, temperature and seed only, never on the rows beside it (R7), and torch's per-row uniform_
 launches (one per random row and step) are gone.
 
 Each row's vocabulary is cut into chunks of BLOCK tokens, one program each; every program stores its
 chunk's best (value, first index), counts itself on the row's counter, and the row's last program
-takes the first best of the chunks in order: torch.argmax's choice (the first of equal maxima;
-NaN counts as the largest value, as there).
+takes the first best of the chunks: torch.argmax's choice, the first of equal maxima (NaN counts
+as +inf: torch would pick a NaN after an inf).
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ import triton.language as tl
 
 BLOCK = 2048  # tokens per program: 24 programs a row for a 49,152-token vocabulary
 NUM_COUNTERS = 1024  # rows a call picks with the counters; more rows take several calls
+
+
+@triton.jit
+def uniform_of(bits):
+    """uint32 random bits -> U in (0, 1): the top 23 bits k as (k + 1/2) / 2^23, exact in float32."""
+    return ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
 
 
 @triton.jit(do_not_specialize=["vocab", "stride"])
@@ -39,6 +46,7 @@ def _pick_kernel(
     HAS_ROWS: tl.constexpr,
     RANDOM: tl.constexpr,
     BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     r = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -47,10 +55,10 @@ def _pick_kernel(
     tokens = chunk * BLOCK + tl.arange(0, BLOCK)
     valid = tokens < vocab
     x = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf"))
-    x = tl.where(x == x, x, float("inf"))  # NaN: the largest, as torch.argmax takes it
+    x = tl.where(x == x, x, float("inf"))  # NaN: the largest
     if RANDOM:
         bits = tl.randint(tl.load(seeds_ptr + r), tokens).to(tl.uint32, bitcast=True)
-        u = (bits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 24 bits: k / 2^24, exact
+        u = uniform_of(bits)
         score = x * tl.load(inv_temperatures_ptr + r) - tl.log(-tl.log(u))
         x = tl.where(valid, score, float("-inf"))
     best = tl.max(x, axis=0)
@@ -59,16 +67,15 @@ def _pick_kernel(
     tl.store(index_ptr + r * num_chunks + chunk, first)
     tl.debug_barrier()  # the chunk's best stored before the count (released with it)
     if tl.atomic_add(counters_ptr + r, 1, sem="acq_rel") == num_chunks - 1:
-        # the row's last program: the chunks' bests in order, the first of equal ones kept ("from L2":
-        # other multiprocessors stored them)
-        top = tl.load(best_ptr + r * num_chunks, cache_modifier=".cg")
-        pick = tl.load(index_ptr + r * num_chunks, cache_modifier=".cg")
-        for c in range(1, num_chunks):
-            value = tl.load(best_ptr + r * num_chunks + c, cache_modifier=".cg")
-            index = tl.load(index_ptr + r * num_chunks + c, cache_modifier=".cg")
-            better = value > top
-            top = tl.where(better, value, top)
-            pick = tl.where(better, index, pick)
+        # the row's last program: every chunk's best in one load ("from L2": other multiprocessors
+        # stored them), the first chunk holding the largest, and that chunk's first index
+        chunks = tl.arange(0, CHUNKS)
+        bests = tl.load(
+            best_ptr + r * num_chunks + chunks, mask=chunks < num_chunks, other=float("-inf"), cache_modifier=".cg"
+        )
+        top = tl.max(bests, axis=0)
+        first_chunk = tl.min(tl.where((bests == top) & (chunks < num_chunks), chunks, CHUNKS), axis=0)
+        pick = tl.load(index_ptr + r * num_chunks + first_chunk, cache_modifier=".cg")
         tl.store(out_ptr + r, tl.minimum(pick, vocab - 1).to(tl.int64))
         tl.store(counters_ptr + r, 0)
 
@@ -113,5 +120,6 @@ def pick(
             HAS_ROWS=rows is not None,
             RANDOM=random,
             BLOCK=BLOCK,
+            CHUNKS=triton.next_power_of_2(num_chunks),
         )
     return out
