@@ -122,7 +122,7 @@ def test_a_step_ahead_takes_only_free_blocks_and_never_preempts():
 
 
 def test_a_short_pool_stops_every_step_ahead_so_preemption_takes_the_newest():
-    """ "a" needs a block for its step ahead and none is free: if "b" went ahead alone, "a" would find
+    """Request "a" needs a block for its step ahead and none is free: if "b" went ahead alone, "a" would find
     every other request in flight and preempt itself. Nobody goes ahead; then "a" preempts "b", the
     newest, as the scheduler does without async scheduling."""
     scheduler = _scheduler(num_blocks=2, block_size=4)

@@ -239,7 +239,7 @@ def _top_step_of_u(vocab: int) -> tuple[int, int]:
 
 def test_the_top_step_of_u_gives_a_finite_score(extension):
     """U's top step, centred, is 1 - 2^-25, which rounds to 1 in float: -log(U) was 0 and the token's
-    score infinite, so it was drawn whatever its probability (a draw in 2^24 / vocab). Held below 1,
+    score infinite, so it was drawn whatever its probability (one draw in 2^24 / vocab). Held below 1,
     a token at e^-50 of the others' probability is not drawn."""
     seed, token = _top_step_of_u(4096)
     logits = torch.zeros(1, 4096)

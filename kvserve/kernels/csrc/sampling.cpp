@@ -60,7 +60,7 @@ inline void row_keys(uint64_t z, uint32_t& key0, uint32_t& key1) {
 }
 
 // The float below 1: the top step's centre, 1 - 2^-25, rounds to 1 in float (and -log(1) = 0 made that
-// token's score infinite, drawn whatever its probability: a draw in 2^24 / vocab).
+// token's score infinite, drawn whatever its probability: one draw in 2^24 / vocab).
 constexpr float kBelowOne = 0x1.fffffep-1f;
 
 // Token v's uniform in (0, 1) under a row's keys: two rounds of mix32 over (v + key0) ^ key1, its top 24
