@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from kvserve.layers.attention_triton import TritonAttentionMetadata, step_num_splits
-from kvserve.layers.transfer import to_device
+from kvserve.layers.transfer import on_device
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -232,5 +232,5 @@ class DecodeGraphs:
         if sinks is None:
             index = self._views(self.static)[6][: self._batch].long()
         else:
-            index = to_device(torch.tensor(sinks, dtype=torch.long), self.token_slots.device)
+            index = on_device(self.token_slots.device, sinks)
         self.token_slots.index_copy_(0, index, tokens.int())

@@ -41,7 +41,7 @@ from kvserve.layers.attention_triton import build_triton_batch
 from kvserve.layers.fused_decode import FusedDecoder
 from kvserve.layers.gpu import uses_triton
 from kvserve.layers.quantized import set_batch_invariant
-from kvserve.layers.transfer import to_device
+from kvserve.layers.transfer import on_device
 
 
 @dataclass
@@ -175,7 +175,7 @@ class ModelRunner:
             else:
                 sampled, ids = self._launch_from_hidden(items, self.forward(items))
                 if sampled is not None and self.runs_ahead:
-                    sinks = to_device(torch.tensor([self._take_slot(i) for i in ids], dtype=torch.long), self.device)
+                    sinks = on_device(self.device, [self._take_slot(i) for i in ids])
                     self.token_slots.index_copy_(0, sinks, sampled.tokens.int())
         except Exception:  # not queued: EngineCore re-runs its requests, with their slots and draws as before
             for request_id in self._taken:
@@ -258,7 +258,7 @@ class ModelRunner:
             *((sources, sinks) if sinks is not None else ()),
         )
         if len(ends) < len(items):  # a prefill-only request ending on one token samples nothing
-            logits = logits[to_device(torch.tensor(ends, dtype=torch.long), self.device)]
+            logits = logits[on_device(self.device, ends)]
         t2 = time.perf_counter()
         sampled = self._launch_sample(logits, rows, ids) if ends else None
         if sampled is not None and sinks is not None:
@@ -297,11 +297,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         ends, rows, ids = self._sampling_rows(items)
         t1 = time.perf_counter()
-        logits = (
-            self.model.compute_logits(hidden[to_device(torch.tensor(ends, dtype=torch.long), self.device)])
-            if ends
-            else None
-        )
+        logits = self.model.compute_logits(hidden[on_device(self.device, ends)]) if ends else None
         t2 = time.perf_counter()
         sampled = self._launch_sample(logits, rows, ids) if logits is not None else None
         self.timings.prepare += t1 - t0
@@ -316,10 +312,9 @@ class ModelRunner:
         model's Python forward over the Triton kernels (GPU); over PyTorch's attention (no compiler)."""
         if hidden is None:
             tokens, sources = self._step_tokens(items)
-            input_ids = to_device(torch.tensor([t for ids in tokens for t in ids], dtype=torch.long), self.device)
+            input_ids = on_device(self.device, [t for ids in tokens for t in ids])
             if sources is not None:  # steps ahead: their tokens from the slots their sampling steps write
-                src = [source for ids, source in zip(tokens, sources, strict=True) for _ in ids]
-                src = to_device(torch.tensor(src, dtype=torch.long), self.device)
+                src = on_device(self.device, [source for ids, source in zip(tokens, sources, strict=True) for _ in ids])
                 input_ids = torch.where(src >= 0, self.token_slots[src.clamp(min=0)].long(), input_ids)
             hidden = self.model.embed(input_ids)  # [T, hidden]
         else:

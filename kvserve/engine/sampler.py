@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kernels import ops
-from kvserve.layers.transfer import to_device
+from kvserve.layers.transfer import on_device, to_device
 from kvserve.sampling_params import SamplingParams
 
 
@@ -94,7 +94,7 @@ class Sampler:
         if masked or biased or penalized or constrained:  # the caller's logits stay as they are
             logits = logits.clone()
         for i, stops in masked.items():
-            logits[i, _on(logits.device, stops)] = float("-inf")
+            logits[i, on_device(logits.device, stops)] = float("-inf")
         for i in biased:
             _apply_bias(logits[i], rows[i].params.logit_bias)
         for i in penalized:
@@ -104,7 +104,7 @@ class Sampler:
             if logits.device.type == "cpu" and ops.available():
                 ops.apply_token_bitmask(logits, torch.tensor(constrained), bitmasks)
             else:
-                logits[_on(logits.device, constrained)] += to_device(bitmask_bias(bitmasks, vocab), logits.device)
+                logits[on_device(logits.device, constrained)] += to_device(bitmask_bias(bitmasks, vocab), logits.device)
 
         random_rows = [i for i, row in enumerate(rows) if row.params.temperature != 0]
         counters = self._gpu_counters(logits)
@@ -114,7 +114,7 @@ class Sampler:
             tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
         if random_rows:
             drawn = _draw(logits, [(i, rows[i]) for i in random_rows], counters)
-            tokens[_on(logits.device, random_rows)] = drawn
+            tokens[on_device(logits.device, random_rows)] = drawn
 
         logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_rows
         if raw_logprobs is not None:  # on the device: the chosen token's logprob and the top n
@@ -158,7 +158,7 @@ def _draw(
     vocab = logits.shape[-1]
     params = [row.params for _, row in rows]
     device = logits.device
-    temperatures = _on(device, [p.temperature for p in params], torch.float32)
+    temperatures = on_device(device, [p.temperature for p in params], torch.float32)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     removes = [_ranked(p, vocab) or _floored(p) for p in params]  # top-k, top-p or min-p: _filter
     filtered = [j for j, r in enumerate(removes) if r]
@@ -166,12 +166,12 @@ def _draw(
     kernel = counters is not None or (logits.device.type == "cpu" and ops.available())
     if kernel and plain:
         seeds = _seeds([rows[j][1].generator for j in plain])
-        index = [rows[j][0] for j in plain]
-        tokens[_on(device, plain)] = _sample_rows(logits, index, 1 / temperatures[_on(device, plain)], seeds, counters)
+        index, at = [rows[j][0] for j in plain], on_device(device, plain)
+        tokens[at] = _sample_rows(logits, index, 1 / temperatures[at], seeds, counters)
     drawn = filtered if kernel else list(range(len(rows)))
     if drawn:
-        picked = _on(device, drawn)
-        sub = logits[_on(device, [rows[j][0] for j in drawn])] / temperatures[picked][:, None]
+        picked = on_device(device, drawn)
+        sub = logits[on_device(device, [rows[j][0] for j in drawn])] / temperatures[picked][:, None]
         sub = _filter(sub, [params[j] for j in drawn])
         generators = [rows[j][1].generator for j in drawn]
         if kernel:
@@ -201,12 +201,9 @@ def _sample_rows(
     from kvserve.kernels.gpu import sample
 
     device = logits.device
-    return sample.pick(logits.contiguous(), counters, _on(device, index), to_device(seeds, device), inv_temperatures)
-
-
-def _on(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A tensor of `values` on `device`, as indices or per-row settings, queued without a stop of the host."""
-    return to_device(torch.tensor(values, dtype=dtype), device)
+    return sample.pick(
+        logits.contiguous(), counters, on_device(device, index), to_device(seeds, device), inv_temperatures
+    )
 
 
 def _seeds(generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -253,8 +250,8 @@ def _apply_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> No
     vocab = logits.shape[0]
     pairs = [(t, b) for t, b in bias if t < vocab]
     if pairs:
-        ids = _on(logits.device, [t for t, _ in pairs])
-        logits.index_add_(0, ids, _on(logits.device, [b for _, b in pairs], logits.dtype))
+        ids = on_device(logits.device, [t for t, _ in pairs])
+        logits.index_add_(0, ids, on_device(logits.device, [b for _, b in pairs], logits.dtype))
 
 
 def _argmax_rows(logits: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
@@ -277,11 +274,11 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     params, vocab = row.params, logits.shape[0]
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
-        seen = _on(logits.device, seen[seen < vocab].tolist())
+        seen = on_device(logits.device, seen[seen < vocab].tolist())
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if (params.frequency_penalty or params.presence_penalty) and row.output_token_ids:
-        out = _on(logits.device, row.output_token_ids)
+        out = on_device(logits.device, row.output_token_ids)
         counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device).scatter_add_(
             0, out, torch.ones_like(out, dtype=logits.dtype)
         )
@@ -297,10 +294,10 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     if ranked or floored:  # the caller's logits stay as they are
         logits = logits.clone()
     if ranked:
-        ranked_rows = _on(logits.device, ranked)
+        ranked_rows = on_device(logits.device, ranked)
         sub = logits[ranked_rows]
-        top_k = _on(logits.device, [params[i].top_k if params[i].top_k > 0 else vocab for i in ranked])
-        top_p = _on(logits.device, [params[i].top_p for i in ranked], logits.dtype)
+        top_k = on_device(logits.device, [params[i].top_k if params[i].top_k > 0 else vocab for i in ranked])
+        top_p = on_device(logits.device, [params[i].top_p for i in ranked], logits.dtype)
         sorted_logits, order = sub.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         remove = ranks >= top_k[:, None]
@@ -311,9 +308,9 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         remove[:, 0] = False
         logits[ranked_rows] = sub.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
     if floored:
-        floored_rows = _on(logits.device, floored)
+        floored_rows = on_device(logits.device, floored)
         sub = logits[floored_rows]
-        min_p = _on(logits.device, [params[i].min_p for i in floored], logits.dtype)
+        min_p = on_device(logits.device, [params[i].min_p for i in floored], logits.dtype)
         probs = torch.softmax(sub, dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits[floored_rows] = sub.masked_fill(probs < threshold, float("-inf"))

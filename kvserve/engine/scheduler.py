@@ -235,7 +235,7 @@ class Scheduler:
         needed = 0
         for request in self.in_flight:
             if self._may_go_ahead(request):
-                needed += max(0, -(-(request.num_tokens + 1) // self.block_size) - len(request.block_ids))
+                needed += max(0, self._blocks_needed(request, 1, ahead=True))
             elif not self._ends_with_pending(request):
                 return False
         return needed <= self.pool.num_free_blocks
@@ -349,11 +349,15 @@ class Scheduler:
             ahead=ahead,
         )
 
+    def _blocks_needed(self, request: Request, num_new: int, ahead: bool = False) -> int:
+        """Blocks the request lacks for num_new more tokens (past the pending one, ahead); <= 0: none."""
+        computed = request.num_tokens if ahead else request.num_computed_tokens
+        return -(-(computed + num_new) // self.block_size) - len(request.block_ids)
+
     def _allocate_slots(self, request: Request, num_new: int, ahead: bool = False) -> bool:
         """Blocks for num_new more tokens (past the pending one, ahead); False if the pool is short. A
         step ahead only takes free blocks: it never reclaims nor preempts."""
-        computed = request.num_tokens if ahead else request.num_computed_tokens
-        needed = -(-(computed + num_new) // self.block_size) - len(request.block_ids)
+        needed = self._blocks_needed(request, num_new, ahead)
         if needed <= 0:
             return True
         if needed > self.pool.num_free_blocks and self.reclaim is not None and not ahead:

@@ -14,3 +14,8 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.contiguous().pin_memory().to(device, non_blocking=True)
+
+
+def on_device(device: torch.device | str, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A list of `values` (indices, per-row settings) as a tensor on `device`, through `to_device`."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
