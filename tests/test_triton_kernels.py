@@ -852,6 +852,23 @@ def test_a_draw_depends_on_its_row_and_seed_only():
     assert not counters.any()
 
 
+def test_row_cumsum_is_each_rows_scan_the_same_alone_and_in_a_batch():
+    """top-p's sums on a GPU: each row's cumulative sums (against float64), carried across scan blocks,
+    and a row's bits the same alone, beside others or in another place (torch's CUDA cumsum takes
+    another algorithm for one row than for several)."""
+    length = 2 * sample.BLOCK_SCAN + 123  # three blocks, the last one short
+    values = torch.softmax(_randn(4, length, seed=44) * 4, dim=-1).sort(dim=-1, descending=True).values
+    sums = sample.row_cumsum(values)
+    expected = values.double().cumsum(dim=-1)
+    torch.testing.assert_close(sums.double(), expected, rtol=0, atol=1e-5)
+    for i in range(4):
+        assert torch.equal(sample.row_cumsum(values[i : i + 1]), sums[i : i + 1]), i
+    assert torch.equal(sample.row_cumsum(values[[2, 0]]), sums[[2, 0]])
+    wide = torch.cat([values, values], dim=1)[:, :length]  # rows with a stride beyond their length
+    assert torch.equal(sample.row_cumsum(wide), sums)
+    assert sample.row_cumsum(values[:0]).shape == (0, length)
+
+
 def test_the_samplers_gpu_branch_picks_through_the_kernel():
     """engine/sampler.py with the pick's counters (its branch for logits on a GPU): greedy rows are the
     argmax, a plain row is the pick of the seed its generator gives, filtered rows (top-p, top-k) keep
@@ -1001,6 +1018,7 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"int4-int8-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
     call = f"matmul-tiles-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters)
     call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
+    call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
     call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
 k_cache = torch.zeros(8, 16, 2, 128, dtype=bf16)
 for t in (1, 3):  # a decode of one token, a prefill tile of 3, the metadata at odd offsets of one buffer
@@ -1089,6 +1107,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("attention-splits", "_combine_kernel"),
         ("attention-tiles", "_attention_kernel"),  # no combine kernel: each tile's last split merges
         ("pick", "_pick_kernel"),
+        ("row_cumsum", "_cumsum_kernel"),
         ("pick-random", "_pick_kernel"),
     }
     # one binary per call whatever the batch's size: nothing compiled differently for one row (int4 x

@@ -172,7 +172,7 @@ def _draw(
     if drawn:
         picked = on_device(device, drawn)
         sub = logits[on_device(device, [rows[j][0] for j in drawn])] / temperatures[picked][:, None]
-        sub = _filter(sub, [params[j] for j in drawn])
+        sub = _filter(sub, [params[j] for j in drawn], gpu_kernels=counters is not None)
         generators = [rows[j][1].generator for j in drawn]
         if kernel:
             ones = torch.ones(len(drawn), dtype=torch.float32, device=device)
@@ -285,9 +285,10 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _filter(logits: torch.Tensor, params: list[SamplingParams], gpu_kernels: bool = False) -> torch.Tensor:
     """top-k, top-p and min-p masking (to -inf) on temperature-scaled logits [b, V]. Each filter runs
-    only on the rows that ask for it, so that a row's result never depends on its neighbours' settings."""
+    only on the rows that ask for it, so that a row's result never depends on its neighbours' settings.
+    `gpu_kernels`: top-p's sums through the Triton scan (the sampler's branch for logits on a GPU)."""
     vocab = logits.shape[-1]
     ranked = [i for i, p in enumerate(params) if _ranked(p, vocab)]
     floored = [i for i, p in enumerate(params) if _floored(p)]
@@ -303,7 +304,7 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         remove = ranks >= top_k[:, None]
         sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
-        mass_before = _row_cumsum(sorted_probs) - sorted_probs
+        mass_before = _row_cumsum(sorted_probs, gpu_kernels) - sorted_probs
         remove |= mass_before >= top_p[:, None]
         remove[:, 0] = False
         logits[ranked_rows] = sub.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
@@ -317,10 +318,15 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return logits
 
 
-def _row_cumsum(values: torch.Tensor) -> torch.Tensor:
-    """cumsum along each row of [b, V], a row's sums in one order whatever rows are beside it. On the
-    CPU torch's scan is sequential per row; CUDA's takes cub's device-wide scan for one row and a
-    row-wise kernel for several, which add in other orders, so there each row is scanned alone."""
+def _row_cumsum(values: torch.Tensor, gpu_kernels: bool = False) -> torch.Tensor:
+    """cumsum along each row of [b, V], a row's sums in one order whatever rows are beside it. With
+    `gpu_kernels` the Triton scan, one program a row in one launch. On the CPU torch's scan is
+    sequential per row; CUDA's takes cub's device-wide scan for one row and a row-wise kernel for
+    several, which add in other orders, so without Triton each row is scanned alone there."""
+    if gpu_kernels:
+        from kvserve.kernels.gpu import sample
+
+        return sample.row_cumsum(values.contiguous())
     if values.device.type == "cpu" or values.shape[0] == 1:
         return values.cumsum(dim=-1)
     return torch.cat([row.cumsum(dim=-1) for row in values.split(1)])

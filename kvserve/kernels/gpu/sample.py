@@ -1,4 +1,5 @@
-"""The sampler's pick on a GPU: each row's argmax, or a draw at the row's temperature, in one launch.
+"""The sampler's kernels on a GPU: the pick (each row's argmax, or a draw at the row's temperature, in one
+launch), and top-p's cumulative sums of each row in one launch.
 
 A draw is the Gumbel-max form of the CPU's `argmax(probs / E)`, E ~ Exp(1) per token: the argmax of
 logit / T - log(E), which is log(probs / E) less the row's log-sum-exp, so the same law with no
@@ -13,6 +14,10 @@ Each row's vocabulary is cut into chunks of BLOCK tokens, one program each; ever
 chunk's best (value, first index), counts itself on the row's counter, and the row's last program
 takes the first best of the chunks: torch.argmax's choice, the first of equal maxima (NaN counts
 as +inf: torch would pick a NaN after an inf).
+
+`row_cumsum` scans each row in one program, BLOCK_SCAN tokens at a time with the running total carried
+from one block to the next: a row's sums in one order whatever rows are beside it (torch's cumsum on
+CUDA takes another algorithm for one row than for several), without one launch per row.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import triton.language as tl
 
 BLOCK = 2048  # tokens per program: 24 programs a row for a 49,152-token vocabulary
 NUM_COUNTERS = 1024  # rows a call picks with the counters; more rows take several calls
+BLOCK_SCAN = 4096  # tokens a scan step: 12 steps a row for a 49,152-token vocabulary
 
 
 @triton.jit
@@ -122,4 +128,27 @@ def pick(
             BLOCK=BLOCK,
             CHUNKS=triton.next_power_of_2(num_chunks),
         )
+    return out
+
+
+@triton.jit(do_not_specialize=["length", "stride"])
+def _cumsum_kernel(values_ptr, out_ptr, length, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    carried = 0.0
+    for start in range(0, length, BLOCK):
+        at = start + offsets
+        x = tl.load(values_ptr + row * stride + at, mask=at < length, other=0.0)
+        sums = tl.cumsum(x, axis=0) + carried
+        tl.store(out_ptr + row * length + at, sums, mask=at < length)
+        carried = tl.sum(tl.where(offsets == BLOCK - 1, sums, 0.0), axis=0)  # the block's last sum, exactly
+
+
+def row_cumsum(values: torch.Tensor) -> torch.Tensor:
+    """cumsum along each row of `values` [B, V] (float32, each row contiguous): one program a row, its
+    sums in one order however many rows there are."""
+    assert values.dtype == torch.float32 and values.dim() == 2 and values.stride(1) == 1
+    out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
+    if values.numel():
+        _cumsum_kernel[(values.shape[0],)](values, out, values.shape[1], values.stride(0), BLOCK=BLOCK_SCAN)
     return out
