@@ -25,8 +25,8 @@ from kvserve.sampling_params import SamplingParams
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def _scheduler(num_blocks: int = 8, block_size: int = 4) -> Scheduler:
-    scheduler = Scheduler(BlockPool(num_blocks, block_size, True), 8, 64, 64)
+def _scheduler(num_blocks: int = 8, block_size: int = 4, budget: int = 64) -> Scheduler:
+    scheduler = Scheduler(BlockPool(num_blocks, block_size, True), 8, budget, 64)
     scheduler.run_ahead = True
     return scheduler
 
@@ -138,6 +138,60 @@ def test_a_short_pool_stops_every_step_ahead_so_preemption_takes_the_newest():
     assert scheduler.requests["b"].status == RequestStatus.PREEMPTED and scheduler.pool.num_used_blocks == 2
 
 
+def test_a_prompts_next_chunk_goes_ahead_beside_a_decode_step_ahead():
+    """A chunk of a prompt in flight no longer holds the others in turn: the next chunk, whose tokens the
+    host knows, goes ahead past it beside the decoding request's step ahead; the last chunk samples, and
+    the step ahead of it reads its token on the device."""
+    scheduler = _scheduler(budget=6)
+    decoding = _request("b", [5, 6, 7])
+    chunked = _request("a", list(range(10, 22)))  # 12 prompt tokens: chunks of 3, 5, then 4
+    scheduler.add_request(decoding)
+    scheduler.add_request(chunked)
+    first = scheduler.schedule()
+    assert [(s.request_id, s.token_ids, s.num_computed_tokens, s.block_ids, s.sample) for s in first.scheduled] == [
+        ("b", [5, 6, 7], 0, [0], True),
+        ("a", [10, 11, 12], 0, [1], False),
+    ]
+    second = scheduler.schedule()  # before: nothing, while a's chunk was in flight
+    assert [
+        (s.request_id, s.token_ids, s.num_computed_tokens, s.block_ids, s.sample, s.ahead) for s in second.scheduled
+    ] == [
+        ("b", [AHEAD], 3, [0], True, True),
+        ("a", [13, 14, 15, 16, 17], 3, [1, 2], False, False),
+    ]
+    assert scheduler.schedule().is_empty  # each in flight twice
+    scheduler.update_from_output(first, {"b": 30})
+    assert chunked.num_computed_tokens == 3 and chunked in scheduler.in_flight
+    third = scheduler.schedule()
+    assert [(s.request_id, s.token_ids, s.num_computed_tokens, s.block_ids, s.sample) for s in third.scheduled] == [
+        ("b", [AHEAD], 4, [0, 3], True),
+        ("a", [18, 19, 20, 21], 8, [1, 2, 4], True),
+    ]
+    scheduler.update_from_output(second, {"b": 31})
+    fourth = scheduler.schedule()  # a's last chunk samples: its next token comes from the device
+    assert [(s.request_id, s.token_ids, s.num_computed_tokens, s.block_ids, s.ahead) for s in fourth.scheduled] == [
+        ("b", [AHEAD], 5, [0, 3], True),
+        ("a", [AHEAD], 12, [1, 2, 4, 5], True),  # position 12 opens a fourth block
+    ]
+    scheduler.update_from_output(third, {"b": 32, "a": 40})
+    assert chunked.num_computed_tokens == 12 and chunked.output_token_ids == [40]
+    for request in (decoding, chunked):
+        scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+    assert scheduler.pool.num_used_blocks == 0 and not scheduler.in_flight and not scheduler.tokens_in_flight
+
+
+def test_the_last_chunk_of_a_prefill_only_request_lets_the_others_go_ahead():
+    scheduler = _scheduler()
+    scheduler.add_request(_request("b", [5, 6, 7]))
+    scheduler.add_request(Request("p", [8, 9], SamplingParams(max_tokens=1, temperature=0), prefill_only=True))
+    both = scheduler.schedule()
+    assert [(s.request_id, s.sample) for s in both.scheduled] == [("b", True), ("p", False)]
+    ahead = scheduler.schedule()  # p ends with its step in flight: b goes ahead
+    assert [(s.request_id, s.ahead) for s in ahead.scheduled] == [("b", True)]
+    assert [r.request_id for r in scheduler.update_from_output(both, {"b": 30})] == ["b", "p"]
+    assert scheduler.requests.keys() == {"b"}
+
+
 # ----- through the engine, on the GPU path (Triton's interpreter on a CPU) ---------------------------
 
 if not torch.cuda.is_available():
@@ -197,6 +251,36 @@ def test_the_same_tokens_and_logprobs_with_and_without_async_scheduling(tiny_mod
         assert _run(ahead, prompts, params) == expected
         assert ahead.runner_timings()["ahead_rows"] > 0  # it did run ahead, not only in turn
         assert [r[:3] for r in _run(ahead, prompts[:1], params[:1])] == [expected[0][:3]]  # alone, too
+        wait_idle_and_check(ahead)
+
+
+def test_chunked_prompts_running_ahead_get_the_tokens_in_turn(tiny_model_dir, triton_kernels):
+    """Prompts of 40 to 70 tokens in chunks of 16, beside requests decoding, each chunk going ahead of
+    the one in flight: the same tokens and logprobs as the engine without async scheduling."""
+    from tests.conftest import wait_idle_and_check
+
+    prompts = ["x" * 40, PROMPTS[1], "lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod", "hi"]
+    params = [
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1),
+        SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.9, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    ]
+    with _llm(tiny_model_dir, False, max_num_batched_tokens=16) as sync:
+        expected = _run(sync, prompts, params)
+    with _llm(tiny_model_dir, True, max_num_batched_tokens=16) as ahead:
+        scheduler, chunks_ahead = ahead.engine.scheduler, []
+        launched = scheduler._launched
+
+        def count_chunks_ahead(out):  # known tokens for a request in flight: a chunk ahead
+            chunks_ahead.extend(
+                s for s in out.scheduled if not s.ahead and scheduler.requests[s.request_id] in scheduler.in_flight
+            )
+            return launched(out)
+
+        scheduler._launched = count_chunks_ahead
+        assert _run(ahead, prompts, params) == expected
+        assert ahead.runner_timings()["ahead_rows"] > 0 and chunks_ahead
         wait_idle_and_check(ahead)
 
 
@@ -261,8 +345,7 @@ def test_a_prompt_joins_a_request_running_ahead(tiny_model_dir, triton_kernels):
 def test_a_prefill_only_row_in_a_graph_step_beside_a_step_ahead(tiny_model_dir, triton_kernels):
     """A session's eager prefill (prefill_only: no token sampled) of one token lands in a decode graph
     step beside a request's step ahead: the step stores the draw of its one sampling row, and the
-    request gets its solo run's tokens. (No step goes ahead of that draw: while a row that does not
-    sample is in flight the scheduler holds every step ahead, so the next step reads it on the host.)"""
+    request gets its solo run's tokens."""
     from kvserve.engine.request import Request
     from tests.conftest import StepGate, wait_idle_and_check
 

@@ -13,15 +13,16 @@ neither scheduled again nor preempted; `schedule(max_num_scheduled)` splits the 
 micro-batches.
 
 A runner that runs ahead (async scheduling, `run_ahead`: one GPU step queued while the host takes
-back the one before) may get a request again while its sampling step computes: one decode token at
-the position of the token being sampled, whose id the runner takes on the device (`AHEAD`). Only
-where nothing about the next step depends on that token's value on the host: no grammar, no
-penalties, min_tokens reached, and the pending token cannot end it by length. If it ends it
-otherwise (a stop token or string, an abort), the step ahead is computed and its token dropped.
-Requests go ahead only when every one in flight can (or ends with its pending token): one that must
-wait for its token on the host would otherwise be left out of every other step. And only when the
-free blocks cover all their steps ahead, which never reclaim nor preempt: when the pool runs short
-the engine takes its steps in turn again, and preemption picks the newest request as above.
+back the one before) may get a request again while its step computes. Behind a sampling step: one
+decode token at the position of the token being sampled, whose id the runner takes on the device
+(`AHEAD`). Only where nothing about the next step depends on that token's value on the host: no
+grammar, no penalties, min_tokens reached, and the pending token cannot end it by length. If it ends
+it otherwise (a stop token or string, an abort), the step ahead is computed and its token dropped.
+Behind a chunk of a prompt (or of a preempted request's tokens): the next chunk, whose tokens the
+host knows. Requests go ahead only when every one in flight can (or ends with its step in flight):
+one that must wait for its token on the host would otherwise be left out of every other step. And
+only when the free blocks cover all their steps ahead, which never reclaim nor preempt: when the pool
+runs short the engine takes its steps in turn again, and preemption picks the newest request as above.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ class Scheduler:
         self.in_flight: set[Request] = set()  # scheduled in a step whose result has not come back
         self.run_ahead = False  # the runner takes a pending token on the device (async scheduling)
         self.sampling: set[Request] = set()  # in flight in a step that samples its next token
-        self.ahead: set[Request] = set()  # in flight twice: a step ahead queued behind its sampling step
+        self.ahead: set[Request] = set()  # in flight twice: a step ahead queued behind its step in flight
+        self.tokens_in_flight: dict[Request, int] = {}  # per request in flight, its steps' tokens
         self.stats = SchedulerStats()
         # Called with a number of blocks when the pool is short, before anything is preempted
         # (sessions unpin idle conversations here).
@@ -152,9 +154,12 @@ class Scheduler:
         while index < len(self.running) and budget > 0 and len(out.scheduled) < room:
             request = self.running[index]
             if request in self.in_flight:
-                if ahead and self._may_go_ahead(request) and self._allocate_slots(request, 1, ahead=True):
-                    out.scheduled.append(self._scheduled(request, 1, ahead=True))
-                    budget -= 1
+                if ahead and self._may_go_ahead(request):
+                    behind_sampling = request in self.sampling
+                    num_new = 1 if behind_sampling else min(self._tokens_left(request), budget)
+                    if self._allocate_slots(request, num_new, ahead=True):
+                        out.scheduled.append(self._scheduled(request, num_new, ahead=behind_sampling))
+                        budget -= num_new
                 index += 1
                 continue
             if request.is_paused:  # out of the batch, its blocks back in the pool, its place kept
@@ -218,11 +223,12 @@ class Scheduler:
         for item in out.scheduled:
             request = self.requests[item.request_id]
             out.requests[item.request_id] = request
+            if request in self.in_flight:
+                self.ahead.add(request)
             self.in_flight.add(request)
+            self.tokens_in_flight[request] = self.tokens_in_flight.get(request, 0) + len(item.token_ids)
             if item.sample:
                 self.sampling.add(request)
-            if item.ahead:
-                self.ahead.add(request)
         return out
 
     def _goes_ahead(self) -> bool:
@@ -235,34 +241,51 @@ class Scheduler:
         needed = 0
         for request in self.in_flight:
             if self._may_go_ahead(request):
-                needed += max(0, self._blocks_needed(request, 1, ahead=True))
-            elif not self._ends_with_pending(request):
+                num_new = (
+                    1 if request in self.sampling else min(self._tokens_left(request), self.max_num_batched_tokens)
+                )
+                needed += max(0, self._blocks_needed(request, num_new))
+            elif not self._ends_in_flight(request):
                 return False
         return needed <= self.pool.num_free_blocks
 
-    def _ends_with_pending(self, request: Request) -> bool:
-        """Whether the token its step in flight samples ends the request by length."""
-        return request in self.sampling and (
-            request.num_output_tokens + 1 >= request.params.max_tokens or request.num_tokens + 1 >= self.max_model_len
-        )
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether its step in flight ends the request: the token it samples by length, or the last
+        chunk of a prefill-only request."""
+        if request in self.sampling:
+            return (
+                request.num_output_tokens + 1 >= request.params.max_tokens
+                or request.num_tokens + 1 >= self.max_model_len
+            )
+        return request.prefill_only and self._tokens_left(request) == 0
 
     def _may_go_ahead(self, request: Request) -> bool:
-        """Whether a request in flight may get a step ahead: its one step in flight samples, and the
-        next step needs nothing on the host from that token (see the module's docstring)."""
+        """Whether a request in flight may get a step ahead: behind a step that samples, where the next
+        step needs nothing on the host from that token (see the module's docstring); behind a chunk,
+        where tokens are left."""
+        if request in self.ahead or request.is_paused:
+            return False
+        if request not in self.sampling:
+            return self._tokens_left(request) > 0
         params = request.params
         return (
-            request in self.sampling
-            and request not in self.ahead
-            and not request.is_paused
-            and request.grammar is None
+            request.grammar is None
             and not params.has_penalties
             and params.min_tokens <= request.num_output_tokens
             and request.num_output_tokens + 1 < params.max_tokens
             and request.num_tokens + 1 < self.max_model_len
         )
 
-    def _returned(self, request: Request) -> None:
-        """One of a request's steps came back: it stays in flight while its step ahead computes."""
+    def _tokens_left(self, request: Request) -> int:
+        """Known tokens that neither its KV blocks hold nor a step in flight computes."""
+        return request.num_tokens - request.num_computed_tokens - self.tokens_in_flight.get(request, 0)
+
+    def _returned(self, request: Request, num_tokens: int) -> None:
+        """One of a request's steps (of num_tokens) came back: it stays in flight while its step ahead
+        computes."""
+        left = self.tokens_in_flight.pop(request, 0) - num_tokens
+        if left > 0:
+            self.tokens_in_flight[request] = left
         if request in self.ahead:
             self.ahead.discard(request)
         else:
@@ -286,7 +309,7 @@ class Scheduler:
         updated = []
         for item in out.scheduled:
             request = out.requests[item.request_id]
-            self._returned(request)
+            self._returned(request, len(item.token_ids))
             if request.is_finished or self.requests.get(item.request_id) is not request:
                 continue
             request.num_computed_tokens += len(item.token_ids)
@@ -323,6 +346,7 @@ class Scheduler:
         self.in_flight.discard(request)
         self.sampling.discard(request)
         self.ahead.discard(request)
+        self.tokens_in_flight.pop(request, None)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
@@ -334,9 +358,9 @@ class Scheduler:
 
     # ----- internals ------------------------------------------------------------------------
     def _scheduled(self, request: Request, num_new: int, ahead: bool = False) -> ScheduledRequest:
-        """The request's next num_new tokens; `ahead`: the one token its step in flight samples, at
-        that token's position."""
-        start = request.num_tokens if ahead else request.num_computed_tokens
+        """The request's next num_new tokens, past those of its step in flight if any; `ahead`: the one
+        token its step in flight samples, at that token's position."""
+        start = request.num_computed_tokens + self.tokens_in_flight.get(request, 0)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=[AHEAD] if ahead else request.all_token_ids[start : start + num_new],
@@ -349,15 +373,15 @@ class Scheduler:
             ahead=ahead,
         )
 
-    def _blocks_needed(self, request: Request, num_new: int, ahead: bool = False) -> int:
-        """Blocks the request lacks for num_new more tokens (past the pending one, ahead); <= 0: none."""
-        computed = request.num_tokens if ahead else request.num_computed_tokens
+    def _blocks_needed(self, request: Request, num_new: int) -> int:
+        """Blocks the request lacks for num_new more tokens (past those of its step in flight); <= 0: none."""
+        computed = request.num_computed_tokens + self.tokens_in_flight.get(request, 0)
         return -(-(computed + num_new) // self.block_size) - len(request.block_ids)
 
     def _allocate_slots(self, request: Request, num_new: int, ahead: bool = False) -> bool:
-        """Blocks for num_new more tokens (past the pending one, ahead); False if the pool is short. A
-        step ahead only takes free blocks: it never reclaims nor preempts."""
-        needed = self._blocks_needed(request, num_new, ahead)
+        """Blocks for num_new more tokens (past those of its step in flight); False if the pool is short.
+        A step ahead only takes free blocks: it never reclaims nor preempts."""
+        needed = self._blocks_needed(request, num_new)
         if needed <= 0:
             return True
         if needed > self.pool.num_free_blocks and self.reclaim is not None and not ahead:
