@@ -416,12 +416,13 @@ class LLM:
         return reason
 
     def check_integrity(self) -> dict[str, Any]:
-        """On the engine thread: assert the block pool's invariants; return the pool's counts and the
-        scheduler's running and waiting requests at that moment."""
+        """On the engine thread: assert the block pool's and the scheduler's invariants; return the
+        pool's counts and the scheduler's running and waiting requests at that moment."""
 
         def check() -> dict[str, Any]:
             pool, scheduler = self.engine.pool, self.engine.scheduler
             pool.check_integrity()
+            scheduler.check_integrity()
             return {
                 "used": pool.num_used_blocks,
                 "cached": pool.num_cached_blocks,

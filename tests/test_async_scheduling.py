@@ -255,8 +255,9 @@ def test_the_same_tokens_and_logprobs_with_and_without_async_scheduling(tiny_mod
 
 
 def test_chunked_prompts_running_ahead_get_the_tokens_in_turn(tiny_model_dir, triton_kernels):
-    """Prompts of 40 to 70 tokens in chunks of 16, beside requests decoding, each chunk going ahead of
-    the one in flight: the same tokens and logprobs as the engine without async scheduling."""
+    """Prompts of 40 and 71 tokens in chunks of up to 16, beside shorter ones decoding, each chunk going
+    ahead of the one in flight (a last one that samples, too, with the decode step ahead of it reading
+    its token on the device): the same tokens and logprobs as the engine without async scheduling."""
     from tests.conftest import wait_idle_and_check
 
     prompts = ["x" * 40, PROMPTS[1], "lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod", "hi"]
@@ -280,7 +281,7 @@ def test_chunked_prompts_running_ahead_get_the_tokens_in_turn(tiny_model_dir, tr
 
         scheduler._launched = count_chunks_ahead
         assert _run(ahead, prompts, params) == expected
-        assert ahead.runner_timings()["ahead_rows"] > 0 and chunks_ahead
+        assert ahead.runner_timings()["ahead_rows"] > 0 and any(s.sample for s in chunks_ahead)
         wait_idle_and_check(ahead)
 
 

@@ -19,7 +19,8 @@ decode token at the position of the token being sampled, whose id the runner tak
 grammar, no penalties, min_tokens reached, and the pending token cannot end it by length. If it ends
 it otherwise (a stop token or string, an abort), the step ahead is computed and its token dropped.
 Behind a chunk of a prompt (or of a preempted request's tokens): the next chunk, whose tokens the
-host knows. Requests go ahead only when every one in flight can (or ends with its step in flight):
+host knows (an abort meanwhile: both chunks are computed, into blocks freed at once, which every
+later use reaches only after them on the device's stream). Requests go ahead only when every one in flight can (or ends with its step in flight):
 one that must wait for its token on the host would otherwise be left out of every other step. And
 only when the free blocks cover all their steps ahead, which never reclaim nor preempt: when the pool
 runs short the engine takes its steps in turn again, and preemption picks the newest request as above.
@@ -55,7 +56,8 @@ class ScheduledRequest:
     # The tokens its grammar allows next (a torch int32 tensor, one bit per token id), set by the
     # engine before the step runs on the rows that sample under a grammar (engine/grammar.py).
     token_bitmask: Any = None
-    # Scheduled ahead: token_ids is [AHEAD], the token its step in flight samples (run_ahead).
+    # Scheduled ahead of a sampling step: token_ids is [AHEAD], the token its step in flight samples
+    # (run_ahead). A chunk scheduled ahead of a chunk has its token ids, and False here.
     ahead: bool = False
 
 
@@ -252,6 +254,8 @@ class Scheduler:
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether its step in flight ends the request: the token it samples by length, or the last
         chunk of a prefill-only request."""
+        if request in self.ahead:  # in flight twice: its first step does not end it
+            return False
         if request in self.sampling:
             return (
                 request.num_output_tokens + 1 >= request.params.max_tokens
@@ -355,6 +359,14 @@ class Scheduler:
         self._free_blocks(request)
         request.grammar = None  # its matcher goes with it
         del self.requests[request.request_id]
+
+    def check_integrity(self) -> None:
+        """The bookkeeping of steps in flight: running requests only, each with its tokens in flight."""
+        assert self.tokens_in_flight.keys() == self.in_flight, (self.tokens_in_flight, self.in_flight)
+        assert self.sampling <= self.in_flight and self.ahead <= self.in_flight
+        for request in self.in_flight:
+            assert request.status == RequestStatus.RUNNING and self.requests.get(request.request_id) is request
+            assert self.tokens_in_flight[request] > 0, request.request_id
 
     # ----- internals ------------------------------------------------------------------------
     def _scheduled(self, request: Request, num_new: int, ahead: bool = False) -> ScheduledRequest:
