@@ -265,3 +265,21 @@ def test_the_cpu_sampler_draws_through_the_kernel_one_seed_a_row_and_step(extens
     filtered = _filter(logits[2:3] / 0.7, [top_k])
     assert tokens[2] == int(extension.sample_rows(filtered, torch.tensor([0]), torch.ones(1), seed)[0])
     assert tokens[0] == int(logits[0].argmax())
+
+
+def test_a_steps_seeds_are_one_draw_per_row_from_its_generator_in_row_order():
+    """The default generator's rows (no seed) take their seeds in one call: the same numbers as one
+    call per row in row order, beside seeded rows that draw from their own generators."""
+    from kvserve.engine.sampler import _seeds
+
+    def one_by_one(generators):
+        return [int(torch.randint(0, 2**63 - 1, (1,), generator=g)) for g in generators]
+
+    def mixed():
+        return [None, torch.Generator().manual_seed(5), None, None, torch.Generator().manual_seed(6)]
+
+    torch.manual_seed(11)
+    expected = [one_by_one(generators) for generators in (mixed(), mixed()[:1], mixed()[1:2])]
+    torch.manual_seed(11)
+    got = [_seeds(generators).tolist() for generators in (mixed(), mixed()[:1], mixed()[1:2])]
+    assert got == expected and len(set(expected[0])) == 5

@@ -207,8 +207,19 @@ def _sample_rows(
 
 
 def _seeds(generators: list[torch.Generator | None]) -> torch.Tensor:
-    """A 63-bit seed from each generator (the default one where None): one draw per row and step."""
-    return torch.cat([torch.randint(0, 2**63 - 1, (1,), generator=g) for g in generators])
+    """A 63-bit seed from each generator (the default one where None): one draw per row and step. The
+    default generator's rows take theirs in one call: the numbers of one call each, in row order."""
+    default = [j for j, g in enumerate(generators) if g is None]
+    own = [j for j, g in enumerate(generators) if g is not None]
+    if not own:
+        return torch.randint(0, 2**63 - 1, (len(default),))
+    drawn = torch.cat([torch.randint(0, 2**63 - 1, (1,), generator=generators[j]) for j in own])
+    if not default:
+        return drawn
+    seeds = torch.empty(len(generators), dtype=torch.long)
+    seeds[default] = torch.randint(0, 2**63 - 1, (len(default),))
+    seeds[own] = drawn
+    return seeds
 
 
 def _ranked(params: SamplingParams, vocab: int) -> bool:
