@@ -20,10 +20,11 @@ grammar, no penalties, min_tokens reached, and the pending token cannot end it b
 it otherwise (a stop token or string, an abort), the step ahead is computed and its token dropped.
 Behind a chunk of a prompt (or of a preempted request's tokens): the next chunk, whose tokens the
 host knows (an abort meanwhile: both chunks are computed, into blocks freed at once, which every
-later use reaches only after them on the device's stream). Requests go ahead only when every one in flight can (or ends with its step in flight):
-one that must wait for its token on the host would otherwise be left out of every other step. And
-only when the free blocks cover all their steps ahead, which never reclaim nor preempt: when the pool
-runs short the engine takes its steps in turn again, and preemption picks the newest request as above.
+later use reaches only after them on the device's stream). Requests go ahead only when every one in
+flight can (or ends with its step in flight): one that must wait for its token on the host would
+otherwise be left out of every other step. And only when the free blocks cover all their steps
+ahead, which never reclaim nor preempt: when the pool runs short the engine takes its steps in turn
+again, and preemption picks the newest request as above.
 """
 
 from __future__ import annotations
