@@ -158,10 +158,9 @@ class Scheduler:
             request = self.running[index]
             if request in self.in_flight:
                 if ahead and self._may_go_ahead(request):
-                    behind_sampling = request in self.sampling
-                    num_new = 1 if behind_sampling else min(self._tokens_left(request), budget)
+                    num_new = self._tokens_ahead(request, budget)
                     if self._allocate_slots(request, num_new, ahead=True):
-                        out.scheduled.append(self._scheduled(request, num_new, ahead=behind_sampling))
+                        out.scheduled.append(self._scheduled(request, num_new, ahead=request in self.sampling))
                         budget -= num_new
                 index += 1
                 continue
@@ -244,9 +243,7 @@ class Scheduler:
         needed = 0
         for request in self.in_flight:
             if self._may_go_ahead(request):
-                num_new = (
-                    1 if request in self.sampling else min(self._tokens_left(request), self.max_num_batched_tokens)
-                )
+                num_new = self._tokens_ahead(request, self.max_num_batched_tokens)
                 needed += max(0, self._blocks_needed(request, num_new))
             elif not self._ends_in_flight(request):
                 return False
@@ -280,6 +277,11 @@ class Scheduler:
             and request.num_output_tokens + 1 < params.max_tokens
             and request.num_tokens + 1 < self.max_model_len
         )
+
+    def _tokens_ahead(self, request: Request, budget: int) -> int:
+        """The tokens of a step ahead within `budget`: the one its sampling step in flight samples, or
+        the next chunk of its known tokens."""
+        return 1 if request in self.sampling else min(self._tokens_left(request), budget)
 
     def _tokens_left(self, request: Request) -> int:
         """Known tokens that neither its KV blocks hold nor a step in flight computes."""
