@@ -94,6 +94,28 @@ def test_prefix_cache_hit_skips_computed_blocks():
     assert s.pool.num_used_blocks == 0
 
 
+def test_a_requests_tokens_between_two_positions_are_its_prompt_and_outputs_slice():
+    r = req("a", 5)
+    r.output_token_ids = [7, 8, 9]
+    tokens = r.prompt_token_ids + r.output_token_ids
+    for start in range(len(tokens) + 2):
+        for end in range(start, len(tokens) + 3):
+            assert r.token_ids_between(start, end) == tokens[start:end], (start, end)
+
+
+def test_blocks_filled_by_a_prompt_and_its_outputs_are_hashed_as_the_whole_sequence():
+    """A block's hash covers the tokens in it whether they came from the prompt or were sampled: a
+    later prompt holding the whole conversation hits it."""
+    s = make(num_blocks=10)
+    s.add_request(req("a", 6, max_tokens=7))
+    for token in (21, 22, 23, 24, 25, 26, 27):
+        step(s, {"a": token})
+    assert s.pool.num_cached_blocks == 3  # 12 of its 13 tokens, in three full blocks
+    s.add_request(Request("b", [*range(100, 106), 21, 22, 23, 24, 25, 26, 3], SamplingParams(max_tokens=1)))
+    (item,) = step(s).scheduled
+    assert (item.num_computed_tokens, item.token_ids) == (12, [3])
+
+
 def test_fully_cached_prompt_still_computes_its_last_token():
     s = make()
     s.add_request(req("a", 8, max_tokens=1))

@@ -68,6 +68,17 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without building all of it: a decode step's one token costs the
+        same at any length of the conversation."""
+        prompt = self.prompt_token_ids
+        split = len(prompt)
+        if end <= split:
+            return prompt[start:end]
+        if start >= split:
+            return self.output_token_ids[start - split : end - split]
+        return prompt[start:] + self.output_token_ids[: end - split]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

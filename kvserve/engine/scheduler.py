@@ -378,7 +378,7 @@ class Scheduler:
         start = request.num_computed_tokens + self.tokens_in_flight.get(request, 0)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=[AHEAD] if ahead else request.all_token_ids[start : start + num_new],
+            token_ids=[AHEAD] if ahead else request.token_ids_between(start, start + num_new),
             num_computed_tokens=start,
             block_ids=list(request.block_ids),
             sample=ahead or (start + num_new == request.num_tokens and not request.prefill_only),
@@ -413,12 +413,11 @@ class Scheduler:
         return self.pool.find_cached_prefix(request.block_hashes[:usable])
 
     def _extend_hashes(self, request: Request) -> None:
-        tokens = request.all_token_ids
-        if len(request.block_hashes) < len(tokens) // self.block_size:
+        done = len(request.block_hashes)
+        if done < request.num_tokens // self.block_size:
             parent = request.block_hashes[-1] if request.block_hashes else b""
-            request.block_hashes.extend(
-                hash_full_blocks(tokens, self.block_size, start=len(request.block_hashes), parent=parent)
-            )
+            tokens = request.token_ids_between(done * self.block_size, request.num_tokens)  # the blocks not hashed
+            request.block_hashes.extend(hash_full_blocks(tokens, self.block_size, parent=parent))
 
     def _cache_computed_blocks(self, request: Request) -> None:
         num_full = request.num_computed_tokens // self.block_size
