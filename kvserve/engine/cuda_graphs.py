@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvserve.engine.block_tables import BlockTableRows
 from kvserve.layers.attention_triton import TritonAttentionMetadata, step_num_splits
 from kvserve.layers.transfer import on_device
 
@@ -113,6 +114,7 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._capture = capture
         self._host_views = [v.numpy() for v in self._views(self.host)]  # made once: a step only fills them
+        self._tables = BlockTableRows(self._host_views[-1])  # a row rewritten where its table changed
         self._bucket_of = [None] + [next(b for b in self.buckets if b >= n) for n in range(1, self.buckets[-1] + 1)]
         # per bucket, the prefix of the buffer its graph reads, on the device and here
         self._transfers = {}
@@ -136,6 +138,7 @@ class DecodeGraphs:
         given, its draw (if any) into the last token slot, which nobody reads."""
         ids, positions, slots, tile_len, rows, sources, sinks, tables = self._host_views
         ids[:], positions[:], slots[:], tile_len[:], tables[:], sources[:] = 0, 0, -1, 0, 0, -1
+        self._tables.forget()
         sinks[:] = self._sink
         rows[:] = np.arange(self.layout.max_batch)
 
@@ -203,11 +206,12 @@ class DecodeGraphs:
         size = self.block_size
         if self._copied is not None:
             self._copied.synchronize()
-        ids, positions, slots, tile_len, _, source_view, sink_view, tables = self._host_views
-        row_slots = []
-        for row, (table, computed) in enumerate(zip(block_tables, num_computed_tokens, strict=True)):
-            tables[row, : len(table)] = table  # entries past a sequence's own blocks are never read
-            row_slots.append(table[computed // size] * size + computed % size)  # its new token's slot
+        ids, positions, slots, tile_len, _, source_view, sink_view, _ = self._host_views
+        self._tables.write(block_tables)  # entries past a sequence's own blocks are never read
+        row_slots = [  # each new token's slot
+            table[computed // size] * size + computed % size
+            for table, computed in zip(block_tables, num_computed_tokens, strict=True)
+        ]
         ids[:batch], positions[:batch], slots[:batch], tile_len[:batch] = token_ids, num_computed_tokens, row_slots, 1
         if bucket > batch:
             ids[batch:bucket], positions[batch:bucket], slots[batch:bucket], tile_len[batch:bucket] = 0, 0, -1, 0

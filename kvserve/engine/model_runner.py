@@ -28,8 +28,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from kvserve.engine.block_tables import BlockTableRows
 from kvserve.engine.cuda_graphs import DecodeGraphs, cuda_capture, eager_capture
 from kvserve.engine.kv_cache import allocate_kv_cache
 from kvserve.engine.sampler import Sampled, Sampler, SamplingRow, TokenLogprobs
@@ -116,6 +118,8 @@ class ModelRunner:
         # its build (once per machine), so that no step's path depends on when the build finished;
         # otherwise it builds in the background and the Python forward serves until then.
         self.fused: FusedDecoder | None = None
+        self._table_rows: BlockTableRows | None = None  # the C++ loop's block tables, kept from step to step
+        self._table_shape = (max_num_seqs, -(-max_model_len // block_size))
         self.triton = uses_triton(self.device)
         self.wants_fused = not self.triton and FusedDecoder.supports(model) and build.is_enabled()
         if self.wants_fused and batch_invariant:
@@ -408,12 +412,22 @@ class ModelRunner:
             positions.extend(span)
             slots.extend(s.block_ids[p // size] * size + p % size for p in span)
         width = max(len(s.block_ids) for s in items)
-        tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in items], dtype=torch.long)
+        tables = torch.from_numpy(self._block_table_rows(items, width)[: len(items), :width].copy())
         if len(positions) > len(items):  # some sequence adds several tokens: one table row per token
             counts = torch.tensor([len(s.token_ids) for s in items])
             tables = tables.repeat_interleave(counts, dim=0)
         position_tensor = torch.tensor(positions, dtype=torch.long)
         return position_tensor, torch.tensor(slots, dtype=torch.long), tables, position_tensor + 1
+
+    def _block_table_rows(self, items: list, width: int) -> np.ndarray:
+        """The step's block tables, one row an item padded with zeros, in the buffer kept for them (grown
+        to fit): rewritten where they changed since the last step."""
+        rows = self._table_rows
+        if rows is None or rows.buffer.shape[0] < len(items) or rows.buffer.shape[1] < width:
+            shape = np.maximum(self._table_shape if rows is None else rows.buffer.shape, (len(items), width))
+            rows = self._table_rows = BlockTableRows(np.zeros(shape, dtype=np.int64))
+        rows.write([s.block_ids for s in items])
+        return rows.buffer
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state (generators) of finished requests."""
