@@ -179,12 +179,12 @@ def _write_q4_gguf(model, path: Path) -> Path:
     return path
 
 
-def prompts(count: int, seed: int = 1) -> list[list[int]]:
-    """Distinct random prompts of PROMPT_TOKENS token ids (no prefix-cache hits between them)."""
+def prompts(count: int, seed: int = 1, length: int = PROMPT_TOKENS) -> list[list[int]]:
+    """Distinct random prompts of `length` token ids (no prefix-cache hits between them)."""
     import random
 
     rng = random.Random(seed)
-    return [[rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)] for _ in range(count)]
+    return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(count)]
 
 
 def copy_bandwidth(device: str) -> float:

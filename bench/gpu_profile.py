@@ -10,8 +10,9 @@ runner's sampling rows, the graph's fill, copy and replay call, the sampler's la
 GPU and copy back, the scheduler's and the outputs' update), beside the decode graph's own GPU time
 (replayed alone between CUDA events: its kernels and the gaps between them). Wall minus graph is the
 host's share. They run with async scheduling (the default on a GPU: the host's work of step n under
-the GPU's step n+1), and the first shape's bfloat16 also without it, and with 64 streams of seeded
-draws at temperature 1 (the sampler's pick kernel).
+the GPU's step n+1), and the first shape's bfloat16 also without it, with 64 streams of seeded
+draws at temperature 1 (the sampler's pick kernel), and with 64 conversations of 2,000 tokens (the
+host's work per step should not grow with them; bench/host_context.py times it without a model).
 (At 64 streams a 1B step took 3.3 ms in gpu.py's run against 1.4 ms of kernels under the profiler.)
 
     python bench/gpu.py --prepare          # here, once: the tokenizer the models are built with
@@ -32,6 +33,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+LONG_PROMPT = 2000  # the host cases' long conversations, in tokens
 
 
 def profile_case(llm, streams: int, tokens: int, trace_dir: Path, name: str) -> dict:
@@ -78,9 +82,13 @@ def profile_case(llm, streams: int, tokens: int, trace_dir: Path, name: str) -> 
     }
 
 
-def host_case(llm, streams: int, tokens: int, name: str, temperature: float = 0.0) -> dict:
+def host_case(
+    llm, streams: int, tokens: int, name: str, temperature: float = 0.0, prompt_tokens: int | None = None
+) -> dict:
     """Per decode step, ms: the wall time, each phase's wall time on the engine thread, and the graph of
-    the streams' bucket replayed alone on the GPU. Greedy, or seeded draws at `temperature`."""
+    the streams' bucket replayed alone on the GPU. Greedy, or seeded draws at `temperature`; prompts of
+    `prompt_tokens` (default gpu.py's), the measured run's served from the prefix cache but its last
+    block."""
     import torch
 
     from bench.gpu import prompts
@@ -122,7 +130,7 @@ def host_case(llm, streams: int, tokens: int, name: str, temperature: float = 0.
                 wrap(runner.graphs._replays, batch, "execute: graph replay call")
 
     params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=7, ignore_eos=True)
-    batch = prompts(streams, seed=12 + streams)
+    batch = prompts(streams, seed=12 + streams, **({"length": prompt_tokens} if prompt_tokens else {}))
     llm.generate(batch, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
     llm.engine.call(install)
     spent.clear()
@@ -132,6 +140,7 @@ def host_case(llm, streams: int, tokens: int, name: str, temperature: float = 0.
     wall = time.perf_counter() - start
     steps = llm.runner_timings()["steps"] - before["steps"]
     result = {"case": name, "streams": streams, "steps": steps, "wall_ms_per_step": round(wall * 1000 / steps, 4)}
+    result["prompt_tokens"] = len(batch[0])
     result["phases_ms_per_step"] = {k: round(v * 1000 / steps, 4) for k, v in sorted(spent.items())}
     graphs = llm.engine.runner.graphs
     if graphs is not None and torch.cuda.is_available():  # the bucket's graph alone, on whatever its buffers hold
@@ -171,6 +180,7 @@ def main() -> None:
         runs = [(weights, None) for weights in models[shape]]
         runs += [("bf16", False)] if shape == args.shapes.split(",")[0] else []
         for weights, ahead in runs:
+            long_case = weights == "bf16" and ahead is None and shape == args.shapes.split(",")[0]
             with LLM(
                 str(models[shape][weights]),
                 device=args.device,
@@ -178,15 +188,21 @@ def main() -> None:
                 progress=False,
                 session_db=False,
                 async_scheduling=ahead,
+                # room for 64 long conversations at once (no preemption), where the long case runs
+                kv_cache_tokens=64 * (LONG_PROMPT + args.tokens * 4 + 64) if long_case else None,
             ) as llm:
                 suffix = "" if llm.weights["async_scheduling"] else "-sync"
                 for streams in (1, 64):
                     host.append(host_case(llm, streams, args.tokens * 4, f"{shape}-{weights}{suffix}-{streams}"))
                     print(json.dumps(host[-1]), flush=True)
-                if weights == "bf16" and ahead is None and shape == args.shapes.split(",")[0]:
+                if long_case:
                     # seeded draws at temperature 1 (the OpenAI API's default): the sampler's pick kernel
                     name = f"{shape}-{weights}{suffix}-64-sampled"
                     host.append(host_case(llm, 64, args.tokens * 4, name, temperature=1.0))
+                    print(json.dumps(host[-1]), flush=True)
+                    # conversations of 2,000 tokens: the host's work per step should not grow with them
+                    name = f"{shape}-{weights}{suffix}-64-long{LONG_PROMPT}"
+                    host.append(host_case(llm, 64, args.tokens * 4, name, prompt_tokens=LONG_PROMPT))
                     print(json.dumps(host[-1]), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"cases": cases, "host": host}, indent=1) + "\n")
