@@ -186,8 +186,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server = Server(config)
     server.exit_status = 0
     app.state.kvserve.on_fatal = server.engine_died
+    from kvserve.processes import freeze_startup_heap
     from kvserve.server.backpressure import listening_socket
 
+    freeze_startup_heap("front end")  # (an engine in this process, --engine-process off, loads after)
     server.run(sockets=[listening_socket(args.host, args.port)])
     return server.exit_status
 

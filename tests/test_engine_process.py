@@ -10,6 +10,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -82,6 +84,30 @@ def test_answers_equal_the_in_process_engine(served, llm):
 
     assert asyncio.run(streamed()) == solo * 4
     wait_idle_and_check(engine)
+
+
+def test_the_engine_process_leaves_its_start_up_heap_out_of_garbage_collection(served):
+    _, engine = served
+    assert engine.call("frozen_objects") > 10_000  # the imports, the model, the tokenizer
+
+
+def test_a_frozen_heap_still_collects_the_garbage_made_after_it():
+    """freeze_startup_heap in a fresh interpreter: what lived at the call is out of collections, and a
+    reference cycle made later is still collected."""
+    script = (
+        "import gc, weakref\n"
+        "from kvserve.processes import freeze_startup_heap\n"
+        "frozen = freeze_startup_heap('test')\n"
+        "class Node: pass\n"
+        "a, b = Node(), Node()\n"
+        "a.other, b.other = b, a\n"
+        "gone = weakref.ref(a)\n"
+        "del a, b\n"
+        "gc.collect()\n"
+        "print(frozen, gc.get_freeze_count(), gone() is None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) == int(out[1]) > 1_000 and out[2] == "True", out
 
 
 def test_bad_requests_are_refused_by_the_front_end(served):

@@ -30,7 +30,7 @@ from kvserve.pipeline.rendezvous import (
 )
 from kvserve.pipeline.stage import StageSpec, bind_cpus, build_stage, stage_of
 from kvserve.pipeline.topology import Topology
-from kvserve.processes import die_with_parent
+from kvserve.processes import die_with_parent, freeze_startup_heap
 
 logger = logging.getLogger("kvserve.pipeline")
 ARGS_ENV = "KVSERVE_STAGE_ARGS"  # start_local's arguments for the process it starts, pickled
@@ -50,6 +50,7 @@ def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = Fa
         store.set(f"loaded/{rank}", f"{type(exc).__name__}: {exc}")
         raise
     store.set(f"loaded/{rank}", "ok")
+    freeze_startup_heap(f"pipeline stage {rank}")
     group = process_group(store, rank, topology.stages)
     beats = Heartbeats(topology, rank)
     watchdog = threading.Thread(target=_watch_rank0, args=(beats, topology), name="kvserve-watch", daemon=True)

@@ -21,6 +21,7 @@ string ends the request in the step that produced it); they leave as one message
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import pickle
@@ -33,7 +34,7 @@ import zmq
 
 from kvserve.errors import EngineError, InvalidRequestError
 from kvserve.llm import LLM
-from kvserve.processes import die_with_parent
+from kvserve.processes import die_with_parent, freeze_startup_heap
 from kvserve.server.state import ServerSettings
 from kvserve.server.status_ops import STATUS_OPERATIONS
 from kvserve.sessions.session import Session
@@ -160,6 +161,7 @@ OPERATIONS = {
     "problem": lambda llm: llm.problem(),
     "check_integrity": lambda llm: llm.check_integrity(),
     "runner_timings": lambda llm: llm.runner_timings(),
+    "frozen_objects": lambda llm: gc.get_freeze_count(),  # freeze_startup_heap's
     **STATUS_OPERATIONS,  # the status routes' reads (status_ops.py)
 }
 SESSION_METHODS = frozenset({"info", "add_message", "append", "fork", "close", "interrupt"})
@@ -183,6 +185,7 @@ def main(settings: ServerSettings, to_engine: str, from_engine: str) -> None:
         return
     outbox.llm = llm
     llm.engine.after_turn.append(outbox.flush)
+    freeze_startup_heap("engine")
     info = {
         "model_path": str(llm.model_path),
         "vocab_size": llm.model.config.vocab_size,
