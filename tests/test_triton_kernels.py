@@ -247,20 +247,41 @@ def test_int4_nibbles_by_their_bits_give_the_conversions_bits():
     assert torch.equal(int4(True), int4(False))
 
 
+def _bf16_rounded_once(v: torch.Tensor) -> torch.Tensor:
+    """float64 values rounded once to bfloat16, to nearest even. torch rounds to float32 first (two
+    roundings), so a float32 value on a tie between two bfloat16 values, with a remainder (exact in
+    float64), is moved one float32 step toward the exact value before the second rounding."""
+    f = v.float()
+    rest = v - f.double()
+    bits = f.view(torch.int32)
+    tie = ((bits & 0xFFFF) == 0x8000) & (rest != 0)
+    step = torch.where((rest > 0) == (f > 0), 1, -1).to(torch.int32)
+    return torch.where(tie, (bits + step).view(torch.float32), f).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 def test_int4_packed_bf16_weights_are_the_fma_of_bf16_scale_and_min_rounded_once(scale_dtype):
     """packed_bf16 (packed bfloat16 FMAs on a GPU): each weight is fma(scale, code, min) of the scale and
-    min rounded to bfloat16, rounded once; every nibble, low and high, in row 0; each row alone is the
-    same bits."""
+    min rounded to bfloat16, rounded once; every nibble, low and high, in row 0; output 1's first group a
+    tie that rounding twice (to float32, then bfloat16) gets wrong; one-hot rows read weights exactly;
+    each row alone is the same bits."""
     m, k, n = 5, 1024 + 160, 80  # three K splits, the last not a whole tile
     codes, scales, mins, _ = _int4_weight(n, k, scale_dtype, seed=31)
     codes[0, :16] = torch.arange(16, dtype=codes.dtype, device=codes.device)
     codes[0, 16:32] = torch.arange(16, dtype=codes.dtype, device=codes.device).flip(0)
+    # 1.0078125 * 3 = 3.0234375, halfway between bfloat16's 3.015625 and 3.03125; the min of -2**-24 puts
+    # the exact weight below halfway, and vanishes in float32's sum (half a float32 step there is 2**-23)
+    codes[1, :32], scales[1, 0], mins[1, 0] = 3, 1.0078125, -(2.0**-24)
     per_input = lambda t: t.to(torch.bfloat16).double().repeat_interleave(32, dim=1)  # noqa: E731
-    w = (per_input(scales) * codes.double() + per_input(mins)).float().to(torch.bfloat16)
+    w = _bf16_rounded_once(per_input(scales) * codes.double() + per_input(mins))
+    assert (w[1, :32] == 3.015625).all()
     x = _randn(m, k, seed=32, dtype=torch.bfloat16)
+    columns = [0, 17, 40, 1100]  # one-hot rows: each output is one weight, exactly
+    x[:4] = 0
+    x[torch.arange(4), columns] = 1
     packed = matmul.pack_int4(codes)
     out = matmul.int4_matmul(x, packed, scales, mins, torch.float32, packed_bf16=True)
+    assert torch.equal(out[:4].cpu(), w[:, columns].T.float().cpu())
     _check_matmul(out, x, w, None)
     _each_row_alone(
         lambda rows: matmul.int4_matmul(rows, packed, scales, mins, torch.float32, packed_bf16=True), x, out
@@ -273,24 +294,32 @@ def _quantized_inputs(x: torch.Tensor):
     groups = x.float().cpu().reshape(x.shape[0], -1, 32)
     d = groups.abs().amax(-1) / 127
     inv = torch.where(d != 0, 1 / torch.where(d != 0, d, 1), 0)
-    q = torch.round(groups * inv[..., None])
-    return q.clamp(-128, 127).to(torch.int8).reshape(x.shape), d, d * q.sum(-1)
+    scaled = groups * inv[..., None]  # infinite or NaN where 1 / d overflows (tiny groups)
+    inside = scaled.abs() < 2.0**31
+    q = torch.where(inside, torch.round(torch.where(inside, scaled, 0)), -(2.0**31)).long()  # x86: INT_MIN
+    total = (q.sum(-1) + 2**31) % 2**32 - 2**31  # summed in int32
+    return q.clamp(-128, 127).to(torch.int8).reshape(x.shape), d, d * total.float()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_int8_is_the_cpus_quantization(dtype):
     """quantize_int8's codes (four to an int32 word, input 4t + j in byte j of word t), d and s against
-    the formula, bit for bit; a group of zeros has d = 0 and codes 0; a group's largest |x| is +-127."""
+    the formula, bit for bit; a group of zeros has d = 0 and codes 0; a group's largest |x| is +-127; a
+    group too small for 1 / d (x86's conversion: INT_MIN, codes -128, the CPU's bits)."""
     m, k = 7, 32 * 37  # three programs of 16 groups, the last one short
     x = _randn(m, k, seed=40, dtype=dtype) * 3
     x[2, 64:96] = 0
+    x[3, 32:64] = 0
+    x[3, 40] = 1e-37  # normal, but 1 / d (d = 1e-37 / 127) overflows
     words, d, s = matmul.quantize_int8(x)
     assert words.dtype == torch.int32 and words.shape == (m, k // 4) and d.shape == s.shape == (m, k // 32)
     q, d_expected, s_expected = _quantized_inputs(x)
     assert torch.equal(words.cpu().view(torch.int8), q)
     assert torch.equal(d.cpu(), d_expected) and torch.equal(s.cpu(), s_expected)
     assert d[2, 2] == 0 and not words[2, 16:24].any()
-    assert (q.reshape(m, -1, 32).abs().amax(-1)[d_expected != 0] == 127).all()
+    normal = (d_expected != 0) & torch.isfinite(1 / d_expected)
+    assert (q.reshape(m, -1, 32).abs().amax(-1)[normal] == 127).all()
+    assert d[3, 1] != 0 and (q[3, 32:64] == -128).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -331,6 +360,8 @@ def test_int4_int8_matmul_is_the_cpus_int4_times_int8_bit_for_bit(extension):
         Int4Groups(codes.cpu(), scales.float().cpu(), mins.float().cpu()), torch.float32, int8_activations=True
     )
     x = _randn(m, k, seed=42, dtype=torch.bfloat16) * 2
+    x[5, 32:64] = 0
+    x[5, 40] = 1e-37  # a group too small for 1 / d: its codes as x86 converts them
     expected = layer(x.float().cpu())
     packed = matmul.pack_int4(codes)
     for rows in (1, 2, 3, 4, 8, 13):

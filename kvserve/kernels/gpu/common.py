@@ -68,20 +68,31 @@ def nibble_fma_bf16(byte, scale, low, HIGH: tl.constexpr, INTERPRET: tl.constexp
     nibble (exponent byte 0x43 beside the nibble), a packed FMA subtracts 2**7 exactly, a second
     multiplies by the scale and adds low with one rounding; no float32 value and no conversion
     instruction, where `nibble_to_float` then an FMA and a rounding take about four instructions per
-    weight. The interpreter computes the same in float32 (the product of a nibble and a bfloat16 is
-    exact there) and rounds once to nearest even."""
+    weight. The interpreter rounds the same exact value once: the product of a nibble and a bfloat16 is
+    exact in float32, and where the float32 sum lands on a tie between two bfloat16 values with an error
+    (a min far smaller than the product), one float32 step toward the exact sum keeps the second
+    rounding from going the other way."""
     if INTERPRET:
         nibble = (byte >> 4 if HIGH else byte & 15).to(tl.float32)
-        return cast(tl.fma(scale.to(tl.float32), nibble, low.to(tl.float32)), tl.bfloat16, INTERPRET)
+        product, low = scale.to(tl.float32) * nibble, low.to(tl.float32)
+        total = product + low
+        low_part = total - product  # TwoSum: total + error == product + low exactly
+        error = (product - (total - low_part)) + (low - low_part)
+        bits = total.to(tl.int32, bitcast=True)
+        tie = ((bits & 0xFFFF) == 0x8000) & (error != 0.0)
+        step = tl.where((error > 0.0) == (total > 0.0), 1, -1)  # away from zero where the error is
+        total = tl.where(tie, (bits + step).to(tl.float32, bitcast=True), total)
+        return cast(total, tl.bfloat16, INTERPRET)
     else:
         # operands: $0 $1 the four weights as two bfloat16 pairs; $2 four bytes; $3 $4 scales; $5 $6 lows
+        # (the outputs written last: no input is read after an output that may share its register)
         shift: tl.constexpr = "shr.b32 t, $2, 4;" if HIGH else "mov.b32 t, $2;"
         return tl.inline_asm_elementwise(
-            asm="{ .reg .b32 t, e, one, neg; " + shift + " and.b32 t, t, 0x0F0F0F0F;"
+            asm="{ .reg .b32 t, e, one, neg, a, b; " + shift + " and.b32 t, t, 0x0F0F0F0F;"
             " mov.b32 e, 0x43434343; mov.b32 one, 0x3F803F80; mov.b32 neg, 0xC300C300;"
-            " prmt.b32 $0, t, e, 0x5140; prmt.b32 $1, t, e, 0x5342;"
-            " fma.rn.bf16x2 $0, $0, one, neg; fma.rn.bf16x2 $1, $1, one, neg;"
-            " fma.rn.bf16x2 $0, $0, $3, $5; fma.rn.bf16x2 $1, $1, $4, $6; }",
+            " prmt.b32 a, t, e, 0x5140; prmt.b32 b, t, e, 0x5342;"
+            " fma.rn.bf16x2 a, a, one, neg; fma.rn.bf16x2 b, b, one, neg;"
+            " fma.rn.bf16x2 a, a, $3, $5; fma.rn.bf16x2 b, b, $4, $6; mov.b32 $0, a; mov.b32 $1, b; }",
             constraints="=r,=r,r,r,r,r,r",
             args=[byte, scale, low],
             dtype=tl.bfloat16,
@@ -184,9 +195,9 @@ def int8_group_dot(w_low, w_high, q, INTERPRET: tl.constexpr):
         x0, x1, x2, x3 = _load4(q)
         x4, x5, x6, x7 = _load4(q + 4)
         return tl.inline_asm_elementwise(
-            asm="{ dp4a.s32.s32 $0, $1, $9, 0; dp4a.s32.s32 $0, $2, $10, $0; dp4a.s32.s32 $0, $3, $11, $0;"
-            " dp4a.s32.s32 $0, $4, $12, $0; dp4a.s32.s32 $0, $5, $13, $0; dp4a.s32.s32 $0, $6, $14, $0;"
-            " dp4a.s32.s32 $0, $7, $15, $0; dp4a.s32.s32 $0, $8, $16, $0; }",
+            asm="{ .reg .b32 t; dp4a.s32.s32 t, $1, $9, 0; dp4a.s32.s32 t, $2, $10, t; dp4a.s32.s32 t, $3, $11, t;"
+            " dp4a.s32.s32 t, $4, $12, t; dp4a.s32.s32 t, $5, $13, t; dp4a.s32.s32 t, $6, $14, t;"
+            " dp4a.s32.s32 t, $7, $15, t; dp4a.s32.s32 t, $8, $16, t; mov.b32 $0, t; }",
             constraints="=r" + ",r" * 16,
             args=[
                 w0[:, None],
@@ -227,14 +238,20 @@ def store_groups(words, d, s, group, mask, words_ptr, d_ptr, s_ptr):
 
 @triton.jit
 def round_to_int(x, INTERPRET: tl.constexpr):
-    """float32 x (|x| < 2**22) rounded to the nearest integer, ties to even, as int32 (one conversion
-    instruction on a GPU; the interpreter adds and subtracts 1.5 * 2**23, which rounds the same)."""
+    """float32 x rounded to the nearest integer, ties to even, as int32 (one conversion instruction on a
+    GPU; the interpreter adds and subtracts 1.5 * 2**23, which rounds the same for |x| < 2**22). Outside
+    int32's range, and NaN, INT_MIN, as x86's conversion gives (the CPU's quantize_group), where the
+    GPU's would saturate: a group whose largest |x| is below about 4e-37 has 1 / d infinite, so x * (1 / d)
+    infinite or NaN."""
+    inside = tl.abs(x) < 2147483648.0  # False for NaN
+    x = tl.where(inside, x, 0.0)
     if INTERPRET:
-        return ((x + 12582912.0) - 12582912.0).to(tl.int32)
+        rounded = ((x + 12582912.0) - 12582912.0).to(tl.int32)
     else:
-        return tl.inline_asm_elementwise(
+        rounded = tl.inline_asm_elementwise(
             asm="cvt.rni.s32.f32 $0, $1;", constraints="=r,r", args=[x], dtype=tl.int32, is_pure=True, pack=1
         )
+    return tl.where(inside, rounded, -2147483648)
 
 
 @triton.jit

@@ -910,6 +910,8 @@ def _int8_inputs_launch(
     else:
         kernel, config = _int4_int8_kernel, dataclasses.replace(config, block_m=_row_tile(x.shape[0]))
     quantized = quantize_int8(x) if quantized is None else quantized
+    q = quantized[0]  # a group's eight words are two 128-bit loads on a GPU (common._load4): 16-byte aligned
+    assert q.stride(1) == 1 and q.stride(0) % 4 == 0 and q.data_ptr() % 16 == 0, (q.stride(), q.data_ptr() % 16)
     args = (*quantized[1:], words, scales, mins, words.stride(0), scales.stride(0), mins.stride(0))
     out_dtype = out_dtype or x.dtype
     return _launch(kernel, config, quantized[0], n, args, bias, out_dtype, k=k, counters=counters, CODE_BITS=code_bits)
