@@ -189,7 +189,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.processes import freeze_startup_heap
     from kvserve.server.backpressure import listening_socket
 
-    freeze_startup_heap("front end")  # (an engine in this process, --engine-process off, loads after)
+    freeze_startup_heap("front end")  # an engine in this process (--engine-process off) loads later, unfrozen
     server.run(sockets=[listening_socket(args.host, args.port)])
     return server.exit_status
 
