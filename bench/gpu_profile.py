@@ -91,7 +91,7 @@ def host_case(
     block."""
     import torch
 
-    from bench.gpu import prompts
+    from bench.gpu import PROMPT_TOKENS, prompts
     from kvserve import SamplingParams
 
     spent: dict[str, float] = getattr(llm.engine, "_spent", collections.defaultdict(float))  # one per engine
@@ -130,7 +130,7 @@ def host_case(
                 wrap(runner.graphs._replays, batch, "execute: graph replay call")
 
     params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=7, ignore_eos=True)
-    batch = prompts(streams, seed=12 + streams, **({"length": prompt_tokens} if prompt_tokens else {}))
+    batch = prompts(streams, seed=12 + streams, length=prompt_tokens or PROMPT_TOKENS)
     llm.generate(batch, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
     llm.engine.call(install)
     spent.clear()

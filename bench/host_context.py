@@ -96,7 +96,7 @@ def token_inputs_ms(context: int, steps: int) -> float:
     runner = types.SimpleNamespace(
         block_size=BLOCK, _table_rows=None, _table_shape=(STREAMS, 1 + (context + steps) // BLOCK)
     )
-    if hasattr(ModelRunner, "_block_table_rows"):
+    if hasattr(ModelRunner, "_block_table_rows"):  # absent before dd66c26: this file also times that code
         runner._block_table_rows = lambda items, width: ModelRunner._block_table_rows(runner, items, width)
     tables = tables_at(context)
     spare = STREAMS * len(tables[0])

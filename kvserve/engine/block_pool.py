@@ -24,12 +24,10 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent_hash + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
-def hash_full_blocks(
-    token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes = NONE_HASH
-) -> list[bytes]:
-    """Hashes of the full blocks of `token_ids` from block index `start` (chained from `parent`)."""
+def hash_full_blocks(token_ids: Sequence[int], block_size: int, parent: bytes = NONE_HASH) -> list[bytes]:
+    """Hashes of the full blocks of `token_ids` (chained from `parent`, the hash of the block before)."""
     hashes = []
-    for begin in range(start * block_size, len(token_ids) - block_size + 1, block_size):
+    for begin in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[begin : begin + block_size])
         hashes.append(parent)
     return hashes
