@@ -114,6 +114,8 @@ def test_blocks_filled_by_a_prompt_and_its_outputs_are_hashed_as_the_whole_seque
     s.add_request(Request("b", [*range(100, 106), 21, 22, 23, 24, 25, 26, 3], SamplingParams(max_tokens=1)))
     (item,) = step(s).scheduled
     assert (item.num_computed_tokens, item.token_ids) == (12, [3])
+    s.pool.check_integrity()
+    assert s.pool.num_used_blocks == 0
 
 
 def test_fully_cached_prompt_still_computes_its_last_token():
