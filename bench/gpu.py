@@ -23,7 +23,9 @@ dp4a) as `q4-int8`; 4-bit with the int4 kernel's packed-bfloat16 candidate as `q
 transformers `generate` eager, and with its static cache under torch.compile (the best transformers
 offers); kvserve's batched greedy outputs are compared with their solo runs (R7). Runs are ordered by
 importance and skipped, with a note, once `--budget-s` is spent (a torch.compile run needs
-COMPILED_RUN_S of it left). Last, tests/test_triton_kernels.py, tests/test_cuda.py and
+COMPILED_RUN_S of it left). Each run has a process of its own, started cold as a server is, so a CUDA
+error that poisons a context or a hang (stopped after `--run-timeout-s`, its stacks printed) ends that run
+alone; `--runs` picks runs for a second call. Last, tests/test_triton_kernels.py, tests/test_cuda.py and
 tests/test_async_scheduling.py run until `--deadline-s`, so the whole run stays inside the device's 8
 minutes. The JSON is rewritten after every run (a run cut short keeps its figures) and printed at the
 end; default bench/results/gpu.json.
@@ -35,10 +37,13 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import faulthandler
 import gc
 import importlib.metadata
 import json
+import multiprocessing
 import os
+import queue
 import re
 import statistics
 import subprocess
@@ -79,6 +84,7 @@ COMMON = dict(vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
 PROMPT_TOKENS = 60
 TRITON_TESTS = "tests/test_triton_kernels.py"
 COMPILED_RUN_S = 180.0  # what one transformers + torch.compile run (three batch sizes) may take
+RUN_TIMEOUT_S = 150.0  # any other run (kvserve's at edfec10 took 20-40 s with its start)
 
 
 # ----- here: what the GPU machine cannot fetch --------------------------------------------------
@@ -374,6 +380,57 @@ def _text(output: bytes | str | None) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
+# ----- each run in a process of its own ---------------------------------------------------------
+
+
+def _child(results, name: str, kwargs: dict, timeout: float) -> None:
+    # a run stuck past its time prints every thread's stack to stderr and exits
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        if name == "kvserve":
+            weights = kwargs.pop("weights")
+            with packed_bf16(weights == "q4-bf16x2"):
+                results.put(("ok", run_kvserve(**kwargs)))
+        else:
+            results.put(("ok", run_transformers(**kwargs)))
+    except BaseException as e:
+        results.put(("error", repr(e), traceback.format_exc()[-3000:]))
+
+
+class RunFailed(Exception):
+    def __init__(self, error: str, trace: str = "") -> None:
+        super().__init__(error)
+        self.trace = trace
+
+
+def isolated(name: str, kwargs: dict, timeout: float) -> dict:
+    """One engine's run in a fresh process: a CUDA error that poisons its context, or a hang, ends that
+    run alone, and each run starts cold as a server does. RunFailed with what the child reported."""
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    child = spawn.Process(target=_child, args=(results, name, kwargs, timeout), daemon=True)
+    child.start()
+    try:
+        while True:  # a child that died without a word is noticed within a second
+            try:
+                outcome = results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not child.is_alive():
+                    raise RunFailed(
+                        f"the run's process ended with exit code {child.exitcode} and no result (after"
+                        f" {timeout:.0f} s its watchdog exits with 1, its threads' stacks in stderr)"
+                    ) from None
+        child.join(timeout=30)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+    if outcome[0] != "ok":
+        raise RunFailed(outcome[1], outcome[2])
+    return outcome[1]
+
+
 # ----- the run ----------------------------------------------------------------------------------
 
 
@@ -386,6 +443,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--budget-s", type=float, default=330.0, help="start no measured run after this many seconds")
     parser.add_argument("--deadline-s", type=float, default=540.0, help="the tests, last, end by then")
+    parser.add_argument(
+        "--runs",
+        default="",
+        help="comma-separated: only these runs, by engine or kvserve's weights (bf16, q4-int8, transformers-eager, ...)",
+    )
+    parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run not done by then is stopped")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-compiled", action="store_true", help="no transformers + torch.compile runs")
     parser.add_argument(
@@ -434,6 +497,10 @@ def main() -> None:
         plan.append(("kvserve", shape, "bf16", False))
         if "q4" in models[shape]:  # the int4 kernel's packed-bfloat16 candidate, on the same file
             plan.append(("kvserve", shape, "q4-bf16x2", True))
+    if args.runs:
+        wanted = set(args.runs.split(","))
+        plan = [run for run in plan if wanted & {run[0], run[2]}]
+    _free(args.device)  # the models were built here; each run loads its own in its own process
     for engine, shape, weights, flag in plan:
         name = f"{engine} {shape} {weights}" + (" batch-invariant" if engine == "kvserve" and flag else "")
         # torch.compile takes minutes per batch size: started only with that much of the budget left
@@ -442,21 +509,23 @@ def main() -> None:
             result["skipped"].append(f"{name}: past the budget of {args.budget_s:.0f} s")
             continue
         print(f"[{time.perf_counter() - started:6.1f} s] {name}", file=sys.stderr, flush=True)
-        try:
-            if engine == "kvserve":
-                model = models[shape][weights.partition("-")[0]]
-                activations = "int8" if weights == "q4-int8" else "auto"
-                ahead = False if weights.endswith("-sync") else None
-                with packed_bf16(weights == "q4-bf16x2"):
-                    run = run_kvserve(model, args.device, streams, args.max_tokens, flag, activations, ahead)
-            else:
-                compiled = engine == "transformers-compiled"
-                run = run_transformers(models[shape]["bf16"], args.device, streams, args.max_tokens, compiled)
-        except Exception as e:  # one engine's failure is a finding, not the end of the run
-            result["errors"].append({"run": name, "error": repr(e), "traceback": traceback.format_exc()[-3000:]})
+        common = dict(device=args.device, streams=streams, max_tokens=args.max_tokens)
+        if engine == "kvserve":
+            kwargs = dict(
+                model=models[shape][weights.partition("-")[0]],
+                batch_invariant=flag,
+                activations="int8" if weights == "q4-int8" else "auto",
+                async_scheduling=False if weights.endswith("-sync") else None,
+                weights=weights,
+            )
+        else:
+            kwargs = dict(model_dir=models[shape]["bf16"], compiled=engine == "transformers-compiled")
+        try:  # one engine's failure is a finding, not the end of the run
+            run = isolated(engine.partition("-")[0], {**common, **kwargs}, needs + 60 if needs else args.run_timeout_s)
+        except RunFailed as e:
+            result["errors"].append({"run": name, "error": str(e), "traceback": e.trace})
+            _write(result, args.out, started)
             continue
-        finally:
-            _free(args.device)
         for n, level in run.pop("levels").items():
             limit = n * bandwidth / run["weight_bytes"]
             result["runs"].append(
