@@ -91,6 +91,8 @@ class SamplingParams:
         if self.logprobs is not None and not is_int("logprobs", 0, MAX_LOGPROBS):
             fail("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
         self._validate_logit_bias()
+        if len({token for token, _ in self.logit_bias}) < len(self.logit_bias):  # as a dict: the last one wins
+            object.__setattr__(self, "logit_bias", tuple(dict(self.logit_bias).items()))
         self._validate_structured_output()
 
     def _validate_logit_bias(self) -> None:

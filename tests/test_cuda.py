@@ -101,7 +101,7 @@ def test_async_steps_queue_without_waiting_for_the_device(llm):
     """Async scheduling overlaps the host with the device only if no step waits for it: no blocking copy
     to the device, no read of a device value. Torch's sync debug mode makes such a call raise (and the
     request fail) in a decode graph step and in eager steps: prompts joining running requests, logprobs,
-    seeded sampling with top-p, a logit bias."""
+    seeded sampling with top-p, a logit bias, penalties."""
     assert llm.weights["async_scheduling"]
     texts = [prompt(i, 20 + 40 * i) for i in range(6)]
     params = [
@@ -109,6 +109,7 @@ def test_async_steps_queue_without_waiting_for_the_device(llm):
         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3),
         SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logit_bias={5: 2.0}),
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.5),
     ]
     llm.generate(texts, params[2])  # kernels compiled, pinned memory cached
     before = llm.runner_timings()["ahead_rows"]
@@ -123,6 +124,35 @@ def test_async_steps_queue_without_waiting_for_the_device(llm):
 
 
 @pytest.mark.parametrize("weights, activations", [("bf16", "auto"), ("q4", "auto"), ("q8", "auto"), ("q4", "int8")])
+def test_penalties_on_the_gpu_are_the_cpus_bits():
+    """The penalties' histories and their one gather and scatter (engine/penalties.py) on the GPU: the
+    same float32 operations as on the CPU, so the same bits, step after step."""
+    from kvserve.engine.penalties import Penalties
+    from kvserve.engine.sampler import SamplingRow
+
+    generator = torch.Generator().manual_seed(0)
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(repetition_penalty=0.7, frequency_penalty=0.5, presence_penalty=-0.3),
+    ]
+    rows = [
+        SamplingRow(
+            params[i % 2], torch.randint(0, 1000, (50 * i,), generator=generator).tolist(), [], None, (), key=f"{i}"
+        )
+        for i in range(6)
+    ]
+    on_gpu, on_cpu = Penalties(), Penalties()
+    for step in range(5):
+        for r in rows:
+            r.output_token_ids.extend(torch.randint(0, 1000, (1 + step % 2,), generator=generator).tolist())
+        logits = torch.randn(8, 1000, generator=generator) * 5
+        gpu = logits.cuda()
+        batch = [rows[0], None, *rows[1:5], None, rows[5]]  # rows 1 and 6 not penalized
+        on_gpu.apply(gpu, batch, [0, 2, 3, 4, 5, 7])
+        on_cpu.apply(logits, batch, [0, 2, 3, 4, 5, 7])
+        assert torch.equal(gpu.cpu(), logits), step
+
+
 def test_batched_preempted_and_cached_requests_equal_their_solo_runs(tiny_model_dir, weights, activations):
     """R7 on the GPU in bfloat16 and with quantized weights (4-bit with float and with int8 inputs): 16
     at once, in a pool too small for them (preemption), again behind their cached prefixes, and with

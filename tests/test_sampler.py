@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.sampler import Sampler, SamplingRow, _apply_penalties, _filter
+from kvserve.engine.sampler import Sampler, SamplingRow, _filter
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import SamplingParams
 
@@ -39,27 +39,6 @@ def test_filters_keep_the_same_tokens_as_transformers(params, warper):
     ours = _filter(logits, [params] * 8)
     theirs = warper()(None, logits.clone())
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
-
-
-def test_repetition_penalty_matches_transformers():
-    logits = logits_batch(1)[0]
-    params = SamplingParams(repetition_penalty=1.3)
-    prompt, output = [1, 5, 7], [7, 9, 9]
-    ours = logits.clone()
-    _apply_penalties(ours, row(params, prompt, output))
-    theirs = transformers.RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits[None].clone())
-    assert torch.allclose(ours, theirs[0])
-
-
-def test_frequency_and_presence_penalties_follow_openai():
-    logits = logits_batch(1)[0]
-    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
-    ours = logits.clone()
-    _apply_penalties(ours, row(params, output=[4, 4, 4, 9]))
-    expected = logits.clone()
-    expected[4] -= 3 * 0.5 + 0.25
-    expected[9] -= 1 * 0.5 + 0.25
-    assert torch.allclose(ours, expected)
 
 
 def test_greedy_and_degenerate_filters_pick_the_argmax():
@@ -144,6 +123,30 @@ def test_min_tokens_masks_stop_tokens():
     assert torch.equal(logits, before)  # masked in a copy: the caller's logits are left as they were
     tokens, _ = Sampler()(logits, [row(params, output=[5, 6])])
     assert tokens[0] == 0
+
+
+def test_stop_masks_and_logit_biases_reach_their_own_rows_only():
+    """min_tokens' masks and logit_bias are written for every row at once: each row gets its own."""
+    logits = torch.zeros(4, VOCAB)
+    logits[:, 0] = 10.0  # the stop token leads everywhere
+    rows = [
+        row(SamplingParams(temperature=0, min_tokens=3, max_tokens=4), output=[5]),  # masked: the next best
+        row(SamplingParams(temperature=0, logit_bias={7: 20.0, 9: -5.0})),  # 7 forced
+        row(SamplingParams(temperature=0)),
+        row(SamplingParams(temperature=0, min_tokens=3, max_tokens=4, logit_bias={VOCAB + 3: 50.0, 2: 5.0})),
+    ]
+    tokens, _ = Sampler()(logits, rows)
+    assert tokens == [1, 7, 0, 2]  # the first of the equal rest; an id past the vocabulary is ignored
+    for i, r in enumerate(rows):  # and alone, the same
+        assert Sampler()(logits[i : i + 1], [r])[0] == [tokens[i]]
+
+
+def test_a_repeated_logit_bias_token_keeps_its_last_value():
+    params = SamplingParams(logit_bias=((3, 1.0), (4, 2.0), (3, -7.5)))
+    assert params.logit_bias == ((3, -7.5), (4, 2.0))
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3] = 5.0
+    assert Sampler()(logits, [row(SamplingParams(temperature=0, logit_bias=params.logit_bias))])[0] == [4]
 
 
 def test_logprobs_are_the_raw_distribution():

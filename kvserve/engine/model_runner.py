@@ -373,6 +373,7 @@ class ModelRunner:
                         generator,
                         self.stop_token_ids,
                         s.token_bitmask,
+                        s.request_id,
                     )
                 )
         return ends, rows, ids
@@ -430,9 +431,10 @@ class ModelRunner:
         return rows.buffer
 
     def release(self, request_ids: list[str]) -> None:
-        """Forget per-request state (generators) of finished requests."""
+        """Forget per-request state (generators, penalties' histories) of finished requests."""
         for request_id in request_ids:
             self.generators.pop(request_id, None)
+        self.sampler.release(request_ids)
 
     def close(self) -> None:
         """Let the KV pool (and the graphs' memory) go now, on the engine thread's way out, rather than

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.engine.penalties import Penalties
 from kvserve.kernels import ops
 from kvserve.layers.transfer import on_device, to_device
 from kvserve.sampling_params import SamplingParams
@@ -31,6 +32,7 @@ class SamplingRow:
     generator: torch.Generator | None
     stop_token_ids: tuple[int, ...]  # masked while fewer than min_tokens were generated
     token_bitmask: torch.Tensor | None = None  # [ceil(V / 32)] int32: bit t of word t // 32 allows token t
+    key: str | None = None  # the request's id: its penalties' history is kept under it (engine/penalties.py)
 
 
 @dataclass
@@ -76,6 +78,11 @@ class Sampled:
 class Sampler:
     def __init__(self) -> None:
         self._counters: torch.Tensor | None = None  # the GPU pick's row counters (kernels/gpu/sample.py)
+        self.penalties = Penalties()
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget finished requests' state (their penalties' histories)."""
+        self.penalties.release(request_ids)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         return self.launch(logits, rows).result()
@@ -93,12 +100,13 @@ class Sampler:
         constrained = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
         if masked or biased or penalized or constrained:  # the caller's logits stay as they are
             logits = logits.clone()
-        for i, stops in masked.items():
-            logits[i, on_device(logits.device, stops)] = float("-inf")
-        for i in biased:
-            _apply_bias(logits[i], rows[i].params.logit_bias)
-        for i in penalized:
-            _apply_penalties(logits[i], rows[i])
+        if masked:  # each row's own ids, in one write for every row
+            entries = [(i, token) for i, stops in masked.items() for token in stops]
+            at = on_device(logits.device, list(zip(*entries, strict=True)))
+            logits[at[0], at[1]] = float("-inf")
+        if biased:
+            _apply_bias(logits, [(i, rows[i].params.logit_bias) for i in biased])
+        self.penalties.apply(logits, rows, penalized)
         if constrained:  # each row's own mask: no row sees another's
             bitmasks = torch.stack([rows[i].token_bitmask for i in constrained])
             if logits.device.type == "cpu" and ops.available():
@@ -256,13 +264,16 @@ def bitmask_bias(bitmasks: torch.Tensor, vocab: int) -> torch.Tensor:
     return bias[:, :vocab]
 
 
-def _apply_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> None:
-    """In place on one row [V]: add each (token id, bias); ids outside the vocabulary are ignored."""
-    vocab = logits.shape[0]
-    pairs = [(t, b) for t, b in bias if t < vocab]
-    if pairs:
-        ids = on_device(logits.device, [t for t, _ in pairs])
-        logits.index_add_(0, ids, on_device(logits.device, [b for _, b in pairs], logits.dtype))
+def _apply_bias(logits: torch.Tensor, biases: list[tuple[int, tuple[tuple[int, float], ...]]]) -> None:
+    """In place on logits [B, V]: for each (row, its logit_bias), add each (token id, bias) to that row
+    (a row's ids are distinct: SamplingParams keeps the last of a repeated one); ids outside the
+    vocabulary are ignored. One gather, add and scatter for every row."""
+    vocab = logits.shape[1]
+    entries = [(i, t, b) for i, bias in biases for t, b in bias if t < vocab]
+    if entries:
+        rows, ids, values = zip(*entries, strict=True)
+        at = tuple(on_device(logits.device, [rows, ids]))
+        logits[at] = logits[at] + on_device(logits.device, values, logits.dtype)
 
 
 def _argmax_rows(logits: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
@@ -277,23 +288,6 @@ def _argmax_rows(logits: torch.Tensor, counters: torch.Tensor | None = None) -> 
 
         return sample.pick(logits, counters)
     return logits.argmax(dim=-1)
-
-
-def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-    """In place on one row [V]: repetition penalty (prompt and output, as HF/vLLM), then OpenAI's
-    frequency and presence penalties (output tokens only)."""
-    params, vocab = row.params, logits.shape[0]
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
-        seen = on_device(logits.device, seen[seen < vocab].tolist())
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if (params.frequency_penalty or params.presence_penalty) and row.output_token_ids:
-        out = on_device(logits.device, row.output_token_ids)
-        counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device).scatter_add_(
-            0, out, torch.ones_like(out, dtype=logits.dtype)
-        )
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams], gpu_kernels: bool = False) -> torch.Tensor:
