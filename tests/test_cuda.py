@@ -123,7 +123,6 @@ def test_async_steps_queue_without_waiting_for_the_device(llm):
     assert llm.runner_timings()["ahead_rows"] > before
 
 
-@pytest.mark.parametrize("weights, activations", [("bf16", "auto"), ("q4", "auto"), ("q8", "auto"), ("q4", "int8")])
 def test_penalties_on_the_gpu_are_the_cpus_bits():
     """The penalties' histories and their one gather and scatter (engine/penalties.py) on the GPU: the
     same float32 operations as on the CPU, so the same bits, step after step."""
@@ -153,6 +152,7 @@ def test_penalties_on_the_gpu_are_the_cpus_bits():
         assert torch.equal(gpu.cpu(), logits), step
 
 
+@pytest.mark.parametrize("weights, activations", [("bf16", "auto"), ("q4", "auto"), ("q8", "auto"), ("q4", "int8")])
 def test_batched_preempted_and_cached_requests_equal_their_solo_runs(tiny_model_dir, weights, activations):
     """R7 on the GPU in bfloat16 and with quantized weights (4-bit with float and with int8 inputs): 16
     at once, in a pool too small for them (preemption), again behind their cached prefixes, and with

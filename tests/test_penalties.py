@@ -127,6 +127,26 @@ def test_an_output_that_went_back_or_a_released_key_starts_again():
     assert penalties.num_requests == 1
 
 
+def test_a_step_that_fails_midway_leaves_no_history_ahead_of_its_tables(monkeypatch):
+    """A failure after the host's histories moved (here the tables' growth) must not leave a request
+    penalized by what a reused row of the tables held: its next step starts from its whole history."""
+    penalties = Penalties()
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4))
+    penalized(penalties, logits, [row(SETTINGS[0], prompt=[10, 11], key="old")])
+    penalties.release(["old"])  # its row of the tables, holding 10 and 11, is free
+    new = row(SETTINGS[0], prompt=[20, 21], key="new")
+    fit = Penalties._fit
+
+    def fails_once(self, *args):
+        monkeypatch.setattr(Penalties, "_fit", fit)
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(Penalties, "_fit", fails_once)
+    with pytest.raises(RuntimeError):
+        penalized(penalties, logits, [new])
+    assert torch.equal(penalized(penalties, logits, [new])[0], reference(logits[0], new))  # the step re-run
+
+
 def test_the_engine_penalizes_each_request_as_alone_and_forgets_it_when_done(tiny_model_dir):
     from kvserve import LLM
     from tests.conftest import wait_idle_and_check

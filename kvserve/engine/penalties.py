@@ -58,6 +58,9 @@ class Penalties:
         temporary = [object() for i in indices if rows[i].key is None]
         try:
             self._apply(logits, rows, indices, iter(temporary))
+        except BaseException:  # the histories may be ahead of the tables: these requests' start again
+            self.release([rows[i].key for i in indices if rows[i].key is not None])
+            raise
         finally:
             self.release(temporary)
 
