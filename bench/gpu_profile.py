@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -157,6 +159,16 @@ def host_case(
     return result
 
 
+@contextlib.contextmanager
+def recorded(errors: list, name: str):
+    """One engine's failure is a finding: recorded with its traceback, and the other cases still run."""
+    try:
+        yield
+    except Exception as e:
+        errors.append({"case": name, "error": repr(e), "traceback": traceback.format_exc()[-3000:]})
+        print(f"{name} failed: {e!r}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="llama1b,smol135m")
@@ -175,22 +187,26 @@ def main() -> None:
     models = build_models(args.shapes.split(","), args.device, work, with_q4=args.host)
     cases = []
     host = []
+    errors: list[dict] = []
     for shape in args.shapes.split(",") if args.host else []:
         # async scheduling (the default on a GPU), and the first shape's bf16 without it: what it hides
         runs = [(weights, None) for weights in models[shape]]
         runs += [("bf16", False)] if shape == args.shapes.split(",")[0] else []
         for weights, ahead in runs:
             long_case = weights == "bf16" and ahead is None and shape == args.shapes.split(",")[0]
-            with LLM(
-                str(models[shape][weights]),
-                device=args.device,
-                max_num_seqs=64,
-                progress=False,
-                session_db=False,
-                async_scheduling=ahead,
-                # room for 64 long conversations at once (no preemption), where the long case runs
-                kv_cache_tokens=64 * (LONG_PROMPT + args.tokens * 4 + 64) if long_case else None,
-            ) as llm:
+            with (
+                recorded(errors, f"{shape}-{weights}" + ("-sync" if ahead is False else "")),
+                LLM(
+                    str(models[shape][weights]),
+                    device=args.device,
+                    max_num_seqs=64,
+                    progress=False,
+                    session_db=False,
+                    async_scheduling=ahead,
+                    # room for 64 long conversations at once (no preemption), where the long case runs
+                    kv_cache_tokens=64 * (LONG_PROMPT + args.tokens * 4 + 64) if long_case else None,
+                ) as llm,
+            ):
                 suffix = "" if llm.weights["async_scheduling"] else "-sync"
                 for streams in (1, 64):
                     host.append(host_case(llm, streams, args.tokens * 4, f"{shape}-{weights}{suffix}-{streams}"))
@@ -205,17 +221,20 @@ def main() -> None:
                     host.append(host_case(llm, 64, args.tokens * 4, name, prompt_tokens=LONG_PROMPT))
                     print(json.dumps(host[-1]), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"cases": cases, "host": host}, indent=1) + "\n")
+            args.out.write_text(json.dumps({"cases": cases, "host": host, "errors": errors}, indent=1) + "\n")
     for shape in [] if args.host_only else args.shapes.split(","):
         for graphs in (True, False):
-            with LLM(
-                str(models[shape]["bf16"]),
-                device=args.device,
-                max_num_seqs=64,
-                progress=False,
-                session_db=False,
-                cuda_graphs=graphs,
-            ) as llm:
+            with (
+                recorded(errors, f"{shape}-{'graphs' if graphs else 'eager'}"),
+                LLM(
+                    str(models[shape]["bf16"]),
+                    device=args.device,
+                    max_num_seqs=64,
+                    progress=False,
+                    session_db=False,
+                    cuda_graphs=graphs,
+                ) as llm,
+            ):
                 for streams in (1, 64) if graphs else (1,):
                     name = f"{shape}-{streams}-{'graphs' if graphs else 'eager'}"
                     cases.append(profile_case(llm, streams, args.tokens, work, name))
@@ -228,7 +247,7 @@ def main() -> None:
                     for k in c["top_kernels"][:12]:
                         print(f"    {k['us_per_step']:9.2f} us x{k['calls_per_step']:6.2f}  {k['name']}", flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"cases": cases, "host": host}, indent=1) + "\n")
+            args.out.write_text(json.dumps({"cases": cases, "host": host, "errors": errors}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

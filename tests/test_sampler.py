@@ -160,6 +160,31 @@ def test_logprobs_are_the_raw_distribution():
     assert [t for t, _ in lp.top] == reference.topk(3).indices.tolist()
 
 
+def test_each_row_gets_its_own_logprobs_from_the_batchs_one_copy():
+    """Rows asking for different numbers (none, 0, 3, 5, a drawn row's) share two copies to the host:
+    each gets its own chosen token's logprob and top n, as the row alone does."""
+    logits = logits_batch(5, seed=3)
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=1.0, seed=4, logprobs=5),
+        SamplingParams(temperature=0, logprobs=1),
+    ]
+    tokens, logprobs = Sampler()(logits, [row(p) for p in params])
+    for i, p in enumerate(params):
+        alone_tokens, alone = Sampler()(logits[i : i + 1], [row(p)])
+        assert alone_tokens == [tokens[i]]
+        if p.logprobs is None:
+            assert logprobs[i] is None and alone[0] is None
+            continue
+        reference = torch.log_softmax(logits[i], -1)
+        assert logprobs[i] == alone[0]
+        assert logprobs[i].token_id == tokens[i] and logprobs[i].logprob == float(reference[tokens[i]])
+        top = reference.topk(p.logprobs)
+        assert logprobs[i].top == list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+
+
 @pytest.mark.parametrize(
     "field, value",
     [

@@ -48,14 +48,18 @@ class Sampled:
     copied back without a stop of the host, so a runner may queue its next step first (async
     scheduling); on the CPU it is computed already."""
 
-    def __init__(self, tokens: torch.Tensor, logprobs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    def __init__(
+        self, tokens: torch.Tensor, logprobs: tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """`logprobs`: the rows asking for them as (row, n), in row order; then on the device, one after
+        another, each one's [the chosen token's logprob, its top n's], and each one's top n ids."""
         self.tokens = tokens
         pinned = tokens.is_cuda
         self._tokens = tokens.to("cpu", non_blocking=pinned)
-        # per row asking for them: ([the chosen token's logprob, the top n's], the top n's ids), on the host
-        self._logprobs = [
-            None if lp is None else tuple(t.to("cpu", non_blocking=pinned) for t in lp) for lp in logprobs
-        ]
+        self._logprobs = None
+        if logprobs is not None:  # two copies however many rows ask
+            asked, values, ids = logprobs
+            self._logprobs = (asked, values.to("cpu", non_blocking=pinned), ids.to("cpu", non_blocking=pinned))
         self._done = None
         if pinned:
             self._done = torch.cuda.Event()
@@ -65,13 +69,19 @@ class Sampled:
         if self._done is not None:
             self._done.synchronize()  # this batch's kernels and copies only, not what was queued after
         token_list = self._tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = []
-        for token, lp in zip(token_list, self._logprobs, strict=True):
-            if lp is None:
-                logprobs.append(None)
-                continue
-            values = lp[0].tolist()
-            logprobs.append(TokenLogprobs(token, values[0], list(zip(lp[1].tolist(), values[1:], strict=True))))
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
+        if self._logprobs is not None:
+            asked, values, ids = self._logprobs
+            values, ids = values.tolist(), ids.tolist()
+            at = 0  # row j's values start at at + j (its chosen token's logprob first), its ids at at
+            for j, (i, n) in enumerate(asked):
+                first = at + j
+                logprobs[i] = TokenLogprobs(
+                    token_list[i],
+                    values[first],
+                    list(zip(ids[at : at + n], values[first + 1 : first + 1 + n], strict=True)),
+                )
+                at += n
         return token_list, logprobs
 
 
@@ -124,15 +134,17 @@ class Sampler:
             drawn = _draw(logits, [(i, rows[i]) for i in random_rows], counters)
             tokens[on_device(logits.device, random_rows)] = drawn
 
-        logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_rows
-        if raw_logprobs is not None:  # on the device: the chosen token's logprob and the top n
-            for i, row in enumerate(rows):
-                n = row.params.logprobs
-                if n is None:
-                    continue
+        logprobs = None
+        if raw_logprobs is not None:  # on the device: each asking row's chosen token's logprob and top n
+            asked = [(i, row.params.logprobs) for i, row in enumerate(rows) if row.params.logprobs is not None]
+            at = on_device(logits.device, [i for i, _ in asked])
+            chosen = raw_logprobs.gather(1, tokens[:, None])[at]  # [R, 1]
+            values, ids = [], []
+            for j, (i, n) in enumerate(asked):  # a row's own top n (one topk a row: its ties in one order)
                 top_values, top_ids = raw_logprobs[i].topk(n)
-                chosen = raw_logprobs[i].gather(0, tokens[i : i + 1])
-                logprobs[i] = (torch.cat([chosen, top_values]), top_ids)
+                values += [chosen[j], top_values]
+                ids.append(top_ids)
+            logprobs = (asked, torch.cat(values), torch.cat(ids))
         return Sampled(tokens, logprobs)
 
     def _gpu_counters(self, logits: torch.Tensor) -> torch.Tensor | None:
