@@ -156,6 +156,35 @@ def test_garbage_collected_stream_aborts(llm):
     assert llm.stats()["num_aborted_total"] == before + 1
 
 
+def test_a_loops_streams_are_woken_once_for_what_a_step_delivered():
+    """The engine thread's chunks for one asyncio loop go through one mailbox: in order per stream, and
+    one wake-up of the loop (a call_soon_threadsafe) for everything posted while the loop was busy."""
+    from kvserve.engine.client import AsyncSink
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        sinks = [AsyncSink(loop) for _ in range(8)]
+        wakeups = []
+        schedule = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: (wakeups.append(args), schedule(*args))[1]
+        try:
+            # the loop is held here while another thread posts three "steps" of chunks to every stream
+            poster = threading.Thread(
+                target=lambda: [s.put((step, i)) for step in range(3) for i, s in enumerate(sinks)]
+            )
+            poster.start()
+            poster.join()
+            assert len(wakeups) == 1
+            got = [[await s.queue.get() for _ in range(3)] for s in sinks]
+            assert got == [[(step, i) for step in range(3)] for i in range(8)]
+            sinks[0].put("next")  # the mailbox drained: the next post wakes the loop again
+            assert await sinks[0].queue.get() == "next" and len(wakeups) == 2
+        finally:
+            del loop.call_soon_threadsafe
+
+    asyncio.run(main())
+
+
 def test_async_stream_and_task_cancellation(llm):
     async def main():
         texts = [prompt(i, 10) for i in range(4)]

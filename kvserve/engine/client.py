@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -25,16 +27,49 @@ class ThreadSink(queue.SimpleQueue):
     """A request's chunks for a reader thread."""
 
 
-class AsyncSink:
-    """A request's chunks delivered into an asyncio queue on the reader's own loop."""
+class _Mailbox:
+    """What the engine thread hands one asyncio loop, delivered in order, with one wake-up of the loop
+    for everything posted before it runs: a step's chunks for 64 streams cost one call_soon_threadsafe
+    (a write to the loop's self-pipe), not 64."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self.loop = weakref.ref(loop)  # the mailboxes are kept by loop, weakly
+        self.lock = threading.Lock()
+        self.items: list[tuple[asyncio.Queue, Any]] = []
+
+    def post(self, inbox: asyncio.Queue, item: Any) -> None:
+        with self.lock:
+            self.items.append((inbox, item))
+            if len(self.items) > 1:  # a wake-up is on its way
+                return
+        loop = self.loop()
+        with contextlib.suppress(RuntimeError, AttributeError):  # a closed or gone loop: nobody listens
+            loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for inbox, item in items:
+            inbox.put_nowait(item)
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+_mailboxes_lock = threading.Lock()
+
+
+class AsyncSink:
+    """A request's chunks delivered into an asyncio queue on the reader's own loop, through the loop's
+    mailbox."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
+        with _mailboxes_lock:
+            self.mailbox = _mailboxes.get(loop)
+            if self.mailbox is None:
+                self.mailbox = _mailboxes[loop] = _Mailbox(loop)
 
     def put(self, item: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.mailbox.post(self.queue, item)
 
 
 class EngineClient:
