@@ -101,6 +101,9 @@ def test_histories_kept_step_by_step_give_the_whole_historys_penalties_in_any_ba
             assert torch.equal(out[i], expected), (step, i)
         assert penalties.num_requests <= len(live)
     assert made > 20  # slots were reused and added
+    assert penalties.num_bytes >= 16 * 2 * MIN_COLUMNS * 12  # grown in both directions
+    penalties.release(list(live))
+    assert penalties.num_requests == 0 and penalties.num_bytes == 0  # with none left, the tables go
 
 
 def test_rows_without_a_key_keep_nothing():

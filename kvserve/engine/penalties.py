@@ -50,6 +50,12 @@ class Penalties:
     def num_requests(self) -> int:
         return len(self._histories)
 
+    @property
+    def num_bytes(self) -> int:
+        """The tables' size: the most penalized requests at once by the most distinct ids of one, 12 bytes
+        each, until none is left."""
+        return 0 if self._ids is None else self._ids.nbytes + self._counts.nbytes
+
     def apply(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
         """Penalize logits' rows `indices` [B, V] in place, each by rows[i]'s settings and history.
         A row without a key (no request behind it) gets a history for this call only."""
@@ -65,11 +71,15 @@ class Penalties:
             self.release(temporary)
 
     def release(self, keys: list) -> None:
-        """Forget finished requests' histories; their rows in the tables serve the next ones."""
+        """Forget finished requests' histories; their rows in the tables serve the next ones, and with
+        none left the tables go (one long conversation's width is not kept for good)."""
         for key in keys:
             history = self._histories.pop(key, None)
             if history is not None:
                 self._free_slots.append(history.slot)
+        if not self._histories:
+            self._free_slots.clear()
+            self._ids = self._counts = None
 
     def _apply(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int], temporary) -> None:
         device, vocab = logits.device, logits.shape[1]
