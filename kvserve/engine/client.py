@@ -33,7 +33,10 @@ class _Mailbox:
     (a write to the loop's self-pipe), not 64."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = weakref.ref(loop)  # the mailboxes are kept by loop, weakly
+        try:
+            self.loop = weakref.ref(loop)  # the mailboxes are kept by loop, weakly
+        except TypeError:  # a loop without weak references (an extension type's): held for good
+            self.loop = lambda: loop
         self.lock = threading.Lock()
         self.items: list[tuple[asyncio.Queue, Any]] = []
 
@@ -54,7 +57,21 @@ class _Mailbox:
 
 
 _mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+_held_mailboxes: dict[int, _Mailbox] = {}  # by id, for loops without weak references (never freed)
 _mailboxes_lock = threading.Lock()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    with _mailboxes_lock:
+        try:
+            mailbox = _mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = _mailboxes[loop] = _Mailbox(loop)
+        except TypeError:  # no weak reference to this loop
+            mailbox = _held_mailboxes.get(id(loop))
+            if mailbox is None:
+                mailbox = _held_mailboxes[id(loop)] = _Mailbox(loop)
+        return mailbox
 
 
 class AsyncSink:
@@ -63,10 +80,7 @@ class AsyncSink:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
-        with _mailboxes_lock:
-            self.mailbox = _mailboxes.get(loop)
-            if self.mailbox is None:
-                self.mailbox = _mailboxes[loop] = _Mailbox(loop)
+        self.mailbox = _mailbox(loop)
 
     def put(self, item: Any) -> None:
         self.mailbox.post(self.queue, item)
