@@ -2,7 +2,7 @@
 of the conversations: 64 rows of SmolLM2's vocabulary, greedy, each row one token longer every step
 (as in decode). No model: the sampler alone. Two figures per length:
 
-- `ms`: the whole sampler on the CPU, with the penalties and without (the same rows);
+- `ms`: the whole sampler, with the penalties and without (the same rows);
 - `apply_ms`: the penalties alone (without the sampler's copy of the logits and its argmax). Before,
   a row at a time, it was host work (sets, a sort, lists made tensors) growing with the context;
   after, the host's part is what it takes at the shortest context (a lookup per new token, a few
@@ -75,8 +75,8 @@ def sampler_ms(device: str, rows: int, context: int, steps: int, penalized: bool
     return statistics.median(times[2:]) * 1000
 
 
-def apply_ms(rows: int, context: int, steps: int) -> float:
-    """Median ms per step of the penalties alone, on the CPU."""
+def apply_ms(device: str, rows: int, context: int, steps: int) -> float:
+    """Median ms per step of the penalties alone."""
     from kvserve.engine import sampler
 
     batch = rows_of(rows, context, True)
@@ -92,11 +92,13 @@ def apply_ms(rows: int, context: int, steps: int) -> float:
             for i, r in enumerate(batch):
                 sampler._apply_penalties(logits[i], r)
 
-    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0)).to(device)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         apply(logits)
+        if device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         for r in batch:
             r.output_token_ids.append(rng.randrange(VOCAB))
@@ -129,7 +131,7 @@ def main() -> None:
         for penalized in (False, True):
             ms = sampler_ms(args.device, args.rows, context, args.steps, penalized)
             record["ms" if penalized else "ms_without_penalties"] = round(ms, 3)
-        record["apply_ms"] = round(apply_ms(args.rows, context, args.steps), 3)
+        record["apply_ms"] = round(apply_ms(args.device, args.rows, context, args.steps), 3)
         result["ms_per_step"].append(record)
         print(json.dumps(record), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
