@@ -84,8 +84,7 @@ class Penalties:
     def _apply(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int], temporary) -> None:
         device, vocab = logits.device, logits.shape[1]
         if self._ids is not None and self._ids.device != device:  # another device's tables: start again
-            self.release(list(self._histories))
-            self._ids = self._counts = None
+            self.release(list(self._histories))  # with none left, the tables go
         histories = []
         new_ids: list[tuple[int, int, int]] = []  # (slot, column, token id) first seen this step
         new_counts: dict[tuple[int, int], int] = {}  # (slot, column) -> outputs generated since
