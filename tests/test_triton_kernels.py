@@ -43,6 +43,29 @@ def test_available():
     assert gpu.available()
 
 
+@pytest.mark.skipif(not gpu.INTERPRET, reason="the interpreter's speed-up (tests/triton_interpreter.py)")
+def test_the_sped_up_interpreter_computes_what_tritons_own_does(monkeypatch):
+    """tests/conftest.py skips the interpreter's language patching inside a launch: a kernel whose
+    helpers run in its loop (the matmul's dot, attention's splits) gives the bits of Triton's own."""
+    from tests.triton_interpreter import speed_up, tritons_own
+
+    assert speed_up()
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 64)
+    x, w = _randn(3, 160, seed=1, dtype=torch.bfloat16), _randn(96, 160, seed=2, dtype=torch.bfloat16)
+    cache = PagedCache.make([150, 9], 2, 32, torch.bfloat16, seed=3)
+    q = _randn(10, 4, 32, seed=4, dtype=torch.bfloat16)
+    step = Step([(0, 140, 1), (1, 0, 9)])
+
+    def run():
+        return matmul.matmul(x, w), norm.rms_norm(x, w[0], 1e-5), _attend(cache, step, q, num_splits=3)
+
+    sped_up = run()
+    with tritons_own():
+        own = run()
+    for a, b in zip(sped_up, own, strict=True):
+        assert torch.equal(a, b)
+
+
 # --- RMSNorm
 
 
