@@ -62,15 +62,15 @@ _mailboxes_lock = threading.Lock()
 
 
 def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    try:
+        weakref.ref(loop)
+        store, key = _mailboxes, loop
+    except TypeError:  # no weak reference to this loop: held by its id
+        store, key = _held_mailboxes, id(loop)
     with _mailboxes_lock:
-        try:
-            mailbox = _mailboxes.get(loop)
-            if mailbox is None:
-                mailbox = _mailboxes[loop] = _Mailbox(loop)
-        except TypeError:  # no weak reference to this loop
-            mailbox = _held_mailboxes.get(id(loop))
-            if mailbox is None:
-                mailbox = _held_mailboxes[id(loop)] = _Mailbox(loop)
+        mailbox = store.get(key)
+        if mailbox is None:
+            mailbox = store[key] = _Mailbox(loop)
         return mailbox
 
 
