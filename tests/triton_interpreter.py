@@ -36,8 +36,13 @@ def speed_up() -> bool:
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
     state = threading.local()  # `held`: the language modules the current launch patched (None outside one)
 
+    seen: dict = {}  # a helper's language modules, by function: looked up once, not per call
+
     def languages(fn) -> set[int]:
-        return {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+        found = seen.get(fn)
+        if found is None:
+            found = seen[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        return found
 
     def _patch_lang(fn):
         held = getattr(state, "held", None)
