@@ -292,3 +292,50 @@ def test_an_unchanged_gguf_is_parsed_once(tmp_path):
     write_llama_gguf(path, make_tiny_llama(tmp_path / "hf2", seed=15, hidden_size=32, intermediate_size=64))
     second = open_gguf(path)
     assert second is not first and second.model_config().hidden_size == 32
+
+
+def test_the_sped_up_gguf_reader_reads_what_ggufs_own_does(tmp_path):
+    """tests/gguf_reader.py (installed by conftest for transformers' references) hands gguf-py's reader
+    a plain array of the mapped file: every field's parts, types and value indices, and every tensor,
+    are what the reader as shipped finds, in a file with each kind of value and a quantized tensor."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from tests.gguf_reader import ggufs_own, speed_up
+
+    if not speed_up():
+        pytest.skip("this gguf-py's reader does not map its file through module-level numpy")
+    path = tmp_path / "every-kind.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_string("general.name", "tiny ünïcode")
+    writer.add_uint32("llama.block_count", 3)
+    writer.add_float32("llama.rope.freq_base", 10000.5)
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.add_int64("custom.int64", -(2**40))
+    writer.add_float64("custom.float64", 1.0 / 3.0)
+    writer.add_token_list(["<s>", "▁hello", "wörld", "", "\n"])
+    writer.add_token_scores([0.0, -1.5, -2.25, 3.0, -0.0])
+    writer.add_token_types([3, 1, 1, 6, 1])
+    writer.add_array("custom.nested", [[1, 2], [3]])
+    rng = np.random.default_rng(3)
+    writer.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    q8 = random_blocks(T.Q8_0, 4, rng).reshape(2, -1)
+    writer.add_tensor("q8", q8, raw_shape=q8.shape, raw_dtype=T.Q8_0)
+    finish_gguf(writer)
+
+    ours = GGUFReader(path)
+    with ggufs_own():
+        theirs = GGUFReader(path)
+    assert type(theirs.data) is np.memmap and type(ours.data) is np.ndarray  # each took its own path
+    assert list(ours.fields) == list(theirs.fields) and len(theirs.fields) == 14
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+        assert len(mine.parts) == len(field.parts), name
+        for a, b in zip(mine.parts, field.parts, strict=True):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
+    assert theirs.fields["tokenizer.ggml.tokens"].types == [GGUFValueType.ARRAY, GGUFValueType.STRING]
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == [
+        (t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors
+    ]
+    for mine, tensor in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.data.dtype == tensor.data.dtype and mine.data.tobytes() == tensor.data.tobytes()
