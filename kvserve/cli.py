@@ -326,7 +326,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     _flag(p, "--max-tokens", "most tokens to generate per reply", max_tokens, int)
     for flag, kind, help in (
-        ("--temperature", float, "sampling temperature, 0 for greedy (the most likely token each step)"),
+        ("--temperature", float, "sampling temperature, 0 (or < 1e-5) for greedy: the most likely token each step"),
         ("--top-k", int, "sample among the k most likely tokens, 0 for no limit"),
         ("--top-p", float, "sample among the most likely tokens whose probabilities add up to p, 1 for no limit"),
         ("--min-p", float, "drop tokens less likely than min_p times the most likely one, 0 for none"),

@@ -11,6 +11,10 @@ MAX_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1  # top_k and the token counts: the engine's counters and tensors are int32-safe
 MAX_SEED = 2**63 - 1  # a seed is a signed 64-bit integer, as OpenAI's and torch's generators take it
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+# Temperatures below this sample greedily, as vLLM's do: there a draw is the argmax unless another logit
+# lies within about 1e-4 of it, and below about 1e-38 logits / T overflow float32, which made the draws
+# of rows with top-k or top-p garbage and a plain row's the first of several infinite scores.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class SamplingParams:
         if not is_int("max_tokens", 1, MAX_INT32):
             fail("max_tokens", f"must be an integer from 1 to {MAX_INT32}")
         if not 0.0 <= self.temperature <= 100.0:
-            fail("temperature", "must be between 0 and 100 (0 is greedy)")
+            fail("temperature", f"must be between 0 and 100 (0, or below {GREEDY_BELOW:g}, is greedy)")
         if not is_int("top_k", -1, MAX_INT32):
             fail("top_k", f"must be -1, 0 (no limit) or a positive integer up to {MAX_INT32}")
         if not 0.0 < self.top_p <= 1.0:
@@ -135,7 +139,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -55,6 +55,30 @@ def test_greedy_and_degenerate_filters_pick_the_argmax():
         assert tokens == argmax, params
 
 
+@pytest.mark.parametrize("kernels", ["kernels", "torch"])
+def test_temperatures_near_zero_pick_the_argmax_with_any_filter(kernels, monkeypatch):
+    """Below GREEDY_BELOW a row is greedy, as in vLLM, with or without top-k, top-p or min-p and a seed.
+    Far below it (a temperature whose inverse overflows float32) a seeded draw was garbage: logits / T
+    of +-inf made the filtered rows' probabilities NaN, and a plain row took the first of its infinite
+    scores. The C++ kernels' path and torch's (no kernels) alike."""
+    from kvserve.kernels import ops
+    from kvserve.sampling_params import GREEDY_BELOW
+
+    if kernels == "torch":
+        monkeypatch.setattr(ops, "available", lambda: False)
+    logits = logits_batch(6, seed=3)
+    logits[:, 7] = logits.max(dim=1).values - 1e-3  # a runner-up within 1e-3 of each row's best
+    argmax = logits.argmax(-1).tolist()
+    sampler = Sampler()
+    for temperature in (GREEDY_BELOW / 2, 1e-30, 1e-40, 1e-45):
+        for extra in ({}, {"top_k": 5}, {"top_p": 0.5}, {"min_p": 0.1}):
+            params = SamplingParams(temperature=temperature, seed=7, **extra)
+            assert params.is_greedy
+            tokens, _ = sampler(logits, [row(params) for _ in range(6)])
+            assert tokens == argmax, (temperature, extra)
+    assert not SamplingParams(temperature=GREEDY_BELOW).is_greedy
+
+
 def test_the_greedy_kernel_picks_what_torch_argmax_picks():
     """The C++ argmax that greedy rows take on the CPU: the first of tied maxima, NaN as the largest,
     rows of -inf, and a vocabulary that is not a multiple of the vector width."""
