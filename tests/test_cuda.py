@@ -101,7 +101,8 @@ def test_async_steps_queue_without_waiting_for_the_device(llm):
     """Async scheduling overlaps the host with the device only if no step waits for it: no blocking copy
     to the device, no read of a device value. Torch's sync debug mode makes such a call raise (and the
     request fail) in a decode graph step and in eager steps: prompts joining running requests, logprobs,
-    seeded sampling with top-p, a logit bias, penalties."""
+    seeded sampling with top-p, a logit bias; then penalties and min_tokens, whose requests take no steps
+    ahead (the host needs each token first) and, while in flight, keep every other request from them."""
     assert llm.weights["async_scheduling"]
     texts = [prompt(i, 20 + 40 * i) for i in range(6)]
     params = [
@@ -109,7 +110,10 @@ def test_async_steps_queue_without_waiting_for_the_device(llm):
         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3),
         SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logit_bias={5: 2.0}),
+    ]
+    held = [  # no steps ahead for these
         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.5),
+        SamplingParams(max_tokens=24, temperature=0.7, seed=3, min_tokens=12, logprobs=1),
     ]
     llm.generate(texts, params[2])  # kernels compiled, pinned memory cached
     before = llm.runner_timings()["ahead_rows"]
@@ -117,10 +121,13 @@ def test_async_steps_queue_without_waiting_for_the_device(llm):
     try:
         with ThreadPoolExecutor(len(texts)) as pool:
             outs = list(pool.map(lambda i: llm.generate(texts[i], params[i % len(params)]), range(len(texts))))
+            ahead = llm.runner_timings()["ahead_rows"]
+            outs += list(pool.map(lambda i: llm.generate(texts[i], held[i % len(held)]), range(len(texts))))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert [(len(o.token_ids), o.finish_reason) for o in outs] == [(24, "length")] * len(texts)
-    assert llm.runner_timings()["ahead_rows"] > before
+    assert [(len(o.token_ids), o.finish_reason) for o in outs[: len(texts)]] == [(24, "length")] * len(texts)
+    assert all(len(o.token_ids) >= 12 for o in outs[len(texts) :])
+    assert ahead > before
 
 
 def test_penalties_on_the_gpu_are_the_cpus_bits():

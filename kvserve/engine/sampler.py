@@ -110,10 +110,11 @@ class Sampler:
         constrained = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
         if masked or biased or penalized or constrained:  # the caller's logits stay as they are
             logits = logits.clone()
-        if masked:  # each row's own ids, in one write for every row
+        if masked:  # each row's own ids, in one fill for every row (a Python value assigned through
+            # index tensors would be copied to the device, a copy that waits for the step queued ahead)
             entries = [(i, token) for i, stops in masked.items() for token in stops]
             at = on_device(logits.device, list(zip(*entries, strict=True)))
-            logits[at[0], at[1]] = float("-inf")
+            logits.view(-1).index_fill_(0, at[0] * vocab + at[1], float("-inf"))
         if biased:
             _apply_bias(logits, [(i, rows[i].params.logit_bias) for i in biased])
         self.penalties.apply(logits, rows, penalized)
@@ -124,7 +125,7 @@ class Sampler:
             else:
                 logits[on_device(logits.device, constrained)] += to_device(bitmask_bias(bitmasks, vocab), logits.device)
 
-        random_rows = [i for i, row in enumerate(rows) if row.params.temperature != 0]
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         counters = self._gpu_counters(logits)
         if len(random_rows) < num_rows:
             tokens = _argmax_rows(logits, counters)
