@@ -104,6 +104,10 @@ class ModelRunner:
         set_batch_invariant(model, batch_invariant)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if self.device.type == "cuda" and self.device.index is not None:
+            # built on the thread that runs the steps: its events, streams and Triton's launches are the
+            # current device's, which must be the model's (cuda:1's copies are not on cuda:0's stream)
+            torch.cuda.set_device(self.device)
         self.block_size = block_size
         # the KV pool in the compute dtype unless told (LLM's kv_cache_dtype)
         self.kv_caches = allocate_kv_cache(
