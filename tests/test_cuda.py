@@ -220,3 +220,59 @@ def test_two_pipeline_stages_on_the_gpu_give_one_process_tokens(llm, tiny_model_
             assert [r.token_ids for r in piped.generate(texts, p)] == want
             assert piped.generate(texts[5], p).token_ids == want[5]
         wait_idle_and_check(piped)
+
+
+def test_the_last_programs_sums_hold_across_programs_and_graph_replays():
+    """The kernels whose last program of a tile adds the others' partial results (a matmul's K splits,
+    attention's key splits, the sampler's pick) give the bits of the separate sum kernels, launch after
+    launch and as a CUDA graph replayed on new inputs, and leave every counter at 0. The interpreter
+    runs a grid's programs one after another, so only a GPU tests their order and visibility."""
+    from kvserve.kernels.gpu import attention, matmul, sample
+
+    device, bf16 = "cuda", torch.bfloat16
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=bf16):
+        return torch.randn(*shape, generator=generator).to(dtype).to(device)
+
+    mine = matmul.split_counters(device), attention.attention_counters(device), sample.counters(device)
+    codes = torch.randint(0, 16, (4096, 4096), generator=generator, dtype=torch.uint8)
+    packed = matmul.pack_int4(codes).to(device)
+    scales = (torch.rand(4096, 128, generator=generator) / 64).half().to(device)
+    weight = randn(2048, 8192) / 64
+    cache = randn(64, 16, 8, 128)  # 64 blocks of 16: one sequence of 1,024 keys, two splits of 512
+    tables = torch.arange(64, dtype=torch.int32, device=device).view(1, 64)
+    positions = torch.tensor([64 * 16 - 1], dtype=torch.int32, device=device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def step(x, x_int4, q, logits, counted: bool):
+        m, a, s = mine if counted else (None, None, None)
+        return (
+            matmul.int4_matmul(x_int4, packed, scales, scales, counters=m),
+            matmul.matmul(x, weight, counters=m),
+            attention.paged_attention(q, cache, cache, tables, positions, zero, zero, zero + 1, 0.08, 0, 2, counters=a),
+            sample.pick(logits, s) if counted else logits.argmax(dim=-1),
+        )
+
+    def inputs():
+        return randn(3, 8192), randn(3, 4096), randn(1, 32, 128), randn(5, 49152, dtype=torch.float32)
+
+    for _ in range(50):
+        given = inputs()
+        for got, want in zip(step(*given, counted=True), step(*given, counted=False), strict=True):
+            assert torch.equal(got, want)
+    assert not any(c.any() for c in mine)
+    static = inputs()
+    step(*static, counted=True)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(*static, counted=True)
+    for _ in range(50):
+        for held, new in zip(static, inputs(), strict=True):
+            held.copy_(new)
+        graph.replay()
+        for got, want in zip(outs, step(*static, counted=False), strict=True):
+            assert torch.equal(got, want)
+    torch.cuda.synchronize()
+    assert not any(c.any() for c in mine)
