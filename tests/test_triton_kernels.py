@@ -1019,7 +1019,8 @@ def test_attention_at_model_sizes_is_the_same_bits_in_decode_prefill_and_chunks(
 
 # Run in a fresh interpreter without TRITON_INTERPRET: the JIT is told it has a Hopper GPU (sm_90),
 # each launch becomes a warmup (compile only), and the public functions are called on CPU tensors.
-# Prints one JSON line per launch: [call-size, kernel, tensor-core instructions, TF32 instructions, binary hash].
+# Prints one JSON line per launch: [call-size, kernel, tensor-core instructions, TF32 instructions, counting
+# atomics, whether the count is ordered between the partials' stores and reads (`ordered`), binary hash].
 _COMPILE_FOR_HOPPER = r"""
 import json, re, sys
 import torch
@@ -1034,14 +1035,32 @@ class OfflineDriver:
 
 driver.set_active(OfflineDriver())
 call = None
+# Where a tile's last program adds the others' partials: its own stores, a barrier, the count, a barrier,
+# then every load from L2 (.cg; these launches load nothing else after the count). None: nothing counted.
+def ordered(ptx):
+    body = ptx[ptx.index(".entry"):]
+    count = re.search(r"\batom\.global\.gpu\.acq_rel\.add", body)
+    if count is None:
+        return None
+    before, after = body[: count.start()], body[count.start() :]
+    last_store = max((m.start() for m in re.finditer(r"\bst\.global", before)), default=0)
+    first_read = re.search(r"\bld\.global\.cg", after)
+    return (
+        "bar.sync" in before[last_store:]
+        and first_read is not None
+        and "bar.sync" in after[: first_read.start()]
+        and not re.search(r"\bld\.global(?!\.cg)", after)
+    )
+
 def launch(kernel, grid):
     def warmup(*args, **kwargs):
         compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
         mma = len(re.findall(r"\bw?gmma\.mma_async|\bmma\.sync", compiled.asm["ptx"]))
         tf32 = len(re.findall(r"tf32", compiled.asm["ptx"]))
         counts = len(re.findall(r"\batom\.global\.gpu\.acq_rel\.add", compiled.asm["ptx"]))
-        print(json.dumps([call, kernel.__name__, mma, tf32, counts, compiled.hash]), flush=True)
+        print(json.dumps([call, kernel.__name__, mma, tf32, counts, ordered(compiled.asm["ptx"]), compiled.hash]), flush=True)
     return warmup
+
 JITFunction.__getitem__ = launch
 
 from kvserve.kernels.gpu import attention, elementwise, matmul, norm, sample
@@ -1109,7 +1128,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     assert result.returncode == 0, result.stderr[-3000:]
     launches = [json.loads(line) for line in result.stdout.splitlines()]
     kernels: dict[tuple[str, str], set[str]] = {}
-    for call, kernel, mma, tf32, counts, binary in launches:
+    for call, kernel, mma, tf32, counts, ordered, binary in launches:
         call = call.rpartition("-")[0]  # without the batch size
         kernels.setdefault((call, kernel), set()).add(binary)
         assert tf32 == 0, (call, kernel)
@@ -1117,6 +1136,8 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         matmul_kernel = kernel not in ("_quantize_int8_kernel", "_sum_splits_kernel")  # or the attention's
         counted = (call.endswith("-tiles") and matmul_kernel) or kernel == "_pick_kernel"  # a row's chunks, too
         assert counts == (1 if counted else 0), (call, kernel, counts)
+        # the other programs' partials visible to the last: stores, barrier, count, barrier, reads from L2
+        assert ordered is (True if counted else None), (call, kernel, ordered)
         uses_dot = kernel in (
             "_float_kernel",
             "_int4_kernel",
