@@ -66,6 +66,8 @@ def test_temperatures_near_zero_pick_the_argmax_with_any_filter(kernels, monkeyp
 
     if kernels == "torch":
         monkeypatch.setattr(ops, "available", lambda: False)
+    elif not ops.available():
+        pytest.skip("the C++ kernels are not built here: the torch case covers the sampler")
     logits = logits_batch(6, seed=3)
     logits[:, 7] = logits.max(dim=1).values - 1e-3  # a runner-up within 1e-3 of each row's best
     argmax = logits.argmax(-1).tolist()
