@@ -28,7 +28,9 @@ error that poisons a context or a hang (stopped after `--run-timeout-s`, its sta
 alone; `--runs` picks runs for a second call. Last, tests/test_triton_kernels.py, tests/test_cuda.py and
 tests/test_async_scheduling.py run until `--deadline-s`, so the whole run stays inside the device's 8
 minutes. The JSON is rewritten after every run (a run cut short keeps its figures) and printed at the
-end; default bench/results/gpu.json.
+end; default bench/results/gpu.json. Its `targets` read the issue's targets off the runs (q4, q4-int8
+and q4-bf16x2 against bf16 at one stream, async scheduling against bf16-sync at each stream count),
+also printed last, a line each.
 """
 
 from __future__ import annotations
@@ -557,10 +559,76 @@ def main() -> None:
         result["tests"] = run_tests(timeout=max(90.0, args.deadline_s - (time.perf_counter() - started)))
     _write(result, args.out, started)
     print(args.out.read_text())
+    for line in result["targets"]:  # last, where a truncated log still shows them
+        goal = "" if line["goal"] is None else f" (goal {line['goal']}: {'met' if line['met'] else 'not met'})"
+        print(f"target {line['shapes']}: {line['what']}: {line['value']}{goal}")
+
+
+def targets(runs: list[dict]) -> list[dict]:
+    """The issue's targets read off the runs (their goals are for the 1B shapes; other shapes get the
+    same lines without one), with what async scheduling and the 4-bit variants give, so the next
+    decision needs no arithmetic. A value is None where its runs are missing."""
+
+    def tok_s(shape, engine, weights, streams):  # kvserve's runs batch invariant, its default
+        key = (shape, engine, weights, streams, True if engine == "kvserve" else None)
+        fields = ("shapes", "engine", "weights", "streams", "batch_invariant")
+        return next((run for run in runs if tuple(run[f] for f in fields) == key), None)
+
+    def ratio(a, b):
+        return round(a["tok_s"] / b["tok_s"], 3) if a and b and b["tok_s"] else None
+
+    lines = []
+    for shape in dict.fromkeys(run["shapes"] for run in runs):
+        counts = sorted({run["streams"] for run in runs if run["shapes"] == shape})
+        one, most = counts[0], counts[-1]
+        bf16 = tok_s(shape, "kvserve", "bf16", one)
+        lines.append(
+            {
+                "shapes": shape,
+                "what": f"bf16, {one} stream: fraction of the bandwidth limit",
+                "value": bf16 and bf16["fraction_of_limit"],
+                "goal": 0.25,
+            }
+        )
+        many, eager = tok_s(shape, "kvserve", "bf16", most), tok_s(shape, "transformers-eager", "bf16", most)
+        lines.append(
+            {
+                "shapes": shape,
+                "what": f"bf16, {most} streams / transformers eager",
+                "value": ratio(many, eager),
+                "goal": 10,
+            }
+        )
+        for weights in ("q4", "q4-int8", "q4-bf16x2"):
+            value = ratio(tok_s(shape, "kvserve", weights, one), bf16)
+            if value is not None:
+                lines.append({"shapes": shape, "what": f"{weights} / bf16, {one} stream", "value": value, "goal": 1.5})
+        lines.append({"shapes": shape, "what": "bf16 ready, s", "value": bf16 and bf16["ready_s"], "goal": 30})
+        for n in counts:  # above 1: async scheduling gains; below: turn its `auto` off there
+            value = ratio(tok_s(shape, "kvserve", "bf16", n), tok_s(shape, "kvserve", "bf16-sync", n))
+            if value is not None:
+                lines.append(
+                    {
+                        "shapes": shape,
+                        "what": f"bf16 async / sync, {n} stream{'s' * (n > 1)}",
+                        "value": value,
+                        "goal": 1.0,
+                    }
+                )
+    for line in lines:  # the ready time is a ceiling, the rest floors
+        if line["shapes"] != "llama1b" and not line["what"].startswith("bf16 async"):
+            line["goal"] = None
+        value, goal = line["value"], line["goal"]
+        if value is None or goal is None or value != value:  # missing, no goal, or NaN (no bandwidth on a CPU)
+            line["met"] = None
+        else:
+            line["met"] = value <= goal if line["what"].endswith(", s") else value >= goal
+    return lines
 
 
 def _write(result: dict, out: Path, started: float) -> None:
     result["total_s"] = round(time.perf_counter() - started, 1)
+    result["targets"] = targets(result["runs"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
