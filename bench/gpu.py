@@ -19,7 +19,8 @@ stream count (distinct ~60-token prompts, `--max-tokens` each with EOS ignored, 
 and each figure as a fraction of the bandwidth limit (streams x bandwidth / weight bytes: each step
 reads the weights once). Engines: kvserve (bf16 batch-invariant; the same with --async-scheduling off
 as `bf16-sync`; bf16 with --batch-invariant off; 4-bit; 4-bit with int8 inputs (`--activations int8`:
-dp4a) as `q4-int8`; 4-bit with the int4 kernel's packed-bfloat16 candidate as `q4-bf16x2`),
+dp4a) as `q4-int8`; 4-bit with the int4 kernel's packed-bfloat16 candidate as `q4-bf16x2`; bf16 and
+q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl` and `q4-int8-pdl`),
 transformers `generate` eager, and with its static cache under torch.compile (the best transformers
 offers); kvserve's batched greedy outputs are compared with their solo runs (R7). Runs are ordered by
 importance and skipped, with a note, once `--budget-s` is spent (a torch.compile run needs
@@ -28,9 +29,9 @@ error that poisons a context or a hang (stopped after `--run-timeout-s`, its sta
 alone; `--runs` picks runs for a second call. Last, tests/test_triton_kernels.py, tests/test_cuda.py and
 tests/test_async_scheduling.py run until `--deadline-s`, so the whole run stays inside the device's 8
 minutes. The JSON is rewritten after every run (a run cut short keeps its figures) and printed at the
-end; default bench/results/gpu.json. Its `targets` read the issue's targets off the runs (q4, q4-int8
-and q4-bf16x2 against bf16 at one stream, async scheduling against bf16-sync at each stream count),
-also printed last, a line each.
+end; default bench/results/gpu.json. Its `targets` read the issue's targets off the runs (each 4-bit
+form against bf16 at one stream; async scheduling and programmatic dependent launch against without,
+at each stream count), also printed last, a line each.
 """
 
 from __future__ import annotations
@@ -391,6 +392,10 @@ def _child(results, name: str, kwargs: dict, timeout: float) -> None:
     try:
         if name == "kvserve":
             weights = kwargs.pop("weights")
+            if weights.endswith("-pdl"):  # as KVSERVE_PDL=1 (read when kvserve.kernels.gpu is imported)
+                import kvserve.kernels.gpu
+
+                kvserve.kernels.gpu.PDL = True
             with packed_bf16(weights == "q4-bf16x2"):
                 results.put(("ok", run_kvserve(**kwargs)))
         else:
@@ -455,7 +460,8 @@ def main() -> None:
         "--runs",
         default="",
         help="comma-separated: only these runs, by engine (kvserve, transformers-eager, transformers-compiled) or"
-        " kvserve's weights (bf16: with and without batch invariance; bf16-sync, q4, q4-int8, q4-bf16x2)",
+        " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, q4, q4-int8, q4-int8-pdl,"
+        " q4-bf16x2)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run not done by then is stopped")
     parser.add_argument("--skip-tests", action="store_true")
@@ -502,6 +508,9 @@ def main() -> None:
             plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
         plan.append(("transformers-eager", shape, "bf16", False))
         plan.append(("kvserve", shape, "bf16-sync", True))  # without async scheduling: what it gains
+        plan.append(("kvserve", shape, "bf16-pdl", True))  # programmatic dependent launch: what it gains
+        if "q4" in models[shape]:
+            plan.append(("kvserve", shape, "q4-int8-pdl", True))
         if not args.skip_compiled and shape in args.compiled_shapes.split(","):
             plan.append(("transformers-compiled", shape, "bf16", False))
         plan.append(("kvserve", shape, "bf16", False))
@@ -524,7 +533,7 @@ def main() -> None:
             kwargs = dict(
                 model=models[shape][weights.partition("-")[0]],
                 batch_invariant=flag,
-                activations="int8" if weights == "q4-int8" else "auto",
+                activations="int8" if weights.startswith("q4-int8") else "auto",
                 async_scheduling=False if weights.endswith("-sync") else None,
                 weights=weights,
             )
@@ -566,8 +575,9 @@ def main() -> None:
 
 def targets(runs: list[dict]) -> list[dict]:
     """The issue's targets read off the runs (their goals are for the 1B shapes; other shapes get the
-    same lines without one), with what async scheduling and the 4-bit variants give, so the next
-    decision needs no arithmetic. A value is None where its runs are missing."""
+    same lines without one), then what async scheduling and programmatic dependent launch gain (a
+    goal of 1.0: below it, that switch is better off there), so the next decision needs no arithmetic.
+    A value is None where its runs are missing."""
 
     def tok_s(shape, engine, weights, streams):  # kvserve's runs batch invariant, its default
         key = (shape, engine, weights, streams, True if engine == "kvserve" else None)
@@ -578,51 +588,52 @@ def targets(runs: list[dict]) -> list[dict]:
         return round(a["tok_s"] / b["tok_s"], 3) if a and b and b["tok_s"] else None
 
     lines = []
+
+    def add(shape, what, value, goal, always=False):
+        if value is not None or always:
+            goal = goal if shape == "llama1b" or what.endswith("plain") else None
+            if value is None or goal is None or value != value:  # missing, no goal, NaN (a CPU's bandwidth)
+                met = None
+            else:  # the ready time is a ceiling, the rest floors
+                met = value <= goal if what.endswith(", s") else value >= goal
+            lines.append({"shapes": shape, "what": what, "value": value, "goal": goal, "met": met})
+
     for shape in dict.fromkeys(run["shapes"] for run in runs):
         counts = sorted({run["streams"] for run in runs if run["shapes"] == shape})
         one, most = counts[0], counts[-1]
         bf16 = tok_s(shape, "kvserve", "bf16", one)
-        lines.append(
-            {
-                "shapes": shape,
-                "what": f"bf16, {one} stream: fraction of the bandwidth limit",
-                "value": bf16 and bf16["fraction_of_limit"],
-                "goal": 0.25,
-            }
+        add(
+            shape,
+            f"bf16, {one} stream: fraction of the bandwidth limit",
+            bf16 and bf16["fraction_of_limit"],
+            0.25,
+            True,
         )
-        many, eager = tok_s(shape, "kvserve", "bf16", most), tok_s(shape, "transformers-eager", "bf16", most)
-        lines.append(
-            {
-                "shapes": shape,
-                "what": f"bf16, {most} streams / transformers eager",
-                "value": ratio(many, eager),
-                "goal": 10,
-            }
+        eager = tok_s(shape, "transformers-eager", "bf16", most)
+        add(
+            shape,
+            f"bf16, {most} streams / transformers eager",
+            ratio(tok_s(shape, "kvserve", "bf16", most), eager),
+            10,
+            True,
         )
-        for weights in ("q4", "q4-int8", "q4-bf16x2"):
-            value = ratio(tok_s(shape, "kvserve", weights, one), bf16)
-            if value is not None:
-                lines.append({"shapes": shape, "what": f"{weights} / bf16, {one} stream", "value": value, "goal": 1.5})
-        lines.append({"shapes": shape, "what": "bf16 ready, s", "value": bf16 and bf16["ready_s"], "goal": 30})
-        for n in counts:  # above 1: async scheduling gains; below: turn its `auto` off there
-            value = ratio(tok_s(shape, "kvserve", "bf16", n), tok_s(shape, "kvserve", "bf16-sync", n))
-            if value is not None:
-                lines.append(
-                    {
-                        "shapes": shape,
-                        "what": f"bf16 async / sync, {n} stream{'s' * (n > 1)}",
-                        "value": value,
-                        "goal": 1.0,
-                    }
+        for weights, base in [("q4", "bf16"), ("q4-int8", "bf16"), ("q4-bf16x2", "bf16"), ("q4-int8-pdl", "bf16-pdl")]:
+            value = ratio(tok_s(shape, "kvserve", weights, one), tok_s(shape, "kvserve", base, one))
+            add(shape, f"{weights} / {base}, {one} stream", value, 1.5)
+        add(shape, "bf16 ready, s", bf16 and bf16["ready_s"], 30, True)
+        for n in counts:
+            streams = f"{n} stream{'s' * (n > 1)}"
+            for what, a, b in [
+                ("bf16 async / plain", "bf16", "bf16-sync"),
+                ("bf16 pdl / plain", "bf16-pdl", "bf16"),
+                ("q4-int8 pdl / plain", "q4-int8-pdl", "q4-int8"),
+            ]:
+                add(
+                    shape,
+                    f"{streams}: {what}",
+                    ratio(tok_s(shape, "kvserve", a, n), tok_s(shape, "kvserve", b, n)),
+                    1.0,
                 )
-    for line in lines:  # the ready time is a ceiling, the rest floors
-        if line["shapes"] != "llama1b" and not line["what"].startswith("bf16 async"):
-            line["goal"] = None
-        value, goal = line["value"], line["goal"]
-        if value is None or goal is None or value != value:  # missing, no goal, or NaN (no bandwidth on a CPU)
-            line["met"] = None
-        else:
-            line["met"] = value <= goal if line["what"].endswith(", s") else value >= goal
     return lines
 
 

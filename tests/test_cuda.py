@@ -222,12 +222,25 @@ def test_two_pipeline_stages_on_the_gpu_give_one_process_tokens(llm, tiny_model_
         wait_idle_and_check(piped)
 
 
-def test_the_last_programs_sums_hold_across_programs_and_graph_replays():
+def _pdl(on: bool, monkeypatch) -> None:
+    """Programmatic dependent launch on (KVSERVE_PDL=1) for the kernels launched from here on."""
+    import kvserve.kernels.gpu
+
+    if on and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 (Hopper) or later")
+    monkeypatch.setattr(kvserve.kernels.gpu, "PDL", on)
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_the_last_programs_sums_hold_across_programs_and_graph_replays(pdl, monkeypatch):
     """The kernels whose last program of a tile adds the others' partial results (a matmul's K splits,
     attention's key splits, the sampler's pick) give the bits of the separate sum kernels, launch after
     launch and as a CUDA graph replayed on new inputs, and leave every counter at 0. The interpreter
-    runs a grid's programs one after another, so only a GPU tests their order and visibility."""
+    runs a grid's programs one after another, so only a GPU tests their order and visibility; with
+    programmatic dependent launch, also each kernel's wait for the one before it."""
     from kvserve.kernels.gpu import attention, matmul, sample
+
+    _pdl(pdl, monkeypatch)
 
     device, bf16 = "cuda", torch.bfloat16
     generator = torch.Generator().manual_seed(0)
@@ -276,3 +289,21 @@ def test_the_last_programs_sums_hold_across_programs_and_graph_replays():
             assert torch.equal(got, want)
     torch.cuda.synchronize()
     assert not any(c.any() for c in mine)
+
+
+@pytest.mark.parametrize("weights, activations", [("bf16", "auto"), ("q4", "int8")])
+def test_programmatic_dependent_launch_gives_the_same_tokens(tiny_model_dir, weights, activations, monkeypatch):
+    """KVSERVE_PDL=1: each kernel's launch overlaps the end of the one before it, in the decode graphs and
+    in eager steps. Every kernel waits for the one before it before it touches memory, so 16 requests at
+    once, and each alone, give the tokens they give without it."""
+    texts = [prompt(i, 30 + 11 * i) for i in range(16)]
+    params = [GREEDY, SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)]
+    options = dict(device="cuda", weights=weights, activations=activations, max_num_seqs=16, progress=False)
+    with LLM(str(tiny_model_dir), session_db=False, **options) as plain:
+        want = [[r.token_ids for r in plain.generate(texts, p)] for p in params]
+    _pdl(True, monkeypatch)
+    with LLM(str(tiny_model_dir), session_db=False, **options) as overlapped:
+        for p, tokens in zip(params, want, strict=True):
+            assert [r.token_ids for r in overlapped.generate(texts, p)] == tokens
+            assert [overlapped.generate(t, p).token_ids for t in texts[:4]] == tokens[:4]
+        wait_idle_and_check(overlapped)

@@ -1052,13 +1052,25 @@ def ordered(ptx):
         and not re.search(r"\bld\.global(?!\.cg)", after)
     )
 
+# With programmatic dependent launch: the launch flag set, the wait before any access to global memory,
+# then the next kernel let in. None: no grid dependency control at all (the default).
+def waits_first(ptx, launch_pdl):
+    body = ptx[ptx.index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    if wait < 0:
+        return None if "griddepcontrol" not in body and not launch_pdl else False
+    touched = re.search(r"\b(ld|st|atom|red|prefetch)\.global|\bcp\.async", body[:wait])
+    return launch_pdl and touched is None and "griddepcontrol.launch_dependents" in body[wait:]
+
 def launch(kernel, grid):
     def warmup(*args, **kwargs):
         compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
-        mma = len(re.findall(r"\bw?gmma\.mma_async|\bmma\.sync", compiled.asm["ptx"]))
-        tf32 = len(re.findall(r"tf32", compiled.asm["ptx"]))
-        counts = len(re.findall(r"\batom\.global\.gpu\.acq_rel\.add", compiled.asm["ptx"]))
-        print(json.dumps([call, kernel.__name__, mma, tf32, counts, ordered(compiled.asm["ptx"]), compiled.hash]), flush=True)
+        ptx = compiled.asm["ptx"]
+        mma = len(re.findall(r"\bw?gmma\.mma_async|\bmma\.sync", ptx))
+        tf32 = len(re.findall(r"tf32", ptx))
+        counts = len(re.findall(r"\batom\.global\.gpu\.acq_rel\.add", ptx))
+        pdl = waits_first(ptx, compiled.metadata.launch_pdl)
+        print(json.dumps([call, kernel.__name__, mma, tf32, counts, ordered(ptx), pdl, compiled.hash]), flush=True)
     return warmup
 
 JITFunction.__getitem__ = launch
@@ -1104,13 +1116,35 @@ for t in (1, 3):  # a decode of one token, a prefill tile of 3, the metadata at 
     call = f"attention-{t}"; attention.paged_attention(*args)
     call = f"attention-splits-{t}"; attention.paged_attention(*args, num_splits=2)
     call = f"attention-tiles-{t}"; attention.paged_attention(*args, num_splits=2, counters=attention.attention_counters("cpu"))
+# each kernel once more with programmatic dependent launch on, as on a Hopper GPU with KVSERVE_PDL=1
+pdl = lambda device: {"PDL": True, "launch_pdl": True}
+for module in (attention, elementwise, matmul, norm, sample):
+    module.pdl_options = pdl
+x = torch.randn(1, 2048).to(bf16)
+call = "pdl-1"; norm.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, [])
+call = "pdl-1"; elementwise.gated_activation(x, False, [])
+call = "pdl-1"; elementwise.rotate(x.view(1, 16, 128)[:, :10], x[:, None, :128], x[:, None, :128])
+call = "pdl-1"; elementwise.rotate_and_store(x.view(1, 16, 128)[:, :10], x.view(1, 16, 128)[:, 10:12], x[:, None, :128], x[:, None, :128], kv_cache, kv_cache, torch.arange(1, dtype=torch.int32))
+call = "pdl-1"; matmul.matmul(torch.randn(1, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=matmul.split_counters("cpu"))
+call = "pdl-1"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales)
+call = "pdl-1"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
+call = "pdl-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
+call = "pdl-37"; matmul.int4_int8_matmul(torch.randn(37, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
+call = "pdl-1"; sample.pick(torch.randn(1, 5000), sample.counters("cpu"))
+call = "pdl-1"; sample.row_cumsum(torch.randn(1, 5000))
+meta = torch.arange(100, dtype=torch.int32)  # as for one token above
+args = (torch.randn(1, 8, 128).to(bf16), k_cache, k_cache, meta[5:9].view(1, 4), meta[:1], meta[1:2], meta[2:3], meta[3:4], 0.1)
+kv = torch.randn(1, 2, 128).to(bf16)
+call = "pdl-1"; attention.store_kv(kv, kv, k_cache, k_cache, meta[4:5])
+call = "pdl-1"; attention.paged_attention(*args, num_splits=2)
 """
 
 
 def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     """Every launch of the public functions lowers to sm_90 code (this catches a kernel that only the
     interpreter runs), 16-bit dots use the tensor cores, float32 dots never TF32, and a call compiles
-    to the same binary for 1 row (token) as for many."""
+    to the same binary for 1 row (token) as for many. With programmatic dependent launch on, each kernel
+    waits for the one before it before it touches memory."""
     import json
     import pathlib
     import subprocess
@@ -1127,8 +1161,15 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     launches = [json.loads(line) for line in result.stdout.splitlines()]
+    # programmatic dependent launch (KVSERVE_PDL=1): every kernel waits for the one before it before it
+    # touches memory, then lets the next one start; without it, no grid dependency control at all
+    with_pdl = [launch for launch in launches if launch[0].startswith("pdl-")]
+    launches = [launch for launch in launches if not launch[0].startswith("pdl-")]
+    assert all(waits_first is True for _, _, _, _, _, _, waits_first, _ in with_pdl), with_pdl
+    assert {kernel for _, kernel, *_ in with_pdl} == {kernel for _, kernel, *_ in launches}, with_pdl
     kernels: dict[tuple[str, str], set[str]] = {}
-    for call, kernel, mma, tf32, counts, ordered, binary in launches:
+    for call, kernel, mma, tf32, counts, ordered, waits_first, binary in launches:
+        assert waits_first is None, (call, kernel)
         call = call.rpartition("-")[0]  # without the batch size
         kernels.setdefault((call, kernel), set()).add(binary)
         assert tf32 == 0, (call, kernel)

@@ -16,6 +16,12 @@ from __future__ import annotations
 import os
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+# Programmatic dependent launch: each kernel's launch overlaps the end of the one before it in the
+# stream (common.wait_for_prior keeps every result the same). Off until a GPU measures it:
+# KVSERVE_PDL=1 turns it on where the GPU has it (compute capability 9.0, Hopper, and later).
+PDL: bool = os.environ.get("KVSERVE_PDL") == "1"
+_PDL_ON = {"PDL": True, "launch_pdl": True}
+_pdl_devices: dict[int | None, bool] = {}
 
 
 def available() -> bool:
@@ -27,3 +33,16 @@ def available() -> bool:
     except Exception:  # missing, or a broken install
         return False
     return INTERPRET or torch.cuda.is_available()
+
+
+def pdl_options(device) -> dict:
+    """The launch options of a kernel on `device`: {"PDL": True, "launch_pdl": True} (the kernel's
+    constexpr and Triton's launch flag) where programmatic dependent launch is on and the GPU has it,
+    else none."""
+    if not PDL or INTERPRET or device.type != "cuda":
+        return {}
+    if device.index not in _pdl_devices:
+        import torch
+
+        _pdl_devices[device.index] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _PDL_ON if _pdl_devices[device.index] else {}

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import cast, dot, quantize_groups, store_groups
+from kvserve.kernels.gpu import INTERPRET, pdl_options
+from kvserve.kernels.gpu.common import cast, dot, quantize_groups, store_groups, wait_for_prior
 
 ROWS = 16  # query rows (tokens x query heads of a KV head) per program, padded; the same for decode and prefill
 BLOCK_N = 64  # keys per chunk, aligned to absolute positions (chunk c holds keys c * BLOCK_N ...)
@@ -94,7 +94,9 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -140,6 +142,7 @@ def store_kv(
         BLOCK_D=triton.next_power_of_2(head_dim),
         INTERPRET=INTERPRET,
         num_warps=STORE_NUM_WARPS,
+        **pdl_options(k.device),
     )
 
 
@@ -313,7 +316,9 @@ def _attention_kernel(
     COMBINE_IN_TILE: tl.constexpr,
     QUANTIZE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     num_tokens = tl.load(tile_len + tile)
@@ -453,8 +458,10 @@ def _combine_kernel(
     SPLIT_KEYS: tl.constexpr,
     QUANTIZE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """`_combine_splits` for each (tile, KV head): where the attention kernel has no counters."""
+    wait_for_prior(PDL)
     tile = tl.program_id(0)
     num_tokens = tl.load(tile_len + tile)
     if num_tokens > 0:
@@ -545,6 +552,7 @@ def paged_attention(
         SPLIT_KEYS=SPLIT_KEYS,
         QUANTIZE=quantize,
         INTERPRET=INTERPRET,
+        **pdl_options(q.device),
     )
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q,

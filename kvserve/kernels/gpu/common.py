@@ -8,6 +8,18 @@ import triton.language as tl
 
 
 @triton.jit
+def wait_for_prior(PDL: tl.constexpr):
+    """A kernel's first step. Launched with programmatic dependent launch (`pdl_options`), a kernel may
+    start while the one before it in the stream is ending: it waits here until that one has finished
+    and its writes are visible, before touching memory, and then lets the next kernel start in turn.
+    So each kernel still sees all of the one before (and, by induction, of every earlier one); what
+    overlaps is only the launch. Nothing without it (and nothing in the interpreter)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def dot(a, b, acc, INTERPRET: tl.constexpr):
     """acc + a @ b, accumulated in float32. On a GPU 16-bit operands go to the tensor cores as they
     are, and float32 operands use exact float32 products (`ieee`, never TF32). The interpreter

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups
+from kvserve.kernels.gpu import INTERPRET, pdl_options
+from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups, wait_for_prior
 
 ACT_ROWS, ACT_BLOCK = 4, 512  # rows x outputs of the gated activation per program
 ROTATE_ROWS = 32  # (token, head) rows that one program of RoPE rotates
@@ -38,7 +38,9 @@ def _gated_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior(PDL)
     rows = (tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS))[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = (rows < num_rows) & (cols < intermediate)
@@ -92,6 +94,7 @@ def gated_activation(gate_up: torch.Tensor, gelu: bool, quantized: list | None =
             BLOCK_ROWS=ACT_ROWS,
             BLOCK=ACT_BLOCK,
             INTERPRET=INTERPRET,
+            **pdl_options(gate_up.device),
         )
     return out
 
@@ -124,8 +127,10 @@ def _rotate_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """BLOCK_ROWS of the step's (token, head) rows per program, token-major."""
+    wait_for_prior(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     token, head = (rows // num_heads)[:, None], (rows % num_heads)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -163,6 +168,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
             BLOCK_D=triton.next_power_of_2(rotary_dim),
             INTERPRET=INTERPRET,
             num_warps=4,
+            **pdl_options(x.device),
         )
     return out
 
@@ -197,10 +203,12 @@ def _rotate_store_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """`_rotate_kernel` over the (token, head) rows of q and k, then q's rows to q_ptr and k's, with v's
     row of the same KV head, into the caches at the token's slot, as attention.store_kv writes them
     (nothing for a negative slot)."""
+    wait_for_prior(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     heads = num_heads + num_kv_heads
     token, head = (rows // heads)[:, None], (rows % heads)[:, None]
@@ -270,5 +278,6 @@ def rotate_and_store(
             BLOCK_D=triton.next_power_of_2(head_dim),
             INTERPRET=INTERPRET,
             num_warps=4,
+            **pdl_options(qk.device),
         )
     return q

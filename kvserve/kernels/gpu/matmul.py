@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET
+from kvserve.kernels.gpu import INTERPRET, pdl_options
 from kvserve.kernels.gpu.common import (
     cast,
     dot,
@@ -31,6 +31,7 @@ from kvserve.kernels.gpu.common import (
     quantize_groups,
     split4,
     store_groups,
+    wait_for_prior,
 )
 
 GROUP_SIZE = 32  # inputs per scale (and min) of the quantized weights
@@ -188,8 +189,10 @@ def _sum_splits_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out = ((partial[0] + partial[1]) + ...) + bias, elementwise over the [M, N] outputs."""
+    wait_for_prior(PDL)
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     partial = partial_ptr + offsets
@@ -226,7 +229,9 @@ def _float_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
@@ -302,7 +307,9 @@ def _int4_kernel(
     BLOCK_K: tl.constexpr,
     PERMUTE: tl.constexpr = True,  # nibbles to floats by PRMT (common.nibble_to_float); False: bench
     PACKED_BF16: tl.constexpr = False,  # bfloat16 x: weights by packed bfloat16 FMAs (nibble_fma_bf16)
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
@@ -372,9 +379,11 @@ def _quantize_int8_kernel(
     stride_xm,
     GROUPS: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Per row and group of 32 inputs, `common.quantize_groups`: q as eight int32 words per group, d and
     s as float32."""
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     inputs = groups[:, None] * 32 + tl.arange(0, 32)[None, :]  # [G, 32]
@@ -398,7 +407,9 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     s = torch.empty_like(d)
     if m:
         grid = (m, triton.cdiv(k // GROUP_SIZE, QUANTIZE_GROUPS))
-        _quantize_int8_kernel[grid](x, words, d, s, m, k, x.stride(0), GROUPS=QUANTIZE_GROUPS, INTERPRET=INTERPRET)
+        _quantize_int8_kernel[grid](
+            x, words, d, s, m, k, x.stride(0), GROUPS=QUANTIZE_GROUPS, INTERPRET=INTERPRET, **pdl_options(x.device)
+        )
     return words, d, s
 
 
@@ -449,6 +460,7 @@ def _int4_int8_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CODE_BITS: tl.constexpr = 4,
+    PDL: tl.constexpr = False,
 ):
     """int4 weights times int8 inputs (x: `quantize_int8`'s words, d and s; BLOCK_K 128: four groups
     a step), as int4_int8.cpp on the CPU: per group of 32 and output the exact integer sum over
@@ -456,6 +468,7 @@ def _int4_int8_kernel(
     total); total = fma(s, min, total), group after group. Nothing here depends on the other rows of
     the tile, so BLOCK_M may follow M without changing a bit. CODE_BITS 8: int8 codes (GGML's Q8_0,
     eight words a group) and no min: total = fma(scale * d, sum, total)."""
+    wait_for_prior(PDL)
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
     rows, cols, rows64, cols64, k_begin, k_end, g_begin = _int8_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     WORDS: tl.constexpr = CODE_BITS  # int32 words of codes per group of 32
@@ -550,6 +563,7 @@ def _int4_int8_mma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CODE_BITS: tl.constexpr = 4,
+    PDL: tl.constexpr = False,
 ):
     """`_int4_int8_kernel`'s arithmetic for many rows, each group's integer sums on the tensor cores
     (an int8 dot of K = 32, exact in int32 whatever its order) and the same float steps per row and
@@ -557,6 +571,7 @@ def _int4_int8_mma_kernel(
     kernels its batch took. 4-bit: the group's inputs and codes enter the dot interleaved (input j
     beside input j + 16, as a byte holds their codes), the same order on both sides. CODE_BITS 8 as
     `_int4_int8_kernel`'s."""
+    wait_for_prior(PDL)
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
     rows, cols, rows64, cols64, k_begin, k_end, g_begin = _int8_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     half = tl.arange(0, 16)
@@ -656,7 +671,9 @@ def _int8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
@@ -759,10 +776,20 @@ def _launch(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **constexprs,
+        **pdl_options(x.device),
     )
     if is_split and not sum_in_tile:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
-            partial, bias, out, m * n, n, num_splits, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, INTERPRET=INTERPRET
+            partial,
+            bias,
+            out,
+            m * n,
+            n,
+            num_splits,
+            HAS_BIAS=bias is not None,
+            BLOCK=SUM_BLOCK,
+            INTERPRET=INTERPRET,
+            **pdl_options(x.device),
         )
     return out
 

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET
-from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups
+from kvserve.kernels.gpu import INTERPRET, pdl_options
+from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups, wait_for_prior
 
 BLOCK = 1024  # elements of a row per step; the row's squares are summed per lane, then across lanes
 NUM_WARPS = 4  # per row; fixed, as the lanes' final sum follows the layout
@@ -32,10 +32,12 @@ def _rms_norm_kernel(
     QUANTIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """RMSNorm of a row of x, or (ADD) of x + delta rounded to x's dtype, that sum also stored; with
     QUANTIZE the output as stored also quantized per group of 32 (`quantize_groups`: the int4 x int8
     matmul's inputs, `matmul.quantize_int8`'s bits, without its own launch)."""
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     lanes = tl.arange(0, BLOCK)
@@ -126,5 +128,6 @@ def _launch(
             BLOCK=BLOCK,
             INTERPRET=INTERPRET,
             num_warps=NUM_WARPS,
+            **pdl_options(x.device),
         )
     return total, out

@@ -26,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels.gpu import pdl_options
+from kvserve.kernels.gpu.common import wait_for_prior
+
 BLOCK = 2048  # tokens per program: 24 programs a row for a 49,152-token vocabulary
 NUM_COUNTERS = 1024  # rows a call picks with the counters; more rows take several calls
 BLOCK_SCAN = 4096  # tokens a scan step: 12 steps a row for a 49,152-token vocabulary
@@ -53,7 +56,9 @@ def _pick_kernel(
     RANDOM: tl.constexpr,
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_prior(PDL)
     r = tl.program_id(0)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -127,12 +132,14 @@ def pick(
             RANDOM=random,
             BLOCK=BLOCK,
             CHUNKS=triton.next_power_of_2(num_chunks),
+            **pdl_options(logits.device),
         )
     return out
 
 
 @triton.jit(do_not_specialize=["length", "stride"])
-def _cumsum_kernel(values_ptr, out_ptr, length, stride, BLOCK: tl.constexpr):
+def _cumsum_kernel(values_ptr, out_ptr, length, stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     carried = 0.0
@@ -150,5 +157,7 @@ def row_cumsum(values: torch.Tensor) -> torch.Tensor:
     assert values.dtype == torch.float32 and values.dim() == 2 and values.stride(1) == 1
     out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
     if values.numel():
-        _cumsum_kernel[(values.shape[0],)](values, out, values.shape[1], values.stride(0), BLOCK=BLOCK_SCAN)
+        _cumsum_kernel[(values.shape[0],)](
+            values, out, values.shape[1], values.stride(0), BLOCK=BLOCK_SCAN, **pdl_options(values.device)
+        )
     return out
