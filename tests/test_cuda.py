@@ -222,13 +222,17 @@ def test_two_pipeline_stages_on_the_gpu_give_one_process_tokens(llm, tiny_model_
         wait_idle_and_check(piped)
 
 
+def _needs_pdl() -> None:
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 (Hopper) or later")
+
+
 def _pdl(on: bool, monkeypatch) -> None:
-    """Programmatic dependent launch on (KVSERVE_PDL=1) for the kernels launched from here on."""
+    """Programmatic dependent launch on (KVSERVE_PDL=1) for the kernels launched from here on, or off."""
     import kvserve.kernels.gpu
 
-    if on and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs compute capability 9.0 (Hopper) or later")
     monkeypatch.setattr(kvserve.kernels.gpu, "PDL", on)
+    assert bool(kvserve.kernels.gpu.pdl_options(torch.device("cuda"))) == on
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
@@ -240,6 +244,8 @@ def test_the_last_programs_sums_hold_across_programs_and_graph_replays(pdl, monk
     programmatic dependent launch, also each kernel's wait for the one before it."""
     from kvserve.kernels.gpu import attention, matmul, sample
 
+    if pdl:
+        _needs_pdl()
     _pdl(pdl, monkeypatch)
 
     device, bf16 = "cuda", torch.bfloat16
@@ -253,6 +259,7 @@ def test_the_last_programs_sums_hold_across_programs_and_graph_replays(pdl, monk
     packed = matmul.pack_int4(codes).to(device)
     scales = (torch.rand(4096, 128, generator=generator) / 64).half().to(device)
     weight = randn(2048, 8192) / 64
+    head = randn(49152, 4096) / 64  # reads the int4 matmul's output: each kernel waits for the one before
     cache = randn(64, 16, 8, 128)  # 64 blocks of 16: one sequence of 1,024 keys, two splits of 512
     tables = torch.arange(64, dtype=torch.int32, device=device).view(1, 64)
     positions = torch.tensor([64 * 16 - 1], dtype=torch.int32, device=device)
@@ -260,11 +267,15 @@ def test_the_last_programs_sums_hold_across_programs_and_graph_replays(pdl, monk
 
     def step(x, x_int4, q, logits, counted: bool):
         m, a, s = mine if counted else (None, None, None)
+        int4 = matmul.int4_matmul(x_int4, packed, scales, scales, counters=m)
+        chained = matmul.matmul(int4, head, out_dtype=torch.float32, counters=m)
         return (
-            matmul.int4_matmul(x_int4, packed, scales, scales, counters=m),
+            int4,
             matmul.matmul(x, weight, counters=m),
             attention.paged_attention(q, cache, cache, tables, positions, zero, zero, zero + 1, 0.08, 0, 2, counters=a),
             sample.pick(logits, s) if counted else logits.argmax(dim=-1),
+            chained,
+            sample.pick(chained, s) if counted else chained.argmax(dim=-1),
         )
 
     def inputs():
@@ -296,6 +307,7 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(tiny_model_dir, wei
     """KVSERVE_PDL=1: each kernel's launch overlaps the end of the one before it, in the decode graphs and
     in eager steps. Every kernel waits for the one before it before it touches memory, so 16 requests at
     once, and each alone, give the tokens they give without it."""
+    _needs_pdl()
     texts = [prompt(i, 30 + 11 * i) for i in range(16)]
     params = [GREEDY, SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)]
     options = dict(device="cuda", weights=weights, activations=activations, max_num_seqs=16, progress=False)

@@ -1053,14 +1053,27 @@ def ordered(ptx):
     )
 
 # With programmatic dependent launch: the launch flag set, the wait before any access to global memory,
-# then the next kernel let in. None: no grid dependency control at all (the default).
-def waits_first(ptx, launch_pdl):
+# then the next kernel let in, in the PTX and in the machine code ptxas made of it (ACQBULK is the wait,
+# PREEXIT the let-in). None: no grid dependency control at all (the default).
+import pathlib, subprocess, tempfile, triton
+NVDISASM = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+
+def waits_first(compiled):
+    ptx, launch_pdl = compiled.asm["ptx"], compiled.metadata.launch_pdl
     body = ptx[ptx.index(".entry"):]
-    wait = body.find("griddepcontrol.wait")
-    if wait < 0:
+    wait = re.search(r"^\s*griddepcontrol\.wait", body, re.M)  # not under a predicate
+    if wait is None:
         return None if "griddepcontrol" not in body and not launch_pdl else False
-    touched = re.search(r"\b(ld|st|atom|red|prefetch)\.global|\bcp\.async", body[:wait])
-    return launch_pdl and touched is None and "griddepcontrol.launch_dependents" in body[wait:]
+    touched = re.search(r"\b(ld|st|atom|red|prefetch)\.global|\bcp\.async", body[: wait.start()])
+    if not launch_pdl or touched or "griddepcontrol.launch_dependents" not in body[wait.start() :]:
+        return False
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([NVDISASM, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+    wait = re.search(r"^\s*/\*[0-9a-f]+\*/\s+ACQBULK\b", sass, re.M)
+    touched = re.search(r"\b(LDG|STG|ATOMG?|RED|LDGSTS|CCTL)\b", sass[: wait.start()]) if wait else None
+    return wait is not None and touched is None and re.search(r"\bPREEXIT\b", sass[wait.start() :]) is not None
 
 def launch(kernel, grid):
     def warmup(*args, **kwargs):
@@ -1069,7 +1082,7 @@ def launch(kernel, grid):
         mma = len(re.findall(r"\bw?gmma\.mma_async|\bmma\.sync", ptx))
         tf32 = len(re.findall(r"tf32", ptx))
         counts = len(re.findall(r"\batom\.global\.gpu\.acq_rel\.add", ptx))
-        pdl = waits_first(ptx, compiled.metadata.launch_pdl)
+        pdl = waits_first(compiled)
         print(json.dumps([call, kernel.__name__, mma, tf32, counts, ordered(ptx), pdl, compiled.hash]), flush=True)
     return warmup
 
