@@ -12,7 +12,9 @@ GPU and copy back, the scheduler's and the outputs' update), beside the decode g
 host's share. They run with async scheduling (the default on a GPU: the host's work of step n under
 the GPU's step n+1), and the first shape's bfloat16 also without it, with 64 streams of seeded
 draws at temperature 1 (the sampler's pick kernel), and with 64 conversations of 2,000 tokens (the
-host's work per step should not grow with them; bench/host_context.py times it without a model).
+host's work per step should not grow with them; bench/host_context.py times it without a model),
+and the first shape's weights with programmatic dependent launch (KVSERVE_PDL=1, on a Hopper GPU):
+the graph's own time against without it.
 (At 64 streams a 1B step took 3.3 ms in gpu.py's run against 1.4 ms of kernels under the profiler.)
 
     python bench/gpu.py --prepare          # here, once: the tokenizer the models are built with
@@ -180,8 +182,16 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("KVSERVE_HOME", tempfile.mkdtemp(prefix="kvserve-home-"))
     os.environ.setdefault("KVSERVE_FUSED_DECODE", "0")
+    import torch
+
+    import kvserve.kernels.gpu
     from bench.gpu import build_models
     from kvserve import LLM
+    from kvserve.kernels.gpu import pdl_options
+
+    kvserve.kernels.gpu.PDL = True  # where this GPU can launch with it (compute capability 9.0+)
+    can_pdl = bool(pdl_options(torch.device(args.device)))
+    kvserve.kernels.gpu.PDL = False
 
     work = Path(tempfile.mkdtemp(prefix="kvserve-profile-"))
     models = build_models(args.shapes.split(","), args.device, work, with_q4=args.host)
@@ -189,13 +199,17 @@ def main() -> None:
     host = []
     errors: list[dict] = []
     for shape in args.shapes.split(",") if args.host else []:
-        # async scheduling (the default on a GPU), and the first shape's bf16 without it: what it hides
-        runs = [(weights, None) for weights in models[shape]]
-        runs += [("bf16", False)] if shape == args.shapes.split(",")[0] else []
-        for weights, ahead in runs:
-            long_case = weights == "bf16" and ahead is None and shape == args.shapes.split(",")[0]
+        # async scheduling (the default on a GPU), and the first shape's bf16 without it: what it hides;
+        # then its weights with programmatic dependent launch (KVSERVE_PDL=1): what it takes off the graph
+        first = shape == args.shapes.split(",")[0]
+        runs = [(weights, None, False) for weights in models[shape]]
+        runs += [("bf16", False, False)] if first else []
+        runs += [(weights, None, True) for weights in models[shape]] if first and can_pdl else []
+        for weights, ahead, pdl in runs:
+            long_case = weights == "bf16" and ahead is None and first and not pdl
+            kvserve.kernels.gpu.PDL = pdl  # read at each launch: the graphs captured at start keep it
             with (
-                recorded(errors, f"{shape}-{weights}" + ("-sync" if ahead is False else "")),
+                recorded(errors, f"{shape}-{weights}" + ("-sync" if ahead is False else "") + ("-pdl" if pdl else "")),
                 LLM(
                     str(models[shape][weights]),
                     device=args.device,
@@ -207,7 +221,9 @@ def main() -> None:
                     kv_cache_tokens=64 * (LONG_PROMPT + args.tokens * 4 + 64) if long_case else None,
                 ) as llm,
             ):
-                suffix = "" if llm.weights["async_scheduling"] else "-sync"
+                suffix = ("" if llm.weights["async_scheduling"] else "-sync") + (
+                    "-pdl" if pdl_options(llm.device) else ""
+                )
                 for streams in (1, 64):
                     host.append(host_case(llm, streams, args.tokens * 4, f"{shape}-{weights}{suffix}-{streams}"))
                     print(json.dumps(host[-1]), flush=True)
@@ -222,6 +238,7 @@ def main() -> None:
                     print(json.dumps(host[-1]), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"cases": cases, "host": host, "errors": errors}, indent=1) + "\n")
+    kvserve.kernels.gpu.PDL = False  # the profiled cases without it
     for shape in [] if args.host_only else args.shapes.split(","):
         for graphs in (True, False):
             with (
