@@ -1143,6 +1143,9 @@ call = "pdl-1"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales)
 call = "pdl-1"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
 call = "pdl-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
 call = "pdl-37"; matmul.int4_int8_matmul(torch.randn(37, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
+# _load4's asm reads the activations and is pure (free to move): no tile of rows may put it above the wait
+call = "pdl-8"; matmul.int4_int8_matmul(torch.randn(8, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
+call = "pdl-1"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
 call = "pdl-1"; sample.pick(torch.randn(1, 5000), sample.counters("cpu"))
 call = "pdl-1"; sample.row_cumsum(torch.randn(1, 5000))
 meta = torch.arange(100, dtype=torch.int32)  # as for one token above
