@@ -187,11 +187,7 @@ def main() -> None:
     import kvserve.kernels.gpu
     from bench.gpu import build_models
     from kvserve import LLM
-    from kvserve.kernels.gpu import pdl_options
-
-    kvserve.kernels.gpu.PDL = True  # where this GPU can launch with it (compute capability 9.0+)
-    can_pdl = bool(pdl_options(torch.device(args.device)))
-    kvserve.kernels.gpu.PDL = False
+    from kvserve.kernels.gpu import pdl_options, supports_pdl
 
     work = Path(tempfile.mkdtemp(prefix="kvserve-profile-"))
     models = build_models(args.shapes.split(","), args.device, work, with_q4=args.host)
@@ -204,7 +200,11 @@ def main() -> None:
         first = shape == args.shapes.split(",")[0]
         runs = [(weights, None, False) for weights in models[shape]]
         runs += [("bf16", False, False)] if first else []
-        runs += [(weights, None, True) for weights in models[shape]] if first and can_pdl else []
+        runs += (
+            [(weights, None, True) for weights in models[shape]]
+            if first and supports_pdl(torch.device(args.device))
+            else []
+        )
         for weights, ahead, pdl in runs:
             long_case = weights == "bf16" and ahead is None and first and not pdl
             kvserve.kernels.gpu.PDL = pdl  # read at each launch: the graphs captured at start keep it

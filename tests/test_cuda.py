@@ -223,7 +223,9 @@ def test_two_pipeline_stages_on_the_gpu_give_one_process_tokens(llm, tiny_model_
 
 
 def _needs_pdl() -> None:
-    if torch.cuda.get_device_capability()[0] < 9:
+    from kvserve.kernels.gpu import supports_pdl
+
+    if not supports_pdl(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs compute capability 9.0 (Hopper) or later")
 
 

@@ -1020,10 +1020,12 @@ def test_attention_at_model_sizes_is_the_same_bits_in_decode_prefill_and_chunks(
 # Run in a fresh interpreter without TRITON_INTERPRET: the JIT is told it has a Hopper GPU (sm_90),
 # each launch becomes a warmup (compile only), and the public functions are called on CPU tensors.
 # Prints one JSON line per launch: [call-size, kernel, tensor-core instructions, TF32 instructions, counting
-# atomics, whether the count is ordered between the partials' stores and reads (`ordered`), binary hash].
+# atomics, whether the count is ordered between the partials' stores and reads (`ordered`), whether
+# programmatic dependent launch's wait comes before any memory access (`waits_first`), binary hash].
 _COMPILE_FOR_HOPPER = r"""
-import json, re, sys
+import json, pathlib, re, subprocess, sys, tempfile
 import torch
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
@@ -1055,7 +1057,6 @@ def ordered(ptx):
 # With programmatic dependent launch: the launch flag set, the wait before any access to global memory,
 # then the next kernel let in, in the PTX and in the machine code ptxas made of it (ACQBULK is the wait,
 # PREEXIT the let-in). None: no grid dependency control at all (the default).
-import pathlib, subprocess, tempfile, triton
 NVDISASM = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
 
 def waits_first(compiled):

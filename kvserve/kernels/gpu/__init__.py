@@ -35,14 +35,20 @@ def available() -> bool:
     return INTERPRET or torch.cuda.is_available()
 
 
-def pdl_options(device) -> dict:
-    """The launch options of a kernel on `device`: {"PDL": True, "launch_pdl": True} (the kernel's
-    constexpr and Triton's launch flag) where programmatic dependent launch is on and the GPU has it,
-    else none."""
-    if not PDL or INTERPRET or device.type != "cuda":
-        return {}
+def supports_pdl(device) -> bool:
+    """Whether kernels on `device` can launch with programmatic dependent launch: a CUDA GPU of compute
+    capability 9.0 or later (never in the interpreter), whatever `PDL` says."""
+    if INTERPRET or device.type != "cuda":
+        return False
     if device.index not in _pdl_devices:
         import torch
 
         _pdl_devices[device.index] = torch.cuda.get_device_capability(device)[0] >= 9
-    return _PDL_ON if _pdl_devices[device.index] else {}
+    return _pdl_devices[device.index]
+
+
+def pdl_options(device) -> dict:
+    """The launch options of a kernel on `device`: {"PDL": True, "launch_pdl": True} (the kernel's
+    constexpr and Triton's launch flag) where programmatic dependent launch is on and the GPU has it,
+    else none."""
+    return _PDL_ON if PDL and supports_pdl(device) else {}
