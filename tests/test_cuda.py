@@ -315,6 +315,7 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(tiny_model_dir, wei
     options = dict(device="cuda", weights=weights, activations=activations, max_num_seqs=16, progress=False)
     with LLM(str(tiny_model_dir), session_db=False, **options) as plain:
         want = [[r.token_ids for r in plain.generate(texts, p)] for p in params]
+        wait_idle_and_check(plain)
     _pdl(True, monkeypatch)
     with LLM(str(tiny_model_dir), session_db=False, **options) as overlapped:
         for p, tokens in zip(params, want, strict=True):
