@@ -1021,7 +1021,8 @@ def test_attention_at_model_sizes_is_the_same_bits_in_decode_prefill_and_chunks(
 # each launch becomes a warmup (compile only), and the public functions are called on CPU tensors.
 # Prints one JSON line per launch: [call-size, kernel, tensor-core instructions, TF32 instructions, counting
 # atomics, whether the count is ordered between the partials' stores and reads (`ordered`), whether
-# programmatic dependent launch's wait comes before any memory access (`waits_first`), binary hash].
+# programmatic dependent launch's wait comes before any memory access but L2 prefetches (`waits_first`),
+# binary hash].
 _COMPILE_FOR_HOPPER = r"""
 import json, pathlib, re, subprocess, sys, tempfile
 import torch
@@ -1054,9 +1055,11 @@ def ordered(ptx):
         and not re.search(r"\bld\.global(?!\.cg)", after)
     )
 
-# With programmatic dependent launch: the launch flag set, the wait before any access to global memory,
-# then the next kernel let in, in the PTX and in the machine code ptxas made of it (ACQBULK is the wait,
-# PREEXIT the let-in). None: no grid dependency control at all (the default).
+# With programmatic dependent launch: the launch flag set, the wait before any access to global memory
+# but prefetches into L2 (`prefetch.global.L2`, CCTL.E.PF2 in the machine code), then the next kernel let
+# in, in the PTX and in the machine code ptxas made of it (ACQBULK is the wait, PREEXIT the let-in):
+# "wait", or "prefetch" where L2 prefetches come before the wait. None: no grid dependency control and
+# no prefetch at all (the default); False: anything else.
 NVDISASM = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
 
 def waits_first(compiled):
@@ -1064,17 +1067,26 @@ def waits_first(compiled):
     body = ptx[ptx.index(".entry"):]
     wait = re.search(r"^\s*griddepcontrol\.wait", body, re.M)  # not under a predicate
     if wait is None:
-        return None if "griddepcontrol" not in body and not launch_pdl else False
-    touched = re.search(r"\b(ld|st|atom|red|prefetch)\.global|\bcp\.async", body[: wait.start()])
-    if not launch_pdl or touched or "griddepcontrol.launch_dependents" not in body[wait.start() :]:
+        return None if "griddepcontrol" not in body and "prefetch." not in body and not launch_pdl else False
+    before = body[: wait.start()]
+    touched = re.search(r"\b(ld|st|atom|red)\.global|\bcp\.async|\bprefetch(?!\.global\.L2 \[)", before)
+    prefetches = len(re.findall(r"\bprefetch\.global\.L2 \[", before))
+    after = body[wait.start() :]
+    if not launch_pdl or touched or "griddepcontrol.launch_dependents" not in after or "prefetch." in after:
         return False
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         sass = subprocess.run([NVDISASM, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
     wait = re.search(r"^\s*/\*[0-9a-f]+\*/\s+ACQBULK\b", sass, re.M)
-    touched = re.search(r"\b(LDG|STG|ATOMG?|RED|LDGSTS|CCTL)\b", sass[: wait.start()]) if wait else None
-    return wait is not None and touched is None and re.search(r"\bPREEXIT\b", sass[wait.start() :]) is not None
+    if wait is None or re.search(r"\bPREEXIT\b", sass[wait.start() :]) is None:
+        return False
+    before, after = sass[: wait.start()], sass[wait.start() :]
+    if re.search(r"\b(LDG|STG|ATOMG?|RED|LDGSTS)\b|\bCCTL\b(?!\.E\.PF2 )", before):
+        return False
+    if (prefetches > 0) != ("CCTL.E.PF2" in before) or "CCTL.E.PF2" in after:
+        return False  # the prefetches, all before the wait
+    return "prefetch" if prefetches else "wait"
 
 def launch(kernel, grid):
     def warmup(*args, **kwargs):
@@ -1154,6 +1166,19 @@ args = (torch.randn(1, 8, 128).to(bf16), k_cache, k_cache, meta[5:9].view(1, 4),
 kv = torch.randn(1, 2, 128).to(bf16)
 call = "pdl-1"; attention.store_kv(kv, kv, k_cache, k_cache, meta[4:5])
 call = "pdl-1"; attention.paged_attention(*args, num_splits=2)
+# the matmuls once more, their weights prefetched into L2 before the wait as with KVSERVE_PDL=prefetch:
+# kvserve.kernels.gpu's own switches and launch options, on a device it is told has the launch
+import kvserve.kernels.gpu as gpu
+gpu.supports_pdl = lambda device: True
+gpu.PDL = gpu.PREFETCH = True
+for module in (attention, elementwise, matmul, norm, sample):
+    module.pdl_options = gpu.pdl_options
+call = "prefetch-1"; matmul.matmul(torch.randn(1, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=matmul.split_counters("cpu"))
+call = "prefetch-1"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales)
+call = "prefetch-1"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
+call = "prefetch-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
+call = "prefetch-37"; matmul.int4_int8_matmul(torch.randn(37, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
+call = "prefetch-1"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
 """
 
 
@@ -1161,7 +1186,8 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     """Every launch of the public functions lowers to sm_90 code (this catches a kernel that only the
     interpreter runs), 16-bit dots use the tensor cores, float32 dots never TF32, and a call compiles
     to the same binary for 1 row (token) as for many. With programmatic dependent launch on, each kernel
-    waits for the one before it before it touches memory."""
+    waits for the one before it before it touches memory, but for the matmuls' weights prefetched into
+    L2 where that is on too."""
     import json
     import pathlib
     import subprocess
@@ -1181,9 +1207,16 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     # programmatic dependent launch (KVSERVE_PDL=1): every kernel waits for the one before it before it
     # touches memory, then lets the next one start; without it, no grid dependency control at all
     with_pdl = [launch for launch in launches if launch[0].startswith("pdl-")]
-    launches = [launch for launch in launches if not launch[0].startswith("pdl-")]
-    assert all(waits_first is True for _, _, _, _, _, _, waits_first, _ in with_pdl), with_pdl
+    prefetched = [launch for launch in launches if launch[0].startswith("prefetch-")]
+    launches = [launch for launch in launches if not launch[0].startswith(("pdl-", "prefetch-"))]
+    assert all(waits_first == "wait" for _, _, _, _, _, _, waits_first, _ in with_pdl), with_pdl
     assert {kernel for _, kernel, *_ in with_pdl} == {kernel for _, kernel, *_ in launches}, with_pdl
+    # KVSERVE_PDL=prefetch: each matmul asks L2 for its weights before the wait, and only that; the
+    # kernels around them as with PDL alone
+    weight_kernels = {"_float_kernel", "_int4_kernel", "_int8_kernel", "_int4_int8_kernel", "_int4_int8_mma_kernel"}
+    assert {kernel for _, kernel, *_ in prefetched} >= weight_kernels, prefetched
+    for call, kernel, *_, waits_first, _ in prefetched:
+        assert waits_first == ("prefetch" if kernel in weight_kernels else "wait"), (call, kernel, waits_first)
     kernels: dict[tuple[str, str], set[str]] = {}
     for call, kernel, mma, tf32, counts, ordered, waits_first, binary in launches:
         assert waits_first is None, (call, kernel)

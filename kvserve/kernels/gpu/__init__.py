@@ -19,7 +19,15 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 # Programmatic dependent launch: each kernel's launch overlaps the end of the one before it in the
 # stream (common.wait_for_prior keeps every result the same). Off until a GPU measures it:
 # KVSERVE_PDL=1 turns it on where the GPU has it (compute capability 9.0, Hopper, and later).
-PDL: bool = os.environ.get("KVSERVE_PDL") == "1"
+# KVSERVE_PDL=prefetch also has each matmul ask L2 for its first weights before that wait (`PREFETCH`).
+PDL: bool = os.environ.get("KVSERVE_PDL") in ("1", "prefetch")
+# With PDL, a matmul's programs may start while the kernel before is still running; weights are never
+# written by a kernel, so each program can ask L2 for its own before the wait and find them there after.
+PREFETCH: bool = os.environ.get("KVSERVE_PDL") == "prefetch"
+# Bytes of each weight row's K split a matmul program asks L2 for: the whole split of the quantized
+# decode kernels (256 B a row for int4 in splits of 512), the first two K steps of the float kernel's: 8 MB
+# of a 1B model's gate and up projections in bfloat16, well within an H200's 50 MB of L2.
+PREFETCH_BYTES = 512
 _PDL_ON = {"PDL": True, "launch_pdl": True}
 _pdl_devices: dict[int | None, bool] = {}
 
@@ -52,3 +60,15 @@ def pdl_options(device) -> dict:
     constexpr and Triton's launch flag) where programmatic dependent launch is on and the GPU has it,
     else none."""
     return _PDL_ON if PDL and supports_pdl(device) else {}
+
+
+def prefetch_lines(device, split_bytes: int) -> int:
+    """How many 128-byte lines of each weight row's K split (`split_bytes` long) a matmul program on
+    `device` asks L2 for before programmatic dependent launch's wait: a power of two covering the split
+    up to PREFETCH_BYTES where `PREFETCH` is on and the kernels launch with PDL, else 0 (none)."""
+    if not (PREFETCH and pdl_options(device)):
+        return 0
+    lines = 1
+    while lines * 128 < min(split_bytes, PREFETCH_BYTES):
+        lines *= 2
+    return lines

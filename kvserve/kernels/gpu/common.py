@@ -20,6 +20,27 @@ def wait_for_prior(PDL: tl.constexpr):
 
 
 @triton.jit
+def prefetch_rows(ptr, cols, N, stride, first, count, LINES: tl.constexpr):
+    """Ask L2 for the first LINES 128-byte lines of `count` elements from `first` in each weight row
+    `cols` (clamped to N - 1) of ptr [N, stride], up to the last of them, and go on without waiting:
+    `prefetch.global.L2`, a hint that changes no value. A matmul does this before `wait_for_prior`
+    (launched with `prefetch_lines`, only on a GPU), as no kernel ever writes a weight; its loads after
+    the wait then find the lines in L2 instead of memory."""
+    if LINES > 0:
+        per_line: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
+        offsets = tl.minimum(tl.arange(0, LINES) * per_line, count - 1)
+        rows = tl.minimum(cols, N - 1).to(tl.int64)
+        tl.inline_asm_elementwise(
+            asm="prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+            constraints="=r,l",
+            args=[ptr + rows[:, None] * stride + first + offsets[None, :]],
+            dtype=tl.int32,
+            is_pure=False,  # kept, though nothing reads its result
+            pack=1,
+        )
+
+
+@triton.jit
 def dot(a, b, acc, INTERPRET: tl.constexpr):
     """acc + a @ b, accumulated in float32. On a GPU 16-bit operands go to the tensor cores as they
     are, and float32 operands use exact float32 products (`ieee`, never TF32). The interpreter

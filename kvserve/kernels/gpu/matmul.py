@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET, pdl_options
+from kvserve.kernels.gpu import INTERPRET, pdl_options, prefetch_lines
 from kvserve.kernels.gpu.common import (
     cast,
     dot,
@@ -28,6 +28,7 @@ from kvserve.kernels.gpu.common import (
     int8_group_dot,
     nibble_fma_bf16,
     nibble_to_float,
+    prefetch_rows,
     quantize_groups,
     split4,
     store_groups,
@@ -230,12 +231,14 @@ def _float_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr = 0,  # of each weight row's split, into L2 before the wait (prefetch_lines)
 ):
-    wait_for_prior(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
+    prefetch_rows(w_ptr, cols, N, stride_wn, k_begin, k_end - k_begin, PREFETCH_LINES)
+    wait_for_prior(PDL)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -308,12 +311,17 @@ def _int4_kernel(
     PERMUTE: tl.constexpr = True,  # nibbles to floats by PRMT (common.nibble_to_float); False: bench
     PACKED_BF16: tl.constexpr = False,  # bfloat16 x: weights by packed bfloat16 FMAs (nibble_fma_bf16)
     PDL: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr = 0,
 ):
-    wait_for_prior(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
+    if PREFETCH_LINES > 0:  # the split's codes, and its first and last groups' scales and mins
+        prefetch_rows(packed_ptr, cols, N, stride_pn, k_begin // 2, (k_end - k_begin) // 2, PREFETCH_LINES)
+        prefetch_rows(scales_ptr, cols, N, stride_sn, k_begin // 32, tl.cdiv(k_end - k_begin, 32), 2)
+        prefetch_rows(mins_ptr, cols, N, stride_mn, k_begin // 32, tl.cdiv(k_end - k_begin, 32), 2)
+    wait_for_prior(PDL)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     cols64 = cols.to(tl.int64)[None, :]
     # byte i of a tile holds the codes of inputs k_lo[i] (low nibble) and k_lo[i] + 16 (high nibble)
@@ -429,6 +437,32 @@ def _int8_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
     return rows, cols, rows64, cols64, k_begin, k_end, g_begin
 
 
+@triton.jit
+def _prefetch_int8_tile(
+    words_ptr,
+    scales_ptr,
+    mins_ptr,
+    cols,
+    N,
+    stride_wn,
+    stride_sn,
+    stride_mn,
+    k_begin,
+    k_end,
+    g_begin,
+    CODE_BITS: tl.constexpr,
+    LINES: tl.constexpr,
+):
+    """An int4 (or int8) x int8 program's weights into L2 before the wait (`prefetch_rows`): its split's
+    codes, and its first and last groups' scales and mins."""
+    if LINES > 0:
+        groups = tl.cdiv(k_end - k_begin, 32)
+        prefetch_rows(words_ptr, cols, N, stride_wn, g_begin * CODE_BITS, groups * CODE_BITS, LINES)
+        prefetch_rows(scales_ptr, cols, N, stride_sn, g_begin, groups, 2)
+        if CODE_BITS == 4:
+            prefetch_rows(mins_ptr, cols, N, stride_mn, g_begin, groups, 2)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_int8_kernel(
     x_ptr,
@@ -461,6 +495,7 @@ def _int4_int8_kernel(
     BLOCK_K: tl.constexpr,
     CODE_BITS: tl.constexpr = 4,
     PDL: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr = 0,
 ):
     """int4 weights times int8 inputs (x: `quantize_int8`'s words, d and s; BLOCK_K 128: four groups
     a step), as int4_int8.cpp on the CPU: per group of 32 and output the exact integer sum over
@@ -468,9 +503,24 @@ def _int4_int8_kernel(
     total); total = fma(s, min, total), group after group. Nothing here depends on the other rows of
     the tile, so BLOCK_M may follow M without changing a bit. CODE_BITS 8: int8 codes (GGML's Q8_0,
     eight words a group) and no min: total = fma(scale * d, sum, total)."""
-    wait_for_prior(PDL)
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
     rows, cols, rows64, cols64, k_begin, k_end, g_begin = _int8_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    _prefetch_int8_tile(
+        words_ptr,
+        scales_ptr,
+        mins_ptr,
+        cols,
+        N,
+        stride_wn,
+        stride_sn,
+        stride_mn,
+        k_begin,
+        k_end,
+        g_begin,
+        CODE_BITS,
+        PREFETCH_LINES,
+    )
+    wait_for_prior(PDL)
     WORDS: tl.constexpr = CODE_BITS  # int32 words of codes per group of 32
     # pointers at the split's first group, advanced a step (four groups) at a time
     four = tl.arange(0, 4)[None, :]
@@ -564,6 +614,7 @@ def _int4_int8_mma_kernel(
     BLOCK_K: tl.constexpr,
     CODE_BITS: tl.constexpr = 4,
     PDL: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr = 0,
 ):
     """`_int4_int8_kernel`'s arithmetic for many rows, each group's integer sums on the tensor cores
     (an int8 dot of K = 32, exact in int32 whatever its order) and the same float steps per row and
@@ -571,9 +622,24 @@ def _int4_int8_mma_kernel(
     kernels its batch took. 4-bit: the group's inputs and codes enter the dot interleaved (input j
     beside input j + 16, as a byte holds their codes), the same order on both sides. CODE_BITS 8 as
     `_int4_int8_kernel`'s."""
-    wait_for_prior(PDL)
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
     rows, cols, rows64, cols64, k_begin, k_end, g_begin = _int8_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    _prefetch_int8_tile(
+        words_ptr,
+        scales_ptr,
+        mins_ptr,
+        cols,
+        N,
+        stride_wn,
+        stride_sn,
+        stride_mn,
+        k_begin,
+        k_end,
+        g_begin,
+        CODE_BITS,
+        PREFETCH_LINES,
+    )
+    wait_for_prior(PDL)
     half = tl.arange(0, 16)
     x_bytes = x_ptr.to(tl.pointer_type(tl.int8))  # the int8 codes, M x K
     x_step = x_bytes + rows64[:, None] * (stride_xm * 4) + g_begin * 32 + half[None, :]  # [BM, 16]
@@ -672,12 +738,16 @@ def _int8_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr = 0,
 ):
-    wait_for_prior(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
+    if PREFETCH_LINES > 0:  # the split's codes, and its first and last groups' scales
+        prefetch_rows(codes_ptr, cols, N, stride_cn, k_begin, k_end - k_begin, PREFETCH_LINES)
+        prefetch_rows(scales_ptr, cols, N, stride_sn, k_begin // 32, tl.cdiv(k_end - k_begin, 32), 2)
+    wait_for_prior(PDL)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     cols64 = cols.to(tl.int64)[None, :]
     g = tl.arange(0, BLOCK_K // 32)
@@ -726,13 +796,16 @@ def _launch(
     out_dtype: torch.dtype | None,
     k: int | None = None,
     counters: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
     **constexprs,
 ) -> torch.Tensor:
     """Run one of the matmul kernels over x [M, K] into [M, n], through float32 partial sums per
     K split when the config splits this K; `k`: K where x's columns are not the inputs one for one
     (int8 codes four to a word); `counters`: the layer's `split_counters`, with which each tile's last
     split adds the partial sums (where the call has at most that many tiles), else
-    `_sum_splits_kernel` does, a launch more; `constexprs`, the kernel's other compile-time switches."""
+    `_sum_splits_kernel` does, a launch more; `weight`, the codes or weights [N, ...] whose rows'
+    splits a program may prefetch (`prefetch_lines`); `constexprs`, the kernel's other compile-time
+    switches."""
     assert x.dim() == 2, x.shape
     x = _row_major(x)
     m = x.shape[0]
@@ -751,6 +824,9 @@ def _launch(
     # partial sums [splits, M, N] in float32
     partial = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device) if is_split else out
     sum_in_tile = is_split and counters is not None and grid[0] * grid[1] <= counters.numel()
+    if weight is not None:  # the bytes of a weight row's split
+        lines = prefetch_lines(x.device, weight.shape[1] * weight.element_size() * k_per_split // k)
+        constexprs.update({"PREFETCH_LINES": lines} if lines else {})
     kernel[grid](
         x,
         out,
@@ -820,6 +896,7 @@ def matmul(
         bias,
         out_dtype,
         counters=counters,
+        weight=weight,
     )
 
 
@@ -862,7 +939,9 @@ def int4_matmul(
     packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
     args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
     config = config_for(INT4_CONFIG, n, k)
-    return _launch(_int4_kernel, config, x, n, args, bias, out_dtype, counters=counters, PACKED_BF16=packed_bf16)
+    return _launch(
+        _int4_kernel, config, x, n, args, bias, out_dtype, counters=counters, weight=packed, PACKED_BF16=packed_bf16
+    )
 
 
 def int4_int8_matmul(
@@ -941,7 +1020,19 @@ def _int8_inputs_launch(
     assert q.stride(1) == 1 and q.stride(0) % 4 == 0 and q.data_ptr() % 16 == 0, (q.stride(), q.data_ptr() % 16)
     args = (*quantized[1:], words, scales, mins, words.stride(0), scales.stride(0), mins.stride(0))
     out_dtype = out_dtype or x.dtype
-    return _launch(kernel, config, quantized[0], n, args, bias, out_dtype, k=k, counters=counters, CODE_BITS=code_bits)
+    return _launch(
+        kernel,
+        config,
+        quantized[0],
+        n,
+        args,
+        bias,
+        out_dtype,
+        k=k,
+        counters=counters,
+        weight=words,
+        CODE_BITS=code_bits,
+    )
 
 
 def _row_tile(m: int) -> int:
@@ -968,4 +1059,5 @@ def int8_group_matmul(
     assert scales.shape == (n, k // GROUP_SIZE), scales.shape
     codes, scales = _row_major(codes), _row_major(scales)
     args = (codes, scales, codes.stride(0), scales.stride(0))
-    return _launch(_int8_kernel, config_for(INT8_CONFIG, n, k), x, n, args, bias, out_dtype, counters=counters)
+    config = config_for(INT8_CONFIG, n, k)
+    return _launch(_int8_kernel, config, x, n, args, bias, out_dtype, counters=counters, weight=codes)
