@@ -20,7 +20,9 @@ and each figure as a fraction of the bandwidth limit (streams x bandwidth / weig
 reads the weights once). Engines: kvserve (bf16 batch-invariant; the same with --async-scheduling off
 as `bf16-sync`; bf16 with --batch-invariant off; 4-bit; 4-bit with int8 inputs (`--activations int8`:
 dp4a) as `q4-int8`; 4-bit with the int4 kernel's packed-bfloat16 candidate as `q4-bf16x2`; bf16 and
-q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl` and `q4-int8-pdl`),
+q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl` and `q4-int8-pdl`, and with the
+matmuls' weights prefetched into L2 before its wait too (KVSERVE_PDL=prefetch) as `bf16-pdl-prefetch` and
+`q4-int8-pdl-prefetch`),
 transformers `generate` eager, and with its static cache under torch.compile (the best transformers
 offers); kvserve's batched greedy outputs are compared with their solo runs (R7). Runs are ordered by
 importance and skipped, with a note, once `--budget-s` is spent (a torch.compile run needs
@@ -30,8 +32,8 @@ alone; `--runs` picks runs for a second call. Last, tests/test_triton_kernels.py
 tests/test_async_scheduling.py run until `--deadline-s`, so the whole run stays inside the device's 8
 minutes. The JSON is rewritten after every run (a run cut short keeps its figures) and printed at the
 end; default bench/results/gpu.json. Its `targets` read the issue's targets off the runs (each 4-bit
-form against bf16 at one stream; async scheduling and programmatic dependent launch against without,
-at each stream count), also printed last, a line each.
+form against bf16 at one stream; async scheduling, programmatic dependent launch and the prefetch
+against without, at each stream count), also printed last, a line each.
 """
 
 from __future__ import annotations
@@ -248,6 +250,7 @@ def run_kvserve(
     activations: str = "auto",
     async_scheduling: bool | None = None,
 ) -> dict:
+    import kvserve.kernels.gpu
     from kvserve import LLM, SamplingParams
     from kvserve.kernels.gpu import pdl_options
 
@@ -277,6 +280,7 @@ def run_kvserve(
             "cuda_graphs": llm.weights["cuda_graphs"],
             "async_scheduling": llm.weights["async_scheduling"],
             "pdl": bool(pdl_options(llm.device)),  # programmatic dependent launch (KVSERVE_PDL=1, Hopper+)
+            "weight_prefetch": bool(pdl_options(llm.device)) and kvserve.kernels.gpu.PREFETCH,  # =prefetch
             "levels": levels,
             "batched_equals_solo": solo_check,
             "runner": llm.runner_timings(),
@@ -394,10 +398,11 @@ def _child(results, name: str, kwargs: dict, timeout: float) -> None:
     try:
         if name == "kvserve":
             weights = kwargs.pop("weights")
-            if weights.endswith("-pdl"):  # as KVSERVE_PDL=1 (read when kvserve.kernels.gpu is imported)
+            if "-pdl" in weights:  # as KVSERVE_PDL=1 or =prefetch (read when kvserve.kernels.gpu is imported)
                 import kvserve.kernels.gpu
 
                 kvserve.kernels.gpu.PDL = True
+                kvserve.kernels.gpu.PREFETCH = weights.endswith("-prefetch")
             with packed_bf16(weights == "q4-bf16x2"):
                 results.put(("ok", run_kvserve(**kwargs)))
         else:
@@ -462,8 +467,8 @@ def main() -> None:
         "--runs",
         default="",
         help="comma-separated: only these runs, by engine (kvserve, transformers-eager, transformers-compiled) or"
-        " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, q4, q4-int8, q4-int8-pdl,"
-        " q4-bf16x2)",
+        " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, bf16-pdl-prefetch, q4,"
+        " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-bf16x2)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run not done by then is stopped")
     parser.add_argument("--skip-tests", action="store_true")
@@ -513,6 +518,9 @@ def main() -> None:
         plan.append(("kvserve", shape, "bf16-pdl", True))  # programmatic dependent launch: what it gains
         if "q4" in models[shape]:
             plan.append(("kvserve", shape, "q4-int8-pdl", True))
+        plan.append(("kvserve", shape, "bf16-pdl-prefetch", True))  # and the weights prefetched before its wait
+        if "q4" in models[shape]:
+            plan.append(("kvserve", shape, "q4-int8-pdl-prefetch", True))
         if not args.skip_compiled and shape in args.compiled_shapes.split(","):
             plan.append(("transformers-compiled", shape, "bf16", False))
         plan.append(("kvserve", shape, "bf16", False))
@@ -577,16 +585,16 @@ def main() -> None:
 
 def targets(runs: list[dict]) -> list[dict]:
     """The issue's targets read off the runs (their goals are for the 1B shapes; other shapes get the
-    same lines without one), then what async scheduling and programmatic dependent launch gain (async
-    below 1.0 is better off there; PDL goes on by default from 1.02, a margin over one run's noise), so
-    the next decision needs no arithmetic. A value is None where its runs are missing (or where the GPU
-    could not launch with PDL)."""
+    same lines without one), then what async scheduling, programmatic dependent launch and the weights'
+    prefetch before its wait gain (async below 1.0 is better off there; PDL, and the prefetch with it, go
+    on by default from 1.02, a margin over one run's noise), so the next decision needs no arithmetic. A
+    value is None where its runs are missing (or where the GPU could not launch with PDL)."""
 
     def tok_s(shape, engine, weights, streams):  # kvserve's runs batch invariant, its default
         key = (shape, engine, weights, streams, True if engine == "kvserve" else None)
         fields = ("shapes", "engine", "weights", "streams", "batch_invariant")
         run = next((run for run in runs if tuple(run[f] for f in fields) == key), None)
-        return None if weights.endswith("-pdl") and run and not run.get("pdl") else run  # no PDL on this GPU
+        return None if "-pdl" in weights and run and not run.get("pdl") else run  # no PDL on this GPU
 
     def ratio(a, b):
         return round(a["tok_s"] / b["tok_s"], 3) if a and b and b["tok_s"] else None
@@ -595,7 +603,7 @@ def targets(runs: list[dict]) -> list[dict]:
 
     def add(shape, what, value, goal, always=False):
         if value is not None or always:
-            goal = goal if shape == "llama1b" or what.endswith("plain") else None
+            goal = goal if shape == "llama1b" or what.endswith(("plain", "pdl alone")) else None
             if value is None or goal is None or value != value:  # missing, no goal, NaN (a CPU's bandwidth)
                 met = None
             else:  # the ready time is a ceiling, the rest floors
@@ -621,7 +629,13 @@ def targets(runs: list[dict]) -> list[dict]:
             10,
             True,
         )
-        for weights, base in [("q4", "bf16"), ("q4-int8", "bf16"), ("q4-bf16x2", "bf16"), ("q4-int8-pdl", "bf16-pdl")]:
+        for weights, base in [
+            ("q4", "bf16"),
+            ("q4-int8", "bf16"),
+            ("q4-bf16x2", "bf16"),
+            ("q4-int8-pdl", "bf16-pdl"),
+            ("q4-int8-pdl-prefetch", "bf16-pdl-prefetch"),
+        ]:
             value = ratio(tok_s(shape, "kvserve", weights, one), tok_s(shape, "kvserve", base, one))
             add(shape, f"{weights} / {base}, {one} stream", value, 1.5)
         add(shape, "bf16 ready, s", bf16 and bf16["ready_s"], 30, True)
@@ -631,6 +645,8 @@ def targets(runs: list[dict]) -> list[dict]:
                 ("bf16 async / plain", "bf16", "bf16-sync"),
                 ("bf16 pdl / plain", "bf16-pdl", "bf16"),
                 ("q4-int8 pdl / plain", "q4-int8-pdl", "q4-int8"),
+                ("bf16 pdl+prefetch / pdl alone", "bf16-pdl-prefetch", "bf16-pdl"),
+                ("q4-int8 pdl+prefetch / pdl alone", "q4-int8-pdl-prefetch", "q4-int8-pdl"),
             ]:
                 # one run each, minutes apart: a new default needs a margin over the runs' noise
                 goal = 1.02 if "pdl" in what else 1.0

@@ -13,8 +13,9 @@ host's share. They run with async scheduling (the default on a GPU: the host's w
 the GPU's step n+1), and the first shape's bfloat16 also without it, with 64 streams of seeded
 draws at temperature 1 (the sampler's pick kernel), and with 64 conversations of 2,000 tokens (the
 host's work per step should not grow with them; bench/host_context.py times it without a model),
-and the first shape's weights with programmatic dependent launch (KVSERVE_PDL=1, on a Hopper GPU):
-the graph's own time against without it.
+and the first shape's weights (and 4 bits with int8 inputs) with programmatic dependent launch
+(KVSERVE_PDL=1, on a Hopper GPU) and with the matmuls' weights prefetched into L2 before its wait too
+(KVSERVE_PDL=prefetch): the graph's own time against without them.
 (At 64 streams a 1B step took 3.3 ms in gpu.py's run against 1.4 ms of kernels under the profiler.)
 
     python bench/gpu.py --prepare          # here, once: the tokenizer the models are built with
@@ -196,23 +197,27 @@ def main() -> None:
     errors: list[dict] = []
     for shape in args.shapes.split(",") if args.host else []:
         # async scheduling (the default on a GPU), and the first shape's bf16 without it: what it hides;
-        # then its weights with programmatic dependent launch (KVSERVE_PDL=1): what it takes off the graph
+        # then its weights (and 4 bits with int8 inputs) with programmatic dependent launch (KVSERVE_PDL=1),
+        # and with the weights prefetched before its wait (=prefetch): what they take off the graph
         first = shape == args.shapes.split(",")[0]
-        runs = [(weights, None, False) for weights in models[shape]]
-        runs += [("bf16", False, False)] if first else []
-        runs += (
-            [(weights, None, True) for weights in models[shape]]
-            if first and supports_pdl(torch.device(args.device))
-            else []
+        weights_of = [(w, "auto") for w in models[shape]] + (
+            [("q4", "int8")] if first and "q4" in models[shape] else []
         )
-        for weights, ahead, pdl in runs:
+        runs = [(weights, activations, None, "") for weights, activations in weights_of]
+        runs += [("bf16", "auto", False, "")] if first else []
+        if first and supports_pdl(torch.device(args.device)):
+            runs += [(w, a, None, pdl) for pdl in ("pdl", "pdl-prefetch") for w, a in weights_of]
+        for weights, activations, ahead, pdl in runs:
             long_case = weights == "bf16" and ahead is None and first and not pdl
-            kvserve.kernels.gpu.PDL = pdl  # read at each launch: the graphs captured at start keep it
+            kvserve.kernels.gpu.PDL = bool(pdl)  # read at each launch: the graphs captured at start keep it
+            kvserve.kernels.gpu.PREFETCH = pdl == "pdl-prefetch"
+            named = weights + ("-int8" if activations == "int8" else "")
             with (
-                recorded(errors, f"{shape}-{weights}" + ("-sync" if ahead is False else "") + ("-pdl" if pdl else "")),
+                recorded(errors, f"{shape}-{named}" + ("-sync" if ahead is False else "") + (f"-{pdl}" if pdl else "")),
                 LLM(
                     str(models[shape][weights]),
                     device=args.device,
+                    activations=activations,
                     max_num_seqs=64,
                     progress=False,
                     session_db=False,
@@ -222,23 +227,23 @@ def main() -> None:
                 ) as llm,
             ):
                 suffix = ("" if llm.weights["async_scheduling"] else "-sync") + (
-                    "-pdl" if pdl_options(llm.device) else ""
+                    f"-{pdl}" if pdl_options(llm.device) else ""
                 )
                 for streams in (1, 64):
-                    host.append(host_case(llm, streams, args.tokens * 4, f"{shape}-{weights}{suffix}-{streams}"))
+                    host.append(host_case(llm, streams, args.tokens * 4, f"{shape}-{named}{suffix}-{streams}"))
                     print(json.dumps(host[-1]), flush=True)
                 if long_case:
                     # seeded draws at temperature 1 (the OpenAI API's default): the sampler's pick kernel
-                    name = f"{shape}-{weights}{suffix}-64-sampled"
+                    name = f"{shape}-{named}{suffix}-64-sampled"
                     host.append(host_case(llm, 64, args.tokens * 4, name, temperature=1.0))
                     print(json.dumps(host[-1]), flush=True)
                     # conversations of 2,000 tokens: the host's work per step should not grow with them
-                    name = f"{shape}-{weights}{suffix}-64-long{LONG_PROMPT}"
+                    name = f"{shape}-{named}{suffix}-64-long{LONG_PROMPT}"
                     host.append(host_case(llm, 64, args.tokens * 4, name, prompt_tokens=LONG_PROMPT))
                     print(json.dumps(host[-1]), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"cases": cases, "host": host, "errors": errors}, indent=1) + "\n")
-    kvserve.kernels.gpu.PDL = False  # the profiled cases without it
+    kvserve.kernels.gpu.PDL = kvserve.kernels.gpu.PREFETCH = False  # the profiled cases without them
     for shape in [] if args.host_only else args.shapes.split(","):
         for graphs in (True, False):
             with (

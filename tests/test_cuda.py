@@ -229,24 +229,30 @@ def _needs_pdl() -> None:
         pytest.skip("programmatic dependent launch needs compute capability 9.0 (Hopper) or later")
 
 
-def _pdl(on: bool, monkeypatch) -> None:
-    """Programmatic dependent launch on (KVSERVE_PDL=1) for the kernels launched from here on, or off."""
+def _pdl(mode: str, monkeypatch) -> None:
+    """For the kernels launched from here on: "pdl", programmatic dependent launch on (KVSERVE_PDL=1);
+    "prefetch", with the matmuls' weights prefetched into L2 before its wait (KVSERVE_PDL=prefetch);
+    "plain", neither."""
     import kvserve.kernels.gpu
 
-    monkeypatch.setattr(kvserve.kernels.gpu, "PDL", on)
-    assert bool(kvserve.kernels.gpu.pdl_options(torch.device("cuda"))) == on
+    monkeypatch.setattr(kvserve.kernels.gpu, "PDL", mode != "plain")
+    monkeypatch.setattr(kvserve.kernels.gpu, "PREFETCH", mode == "prefetch")
+    device = torch.device("cuda")
+    assert bool(kvserve.kernels.gpu.pdl_options(device)) == (mode != "plain")
+    assert kvserve.kernels.gpu.prefetch_lines(device, 512) == (4 if mode == "prefetch" else 0)
 
 
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("pdl", ["plain", "pdl", "prefetch"])
 def test_the_last_programs_sums_hold_across_programs_and_graph_replays(pdl, monkeypatch):
     """The kernels whose last program of a tile adds the others' partial results (a matmul's K splits,
     attention's key splits, the sampler's pick) give the bits of the separate sum kernels, launch after
     launch and as a CUDA graph replayed on new inputs, and leave every counter at 0. The interpreter
     runs a grid's programs one after another, so only a GPU tests their order and visibility; with
-    programmatic dependent launch, also each kernel's wait for the one before it."""
+    programmatic dependent launch, also each kernel's wait for the one before it (and the matmuls' weights
+    prefetched before it)."""
     from kvserve.kernels.gpu import attention, matmul, sample
 
-    if pdl:
+    if pdl != "plain":
         _needs_pdl()
     _pdl(pdl, monkeypatch)
 
@@ -304,11 +310,13 @@ def test_the_last_programs_sums_hold_across_programs_and_graph_replays(pdl, monk
     assert not any(c.any() for c in mine)
 
 
+@pytest.mark.parametrize("mode", ["pdl", "prefetch"])
 @pytest.mark.parametrize("weights, activations", [("bf16", "auto"), ("q4", "int8")])
-def test_programmatic_dependent_launch_gives_the_same_tokens(tiny_model_dir, weights, activations, monkeypatch):
+def test_programmatic_dependent_launch_gives_the_same_tokens(tiny_model_dir, weights, activations, mode, monkeypatch):
     """KVSERVE_PDL=1: each kernel's launch overlaps the end of the one before it, in the decode graphs and
-    in eager steps. Every kernel waits for the one before it before it touches memory, so 16 requests at
-    once, and each alone, give the tokens they give without it."""
+    in eager steps. Every kernel waits for the one before it before it touches memory (=prefetch: but the
+    matmuls' weights, which no kernel writes, prefetched into L2), so 16 requests at once, and each alone,
+    give the tokens they give without it."""
     _needs_pdl()
     texts = [prompt(i, 30 + 11 * i) for i in range(16)]
     params = [GREEDY, SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)]
@@ -316,7 +324,7 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(tiny_model_dir, wei
     with LLM(str(tiny_model_dir), session_db=False, **options) as plain:
         want = [[r.token_ids for r in plain.generate(texts, p)] for p in params]
         wait_idle_and_check(plain)
-    _pdl(True, monkeypatch)
+    _pdl(mode, monkeypatch)
     with LLM(str(tiny_model_dir), session_db=False, **options) as overlapped:
         for p, tokens in zip(params, want, strict=True):
             assert [r.token_ids for r in overlapped.generate(texts, p)] == tokens
