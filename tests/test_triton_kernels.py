@@ -1103,6 +1103,10 @@ JITFunction.__getitem__ = launch
 
 from kvserve.kernels.gpu import attention, elementwise, matmul, norm, sample
 bf16 = torch.bfloat16
+"""
+
+# The launches as they are by default (no grid dependency control)
+_COMPILE_PLAIN = r"""
 for m in (1, 37):  # the same binaries for 1 row and for 37
     x = torch.randn(m, 2048).to(bf16)
     call = f"rms_norm-{m}"; norm.rms_norm(x, torch.ones(2048, dtype=bf16), 1e-6)
@@ -1142,7 +1146,14 @@ for t in (1, 3):  # a decode of one token, a prefill tile of 3, the metadata at 
     call = f"attention-{t}"; attention.paged_attention(*args)
     call = f"attention-splits-{t}"; attention.paged_attention(*args, num_splits=2)
     call = f"attention-tiles-{t}"; attention.paged_attention(*args, num_splits=2, counters=attention.attention_counters("cpu"))
-# each kernel once more with programmatic dependent launch on, as on a Hopper GPU with KVSERVE_PDL=1
+"""
+
+# Each kernel once more with programmatic dependent launch on, as on a Hopper GPU with KVSERVE_PDL=1, then
+# the matmuls with their weights prefetched (KVSERVE_PDL=prefetch); compiled beside the plain launches
+_COMPILE_PDL = r"""
+codes = torch.randint(0, 16, (256, 2048), dtype=torch.uint8)
+scales = torch.rand(256, 64).half()
+kv_cache = k_cache = torch.zeros(8, 16, 2, 128, dtype=bf16)
 pdl = lambda device: {"PDL": True, "launch_pdl": True}
 for module in (attention, elementwise, matmul, norm, sample):
     module.pdl_options = pdl
@@ -1199,11 +1210,23 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         pytest.skip("triton has no ptxas to compile for the GPU with")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).resolve().parent.parent
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_HOPPER], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    launches = [json.loads(line) for line in result.stdout.splitlines()]
+    # the plain launches and the PDL ones in two processes at once (a compile uses one core)
+    passes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COMPILE_FOR_HOPPER + part],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for part in (_COMPILE_PLAIN, _COMPILE_PDL)
+    ]
+    launches = []
+    for compiling in passes:
+        stdout, stderr = compiling.communicate(timeout=600)
+        assert compiling.returncode == 0, stderr[-3000:]
+        launches += [json.loads(line) for line in stdout.splitlines()]
     # programmatic dependent launch (KVSERVE_PDL=1): every kernel waits for the one before it before it
     # touches memory, then lets the next one start; without it, no grid dependency control at all
     with_pdl = [launch for launch in launches if launch[0].startswith("pdl-")]
