@@ -1189,6 +1189,12 @@ call = "prefetch-1"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scal
 call = "prefetch-1"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
 call = "prefetch-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
 call = "prefetch-37"; matmul.int4_int8_matmul(torch.randn(37, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
+call = "prefetch-8"; matmul.int4_int8_matmul(torch.randn(8, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
+# a layer wider than NARROW_N: longer K splits, more lines a row
+wide = torch.randint(0, 16, (4224, 2048), dtype=torch.uint8)
+wide_scales = torch.rand(4224, 64).half()
+call = "prefetch-1"; matmul.int4_matmul(x, matmul.pack_int4(wide), wide_scales, wide_scales)
+call = "prefetch-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(wide), wide_scales, wide_scales)
 call = "prefetch-1"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
 """
 
@@ -1223,10 +1229,15 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         for part in (_COMPILE_PLAIN, _COMPILE_PDL)
     ]
     launches = []
-    for compiling in passes:
-        stdout, stderr = compiling.communicate(timeout=600)
-        assert compiling.returncode == 0, stderr[-3000:]
-        launches += [json.loads(line) for line in stdout.splitlines()]
+    try:
+        for compiling in passes:
+            stdout, stderr = compiling.communicate(timeout=600)
+            assert compiling.returncode == 0, stderr[-3000:]
+            launches += [json.loads(line) for line in stdout.splitlines()]
+    finally:  # neither left running after a failure
+        for compiling in passes:
+            compiling.kill()
+            compiling.wait()
     # programmatic dependent launch (KVSERVE_PDL=1): every kernel waits for the one before it before it
     # touches memory, then lets the next one start; without it, no grid dependency control at all
     with_pdl = [launch for launch in launches if launch[0].startswith("pdl-")]

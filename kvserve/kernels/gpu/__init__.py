@@ -24,9 +24,10 @@ PDL: bool = os.environ.get("KVSERVE_PDL") in ("1", "prefetch")
 # With PDL, a matmul's programs may start while the kernel before is still running; weights are never
 # written by a kernel, so each program can ask L2 for its own before the wait and find them there after.
 PREFETCH: bool = os.environ.get("KVSERVE_PDL") == "prefetch"
-# Bytes of each weight row's K split a matmul program asks L2 for: the whole split of the quantized
-# decode kernels (256 B a row for int4 in splits of 512), the first two K steps of the float kernel's: 8 MB
-# of a 1B model's gate and up projections in bfloat16, well within an H200's 50 MB of L2.
+# Bytes of each weight row's K split a matmul program asks L2 for, at most: the whole split of the int4
+# kernels and of the int8-input ones (256 B a row for int4 x int8 in splits of 512), half of the float-input
+# int8 kernel's, the first two K steps of the float kernel's: 8 MB of a 1B model's gate and up projections
+# in bfloat16, well within an H200's 50 MB of L2.
 PREFETCH_BYTES = 512
 _PDL_ON = {"PDL": True, "launch_pdl": True}
 _pdl_devices: dict[int | None, bool] = {}

@@ -825,7 +825,7 @@ def _launch(
     partial = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device) if is_split else out
     sum_in_tile = is_split and counters is not None and grid[0] * grid[1] <= counters.numel()
     if weight is not None:  # the bytes of a weight row's split
-        lines = prefetch_lines(x.device, weight.shape[1] * weight.element_size() * k_per_split // k)
+        lines = prefetch_lines(x.device, weight.shape[1] * weight.element_size() * min(k, k_per_split) // k)
         constexprs.update({"PREFETCH_LINES": lines} if lines else {})
     kernel[grid](
         x,
