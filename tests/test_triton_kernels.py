@@ -1158,18 +1158,23 @@ pdl = lambda device: {"PDL": True, "launch_pdl": True}
 for module in (attention, elementwise, matmul, norm, sample):
     module.pdl_options = pdl
 x = torch.randn(1, 2048).to(bf16)
+
+def matmuls(tag):  # every matmul kernel, each tile of int4 x int8
+    global call
+    call = f"{tag}-1"; matmul.matmul(torch.randn(1, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=matmul.split_counters("cpu"))
+    call = f"{tag}-1"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales)
+    call = f"{tag}-1"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
+    call = f"{tag}-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
+    call = f"{tag}-37"; matmul.int4_int8_matmul(torch.randn(37, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
+    # _load4's asm reads the activations and is pure (free to move): no tile of rows may put it above the wait
+    call = f"{tag}-8"; matmul.int4_int8_matmul(torch.randn(8, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
+    call = f"{tag}-1"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
+
 call = "pdl-1"; norm.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, [])
 call = "pdl-1"; elementwise.gated_activation(x, False, [])
 call = "pdl-1"; elementwise.rotate(x.view(1, 16, 128)[:, :10], x[:, None, :128], x[:, None, :128])
 call = "pdl-1"; elementwise.rotate_and_store(x.view(1, 16, 128)[:, :10], x.view(1, 16, 128)[:, 10:12], x[:, None, :128], x[:, None, :128], kv_cache, kv_cache, torch.arange(1, dtype=torch.int32))
-call = "pdl-1"; matmul.matmul(torch.randn(1, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=matmul.split_counters("cpu"))
-call = "pdl-1"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales)
-call = "pdl-1"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
-call = "pdl-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
-call = "pdl-37"; matmul.int4_int8_matmul(torch.randn(37, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
-# _load4's asm reads the activations and is pure (free to move): no tile of rows may put it above the wait
-call = "pdl-8"; matmul.int4_int8_matmul(torch.randn(8, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
-call = "pdl-1"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
+matmuls("pdl")
 call = "pdl-1"; sample.pick(torch.randn(1, 5000), sample.counters("cpu"))
 call = "pdl-1"; sample.row_cumsum(torch.randn(1, 5000))
 meta = torch.arange(100, dtype=torch.int32)  # as for one token above
@@ -1184,18 +1189,12 @@ gpu.supports_pdl = lambda device: True
 gpu.PDL = gpu.PREFETCH = True
 for module in (attention, elementwise, matmul, norm, sample):
     module.pdl_options = gpu.pdl_options
-call = "prefetch-1"; matmul.matmul(torch.randn(1, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=matmul.split_counters("cpu"))
-call = "prefetch-1"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales)
-call = "prefetch-1"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
-call = "prefetch-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
-call = "prefetch-37"; matmul.int4_int8_matmul(torch.randn(37, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
-call = "prefetch-8"; matmul.int4_int8_matmul(torch.randn(8, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
+matmuls("prefetch")
 # a layer wider than NARROW_N: longer K splits, more lines a row
 wide = torch.randint(0, 16, (4224, 2048), dtype=torch.uint8)
 wide_scales = torch.rand(4224, 64).half()
 call = "prefetch-1"; matmul.int4_matmul(x, matmul.pack_int4(wide), wide_scales, wide_scales)
 call = "prefetch-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(wide), wide_scales, wide_scales)
-call = "prefetch-1"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
 """
 
 
