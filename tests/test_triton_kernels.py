@@ -45,8 +45,9 @@ def test_available():
 
 @pytest.mark.skipif(not gpu.INTERPRET, reason="the interpreter's speed-up (tests/triton_interpreter.py)")
 def test_the_sped_up_interpreter_computes_what_tritons_own_does(monkeypatch):
-    """tests/conftest.py skips the interpreter's language patching inside a launch: a kernel whose
-    helpers run in its loop (the matmul's dot, attention's splits) gives the bits of Triton's own."""
+    """tests/conftest.py skips the interpreter's language patching inside a launch and shares its types
+    (tests/triton_interpreter.py): a kernel whose helpers run in its loop (the matmul's dot, attention's
+    splits) gives the bits of Triton's own."""
     from tests.triton_interpreter import speed_up, tritons_own
 
     if not speed_up():
@@ -57,8 +58,11 @@ def test_the_sped_up_interpreter_computes_what_tritons_own_does(monkeypatch):
     q = _randn(10, 4, 32, seed=4, dtype=torch.bfloat16)
     step = Step([(0, 140, 1), (1, 0, 9)])
 
-    def run():
-        return matmul.matmul(x, w), norm.rms_norm(x, w[0], 1e-5), _attend(cache, step, q, num_splits=3)
+    logits, seeds = _randn(3, 300, seed=5), torch.tensor([7, 8, 9], device=DEVICE)
+
+    def run():  # block and scalar values of many types and shapes (the pick: its draws' integer scalars)
+        drawn = sample.pick(logits, sample.counters(DEVICE), None, seeds, torch.ones(3, device=DEVICE))
+        return matmul.matmul(x, w), norm.rms_norm(x, w[0], 1e-5), _attend(cache, step, q, num_splits=3), drawn
 
     sped_up = run()
     with tritons_own():
