@@ -3,6 +3,9 @@
 // whatever the other rows hold); prefill_attention, causal attention of fresh prompts over their
 // own keys and values.
 
+#include <ATen/ops/ones.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+
 #include <atomic>
 #include <vector>
 

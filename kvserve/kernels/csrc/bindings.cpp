@@ -1,5 +1,7 @@
 // The Python module: each family's entry points, and the layer loop's types (kernels.h).
 
+#include <torch/python.h>
+
 #include <optional>
 #include <vector>
 

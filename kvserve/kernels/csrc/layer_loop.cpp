@@ -11,6 +11,14 @@
 // Numerics follow the Python path (kvserve/models/llama.py): activations are stored in the
 // compute dtype (bfloat16 or float32) between operations, arithmetic is done in float32.
 
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/stack.h>
+#include <c10/core/InferenceMode.h>
+
 #include <vector>
 
 #include "kernels.h"
