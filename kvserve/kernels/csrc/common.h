@@ -5,7 +5,7 @@
 
 // The tensor type and the operators used, each from its own header: torch/extension.h (pybind11
 // and the C++ frontend) compiles five times as long in every file that includes it, ATen/ATen.h
-// (every operator) twice as long. bindings.cpp alone includes torch/extension.h.
+// (every operator) twice as long. bindings.cpp alone includes pybind11 (torch/python.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
