@@ -99,7 +99,7 @@ def _shared_block_types(core, semantic) -> list[tuple[object, str, object]]:
     """One `block_type` object per (element type, shape), and each tensor's shape and size made once
     per type, instead of anew for every value an op makes (Triton's `tuple` of `constexpr`s and each
     type's name string: a fifth of a launch's time). Then two operands of one type need no broadcast."""
-    block_type, tensor = core.block_type, core.tensor
+    block_type, tensor, triton_tuple = core.block_type, core.tensor, getattr(core, "tuple", None)
     made: dict = {}
     shapes: dict = {}  # a scalar type's tensor shape and size (a block type keeps its own)
     init, tensor_init, broadcast = block_type.__init__, tensor.__init__, semantic.broadcast_impl_value
@@ -109,7 +109,7 @@ def _shared_block_types(core, semantic) -> list[tuple[object, str, object]]:
 
     def shared(cls, element_ty, shape):
         try:
-            dims = shape.values if type(shape) is core.tuple else shape  # Triton's tuple, or Python's, or a list
+            dims = shape.values if type(shape) is triton_tuple else shape  # Triton's tuple, Python's, or a list
             key = (element_ty, *(d.value if isinstance(d, core.constexpr) else d for d in dims))
             found = made.get(key)
         except TypeError:  # an unhashable element type (a pointer): one of its own, as Triton makes
