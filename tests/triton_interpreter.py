@@ -1,5 +1,5 @@
 """Triton's interpreter without its repeated language patching and type building: the same computation,
-in half the time.
+in less time.
 
 A kernel launch in the interpreter (`GridExecutor.__call__`) patches `triton.language` for its kernel
 (`_patch_lang`: `inspect.getmembers` over the language's modules, every builtin wrapped) and restores it
@@ -10,7 +10,8 @@ patch finds nothing left to wrap: a third of the GPU-path tests' time, for helpe
 already patched every language module the helper sees. Launches, and anything else, patch as before.
 And `_get_np_dtype`, called for every value an op makes, built its table of numpy types on each call:
 its answers are kept by element type. And every value an op makes built its type and shape anew
-(`_shared_block_types`): they are made once per element type and shape.
+(`_shared_block_types`): they are made once per element type and shape (with it the GPU-path tests
+took about 30% less time; the pick's 3,000 draws 57 -> 35 s on a 2-core EPYC).
 """
 
 from __future__ import annotations
