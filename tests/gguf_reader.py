@@ -7,12 +7,14 @@ Here the reader's module sees a numpy whose `memmap` maps the file as numpy does
 a plain `ndarray` view of that map, so each slice is numpy's own C code over the same bytes (the map
 stays alive as the view's base). Gemma's file took 15.6 s to read through the memmap and takes 4.6 s
 so, on a 2-core EPYC, and a test session reads it three times (transformers reads a model's file twice, for its
-config and its weights, and once more for a tokenizer).
+config and its weights, and once more for a tokenizer). And transformers' map from the file's tensor
+names to its model's is built once per model instead of once per submodule (`_one_name_map_per_model`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 
 import numpy as np
@@ -43,7 +45,19 @@ def speed_up() -> bool:
         return False
     gguf_reader.np = _numpy_with_plain_maps()
     gguf_reader._kvserve_sped_up = True
+    _one_name_map_per_model()
     return True
+
+
+def _one_name_map_per_model() -> None:
+    """transformers maps a GGUF's tensor names to its model's by walking every submodule, and builds
+    gguf-py's `TensorNameMap` (every architecture's names for every block) anew in each: hundreds of
+    times for one model. The map depends on the architecture and the block count alone and is only
+    read, so one is kept per pair (loading SmolLM2's reference: 25.9 -> 12.8 s on a 2-core EPYC)."""
+    import gguf
+
+    if not hasattr(gguf.get_tensor_name_map, "cache_info"):
+        gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
 
 
 @contextlib.contextmanager
