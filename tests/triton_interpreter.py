@@ -88,8 +88,15 @@ def speed_up() -> bool:
         from triton.language.semantic import TritonSemantic
     except ImportError:  # an older front end: the language patching's skip alone
         TritonSemantic = None
-    if TritonSemantic is not None and hasattr(TritonSemantic, "broadcast_impl_value"):
-        swaps += _shared_block_types(tl.core, TritonSemantic)
+    core = tl.core  # the types' patches only over the attributes they were written for
+    if (
+        TritonSemantic is not None
+        and "broadcast_impl_value" in TritonSemantic.__dict__
+        and core.block_type.__new__ is object.__new__
+        and "__init__" in core.block_type.__dict__
+        and "__init__" in core.tensor.__dict__
+    ):
+        swaps += _shared_block_types(core, TritonSemantic)
     _SWAPS[:] = [(owner, name, owner.__dict__[name], mine) for owner, name, mine in swaps]
     _use(mine=True)
     interpreter._kvserve_sped_up = True
@@ -105,24 +112,32 @@ def _shared_block_types(core, semantic) -> list[tuple[object, str, object]]:
     shapes: dict = {}  # a scalar type's tensor shape and size (a block type keeps its own)
     init, tensor_init, broadcast = block_type.__init__, tensor.__init__, semantic.broadcast_impl_value
 
-    def fresh(cls, element_ty, shape):  # Triton's: a new object each time (block_type inherits object's
+    def fresh(cls, *args, **kwargs):  # Triton's: a new object each time (block_type inherits object's
         return object.__new__(cls)  # __new__, which a class whose __new__ was set cannot get back)
 
-    def shared(cls, element_ty, shape):
-        try:
-            dims = shape.values if type(shape) is triton_tuple else shape  # Triton's tuple, Python's, or a list
-            key = (element_ty, *(d.value if isinstance(d, core.constexpr) else d for d in dims))
-            found = made.get(key)
-        except TypeError:  # an unhashable element type (a pointer): one of its own, as Triton makes
+    def shared(cls, *args, **kwargs):
+        """The one object for a plain (element type, list or Triton tuple of ints); anything else (a
+        subclass, a pointer's type, which has no hash, a shape Triton would refuse) a new object whose
+        __init__ runs Triton's own, with its checks."""
+        if cls is not block_type or len(args) != 2 or kwargs or type(args[1]) not in (list, triton_tuple):
             return object.__new__(cls)
-        if found is None:
-            found = made[key] = object.__new__(cls)
+        element_ty, shape = args
+        dims = [d.value if isinstance(d, core.constexpr) else d for d in shape]
+        if not dims or any(type(d) is not int for d in dims):
+            return object.__new__(cls)
+        try:
+            found = made.get((element_ty, *dims))
+        except TypeError:  # an unhashable element type (a pointer)
+            return object.__new__(cls)
+        if found is None:  # built as Triton builds it, then kept
+            found = object.__new__(cls)
             init(found, element_ty, shape)
+            made[(element_ty, *dims)] = found
         return found
 
-    def init_once(self, element_ty, shape):
-        if "name" not in self.__dict__:  # a pointer's block type: built here, as Triton builds it
-            init(self, element_ty, shape)
+    def init_once(self, *args, **kwargs):
+        if "name" not in self.__dict__:  # a new object (see shared): built here, as Triton builds it
+            init(self, *args, **kwargs)
 
     def tensor_init_shared(self, handle, type):
         block = isinstance(type, block_type)

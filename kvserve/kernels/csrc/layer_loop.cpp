@@ -11,7 +11,6 @@
 // Numerics follow the Python path (kvserve/models/llama.py): activations are stored in the
 // compute dtype (bfloat16 or float32) between operations, arithmetic is done in float32.
 
-#include <ATen/TensorOperators.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/linear.h>
@@ -45,7 +44,7 @@ at::Tensor linear(const at::Tensor& x, const Linear& l, const Int4Policy& int4) 
         // kernel_scales_and_zeros).
         const at::Tensor scales = l.scales.select(1, 0).to(at::kFloat), mins = l.scales.select(1, 1).to(at::kFloat);
         out = at::_weight_int4pack_mm_for_cpu(x, l.weight, int4.group_size,
-                                              at::stack({scales, mins + 8 * scales}, -1).to(x.scalar_type()));
+                                              at::stack({scales, mins.add(scales.mul(8))}, -1).to(x.scalar_type()));
       }
       break;
     case LinearKind::Int8:
