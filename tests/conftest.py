@@ -37,6 +37,24 @@ TINY_LLAMA = dict(
 )
 
 
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): a worker per CPU this process may use, at most 4, since each may
+    hold a bundled model and its float32 transformers reference (a few GB)."""
+    return max(1, min(_cpus(), 4))
+
+
+def pytest_configure(config) -> None:
+    """In a worker, torch's threads are this machine's CPUs shared among the workers, but at least 2,
+    so that the C++ kernels' splits over threads are still exercised (2 cores: 2 workers of 2 threads)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(2, _cpus() // workers))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def fused_decode_extension():
     """Build the fused CPU decode step once, before any engine starts, so that every engine test
