@@ -47,12 +47,30 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(_cpus(), 4))
 
 
-def pytest_configure(config) -> None:
-    """In a worker, torch's threads are this machine's CPUs shared among the workers, but at least 2,
-    so that the C++ kernels' splits over threads are still exercised (2 cores: 2 workers of 2 threads)."""
+def _worker_threads() -> int | None:
+    """In a worker, the CPUs shared among the workers (None outside xdist or with one worker)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        torch.set_num_threads(max(2, _cpus() // workers))
+    return max(1, _cpus() // workers) if workers > 1 else None
+
+
+def pytest_configure(config) -> None:
+    """A worker's torch threads are its share of the CPUs: on 2 cores, 2 workers of 2 threads each spent
+    twice the CPU time of 2 workers of 1 on the same suite."""
+    if (threads := _worker_threads()) is not None:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_threads(request):
+    """A file marked `threaded` (the C++ kernels' and batch invariance's) runs with 2 threads or more
+    even in a worker whose share is 1, so that the kernels' splits over threads stay tested."""
+    threads = _worker_threads()
+    if threads is None or threads >= 2 or request.node.get_closest_marker("threaded") is None:
+        yield
+        return
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,7 +10,7 @@ import torch
 
 from kvserve.kernels import build, ops
 
-pytestmark = pytest.mark.skipif(build.load() is None, reason="the C++ kernels did not build")
+pytestmark = [pytest.mark.skipif(build.load() is None, reason="the C++ kernels did not build"), pytest.mark.threaded]
 
 BLOCK_SIZE = 16
 

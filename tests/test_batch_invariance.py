@@ -21,6 +21,8 @@ from kvserve.llm import default_dtype
 from kvserve.structured_output import StructuredOutput
 from tests.conftest import wait_idle_and_check
 
+pytestmark = pytest.mark.threaded  # the C++ kernels' splits over threads stay tested under xdist
+
 ROWS = (1, 2, 5, 16, 33, 64, 512)
 
 

@@ -16,6 +16,8 @@ from kvserve.layers.quantized import Int4Groups, Int4Linear, Int8GroupLinear, in
 from kvserve.weights.loader import load_model
 from tests.conftest import make_tiny_llama, wait_idle_and_check
 
+pytestmark = pytest.mark.threaded  # the C++ kernels' splits over threads stay tested under xdist
+
 VARIANTS = {
     "gqa-q4": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q4"),
     "gqa-q4-dequantized-gemm": (dict(hidden_size=64, intermediate_size=128, vocab_size=320), "q4"),

@@ -12,6 +12,8 @@ import torch
 from kvserve.layers import quads
 from kvserve.layers.quantized import Int8Embedding, Int8GroupLinear
 
+pytestmark = pytest.mark.threaded  # the C++ kernels' splits over threads stay tested under xdist
+
 
 def _codes(rows: int, cols: int, low: int, high: int, seed: int) -> torch.Tensor:
     return torch.randint(low, high + 1, (rows, cols), generator=torch.Generator().manual_seed(seed), dtype=torch.int8)

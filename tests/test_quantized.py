@@ -26,6 +26,8 @@ from kvserve.weights.plan import resolve_activations, resolve_weights
 from tests.conftest import make_tiny_llama, wait_idle_and_check
 from tests.test_gguf import _logits, quantize_q6_k, random_blocks, write_llama_gguf
 
+pytestmark = pytest.mark.threaded  # the C++ kernels' splits over threads stay tested under xdist
+
 T = GGMLQuantizationType
 # Dimensions the int4 kernel takes whole (outputs in 16s, inputs in groups of 32).
 INT4_FRIENDLY = dict(hidden_size=64, intermediate_size=128, vocab_size=320)
