@@ -77,7 +77,7 @@ def _sampling_params(args: argparse.Namespace, model_path):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    with _terminal_llm(args) as llm:
+    with _terminal_llm(args, session_db=False) as llm:  # one prompt: no session, so no lock on a server's store
         params = _sampling_params(args, llm.model_path)
         if args.raw or llm.tokenizer.chat_template is None:
             chunks = llm.stream(args.prompt, params)

@@ -1,4 +1,5 @@
-"""Shared fixtures: the bundled GGUF (fetched once into $KVSERVE_HOME) and tiny random Llama checkpoints."""
+"""Shared fixtures: a $KVSERVE_HOME per test process, the bundled GGUF (fetched once into the real one's
+models/), tiny random Llama checkpoints, and the workers' threads."""
 
 from __future__ import annotations
 
@@ -43,7 +44,10 @@ def _cpus() -> int:
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (pyproject's addopts): a worker per CPU this process may use, at most 4, since each may
-    hold a bundled model and its float32 transformers reference (a few GB)."""
+    hold a bundled model and its float32 transformers reference (a few GB). PYTEST_XDIST_AUTO_NUM_WORKERS
+    overrides it, as in xdist's own hook."""
+    if chosen := os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(chosen)
     return max(1, min(_cpus(), 4))
 
 
@@ -62,8 +66,9 @@ def pytest_configure(config) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel_threads(request):
-    """A file marked `threaded` (the C++ kernels' and batch invariance's) runs with 2 threads or more
-    even in a worker whose share is 1, so that the kernels' splits over threads stay tested."""
+    """A file marked `threaded` (the C++ kernels', the sampler's, batch invariance's, the families') runs
+    with 2 threads or more even in a worker whose share is 1, so that the kernels' splits over threads
+    stay tested."""
     threads = _worker_threads()
     if threads is None or threads >= 2 or request.node.get_closest_marker("threaded") is None:
         yield
@@ -71,6 +76,22 @@ def kernel_threads(request):
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kvserve_home_per_process(tmp_path_factory):
+    """This test process's own $KVSERVE_HOME, whose models/ is the real one's (the bundled GGUFs fetched
+    once for all): the default session store, which one process locks, is then neither another worker's
+    nor the user's own."""
+    from kvserve.weights.registry import models_dir
+
+    models = models_dir()
+    models.mkdir(parents=True, exist_ok=True)
+    home = tmp_path_factory.mktemp("kvserve-home")
+    (home / "models").symlink_to(models, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSERVE_HOME", str(home))
+        yield home
 
 
 @pytest.fixture(scope="session", autouse=True)

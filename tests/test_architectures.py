@@ -26,6 +26,8 @@ from tests.conftest import TINY_LLAMA, wait_idle_and_check, write_byte_tokenizer
 from tests.test_batch_invariance import at_once
 from tests.test_gguf import LLAMACPP_LAYER_NAMES, finish_gguf, gguf_writer
 
+pytestmark = pytest.mark.threaded  # the C++ kernels' splits over threads stay tested under xdist
+
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.errors import ModelFetchError, ModelNotFoundError
+from kvserve.sessions.store import SessionStore
 from kvserve.weights.registry import (
     DEFAULT_MODEL,
     REGISTRY,
@@ -150,13 +151,19 @@ def test_cli_help_and_generate(bundled_gguf):
         command = [sys.executable, "-m", "kvserve.cli", "generate", "What is the capital of France?", "--max-tokens"]
         return subprocess.run([*command, "12", *flags], capture_output=True, text=True, env=env, check=True).stdout
 
-    # Greedy, dequantized bfloat16 answers "The capital of France is Paris."; the default weights (kept
-    # quantized, bfloat16) sit at a near-tie for the first token ("The" vs "L'", 0.02 apart in
-    # logprob), which tests/test_engine_bundled.py checks under the first-divergence rule.
-    assert "Paris" in generate("--weights", "bf16", "--temperature", "0")
-    # The default samples (tests/test_cli_sampling.py); a seed makes it reproducible.
-    sampled = generate("--seed", "7")
-    assert sampled.strip() and sampled == generate("--seed", "7")
+    # A server holding the default session store (here this process holds it) does not stop generate,
+    # which keeps no session.
+    store = SessionStore(bundled_gguf.parent.parent / "sessions.db")
+    try:
+        # Greedy, dequantized bfloat16 answers "The capital of France is Paris."; the default weights (kept
+        # quantized, bfloat16) sit at a near-tie for the first token ("The" vs "L'", 0.02 apart in
+        # logprob), which tests/test_engine_bundled.py checks under the first-divergence rule.
+        assert "Paris" in generate("--weights", "bf16", "--temperature", "0")
+        # The default samples (tests/test_cli_sampling.py); a seed makes it reproducible.
+        sampled = generate("--seed", "7")
+        assert sampled.strip() and sampled == generate("--seed", "7")
+    finally:
+        store.close()
 
 
 def test_cli_unknown_model_is_a_clear_error(tmp_path):

@@ -9,6 +9,8 @@ from kvserve.engine.sampler import Sampler, SamplingRow, _filter
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.threaded  # the C++ kernels' splits over threads stay tested under xdist
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 50
