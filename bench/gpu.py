@@ -19,7 +19,8 @@ stream count (distinct ~60-token prompts, `--max-tokens` each with EOS ignored, 
 and each figure as a fraction of the bandwidth limit (streams x bandwidth / weight bytes: each step
 reads the weights once). Engines: kvserve (bf16 batch-invariant; the same with --async-scheduling off
 as `bf16-sync`; bf16 with --batch-invariant off; 4-bit; 4-bit with int8 inputs (`--activations int8`:
-dp4a) as `q4-int8`; 4-bit with the int4 kernel's packed-bfloat16 candidate as `q4-bf16x2`; bf16 and
+dp4a) as `q4-int8`; 4-bit through PyTorch's own int4 kernel (`_weight_int4pack_mm`, "tinygemm": bfloat16
+scales and zeros) as `q4-tinygemm`; 4-bit with the int4 kernel's packed-bfloat16 candidate as `q4-bf16x2`; bf16 and
 q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl` and `q4-int8-pdl`, and with the
 matmuls' weights prefetched into L2 before its wait too (KVSERVE_PDL=prefetch) as `bf16-pdl-prefetch` and
 `q4-int8-pdl-prefetch`),
@@ -230,15 +231,17 @@ def _free(device: str) -> None:
 
 
 @contextlib.contextmanager
-def packed_bf16(on: bool):
-    """GpuInt4Linear's packed-bfloat16 candidate on for the layers loaded inside."""
+def int4_candidate(weights: str):
+    """GpuInt4Linear's candidate that `weights` names on for the layers loaded inside: the packed-bfloat16
+    one (`q4-bf16x2`) or PyTorch's int4 kernel (`q4-tinygemm`)."""
     from kvserve.layers.gpu import GpuInt4Linear
 
-    GpuInt4Linear.packed_bf16 = on
+    GpuInt4Linear.packed_bf16 = weights == "q4-bf16x2"
+    GpuInt4Linear.tinygemm = weights == "q4-tinygemm"
     try:
         yield
     finally:
-        GpuInt4Linear.packed_bf16 = False
+        GpuInt4Linear.packed_bf16 = GpuInt4Linear.tinygemm = False
 
 
 def run_kvserve(
@@ -403,7 +406,7 @@ def _child(results, name: str, kwargs: dict, timeout: float) -> None:
 
                 kvserve.kernels.gpu.PDL = True
                 kvserve.kernels.gpu.PREFETCH = weights.endswith("-prefetch")
-            with packed_bf16(weights == "q4-bf16x2"):
+            with int4_candidate(weights):
                 results.put(("ok", run_kvserve(**kwargs)))
         else:
             results.put(("ok", run_transformers(**kwargs)))
@@ -468,7 +471,7 @@ def main() -> None:
         default="",
         help="comma-separated: only these runs, by engine (kvserve, transformers-eager, transformers-compiled) or"
         " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, bf16-pdl-prefetch, q4,"
-        " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-bf16x2)",
+        " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-tinygemm, q4-bf16x2)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run not done by then is stopped")
     parser.add_argument("--skip-tests", action="store_true")
@@ -514,6 +517,8 @@ def main() -> None:
         if "q4" in models[shape]:  # and with int8 inputs (dp4a), on the same file
             plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
         plan.append(("transformers-eager", shape, "bf16", False))
+        if "q4" in models[shape]:  # PyTorch's own int4 kernel, on the same file
+            plan.append(("kvserve", shape, "q4-tinygemm", True))
         plan.append(("kvserve", shape, "bf16-sync", True))  # without async scheduling: what it gains
         plan.append(("kvserve", shape, "bf16-pdl", True))  # programmatic dependent launch: what it gains
         if "q4" in models[shape]:
@@ -632,6 +637,7 @@ def targets(runs: list[dict]) -> list[dict]:
         for weights, base in [
             ("q4", "bf16"),
             ("q4-int8", "bf16"),
+            ("q4-tinygemm", "bf16"),
             ("q4-bf16x2", "bf16"),
             ("q4-int8-pdl", "bf16-pdl"),
             ("q4-int8-pdl-prefetch", "bf16-pdl-prefetch"),

@@ -8,7 +8,9 @@ FMAs from bfloat16 scales (`int4_matmul(packed_bf16=True)`: other bits by design
 in the loop for sm_90), at each int4 config and two 128-column ones; `int4-int8`, int4 weights times
 int8 inputs by dp4a (`int4_int8_matmul`, `--activations int8`: the inputs' quantization included, its
 row tile following M), at its candidate configs, and from 16 rows `int4-int8-mma`, its tensor-core
-kernel's tiles (the same bits); and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding),
+kernel's tiles (the same bits); `int4-tinygemm`, PyTorch's own int4 kernel (`_weight_int4pack_mm`, one
+configuration, bfloat16 scales and zeros: other bits by design; kernels/gpu/tinygemm.py), on a CUDA GPU
+only; and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding),
 with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`).
 Each layer has its own tile counters, as in the engine, so that a K split's last program adds the
 splits; `float-sum-kernel`, `int4-sum-kernel` and `int4-int8-sum-kernel` time kvserve's configs with
@@ -176,6 +178,16 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
 
         return calls
 
+    def tinygemm_calls(x):
+        from kvserve.kernels.gpu import tinygemm
+
+        def codes_of(p):  # pack_int4's bytes back to codes [n, k]: input j low, j + 16 high, per group of 32
+            groups = p.view(n, k // 32, 16)
+            return torch.cat([groups & 15, groups >> 4], dim=-1).view(n, k)
+
+        layers = [tinygemm.pack(codes_of(p), s, mn) for p, s, mn in zip(packed, scales, mins, strict=True)]
+        return lambda: [tinygemm.matmul(x, p, sz) for p, sz in layers]
+
     def int8_calls(x, int8_inputs=False):
         layers = list(zip(codes8, scales8, counters, strict=False))
         if int8_inputs:  # --activations int8: the inputs' quantization included
@@ -198,6 +210,8 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         runs += [("float", cfg, float_calls(x, cfg)) for cfg in floats]
         runs += [("int4", cfg, int4_calls(x, cfg)) for cfg in int4s]
         runs += [("int4-convert", None, int4_calls(x, None, permute=False))]
+        if device == "cuda":  # PyTorch has no CPU kernel for this layout
+            runs += [("int4-tinygemm", None, tinygemm_calls(x))]
         runs += [("int4-bf16x2", cfg, int4_calls(x, cfg, packed_bf16=True)) for cfg in int4s + int4_wide]
         runs += [  # kvserve's configs with the sum kernel launched after each split call
             ("float-sum-kernel", None, float_calls(x, None, tile_sums=False)),

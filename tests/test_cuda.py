@@ -330,3 +330,45 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(tiny_model_dir, wei
             assert [r.token_ids for r in overlapped.generate(texts, p)] == tokens
             assert [overlapped.generate(t, p).token_ids for t in texts[:4]] == tokens[:4]
         wait_idle_and_check(overlapped)
+
+
+def test_pytorchs_int4_kernel_computes_the_weights_it_was_given_with_each_rows_own_bits():
+    """The tinygemm candidate (kernels/gpu/tinygemm.py) on a 1B qkv projection's shape: x times the
+    weights `dequantized` says the kernel makes of the packed codes, scales and zeros (their order
+    included), within its bfloat16 output's rounding; and each row's bits the same alone as among 3, 16,
+    17 and 64 rows (R7: one configuration for every row count)."""
+    from kvserve.kernels.gpu import tinygemm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, k = 3072, 2048
+    codes = torch.randint(0, 16, (n, k), device="cuda", generator=gen, dtype=torch.uint8)
+    scales = torch.rand(n, k // 32, device="cuda", generator=gen) * 0.02 + 0.001
+    mins = -torch.rand(n, k // 32, device="cuda", generator=gen) * 0.1
+    packed, scales_zeros = tinygemm.pack(codes, scales, mins)
+    weight = tinygemm.dequantized(tinygemm.code_pairs(codes), scales_zeros)
+    x = torch.randn(64, k, device="cuda", generator=gen).to(torch.bfloat16)
+    out = tinygemm.matmul(x, packed, scales_zeros)
+    want = x.float() @ weight.T
+    assert out.dtype == torch.bfloat16 and out.shape == (64, n)
+    assert (out.float() - want).abs().max() <= 2**-7 * want.abs().max()
+    for rows in (slice(0, 3), slice(0, 16), slice(0, 17), slice(5, 6), slice(63, 64)):
+        assert torch.equal(tinygemm.matmul(x[rows], packed, scales_zeros), out[rows]), rows
+
+
+def test_pytorchs_int4_kernel_serves_sixteen_at_once_like_solo(tiny_model_dir, monkeypatch):
+    """4-bit weights through PyTorch's int4 kernel (bench/gpu.py's `q4-tinygemm`): every 4-bit layer uses
+    it, with float inputs even where int8 inputs are asked for (the int8 lm_head keeps them); 16 requests
+    at once, again behind their cached prefixes, each give their solo run's tokens."""
+    from kvserve.layers.gpu import GpuInt8GroupLinear
+
+    monkeypatch.setattr(GpuInt4Linear, "tinygemm", True)
+    texts = [prompt(i, 30 + 11 * i) for i in range(16)]
+    options = dict(device="cuda", weights="q4", activations="int8", max_num_seqs=16, progress=False)
+    with LLM(str(tiny_model_dir), session_db=False, **options) as q4:
+        four_bit = [m for m in q4.model.modules() if isinstance(m, GpuInt4Linear)]
+        assert four_bit and all(m.tinygemm and not m.int8_activations for m in four_bit)
+        assert isinstance(q4.model.lm_head, GpuInt8GroupLinear) and q4.model.lm_head.int8_activations
+        solo = [q4.generate(t, GREEDY).token_ids for t in texts]
+        assert [r.token_ids for r in q4.generate(texts, GREEDY)] == solo
+        assert [r.token_ids for r in q4.generate(texts, GREEDY)] == solo  # behind cached prefixes
+        wait_idle_and_check(q4)

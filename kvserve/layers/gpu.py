@@ -95,6 +95,9 @@ class GpuInt4Linear(nn.Module):
     # The kernel's packed-bfloat16 candidate (int4_matmul's packed_bf16: scales and mins kept as
     # bfloat16), off until a GPU measures it faster; bench/gpu.py's `q4-bf16x2` run turns it on.
     packed_bf16 = False
+    # PyTorch's own int4 kernel instead of kvserve's (kernels/gpu/tinygemm.py: bfloat16 scales and zeros,
+    # float inputs only), off until a GPU measures it faster; bench/gpu.py's `q4-tinygemm` turns it on.
+    tinygemm = False
 
     def __init__(
         self,
@@ -110,13 +113,27 @@ class GpuInt4Linear(nn.Module):
             raise ValueError(f"the GPU's int4 kernel takes groups of {GROUP_SIZE}, got {weight.group_size}")
         self.out_features, self.in_features = weight.codes.shape
         self.out_dtype = out_dtype
+        self.int8_activations = False
+        self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
+        self.tinygemm = type(self).tinygemm  # fixed at load, with the codes' layout
+        if self.tinygemm:
+            from kvserve.kernels.gpu import tinygemm
+
+            if not tinygemm.supported(device):
+                raise ValueError(
+                    "PyTorch's int4 kernel (the tinygemm candidate) needs a CUDA GPU of compute capability 8.0 or later"
+                )
+            codes = weight.codes.to(device)
+            packed, scales_zeros = tinygemm.pack(codes, weight.scales.to(device), weight.mins.to(device))
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_zeros", scales_zeros)  # [K / 32, N, 2] bfloat16
+            self.packed_bf16 = False
+            return
         self.register_buffer("packed", pack_int4(weight.codes.to(device)))
         self.packed_bf16 = type(self).packed_bf16  # fixed at load, with the scales' dtype
-        self.int8_activations = False
         group_values = (lambda v: v.to(torch.bfloat16)) if self.packed_bf16 else _group_values
         self.register_buffer("scales", group_values(weight.scales).to(device))  # [N, K / 32]
         self.register_buffer("mins", group_values(weight.mins).to(device))  # [N, K / 32]
-        self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
         self.register_buffer("split_counters", _split_counters(device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +141,12 @@ class GpuInt4Linear(nn.Module):
 
         x2 = x.reshape(-1, self.in_features)
         out_dtype = self.out_dtype or x.dtype
-        if self.int8_activations:
+        if self.tinygemm:
+            from kvserve.kernels.gpu import tinygemm
+
+            out = tinygemm.matmul(x2, self.packed, self.scales_zeros)
+            out = (out if self.bias is None else out.float() + self.bias).to(out_dtype)
+        elif self.int8_activations:
             quantized = getattr(x, INT8_FORM, None)  # made by the kernel that made x, if any
             out = int4_int8_matmul(
                 x2, self.packed, self.scales, self.mins, out_dtype, self.bias, quantized, self.split_counters
@@ -137,7 +159,10 @@ class GpuInt4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         inputs = ", int8 inputs" if self.int8_activations else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}{inputs}"
+        kernel = ", PyTorch's int4 kernel" if self.tinygemm else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}{inputs}{kernel}"
+        )
 
 
 class GpuInt8GroupLinear(nn.Module):
@@ -234,8 +259,8 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
         return isinstance(layer, (GpuInt4Linear, GpuInt8GroupLinear)) and layer.int8_activations
 
     for module in model.modules():
-        if isinstance(module, (GpuInt4Linear, GpuInt8GroupLinear)):
-            module.int8_activations = on
+        if isinstance(module, (GpuInt4Linear, GpuInt8GroupLinear)):  # PyTorch's int4 kernel: float inputs only
+            module.int8_activations = on and not (isinstance(module, GpuInt4Linear) and module.tinygemm)
     if isinstance(getattr(model, "norm", None), GpuRMSNorm):  # a pipeline's last stage, or the whole model
         model.norm.int8_output = takes_int8(model.lm_head)
     for layer in model.modules():
