@@ -16,6 +16,8 @@ On the GPU it builds the models there (a transformers Llama in each shape, seede
 folder; the 1B shape also as a GGUF, Q4_0 layers and a Q8_0 embedding, written with the gguf package)
 and measures the device-to-device copy bandwidth. Then per shape and engine: ready time, tok/s at each
 stream count (distinct ~60-token prompts, `--max-tokens` each with EOS ignored, all at once), TTFT p50,
+kvserve's decode graph for that many streams replayed alone on the GPU (`graph_gpu_ms`: the step's GPU
+share; streams / tok_s is the whole step),
 and each figure as a fraction of the bandwidth limit (streams x bandwidth / weight bytes: each step
 reads the weights once). Engines: kvserve (bf16 batch-invariant; the same with --async-scheduling off
 as `bf16-sync`; bf16 with --batch-invariant off; 4-bit; 4-bit with int8 inputs (`--activations int8`:
@@ -276,6 +278,8 @@ def run_kvserve(
         for n in streams:
             levels[n] = asyncio.run(_kvserve_level(llm, prompts(n), params))
         solo_check = _solo_equals_batched(llm, min(16, max(streams)), params)
+        for n, ms in _graph_gpu_ms(llm, streams).items():  # last: the replays rewrite the last step's KV slots
+            levels[n]["graph_gpu_ms"] = ms
         return {
             "ready_s": ready,
             "weight_bytes": llm.weights["bytes"],
@@ -307,6 +311,37 @@ async def _kvserve_level(llm, batch: list[list[int]], params) -> dict:
     counts = await asyncio.gather(*(one(p) for p in batch))
     wall = time.perf_counter() - start
     return {"tok_s": sum(counts) / wall, "ttft_p50_s": statistics.median(first), "wall_s": wall}
+
+
+def _graph_gpu_ms(llm, streams: list[int], replays: int = 20) -> dict[int, float]:
+    """Per stream count, its decode graph replayed alone on the GPU, ms a replay (its kernels and the gaps
+    between them, on whatever its buffers hold): the GPU's share of a decode step, which a level's
+    streams / tok_s (its step) exceeds by the host's share. Empty without CUDA graphs."""
+    import torch
+
+    graphs = llm.engine.runner.graphs
+    if graphs is None or not torch.cuda.is_available():
+        return {}
+
+    def timed() -> dict[int, float]:  # on the engine thread, between its steps (it is idle here)
+        out = {}
+        for n in streams:
+            bucket = graphs._bucket_of[n] if n < len(graphs._bucket_of) else None
+            if bucket is None:  # more rows than the largest graph: eager steps
+                continue
+            replay = graphs._replays[bucket]
+            replay()
+            torch.cuda.synchronize()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(replays):
+                replay()
+            end.record()
+            torch.cuda.synchronize()
+            out[n] = round(begin.elapsed_time(end) / replays, 4)
+        return out
+
+    return llm.engine.call(timed)
 
 
 def _solo_equals_batched(llm, count: int, params) -> str:
@@ -571,6 +606,7 @@ def main() -> None:
                     "streams": n,
                     "tok_s": round(level["tok_s"], 1),
                     "ttft_p50_s": None if level["ttft_p50_s"] is None else round(level["ttft_p50_s"], 4),
+                    "graph_gpu_ms": level.get("graph_gpu_ms"),  # kvserve: its decode graph alone on the GPU
                     "weight_bytes": run["weight_bytes"],
                     "limit_tok_s": round(limit, 1),
                     "fraction_of_limit": round(level["tok_s"] / limit, 4),
