@@ -76,3 +76,5 @@ def test_the_candidate_refuses_a_device_without_the_kernel(monkeypatch):
     monkeypatch.setattr(GpuInt4Linear, "tinygemm", True)
     with pytest.raises(ValueError, match=r"compute capability 8\.0"):
         GpuInt4Linear(weight, "cpu")
+    # a layer of float32 outputs (a 4-bit lm_head's logits) keeps kvserve's kernel: never rounded to bfloat16
+    assert not GpuInt4Linear(weight, "cpu", out_dtype=torch.float32).tinygemm

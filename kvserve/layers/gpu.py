@@ -115,7 +115,9 @@ class GpuInt4Linear(nn.Module):
         self.out_dtype = out_dtype
         self.int8_activations = False
         self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
-        self.tinygemm = type(self).tinygemm  # fixed at load, with the codes' layout
+        # fixed at load, with the codes' layout; not for float32 outputs (a 4-bit lm_head's logits), which
+        # it would give rounded to bfloat16
+        self.tinygemm = type(self).tinygemm and out_dtype in (None, torch.bfloat16)
         if self.tinygemm:
             from kvserve.kernels.gpu import tinygemm
 
