@@ -8,9 +8,9 @@ the wheels of the packages kvserve needs there and the machine's image lacks (gg
     python bench/gpu.py --prepare                      # here: writes .gpu_assets/
     # on the GPU machine (the device tool: carry .gpu_assets, PYTHONPATH=.):
     pip install --no-index --no-deps --target /tmp/site .gpu_assets/wheels/*.whl && PYTHONPATH=.:/tmp/site python bench/gpu.py
-    # a dry run of the plumbing on a CPU (tiny shapes, Triton's interpreter):
+    # a dry run of the plumbing on a CPU (tiny shapes, Triton's interpreter: about 5 minutes a run on 2 cores):
     PYTHONPATH=. KVSERVE_KERNELS=triton TRITON_INTERPRET=1 python bench/gpu.py --device cpu --shapes tiny --streams 1,2 \\
-        --max-tokens 4 --skip-tests --skip-compiled --out /tmp/gpu.json
+        --max-tokens 4 --skip-tests --skip-compiled --runs bf16 --run-timeout-s 900 --out /tmp/gpu.json
 
 On the GPU it builds the models there (a transformers Llama in each shape, seeded, saved as a bfloat16
 folder; the 1B shape also as a GGUF, Q4_0 layers and a Q8_0 embedding, written with the gguf package)
