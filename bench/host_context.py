@@ -1,8 +1,10 @@
 """The host's work per decode step at 64 streams against the length of their conversations: the
 scheduler's step (schedule and update), a GPU decode graph's fill (DecodeGraphs.run with its replay a
-no-op: what the host does before the graph starts) and the C++ layer loop's inputs (the CPU's
-`_token_inputs`). None of it should grow with the context; a copy of each request's whole token list or
-block table per step did. No model runs: the scheduler and the fills alone, on their own data.
+no-op: what the host does before the graph starts), the C++ layer loop's inputs (the CPU's
+`_token_inputs`) and a pipeline's plan for 64 penalized requests (trimmed and pickled on rank 0,
+unpickled and their histories rebuilt at the last stage; its bytes too). None of it should grow with
+the context; a copy of each request's whole token list or block table per step did. No model runs: the
+scheduler and the fills alone, on their own data.
 
     python bench/host_context.py --out bench/results/host_context.json
 """
@@ -113,6 +115,51 @@ def token_inputs_ms(context: int, steps: int) -> float:
     return (time.perf_counter() - start) * 1000 / steps
 
 
+def pipeline_plan(context: int, steps: int) -> tuple[float, float]:
+    """(ms, bytes) per step of a pipeline's plan for 64 penalized decoding requests at `context` tokens:
+    rank 0 trims the items and pickles the plan, the last stage unpickles it and rebuilds each request's
+    lists (what the engine thread and a stage do per step besides the model; pipeline/deltas.py).
+    Before 2026-12-03 (no deltas.py) every plan carried each request's whole block table and each such
+    request's whole prompt and outputs."""
+    import pickle
+
+    from kvserve.engine.block_pool import BlockPool
+    from kvserve.engine.request import Request
+    from kvserve.engine.scheduler import Scheduler
+    from kvserve.pipeline import wire
+    from kvserve.sampling_params import SamplingParams
+
+    try:
+        from kvserve.pipeline.deltas import Mirror, Outbound
+    except ImportError:  # the tree before: the whole lists with every plan
+        Mirror = Outbound = None
+    blocks = STREAMS * (-(-(context + steps + 2) // BLOCK))
+    scheduler = Scheduler(BlockPool(blocks + 1, BLOCK), STREAMS, STREAMS * context + STREAMS, context + steps + 8)
+    for i in range(STREAMS):  # each its own settings, as a server's requests have
+        prompt = [1000 + (i * 7919 + j) % 30000 for j in range(context)]
+        params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True, repetition_penalty=1.1)
+        scheduler.add_request(Request(f"r{i}", prompt, params, (2,)))
+    outbound, mirror = (Outbound(), Mirror(histories=True)) if Outbound is not None else (None, None)
+    spent, sent = 0.0, 0
+    for n in range(steps + 1):
+        out = scheduler.schedule()
+        start = time.perf_counter()
+        if outbound is not None:
+            items, histories, tables = outbound.trim(out.scheduled)
+            plan = wire.StepPlan(n, items, histories=histories, tables=tables)
+        else:
+            plan = wire.StepPlan(n, [wire.trimmed(item) for item in out.scheduled])
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        received = pickle.loads(data)
+        if mirror is not None:
+            mirror.apply(received.items, received.histories, received.tables)
+        if n:  # the prompts' step aside: decode steps only
+            spent += time.perf_counter() - start
+            sent += len(data)
+        scheduler.update_from_output(out, {item.request_id: 7 for item in out.scheduled if item.sample})
+    return spent * 1000 / steps, sent / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="60,2000,8000")
@@ -126,6 +173,9 @@ def main() -> None:
         for name, fn in (("scheduler", scheduler_ms), ("graph_fill", graph_fill_ms), ("token_inputs", token_inputs_ms)):
             runs = [fn(context, args.steps) for _ in range(args.repeats)]
             row[f"{name}_ms"] = None if runs[0] is None else round(statistics.median(runs), 4)
+        plans = [pipeline_plan(context, args.steps) for _ in range(args.repeats)]
+        row["pipeline_plan_ms"] = round(statistics.median(ms for ms, _ in plans), 4)
+        row["pipeline_plan_bytes"] = round(statistics.median(size for _, size in plans))
         rows.append(row)
         print(json.dumps(row), flush=True)
     described = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -24,8 +25,9 @@ import torch.distributed as dist
 from kvserve import LLM, EngineClosedError, EngineError, SamplingParams
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.request import Request
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import ScheduledRequest, Scheduler
 from kvserve.errors import InvalidRequestError
+from kvserve.pipeline import deltas, wire
 from kvserve.pipeline.rendezvous import PipelineError, identity, introduce
 from kvserve.pipeline.topology import Topology, stage_layers
 from tests.conftest import make_tiny_llama, wait_idle_and_check, write_byte_tokenizer
@@ -96,6 +98,90 @@ def test_the_scheduler_keeps_requests_in_flight_out_of_the_next_micro_batch():
     assert scheduler.in_flight == {requests[0], requests[1], requests[2], requests[3]}
 
 
+# ----- a request's lists, sent once ---------------------------------------------------------------
+def _through_the_wire(ticket, outbound, items, released=()):
+    """Rank 0's plan of `items` as a later stage receives it (pickled and unpickled, as wire.send and
+    wire.recv do), and its size in bytes."""
+    trimmed, histories, tables = outbound.trim(items)
+    plan = wire.StepPlan(ticket, trimmed, list(released), histories=histories, tables=tables)
+    data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.loads(data), len(data)
+
+
+def test_plans_carry_a_requests_lists_once_then_only_what_is_new():
+    """pipeline/deltas.py, 40 decode steps of three requests at 2,000 tokens: the first plan carries each
+    block table whole, later ones a table's new blocks only (one every 16 tokens); a penalized request's
+    prompt once and then its new outputs; a min_tokens request its outputs (their count), no prompt;
+    another request none. So a plan's bytes do not grow with the conversations, and the later stages'
+    copies give their runners each request's whole lists after every plan."""
+    penalized = SamplingParams(max_tokens=100, repetition_penalty=1.2, frequency_penalty=0.3)
+    requests = [
+        Request("pen", list(range(1000, 3000)), penalized),
+        Request("min", list(range(2000)), SamplingParams(max_tokens=100, min_tokens=50)),
+        Request("plain", list(range(2000)), SamplingParams(max_tokens=100)),
+    ]
+    scheduler = Scheduler(BlockPool(600, 16), 8, 8192, 4096)
+    for request in requests:
+        scheduler.add_request(request)
+    outbound, middle, last = deltas.Outbound(), deltas.Mirror(histories=False), deltas.Mirror(histories=True)
+    sizes = []
+    for step in range(40):
+        out = scheduler.schedule()
+        plan, size = _through_the_wire(step, outbound, out.scheduled)
+        sizes.append(size)
+        for stage in (middle, last):
+            items = {item.request_id: item for item in stage.apply(plan.items, plan.histories, plan.tables)}
+            for request in requests:
+                assert items[request.request_id].block_ids == request.block_ids
+                assert items[request.request_id].token_ids == plan.items[requests.index(request)].token_ids
+        assert (items["pen"].prompt_token_ids, items["pen"].output_token_ids) == (
+            requests[0].prompt_token_ids,
+            requests[0].output_token_ids,
+        )
+        assert (items["min"].prompt_token_ids, items["min"].output_token_ids) == ([], requests[1].output_token_ids)
+        assert (items["plain"].prompt_token_ids, items["plain"].output_token_ids) == ([], [])
+        if step:  # decode: a token each, and a table's new block at most
+            assert all(len(item.block_ids) <= 1 and len(item.token_ids) == 1 for item in plan.items)
+        scheduler.update_from_output(out, {r.request_id: 7 + step for r in requests})
+    assert sizes[0] > 20_000 and max(sizes[1:]) < 1500 and max(sizes[1:]) - min(sizes[1:]) < 32, sizes
+    assert middle.num_requests == last.num_requests == 3
+
+
+def test_a_new_table_goes_whole_a_released_id_starts_whole_and_a_lost_plan_is_an_error():
+    """A table that is not the last plan's with blocks added (a preempted request's new blocks) travels
+    whole. A finished request's id that comes back for a new request: its first plan carries its own
+    prompt, after the release that travels with it. A plan that does not continue a stage's copies (one
+    lost or out of order) raises rather than run on the wrong blocks or penalize from the wrong history,
+    and leaves the other requests' copies up to date."""
+    outbound, mirror = deltas.Outbound(), deltas.Mirror(histories=True)
+    penalized = SamplingParams(max_tokens=10, presence_penalty=0.5)
+
+    def item(request_id, prompt, outputs, table):
+        return ScheduledRequest(request_id, [1], len(prompt), table, True, penalized, prompt, outputs)
+
+    def step(ticket, items, released=()):
+        plan, _ = _through_the_wire(ticket, outbound, items, released)
+        mirror.release(plan.released)
+        return plan, mirror.apply(plan.items, plan.histories, plan.tables)
+
+    _, whole = step(0, [item("r", [1, 2, 3], [], [10])])
+    plan, whole = step(1, [item("r", [1, 2, 3], [4], [10, 11])])
+    assert plan.items[0].block_ids == [11] and plan.tables == {"r": 1} and whole[0].block_ids == [10, 11]
+    plan, whole = step(2, [item("r", [1, 2, 3], [4, 5], [12])])  # preempted: other blocks
+    assert plan.items[0].block_ids == [12] and plan.tables == {} and whole[0].block_ids == [12]
+    outbound.release(["r"])
+    plan, whole = step(3, [item("r", [7, 8], [9], [20])], released=["r"])
+    assert plan.histories == {"r": (0, [7, 8])}
+    assert (whole[0].prompt_token_ids, whole[0].output_token_ids) == ([7, 8], [9])
+    lost, _ = _through_the_wire(4, outbound, [item("r", [7, 8], [9, 10], [20, 21])])
+    later, _ = _through_the_wire(5, outbound, [item("r", [7, 8], [9, 10, 11], [20, 21]), item("s", [1], [], [30])])
+    with pytest.raises(RuntimeError, match=r"copies: request r's block table \(2 blocks kept, 1 held\)$"):
+        mirror.apply(later.items, later.histories, later.tables)
+    assert mirror.num_requests == 2  # s's copy made all the same
+    whole = mirror.apply(lost.items, lost.histories, lost.tables)  # r's copies are still as of plan 3
+    assert (whole[0].block_ids, whole[0].output_token_ids) == ([20, 21], [9, 10])
+
+
 # ----- the same tokens ----------------------------------------------------------------------------
 def test_greedy_seeded_and_penalized_requests_equal_one_process(single, piped):
     params = [
@@ -108,6 +194,21 @@ def test_greedy_seeded_and_penalized_requests_equal_one_process(single, piped):
         want, got = single.generate(prompt, p), piped.generate(prompt, p)
         assert got.token_ids == want.token_ids and got.text == want.text
         assert got.logprobs == want.logprobs
+    wait_idle_and_check(piped)
+
+
+def test_sixteen_penalized_or_min_tokens_requests_at_once_equal_one_process(single, piped):
+    """Their histories reach the last stage once, then only new outputs (pipeline/history.py): sixteen at
+    once, seeded with penalties or greedy held to min_tokens, each gives its one-process tokens."""
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.7, seed=i, repetition_penalty=1.3, frequency_penalty=0.4)
+        if i % 2
+        else SamplingParams(max_tokens=24, temperature=0, min_tokens=20)
+        for i in range(16)
+    ]
+    prompts = [f"{i}: {p}" for i, p in enumerate(sixteen(PROMPTS))]
+    want = [single.generate(p, q).token_ids for p, q in zip(prompts, params, strict=True)]
+    assert at_once(piped, prompts, params) == want
     wait_idle_and_check(piped)
 
 

@@ -35,6 +35,7 @@ from kvserve.engine.model_runner import ModelRunner, RunnerOutput
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.errors import EngineError
 from kvserve.pipeline import wire
+from kvserve.pipeline.deltas import Outbound
 from kvserve.pipeline.rendezvous import (
     MEET_TIMEOUT,
     EngineSizes,
@@ -73,6 +74,7 @@ class PipelineRunner:
         self.bytes_sent = 0  # plans and activations sent down the pipeline, for the benchmark
         self.stage_seconds = [0.0] * topology.stages  # each stage's compute time, over the steps that came back
         self._released: list[str] = []
+        self._deltas = Outbound()  # what the plans have told the stages of each request's lists
         self._dead = False
         self._closing = False
         self._stop = threading.Event()
@@ -126,7 +128,8 @@ class PipelineRunner:
         through step_done. Raises where the first stage fails (nothing has been sent then)."""
         started = time.perf_counter()
         hidden = self.stage.forward(out.scheduled).to("cpu")  # gloo sends from host memory; a copy on a GPU
-        plan = wire.StepPlan(ticket, [wire.trimmed(item) for item in out.scheduled], self._released)
+        items, histories, tables = self._deltas.trim(out.scheduled)
+        plan = wire.StepPlan(ticket, items, self._released, histories=histories, tables=tables)
         plan.stage_seconds.append(time.perf_counter() - started)
         self._released = []
         self._outgoing.put((wire.Kind.STEP, plan, hidden))
@@ -134,7 +137,8 @@ class PipelineRunner:
 
     def release(self, request_ids: list[str]) -> None:
         self.stage.release(request_ids)
-        self._released.extend(request_ids)  # the last stage's generators go with the next plan
+        self._deltas.release(request_ids)
+        self._released.extend(request_ids)  # the stages' copies and the last one's generators go with the next plan
 
     def close(self) -> None:
         """Stop every stage: the shutdown down the pipeline (the last answers when it has passed),

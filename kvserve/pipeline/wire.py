@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from kvserve.engine.model_runner import RunnerOutput
 from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.pipeline.deltas import Histories, Tables
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -31,15 +32,19 @@ class Kind(enum.IntEnum):
 
 @dataclass
 class StepPlan:
-    """What every stage needs of one step: rank 0's scheduled requests (history lists trimmed to what
-    the last stage's sampler reads), the requests finished since the last plan (the last stage drops
-    their random generators) and, once a stage failed, why (the later stages pass it on unrun)."""
+    """What every stage needs of one step: rank 0's scheduled requests (their block tables, and where the
+    last stage's sampler reads them their prompts and outputs, only as far as they are new since the
+    request's last plan: `tables` and `histories`, pipeline/deltas.py), the requests finished since the
+    last plan (the stages drop their copies, the last stage their random generators) and, once a stage
+    failed, why (the later stages pass it on unrun)."""
 
     ticket: int
     items: list[ScheduledRequest]
     released: list[str] = field(default_factory=list)
     error: str | None = None
     stage_seconds: list[float] = field(default_factory=list)  # each stage's compute time so far, in order
+    histories: Histories = field(default_factory=dict)
+    tables: Tables = field(default_factory=dict)
 
 
 @dataclass
@@ -48,24 +53,6 @@ class StepResult:
     output: RunnerOutput | None = None
     error: str | None = None
     stage_seconds: list[float] = field(default_factory=list)
-
-
-def trimmed(item: ScheduledRequest) -> ScheduledRequest:
-    """A scheduled request as the stages after the first need it: the sampler reads the prompt and
-    the output so far only for penalties, the output's length for min_tokens; the rest stays home."""
-    params = item.params
-    keep_output = params.has_penalties or params.min_tokens > 0
-    return ScheduledRequest(
-        request_id=item.request_id,
-        token_ids=item.token_ids,
-        num_computed_tokens=item.num_computed_tokens,
-        block_ids=item.block_ids,
-        sample=item.sample,
-        params=params,
-        prompt_token_ids=item.prompt_token_ids if params.has_penalties else [],
-        output_token_ids=item.output_token_ids if keep_output else [],
-        token_bitmask=item.token_bitmask,
-    )
 
 
 def send(group: dist.ProcessGroup, dst: int, tag: int, kind: Kind, payload: Any = None, tensor=None) -> int:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from kvserve.pipeline import wire
+from kvserve.pipeline.deltas import Mirror
 from kvserve.pipeline.rendezvous import (
     Heartbeats,
     PipelineError,
@@ -57,6 +58,7 @@ def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = Fa
     watchdog.start()
     logger.info("pipeline stage %d ready", rank)
     last = rank == topology.stages - 1
+    copies = Mirror(histories=last)  # each request's block table, and at the last stage its sampler's lists
     while True:
         kind, plan, hidden = wire.recv(group, rank - 1, wire.TAG_DOWN)
         if kind == wire.Kind.SHUTDOWN:
@@ -67,13 +69,19 @@ def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = Fa
             beats.stop()
             return
         runner.release(plan.released)
+        copies.release(plan.released)
+        items = plan.items
+        try:  # every plan, a failed one's too: the copies follow rank 0's plans one by one
+            items = copies.apply(plan.items, plan.histories, plan.tables)
+        except RuntimeError as exc:
+            plan.error = plan.error or f"pipeline stage {rank} failed: {exc}"
         output = None
         started = time.perf_counter()
         if plan.error is None:
             try:
-                hidden = runner.forward(plan.items, hidden)
+                hidden = runner.forward(items, hidden)
                 if last:
-                    output = runner.sample(plan.items, hidden)
+                    output = runner.sample(items, hidden)
             except Exception as exc:
                 logger.exception("pipeline stage %d failed on a step", rank)
                 plan.error = f"pipeline stage {rank} failed: {exc!r}"
