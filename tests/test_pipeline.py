@@ -113,7 +113,8 @@ def test_plans_carry_a_requests_lists_once_then_only_what_is_new():
     block table whole, later ones a table's new blocks only (one every 16 tokens); a penalized request's
     prompt once and then its new outputs; a min_tokens request its outputs (their count), no prompt;
     another request none. So a plan's bytes do not grow with the conversations, and the later stages'
-    copies give their runners each request's whole lists after every plan."""
+    copies give their runners each request's whole table after every plan, and the last stage (which
+    samples) its whole prompt and outputs where sampling reads them."""
     penalized = SamplingParams(max_tokens=100, repetition_penalty=1.2, frequency_penalty=0.3)
     requests = [
         Request("pen", list(range(1000, 3000)), penalized),
@@ -129,11 +130,14 @@ def test_plans_carry_a_requests_lists_once_then_only_what_is_new():
         out = scheduler.schedule()
         plan, size = _through_the_wire(step, outbound, out.scheduled)
         sizes.append(size)
+        scheduled = {item.request_id: item for item in out.scheduled}
         for stage in (middle, last):
             items = {item.request_id: item for item in stage.apply(plan.items, plan.histories, plan.tables)}
             for request in requests:
                 assert items[request.request_id].block_ids == request.block_ids
-                assert items[request.request_id].token_ids == plan.items[requests.index(request)].token_ids
+                assert items[request.request_id].token_ids == scheduled[request.request_id].token_ids
+            if stage is middle:  # it does not sample
+                assert all(item.prompt_token_ids == item.output_token_ids == [] for item in items.values())
         assert (items["pen"].prompt_token_ids, items["pen"].output_token_ids) == (
             requests[0].prompt_token_ids,
             requests[0].output_token_ids,
@@ -198,8 +202,9 @@ def test_greedy_seeded_and_penalized_requests_equal_one_process(single, piped):
 
 
 def test_sixteen_penalized_or_min_tokens_requests_at_once_equal_one_process(single, piped):
-    """Their histories reach the last stage once, then only new outputs (pipeline/history.py): sixteen at
-    once, seeded with penalties or greedy held to min_tokens, each gives its one-process tokens."""
+    """Their histories reach the last stage once, then only new outputs (pipeline/deltas.py): sixteen at
+    once, seeded with penalties or greedy held to min_tokens, each gives its one-process tokens; once
+    they are done the stages hold no copies for them."""
     params = [
         SamplingParams(max_tokens=24, temperature=0.7, seed=i, repetition_penalty=1.3, frequency_penalty=0.4)
         if i % 2
@@ -210,6 +215,17 @@ def test_sixteen_penalized_or_min_tokens_requests_at_once_equal_one_process(sing
     want = [single.generate(p, q).token_ids for p, q in zip(prompts, params, strict=True)]
     assert at_once(piped, prompts, params) == want
     wait_idle_and_check(piped)
+    assert piped.engine.runner._deltas.num_requests == 0
+
+
+def test_a_prefill_only_request_leaves_no_copies_behind(piped):
+    """A session's eager prefill computes a prompt's KV and finishes without sampling: released like any
+    finished request, so neither rank 0 nor the stages keep its block table (sessions make one per
+    streamed prompt)."""
+    prefill = Request("eager", [65] * 40, SamplingParams(max_tokens=1, temperature=0), prefill_only=True)
+    piped.engine.call(lambda: piped.engine.admit(prefill, None))
+    wait_idle_and_check(piped)
+    assert prefill.is_finished and piped.engine.runner._deltas.num_requests == 0
 
 
 def test_sixteen_at_once_and_a_second_longer_request_equal_their_solo_runs(single, piped):

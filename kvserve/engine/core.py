@@ -397,6 +397,7 @@ class EngineCore:
         for request in updated:
             if request.prefill_only:
                 self._on_finished(request)
+                finished.append(request.request_id)  # the runner forgets it too (a pipeline's stages: its copies)
                 continue
             if request.grammar is not None and not request.is_finished and not self._advance_grammar(request):
                 continue

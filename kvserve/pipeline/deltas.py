@@ -7,7 +7,8 @@ growing with the conversation, pickled, sent and unpickled at every stage per re
 rank 0 (`Outbound`) sends them with a request's first plan, then only the outputs generated since its
 last plan and the blocks added to its table (the whole table again where it changed otherwise: a
 preempted request's new blocks). Each later stage (`Mirror`) keeps its copies up to date and hands its
-runner the items with their whole lists, forwarding the plan as it came.
+runner the items with their whole tables (the last stage also whole prompts and outputs), forwarding
+the plan as it came.
 
 Plans reach every stage in the order rank 0 made them, every one of them (a plan a stage failed on is
 passed on with its error: the copies take it before the step is skipped), so a copy holds the request's
@@ -79,6 +80,11 @@ class Outbound:
             trimmed.append(_item(item, [], outputs, table[kept:]))
         return trimmed, histories, tables
 
+    @property
+    def num_requests(self) -> int:
+        """Requests the stages hold copies for: those in flight or running, none once the engine is idle."""
+        return len(self._tables)
+
     def release(self, request_ids: list[str]) -> None:
         """Finished requests: the stages forget them with the next plan."""
         for request_id in request_ids:
@@ -88,7 +94,9 @@ class Outbound:
 
 class Mirror:
     """A later stage's copies of each request's block table and, at the last stage (`histories`), its
-    prompt and outputs."""
+    prompt and outputs; a middle stage's runner gets empty prompts and outputs (it does not sample). A
+    copy's outputs list grows in place with later plans (the sampler reads it within its step); a table
+    handed out is never changed (a new block makes a new list)."""
 
     def __init__(self, histories: bool) -> None:
         self._keep_histories = histories
@@ -115,7 +123,7 @@ class Mirror:
                     continue
                 table = held + table if table else held
             self._tables[request_id] = table
-            prompt, outputs = item.prompt_token_ids, item.output_token_ids
+            prompt, outputs = [], []
             entry = histories.get(request_id) if self._keep_histories else None
             if entry is not None:
                 outputs_from, first = entry
@@ -126,7 +134,7 @@ class Mirror:
                     held_outputs = len(lists[1]) if lists is not None else 0
                     broken.append(f"request {request_id}'s outputs (from {outputs_from}, {held_outputs} held)")
                     continue
-                lists[1].extend(outputs)
+                lists[1].extend(item.output_token_ids)
                 prompt, outputs = lists
             whole.append(_item(item, prompt, outputs, table))
         if broken:  # the others' copies are up to date: only these requests are out of step
