@@ -278,7 +278,7 @@ def run_kvserve(
         for n in streams:
             levels[n] = asyncio.run(_kvserve_level(llm, prompts(n), params))
         solo_check = _solo_equals_batched(llm, min(16, max(streams)), params)
-        for n, ms in _graph_gpu_ms(llm, streams).items():  # last: the replays rewrite the last step's KV slots
+        for n, ms in graph_gpu_ms(llm, streams).items():  # last: the replays rewrite the last step's KV slots
             levels[n]["graph_gpu_ms"] = ms
         return {
             "ready_s": ready,
@@ -313,7 +313,7 @@ async def _kvserve_level(llm, batch: list[list[int]], params) -> dict:
     return {"tok_s": sum(counts) / wall, "ttft_p50_s": statistics.median(first), "wall_s": wall}
 
 
-def _graph_gpu_ms(llm, streams: list[int], replays: int = 20) -> dict[int, float]:
+def graph_gpu_ms(llm, streams: list[int], replays: int = 20) -> dict[int, float]:
     """Per stream count, its decode graph replayed alone on the GPU, ms a replay (its kernels and the gaps
     between them, on whatever its buffers hold): the GPU's share of a decode step, which a level's
     streams / tok_s (its step) exceeds by the host's share. Empty without CUDA graphs."""

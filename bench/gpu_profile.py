@@ -94,9 +94,8 @@ def host_case(
     the streams' bucket replayed alone on the GPU. Greedy, or seeded draws at `temperature`; prompts of
     `prompt_tokens` (default gpu.py's), the measured run's served from the prefix cache but its last
     block."""
-    import torch
 
-    from bench.gpu import PROMPT_TOKENS, prompts
+    from bench.gpu import PROMPT_TOKENS, graph_gpu_ms, prompts
     from kvserve import SamplingParams
 
     spent: dict[str, float] = getattr(llm.engine, "_spent", collections.defaultdict(float))  # one per engine
@@ -147,18 +146,9 @@ def host_case(
     result = {"case": name, "streams": streams, "steps": steps, "wall_ms_per_step": round(wall * 1000 / steps, 4)}
     result["prompt_tokens"] = len(batch[0])
     result["phases_ms_per_step"] = {k: round(v * 1000 / steps, 4) for k, v in sorted(spent.items())}
-    graphs = llm.engine.runner.graphs
-    if graphs is not None and torch.cuda.is_available():  # the bucket's graph alone, on whatever its buffers hold
-        replay = graphs._replays[graphs._bucket_of[streams]]
-        replay()
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(50):
-            replay()
-        end.record()
-        torch.cuda.synchronize()
-        result["graph_gpu_ms"] = round(begin.elapsed_time(end) / 50, 4)
+    graph_ms = graph_gpu_ms(llm, [streams], replays=50)  # the bucket's graph alone, on whatever its buffers hold
+    if streams in graph_ms:
+        result["graph_gpu_ms"] = graph_ms[streams]
     return result
 
 

@@ -27,19 +27,27 @@ STREAMS = 64
 BLOCK = 16
 
 
-def scheduler_ms(context: int, steps: int) -> float:
-    """ms per schedule + update_from_output of 64 decoding requests at `context` tokens."""
+def _decoding_scheduler(context: int, steps: int, params_of):
+    """A scheduler holding 64 requests of `context`-token prompts, room for `steps` more tokens each,
+    request i's settings `params_of()`."""
     from kvserve.engine.block_pool import BlockPool
     from kvserve.engine.request import Request
     from kvserve.engine.scheduler import Scheduler
-    from kvserve.sampling_params import SamplingParams
 
     blocks = STREAMS * (-(-(context + steps + 2) // BLOCK))
     scheduler = Scheduler(BlockPool(blocks + 1, BLOCK), STREAMS, STREAMS * context + STREAMS, context + steps + 8)
-    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
     for i in range(STREAMS):
         prompt = [1000 + (i * 7919 + j) % 30000 for j in range(context)]
-        scheduler.add_request(Request(f"r{i}", prompt, params, (2,)))
+        scheduler.add_request(Request(f"r{i}", prompt, params_of(), (2,)))
+    return scheduler
+
+
+def scheduler_ms(context: int, steps: int) -> float:
+    """ms per schedule + update_from_output of 64 decoding requests at `context` tokens."""
+    from kvserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    scheduler = _decoding_scheduler(context, steps, lambda: params)
 
     def step() -> None:
         out = scheduler.schedule()
@@ -123,9 +131,6 @@ def pipeline_plan(context: int, steps: int) -> tuple[float, float]:
     request's whole prompt and outputs."""
     import pickle
 
-    from kvserve.engine.block_pool import BlockPool
-    from kvserve.engine.request import Request
-    from kvserve.engine.scheduler import Scheduler
     from kvserve.pipeline import wire
     from kvserve.sampling_params import SamplingParams
 
@@ -133,12 +138,11 @@ def pipeline_plan(context: int, steps: int) -> tuple[float, float]:
         from kvserve.pipeline.deltas import Mirror, Outbound
     except ImportError:  # the tree before: the whole lists with every plan
         Mirror = Outbound = None
-    blocks = STREAMS * (-(-(context + steps + 2) // BLOCK))
-    scheduler = Scheduler(BlockPool(blocks + 1, BLOCK), STREAMS, STREAMS * context + STREAMS, context + steps + 8)
-    for i in range(STREAMS):  # each its own settings, as a server's requests have
-        prompt = [1000 + (i * 7919 + j) % 30000 for j in range(context)]
-        params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True, repetition_penalty=1.1)
-        scheduler.add_request(Request(f"r{i}", prompt, params, (2,)))
+    scheduler = _decoding_scheduler(  # each its own settings, as a server's requests have
+        context,
+        steps,
+        lambda: SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True, repetition_penalty=1.1),
+    )
     outbound, mirror = (Outbound(), Mirror(histories=True)) if Outbound is not None else (None, None)
     spent, sent = 0.0, 0
     for n in range(steps + 1):
