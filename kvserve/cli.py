@@ -189,7 +189,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.processes import freeze_startup_heap
     from kvserve.server.backpressure import listening_socket
 
-    freeze_startup_heap("front end")  # an engine in this process (--engine-process off) loads later, unfrozen
+    freeze_startup_heap("front end")
+    # an engine in this process (--engine-process off) loads later: its heap is frozen once it has
+    app.state.kvserve.on_loaded = lambda: freeze_startup_heap("front end and engine")
     server.run(sockets=[listening_socket(args.host, args.port)])
     return server.exit_status
 

@@ -71,6 +71,37 @@ def test_serve_reports_loading_then_ready_and_exits_cleanly_on_sigterm(tiny_mode
             proc.kill()
 
 
+def test_serve_with_the_engine_in_process_freezes_the_heap_once_the_engine_has_loaded(tiny_model_dir):
+    """--engine-process off: the front end's heap is frozen at start, the engine loads later in the same
+    process, and its objects (the model's modules, torch's) are frozen too before it serves: no full
+    collection walks them while streams wait."""
+    port = free_port()
+    env = {**os.environ, "KVSERVE_PORT": str(port), "KVSERVE_DTYPE": "float32"}
+    command = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir), "--engine-process", "off"]
+    proc = subprocess.Popen([*command, "--log-level", "info"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    frozen = {}
+    for line in stderr.splitlines():
+        if "start-up objects left out of garbage collection" in line:
+            process, _, rest = line.partition(" process: ")
+            frozen[process.rsplit(": ", 1)[-1]] = int(rest.split()[0])
+    assert set(frozen) == {"front end", "front end and engine"}, stderr[-3000:]
+    assert frozen["front end and engine"] > frozen["front end"]  # the engine's objects came after
+
+
 def test_chat_loop_with_reset_and_exit(tiny_model_dir):
     out = subprocess.run(
         [sys.executable, "-m", "kvserve.cli", "chat", "--model", str(tiny_model_dir), "--max-tokens", "5"],

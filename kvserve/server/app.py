@@ -84,6 +84,8 @@ async def _load(state: ServerState) -> None:
             loaded.on_death = lambda reason: state.on_fatal(reason) if state.on_fatal is not None else None
         else:
             loaded = await asyncio.to_thread(build_llm, settings)
+            if state.on_loaded is not None:
+                await asyncio.to_thread(state.on_loaded)
     except Exception as exc:
         state.load_error = f"{type(exc).__name__}: {exc}"
         return

@@ -77,6 +77,9 @@ class ServerState:
     owner_secret: bytes | None = None  # what owners are keyed with (key_owner), once the engine is up
     # Called (on the event loop) when the engine process died unasked; `kvserve serve` exits non-zero.
     on_fatal: Callable[[str], None] | None = None
+    # Called (in the loading thread) once an engine in this process has loaded; `kvserve serve` freezes
+    # the heap there, its own process for good.
+    on_loaded: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.key_bytes = tuple(key.encode() for key in self.settings.api_keys)
