@@ -299,6 +299,45 @@ def test_a_failing_step_fails_only_its_requests(llm):
     assert llm.stats()["num_failed_total"] >= 1
 
 
+def test_a_step_that_fails_after_its_draws_is_rerun_with_the_same_seeds(llm):
+    """Seeded rows take one seed a step from their streams, a block of 64 at a time. A step whose sampler
+    fails after drawing (here the 10th, and the first where a stream drew its second block) puts the
+    seeds back: the reruns give the tokens of runs without a fault."""
+    params = [SamplingParams(max_tokens=90, temperature=0.9, seed=seed, ignore_eos=True) for seed in (3, 4)]
+    texts = [prompt(1, 20), prompt(2, 20)]
+    clean = [llm.generate(t, p).token_ids for t, p in zip(texts, params, strict=True)]
+    sampler = llm.engine.runner.sampler
+    original = sampler.launch
+    calls = {"n": 0, "faults": []}
+
+    def fails_after_drawing(logits, rows):
+        blocks = [row.generator.mark()[0] for row in rows]
+        sampled = original(logits, rows)
+        calls["n"] += 1
+        second_block = any(b and row.generator.mark()[0] is not b for b, row in zip(blocks, rows, strict=True))
+        if calls["n"] == 10 or (second_block and "block" not in calls["faults"]):
+            calls["faults"].append("block" if second_block else "10th")
+            raise RuntimeError("injected fault after the draws")
+        return sampled
+
+    sampler.launch = fails_after_drawing
+    try:
+        outputs = [None, None]
+
+        def run(i: int) -> None:
+            outputs[i] = llm.generate(texts[i], params[i]).token_ids
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        sampler.launch = original
+    assert sorted(calls["faults"]) == ["10th", "block"]
+    assert outputs == clean
+
+
 def test_close_aborts_in_flight_and_refuses_new_requests(tiny_model_dir):
     engine_llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, progress=False)
     stream = engine_llm.stream(prompt(1, 10), SamplingParams(max_tokens=900, temperature=0, ignore_eos=True))

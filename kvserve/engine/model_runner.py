@@ -34,8 +34,9 @@ import torch
 from kvserve.engine.block_tables import BlockTableRows
 from kvserve.engine.cuda_graphs import DecodeGraphs, cuda_capture, eager_capture
 from kvserve.engine.kv_cache import allocate_kv_cache
-from kvserve.engine.sampler import Sampled, Sampler, SamplingRow, TokenLogprobs
+from kvserve.engine.sampler import Sampled, Sampler, SamplingRow, TokenLogprobs, draws_by_seed
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.engine.seed_stream import SeedStream
 from kvserve.kernels import build
 from kvserve.layers import fused_decode
 from kvserve.layers.attention import build_batch
@@ -116,7 +117,7 @@ class ModelRunner:
         model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler()
         self.stop_token_ids = stop_token_ids
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators: dict[str, SeedStream] = {}
         self.timings = RunnerTimings()
         # Steps on the CPU go through the fused C++ layer loop. Batch-invariant, the engine waits for
         # its build (once per machine), so that no step's path depends on when the build finished;
@@ -148,7 +149,7 @@ class ModelRunner:
         self._slot_of: dict[str, int] = {}
         self._samples_in_flight: dict[str, int] = {}  # request id -> its sampling steps not collected
         self._taken: list[str] = []  # the slots the step being queued took
-        self._drawn: list = []  # its seeded generators' states before its draws
+        self._drawn: list = []  # its seeded rows' streams, marked before its draws
         self._pending: deque[tuple[int, Sampled, list[str]]] = deque()  # (ticket, draws, their request ids)
         self.graphs: DecodeGraphs | None = None
         if self.triton and cuda_graphs and whole:
@@ -188,8 +189,8 @@ class ModelRunner:
         except Exception:  # not queued: EngineCore re-runs its requests, with their slots and draws as before
             for request_id in self._taken:
                 self._put_slot(request_id)
-            for generator, state in self._drawn:
-                generator.set_state(state)
+            for stream, mark in self._drawn:
+                stream.restore(mark)
             raise
         if not self.runs_ahead:
             return self._output(sampled, ids)
@@ -384,14 +385,14 @@ class ModelRunner:
 
     def _launch_sample(self, logits: torch.Tensor, rows: list[SamplingRow], ids: list[str]) -> Sampled:
         # A failed step is re-run (EngineCore confines failures): a draw must not advance twice.
-        seeded = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
+        seeded = [(r.generator, r.generator.mark()) for r in rows if r.generator is not None]
         try:
             sampled = self.sampler.launch(logits, rows)
             self._drawn = seeded  # put back too if the step fails after its draws (execute)
             return sampled
         except Exception:
-            for generator, state in seeded:
-                generator.set_state(state)
+            for stream, mark in seeded:
+                stream.restore(mark)
             raise
 
     @staticmethod
@@ -451,15 +452,14 @@ class ModelRunner:
         self.fused = None  # holds the pool too
         self.graphs = None
 
-    def _generator(self, s) -> torch.Generator | None:
-        """A seeded request's generator: on the host on every device, as the sampler's kernels take one
-        seed a row and step from it (a GPU's generator would need its draw copied back)."""
+    def _generator(self, s) -> SeedStream | None:
+        """A seeded request's stream of seeds: on the host on every device, as the sampler's kernels take
+        one seed a row and step from it (a GPU's generator would need its draw copied back)."""
         seed = s.params.seed
         if seed is None or s.params.is_greedy:
             return None
-        generator = self.generators.get(s.request_id)
-        if generator is None:
-            generator = torch.Generator()
-            generator.manual_seed(seed)
-            self.generators[s.request_id] = generator
-        return generator
+        stream = self.generators.get(s.request_id)
+        if stream is None:
+            stream = SeedStream(seed, direct=not draws_by_seed(self.device))
+            self.generators[s.request_id] = stream
+        return stream

@@ -7,7 +7,8 @@ followed by a draw. Each of these runs on the rows that ask for it only, so a ro
 depends on its neighbours'. A draw is `argmax(probs / E)` with E ~ Exp(1) per token (equivalent to
 sampling from `probs`); a seeded request draws its randomness from its own generator (one seed per
 step for the kernel, which hashes it with each token id: the C++ one on the CPU, the Triton pick on a
-GPU), so it gets the same tokens alone or in any batch.
+GPU; the engine's come from a SeedStream, a block of steps' seeds at a time), so it gets the same tokens
+alone or in any batch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.penalties import Penalties
+from kvserve.engine.seed_stream import HIGH, SeedStream
 from kvserve.kernels import ops
 from kvserve.layers.transfer import on_device, to_device
 from kvserve.sampling_params import SamplingParams
@@ -29,7 +31,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None
+    generator: SeedStream | torch.Generator | None  # a seeded request's (the engine's: a SeedStream)
     stop_token_ids: tuple[int, ...]  # masked while fewer than min_tokens were generated
     token_bitmask: torch.Tensor | None = None  # [ceil(V / 32)] int32: bit t of word t // 32 allows token t
     key: str | None = None  # the request's id: its penalties' history is kept under it (engine/penalties.py)
@@ -159,6 +161,12 @@ class Sampler:
         return self._counters
 
 
+def draws_by_seed(device: torch.device) -> bool:
+    """Whether random rows on `device` draw through a kernel, one seed a row and step (`_seeds`), rather
+    than uniforms from their generators (`_draw`'s fallback)."""
+    return (device.type == "cuda" and _triton()) or (device.type == "cpu" and ops.available())
+
+
 @functools.cache
 def _triton() -> bool:
     from kvserve.kernels import gpu
@@ -202,6 +210,8 @@ def _draw(
             probs = torch.softmax(sub, dim=-1)
             noise = torch.empty_like(probs)
             for j, generator in enumerate(generators):  # U in [0, 1): U = 0 gives E = inf, never drawn
+                if isinstance(generator, SeedStream):  # made `direct` for this path: its marks keep the state
+                    generator = generator.generator
                 on = device if generator is None else generator.device  # a CPU generator's draws copied over
                 noise[j] = torch.empty(vocab, dtype=noise.dtype, device=on).uniform_(generator=generator)
             tokens[picked] = (probs / noise.log_().neg_()).argmax(dim=-1)
@@ -227,20 +237,27 @@ def _sample_rows(
     )
 
 
-def _seeds(generators: list[torch.Generator | None]) -> torch.Tensor:
-    """A 63-bit seed from each generator (the default one where None): one draw per row and step. The
-    default generator's rows take theirs in one call: the numbers of one call each, in row order."""
+def _seeds(generators: list[SeedStream | torch.Generator | None]) -> torch.Tensor:
+    """A 63-bit seed from each row's stream or generator (the default one where None): one draw per
+    row and step. The default generator's rows take theirs in one call: the numbers of one call each,
+    in row order."""
     default = [j for j, g in enumerate(generators) if g is None]
     own = [j for j, g in enumerate(generators) if g is not None]
     if not own:
-        return torch.randint(0, 2**63 - 1, (len(default),))
-    drawn = torch.cat([torch.randint(0, 2**63 - 1, (1,), generator=generators[j]) for j in own])
+        return torch.randint(0, HIGH, (len(default),))
+    drawn = torch.tensor([_take(generators[j]) for j in own], dtype=torch.long)
     if not default:
         return drawn
     seeds = torch.empty(len(generators), dtype=torch.long)
-    seeds[default] = torch.randint(0, 2**63 - 1, (len(default),))
+    seeds[default] = torch.randint(0, HIGH, (len(default),))
     seeds[own] = drawn
     return seeds
+
+
+def _take(source: SeedStream | torch.Generator) -> int:
+    if isinstance(source, SeedStream):
+        return source.take()
+    return int(torch.randint(0, HIGH, (1,), generator=source))
 
 
 def _ranked(params: SamplingParams, vocab: int) -> bool:
