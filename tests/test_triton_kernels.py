@@ -43,6 +43,15 @@ def test_available():
     assert gpu.available()
 
 
+def test_the_hosts_cdiv_and_next_power_of_2_give_tritons_values():
+    """The launch code's plain-Python `cdiv` and `next_power_of_2` (Triton's are calls through its
+    constexpr_function wrapper, 20x slower) give Triton's values, so every grid and block is the same."""
+    counts = [*range(-5, 4100), *(2**k + d for k in range(12, 40) for d in (-1, 0, 1))]
+    assert [gpu.next_power_of_2(n) for n in counts] == [triton.next_power_of_2(n) for n in counts]
+    pairs = [(a, b) for a in range(0, 300) for b in (1, 2, 3, 7, 16, 31, 64, 128)] + [(2**35 + 3, 512)]
+    assert [gpu.cdiv(a, b) for a, b in pairs] == [triton.cdiv(a, b) for a, b in pairs]
+
+
 @pytest.mark.skipif(not gpu.INTERPRET, reason="the interpreter's speed-up (tests/triton_interpreter.py)")
 def test_the_sped_up_interpreter_computes_what_tritons_own_does(monkeypatch):
     """tests/conftest.py skips the interpreter's language patching inside a launch and shares its types

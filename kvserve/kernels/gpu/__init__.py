@@ -33,6 +33,19 @@ _PDL_ON = {"PDL": True, "launch_pdl": True}
 _pdl_devices: dict[int | None, bool] = {}
 
 
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` for the host's launch code: the same value, without a call through Triton's
+    constexpr_function wrapper (about 2.5 us against 0.1 on a small CPU, and an eager step made 18 such
+    calls a decoder layer)."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` for the host's launch code, as `cdiv`: the smallest power of two at
+    least n (0 for n <= 0, as Triton's bit arithmetic gives)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def available() -> bool:
     """Whether the kernels can run here: triton imports, and there is a CUDA device or the
     interpreter is on. Never raises."""

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET, pdl_options
+from kvserve.kernels.gpu import INTERPRET, next_power_of_2, pdl_options
 from kvserve.kernels.gpu.common import cast, dot, quantize_groups, store_groups, wait_for_prior
 
 ROWS = 16  # query rows (tokens x query heads of a KV head) per program, padded; the same for decode and prefill
@@ -57,7 +57,7 @@ def attention_counters(device: torch.device | str) -> torch.Tensor:
 
 def _rows(group: int) -> int:
     """Rows of a program: ROWS, or the next power of two >= the query heads per KV head."""
-    return max(ROWS, triton.next_power_of_2(group))
+    return max(ROWS, next_power_of_2(group))
 
 
 def tokens_per_tile(num_heads: int, num_kv_heads: int) -> int:
@@ -138,8 +138,8 @@ def store_kv(
         *v_cache.stride()[:3],
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_dim),
         INTERPRET=INTERPRET,
         num_warps=STORE_NUM_WARPS,
         **pdl_options(k.device),
@@ -534,7 +534,7 @@ def paged_attention(
     part_denom = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_acc = torch.empty((*part_shape, head_dim) if is_split else (1,), dtype=torch.float32, device=q.device)
     part_stride = num_tokens * num_heads
-    quantize = quantized is not None and head_dim % 32 == 0 and head_dim == triton.next_power_of_2(head_dim)
+    quantize = quantized is not None and head_dim % 32 == 0 and head_dim == next_power_of_2(head_dim)
     if quantize:  # o_proj's int8 inputs, written with the output
         assert out.is_contiguous(), "the int8 form is of out viewed as [T, H * D]"
         groups = num_heads * head_dim // 32
@@ -548,7 +548,7 @@ def paged_attention(
         GROUP=group,
         ROWS=_rows(group),
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim),
         SPLIT_KEYS=SPLIT_KEYS,
         QUANTIZE=quantize,
         INTERPRET=INTERPRET,

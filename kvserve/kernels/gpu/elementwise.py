@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET, pdl_options
+from kvserve.kernels.gpu import INTERPRET, cdiv, next_power_of_2, pdl_options
 from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups, wait_for_prior
 
 ACT_ROWS, ACT_BLOCK = 4, 512  # rows x outputs of the gated activation per program
@@ -78,7 +78,7 @@ def gated_activation(gate_up: torch.Tensor, gelu: bool, quantized: list | None =
         quantized.append((words, d, torch.empty_like(d)))
     words, d, s = quantized[-1] if quantized is not None else (out, out, out)  # (not written without QUANTIZE)
     if rows > 0:
-        grid = (triton.cdiv(rows, ACT_ROWS), triton.cdiv(intermediate, ACT_BLOCK))
+        grid = (cdiv(rows, ACT_ROWS), cdiv(intermediate, ACT_BLOCK))
         _gated_kernel[grid](
             gate_up,
             out,
@@ -152,7 +152,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     out = torch.empty(tokens, heads, rotary_dim, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
     if tokens > 0:
         rows = tokens * heads
-        _rotate_kernel[(triton.cdiv(rows, ROTATE_ROWS),)](
+        _rotate_kernel[(cdiv(rows, ROTATE_ROWS),)](
             x,
             cos,
             sin_signed,
@@ -165,7 +165,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
             heads,
             ROTARY_DIM=rotary_dim,
             BLOCK_ROWS=ROTATE_ROWS,
-            BLOCK_D=triton.next_power_of_2(rotary_dim),
+            BLOCK_D=next_power_of_2(rotary_dim),
             INTERPRET=INTERPRET,
             num_warps=4,
             **pdl_options(x.device),
@@ -252,7 +252,7 @@ def rotate_and_store(
     q = torch.empty(tokens, num_heads, head_dim, dtype=torch.promote_types(qk.dtype, cos.dtype), device=qk.device)
     if tokens > 0:
         rows = tokens * heads
-        _rotate_store_kernel[(triton.cdiv(rows, ROTATE_ROWS),)](
+        _rotate_store_kernel[(cdiv(rows, ROTATE_ROWS),)](
             qk,
             v,
             cos,
@@ -275,7 +275,7 @@ def rotate_and_store(
             BLOCK_SIZE=k_cache.shape[1],
             HEAD_DIM=head_dim,
             BLOCK_ROWS=ROTATE_ROWS,
-            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_D=next_power_of_2(head_dim),
             INTERPRET=INTERPRET,
             num_warps=4,
             **pdl_options(qk.device),

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET, pdl_options, prefetch_lines
+from kvserve.kernels.gpu import INTERPRET, cdiv, next_power_of_2, pdl_options, prefetch_lines
 from kvserve.kernels.gpu.common import (
     cast,
     dot,
@@ -414,7 +414,7 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     d = torch.empty(m, k // GROUP_SIZE, dtype=torch.float32, device=x.device)
     s = torch.empty_like(d)
     if m:
-        grid = (m, triton.cdiv(k // GROUP_SIZE, QUANTIZE_GROUPS))
+        grid = (m, cdiv(k // GROUP_SIZE, QUANTIZE_GROUPS))
         _quantize_int8_kernel[grid](
             x, words, d, s, m, k, x.stride(0), GROUPS=QUANTIZE_GROUPS, INTERPRET=INTERPRET, **pdl_options(x.device)
         )
@@ -818,8 +818,8 @@ def _launch(
         bias = bias.contiguous()
     assert config.k_per_split % config.block_k == 0, config
     k_per_split = config.k_per_split or k
-    num_splits = triton.cdiv(k, k_per_split)
-    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), num_splits)
+    num_splits = cdiv(k, k_per_split)
+    grid = (cdiv(m, config.block_m), cdiv(n, config.block_n), num_splits)
     is_split = num_splits > 1
     # partial sums [splits, M, N] in float32
     partial = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device) if is_split else out
@@ -855,7 +855,7 @@ def _launch(
         **pdl_options(x.device),
     )
     if is_split and not sum_in_tile:
-        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+        _sum_splits_kernel[(cdiv(m * n, SUM_BLOCK),)](
             partial,
             bias,
             out,
@@ -1038,7 +1038,7 @@ def _int8_inputs_launch(
 def _row_tile(m: int) -> int:
     """Rows per program of the kernels whose rows are independent: M rounded up to a power of two, at
     most INT4_INT8_CONFIG's block_m."""
-    return min(triton.next_power_of_2(max(m, 1)), INT4_INT8_CONFIG.block_m)
+    return min(next_power_of_2(max(m, 1)), INT4_INT8_CONFIG.block_m)
 
 
 def int8_group_matmul(

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import pdl_options
+from kvserve.kernels.gpu import cdiv, next_power_of_2, pdl_options
 from kvserve.kernels.gpu.common import wait_for_prior
 
 BLOCK = 2048  # tokens per program: 24 programs a row for a 49,152-token vocabulary
@@ -111,7 +111,7 @@ def pick(
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
-    num_chunks = triton.cdiv(vocab, BLOCK)
+    num_chunks = cdiv(vocab, BLOCK)
     random = seeds is not None
     for start in range(0, num_rows, NUM_COUNTERS):
         end = min(start + NUM_COUNTERS, num_rows)
@@ -131,7 +131,7 @@ def pick(
             HAS_ROWS=rows is not None,
             RANDOM=random,
             BLOCK=BLOCK,
-            CHUNKS=triton.next_power_of_2(num_chunks),
+            CHUNKS=next_power_of_2(num_chunks),
             **pdl_options(logits.device),
         )
     return out
