@@ -14,6 +14,7 @@ and a row's bits do not change.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,7 @@ INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
 NARROW_N = 4096
 
 
+@functools.cache  # asked at every launch of an eager step: 2.4 us a call to rebuild, 0.1 cached
 def config_for(base: TileConfig, n: int, k: int) -> TileConfig:
     """The configuration of a layer of `n` outputs and `k` inputs: a property of the layer, the same
     for every number of rows (R7)."""
