@@ -18,7 +18,8 @@ and measures the device-to-device copy bandwidth. Then per shape and engine: rea
 stream count (distinct ~60-token prompts, `--max-tokens` each with EOS ignored, all at once; kvserve's the
 median of ROUNDS rounds, each on prompts of its own, `tok_s_rounds` each round's), TTFT p50,
 kvserve's decode graph for that many streams replayed alone on the GPU (`graph_gpu_ms`: the step's GPU
-share; streams / tok_s is the whole step),
+share; streams / tok_s is the whole step), where a lone prompt's first token goes (`ttft_parts`: with the
+burst gate and without, beside the host's time launching its prefill),
 and each figure as a fraction of the bandwidth limit (streams x bandwidth / weight bytes: each step
 reads the weights once). Engines: kvserve (bf16 batch-invariant; the same with --async-scheduling off
 as `bf16-sync`; bf16 with --batch-invariant off; 4-bit; 4-bit with int8 inputs (`--activations int8`:
@@ -287,6 +288,7 @@ def run_kvserve(
             ]
             levels[n] = median_round(rounds)
         solo_check = _solo_equals_batched(llm, min(16, max(streams)), params)
+        first_token = ttft_parts(llm)
         for n, ms in graph_gpu_ms(llm, streams).items():  # last: the replays rewrite the last step's KV slots
             levels[n]["graph_gpu_ms"] = ms
         return {
@@ -299,6 +301,7 @@ def run_kvserve(
             "weight_prefetch": bool(pdl_options(llm.device)) and kvserve.kernels.gpu.PREFETCH,  # =prefetch
             "levels": levels,
             "batched_equals_solo": solo_check,
+            "ttft_parts": first_token,
             "runner": llm.runner_timings(),
         }
     finally:
@@ -332,6 +335,38 @@ def median_round(rounds: list[dict]) -> dict:
         "tok_s_rounds": [round(r["tok_s"], 1) for r in rounds],
         "ttft_rounds_s": [round(r["ttft_p50_s"], 4) for r in rounds],
     }
+
+
+def ttft_parts(llm, rounds: int = 5) -> dict:
+    """Where a lone prompt's time to its first token goes, ms (medians of `rounds`): a one-token request's
+    wall time with the burst gate as configured (`gated_ms`; from idle the engine waits for more requests,
+    engine/burst.py) and open (`open_ms`), beside the host's time in the runner's phases per step of the
+    open ones (`prepare`, `forward`, `sample`: on a GPU the Python and the launches, the kernels running
+    behind) and the steps each took. What the open wall time exceeds the phases by is the GPU's prefill
+    beyond the launches, the sampler's copy back, the engine loop and the delivery."""
+    from kvserve import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    burst = llm.engine.burst
+    quiet = burst.quiet
+    out: dict = {}
+    for name, gate in (("gated_ms", quiet), ("open_ms", 0.0)):
+        llm.engine.call(lambda gate=gate: setattr(burst, "quiet", gate))
+        walls, phases = [], []
+        for r in range(rounds):
+            batch = prompts(1, seed=50_000 + r + (rounds if gate == 0.0 else 0))  # no prefix-cache hits
+            before = llm.runner_timings()
+            start = time.perf_counter()
+            llm.generate(batch[0], params)
+            walls.append((time.perf_counter() - start) * 1000)
+            after = llm.runner_timings()
+            phases.append({k: after[k] - before[k] for k in ("prepare_s", "forward_s", "sample_s", "steps")})
+        out[name] = round(statistics.median(walls), 3)
+    llm.engine.call(lambda: setattr(burst, "quiet", quiet))
+    for key in ("prepare_s", "forward_s", "sample_s"):
+        out[key.replace("_s", "_ms")] = round(statistics.median(p[key] for p in phases) * 1000, 3)
+    out["steps"] = statistics.median(p["steps"] for p in phases)
+    return out
 
 
 def graph_gpu_ms(llm, streams: list[int], replays: int = 20) -> dict[int, float]:
