@@ -350,19 +350,21 @@ def ttft_parts(llm, rounds: int = 5) -> dict:
     burst = llm.engine.burst
     quiet = burst.quiet
     out: dict = {}
-    for name, gate in (("gated_ms", quiet), ("open_ms", 0.0)):
-        llm.engine.call(lambda gate=gate: setattr(burst, "quiet", gate))
-        walls, phases = [], []
-        for r in range(rounds):
-            batch = prompts(1, seed=50_000 + r + (rounds if gate == 0.0 else 0))  # no prefix-cache hits
-            before = llm.runner_timings()
-            start = time.perf_counter()
-            llm.generate(batch[0], params)
-            walls.append((time.perf_counter() - start) * 1000)
-            after = llm.runner_timings()
-            phases.append({k: after[k] - before[k] for k in ("prepare_s", "forward_s", "sample_s", "steps")})
-        out[name] = round(statistics.median(walls), 3)
-    llm.engine.call(lambda: setattr(burst, "quiet", quiet))
+    try:
+        for name, gate in (("gated_ms", quiet), ("open_ms", 0.0)):
+            llm.engine.call(lambda gate=gate: setattr(burst, "quiet", gate))
+            walls, phases = [], []
+            for r in range(rounds):
+                batch = prompts(1, seed=50_000 + r + (rounds if gate == 0.0 else 0))  # no prefix-cache hits
+                before = llm.runner_timings()
+                start = time.perf_counter()
+                llm.generate(batch[0], params)
+                walls.append((time.perf_counter() - start) * 1000)
+                after = llm.runner_timings()
+                phases.append({k: after[k] - before[k] for k in ("prepare_s", "forward_s", "sample_s", "steps")})
+            out[name] = round(statistics.median(walls), 3)
+    finally:
+        llm.engine.call(lambda: setattr(burst, "quiet", quiet))
     for key in ("prepare_s", "forward_s", "sample_s"):
         out[key.replace("_s", "_ms")] = round(statistics.median(p[key] for p in phases) * 1000, 3)
     out["steps"] = statistics.median(p["steps"] for p in phases)

@@ -85,7 +85,11 @@ async def _load(state: ServerState) -> None:
         else:
             loaded = await asyncio.to_thread(build_llm, settings)
             if state.on_loaded is not None:
-                await asyncio.to_thread(state.on_loaded)
+                try:
+                    await asyncio.to_thread(state.on_loaded)
+                except BaseException:
+                    loaded.close()  # not served: its engine thread ends with it
+                    raise
     except Exception as exc:
         state.load_error = f"{type(exc).__name__}: {exc}"
         return
