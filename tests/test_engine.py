@@ -225,18 +225,24 @@ def test_preemption_under_a_tight_pool_keeps_outputs(small_llm, llm):
     params = [SamplingParams(max_tokens=60, temperature=0 if i % 2 else 0.7, seed=i, ignore_eos=True) for i in range(8)]
     texts = [prompt(i, 30 + 5 * i) for i in range(8)]
     solo = [llm.generate(t, p).token_ids for t, p in zip(texts, params, strict=True)]
-    results: list[list[int] | None] = [None] * 8
+    results = generate_in_threads(small_llm, texts, params)
+    assert small_llm.stats()["num_preemptions_total"] > 0
+    assert results == solo
+
+
+def generate_in_threads(llm: LLM, texts: list[str], params: list[SamplingParams]) -> list[list[int] | None]:
+    """Each request from a thread of its own, all at once: their token ids."""
+    results: list[list[int] | None] = [None] * len(texts)
 
     def worker(i: int) -> None:
-        results[i] = small_llm.generate(texts[i], params[i]).token_ids
+        results[i] = llm.generate(texts[i], params[i]).token_ids
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(texts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert small_llm.stats()["num_preemptions_total"] > 0
-    assert results == solo
+    return results
 
 
 def test_request_larger_than_the_pool_is_refused(small_llm):
@@ -322,16 +328,7 @@ def test_a_step_that_fails_after_its_draws_is_rerun_with_the_same_seeds(llm):
 
     sampler.launch = fails_after_drawing
     try:
-        outputs = [None, None]
-
-        def run(i: int) -> None:
-            outputs[i] = llm.generate(texts[i], params[i]).token_ids
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        outputs = generate_in_threads(llm, texts, params)
     finally:
         sampler.launch = original
     assert sorted(calls["faults"]) == ["10th", "block"]
