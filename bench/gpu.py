@@ -34,8 +34,7 @@ importance and skipped, with a note, once `--budget-s` is spent (a torch.compile
 COMPILED_RUN_S of it left). Each run has a process of its own, started cold as a server is, so a CUDA
 error that poisons a context or a hang (stopped after `--run-timeout-s`, its stacks printed) ends that run
 alone; `--runs` picks runs for a second call. Last, tests/test_triton_kernels.py, tests/test_cuda.py and
-tests/test_async_scheduling.py run until `--deadline-s`, so the whole run stays inside the device's 8
-minutes. The JSON is rewritten after every run (a run cut short keeps its figures) and printed at the
+tests/test_async_scheduling.py run until `--deadline-s` (540 s), inside the device call's 600. The JSON is rewritten after every run (a run cut short keeps its figures) and printed at the
 end; default bench/results/gpu.json. Its `targets` read the issue's targets off the runs (each 4-bit
 form against bf16 at one stream; async scheduling, programmatic dependent launch and the prefetch
 against without, at each stream count), also printed last, a line each.
@@ -128,15 +127,29 @@ def prepare() -> None:
     # wheel, so the one pip picks for this machine's Python serves the GPU machine's too
     for package in ("gguf", "llguidance"):
         subprocess.run([*command, f"{package}=={importlib.metadata.version(package)}"], check=True)
-    (ASSETS / "commit").write_text(_commit())
+    (ASSETS / "commit").unlink(missing_ok=True)  # this checkout's, not the last --prepare's
+    (ASSETS / "commit").write_text(f"{_commit()} {_sources_digest()}")
     print(f"wrote {ASSETS}: carry it to the GPU machine (the device tool's carry=['.gpu_assets'])")
 
 
+def _sources_digest() -> str:
+    """A digest of the code a run measures (kvserve/, bench/, tests/): the same files, the same digest."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    paths = sorted(p for folder in ("kvserve", "bench", "tests") for p in (ROOT / folder).rglob("*"))
+    for path in paths:
+        if path.suffix in (".py", ".cpp", ".h", ".js", ".html", ".css") and path.is_file():
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _commit() -> str:
-    """The commit --prepare recorded (the GPU machine's copy may carry a stale .git), else this
-    checkout's."""
+    """The commit --prepare recorded (the GPU machine's copy may carry a stale .git) where the sources are
+    still the ones it saw, marked `+changed` where they are not; else this checkout's."""
     if (ASSETS / "commit").is_file():
-        return (ASSETS / "commit").read_text().strip()
+        commit, _, digest = (ASSETS / "commit").read_text().strip().partition(" ")
+        return commit if digest == _sources_digest() else f"{commit}+changed (the sources differ from --prepare's)"
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
         if out.returncode == 0 and out.stdout.strip():
@@ -459,8 +472,10 @@ def run_tests(timeout: float) -> dict:
     """tests/test_triton_kernels.py (the kernels at model sizes, on the hardware: the same bits for one
     row as for 300) and tests/test_cuda.py (the engine) on this machine: the summary and exit status."""
     started = time.perf_counter()
-    # -rfE: each failure named; the offline sm_90 compile check is for machines without a GPU
-    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-k", "not compile_for_hopper"]
+    # -rfE: each failure named; the offline sm_90 compile check is for machines without a GPU. One process,
+    # not pyproject's workers (-n auto): the GPU's tests share one device, and the image may lack xdist
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    command += ["-o", "addopts=", "-k", "not compile_for_hopper"]
     env = {**os.environ, "KVSERVE_FUSED_DECODE": "0"}  # the GPU tests need no C++ CPU kernels: no build
     try:
         done = subprocess.run(
@@ -600,15 +615,20 @@ def main() -> None:
         "skipped": [],
         "errors": [],
     }
-    bandwidth = copy_bandwidth(args.device)
-    result["bandwidth_bytes_s"] = bandwidth
+    _write(result, args.out, started)  # something to read whatever happens next
     work = Path(tempfile.mkdtemp(prefix="kvserve-gpu-"))
-    t0 = time.perf_counter()
-    models = build_models(shapes, args.device, work, with_q4=True)
-    result["build_s"] = time.perf_counter() - t0
+    try:
+        bandwidth = copy_bandwidth(args.device)
+        result["bandwidth_bytes_s"] = bandwidth
+        t0 = time.perf_counter()
+        models = build_models(shapes, args.device, work, with_q4=True)
+        result["build_s"] = time.perf_counter() - t0
+    except Exception as e:  # no run can start: say why, and still run the tests
+        result["errors"].append({"run": "setup", "error": repr(e), "traceback": traceback.format_exc()})
+        models, bandwidth = {}, 0.0
     # (engine, shape, weights, batch_invariant), most important first: the first shape's figures whole
     plan = []
-    for shape in shapes:  # the targets' figures first: bf16, 4-bit both ways, transformers' eager loop
+    for shape in models:  # the targets' figures first: bf16, 4-bit both ways, transformers' eager loop
         plan.append(("kvserve", shape, "bf16", True))
         if "q4" in models[shape]:  # and with int8 inputs (dp4a), on the same file
             plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
@@ -743,6 +763,9 @@ def targets(runs: list[dict]) -> list[dict]:
         ]:
             value = ratio(tok_s(shape, "kvserve", weights, one), tok_s(shape, "kvserve", base, one))
             add(shape, f"{weights} / {base}, {one} stream", value, 1.5)
+        for weights in ("q4-int8", "q4-tinygemm", "q4-bf16x2"):  # each candidate against today's 4-bit kernel
+            value = ratio(tok_s(shape, "kvserve", weights, one), tok_s(shape, "kvserve", "q4", one))
+            add(shape, f"{weights} / q4, {one} stream", value, None)
         add(shape, "bf16 ready, s", bf16 and bf16["ready_s"], 30, True)
         for n in counts:
             streams = f"{n} stream{'s' * (n > 1)}"
@@ -764,7 +787,9 @@ def _write(result: dict, out: Path, started: float) -> None:
     result["total_s"] = round(time.perf_counter() - started, 1)
     result["targets"] = targets(result["runs"])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    partial.replace(out)  # whole or not at all, were the run killed while writing
 
 
 if __name__ == "__main__":

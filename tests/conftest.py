@@ -42,6 +42,7 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: pytest without xdist (-p no:xdist) still starts
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (pyproject's addopts): a worker per CPU this process may use, at most 4, since each may
     hold a bundled model and its float32 transformers reference (a few GB). PYTEST_XDIST_AUTO_NUM_WORKERS
@@ -105,12 +106,14 @@ def fused_decode_extension():
 
 @pytest.fixture(scope="session")
 def extension(fused_decode_extension):
-    """The loaded C++ kernels, for tests of them: skipped without a compiler, a failure when a
-    compiler is there and the build fails."""
+    """The loaded C++ kernels, for tests of them: skipped without a compiler or with KVSERVE_FUSED_DECODE=0
+    (bench/gpu.py's tests on a GPU machine), a failure when a compiler is there and the build fails."""
     import shutil
 
     from kvserve.kernels import build
 
+    if fused_decode_extension is None and not build.is_enabled():
+        pytest.skip("KVSERVE_FUSED_DECODE=0: the C++ kernels are off")
     if fused_decode_extension is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler: the Python paths serve")
     assert fused_decode_extension is not None, f"the C++ kernels failed to build: {build.error()}"
