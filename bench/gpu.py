@@ -34,7 +34,8 @@ importance and skipped, with a note, once `--budget-s` is spent (a torch.compile
 COMPILED_RUN_S of it left). Each run has a process of its own, started cold as a server is, so a CUDA
 error that poisons a context or a hang (stopped after `--run-timeout-s`, its stacks printed) ends that run
 alone; `--runs` picks runs for a second call. Last, tests/test_triton_kernels.py, tests/test_cuda.py and
-tests/test_async_scheduling.py run until `--deadline-s` (540 s), inside the device call's 600. The JSON is rewritten after every run (a run cut short keeps its figures) and printed at the
+tests/test_async_scheduling.py run until `--deadline-s` (540 s), inside the device call's 600. The JSON is
+written at the start and rewritten after every run (a run cut short keeps its figures), and printed at the
 end; default bench/results/gpu.json. Its `targets` read the issue's targets off the runs (each 4-bit
 form against bf16 at one stream; async scheduling, programmatic dependent launch and the prefetch
 against without, at each stream count), also printed last, a line each.
