@@ -110,6 +110,41 @@ def test_greedy_equals_transformers(llm, tiny_model_dir):
         assert out[0, len(ids) :].tolist() == tokens
 
 
+def test_short_prompts_and_chunks_run_in_the_graphs_with_the_eager_steps_bits(tiny_model_dir, triton_kernels):
+    """A step of at most the largest bucket's tokens runs in the graphs, a row a token: a lone prompt's
+    prefill, two prompts' prefills together, a prompt in chunks of 8 beside another's decode steps. Each
+    gives the tokens and logprobs of the same requests with every step eager (--cuda-graphs off), and
+    a prompt longer than the largest bucket still prefills eagerly."""
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=2, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=5, temperature=0.9, seed=3, ignore_eos=True)
+    lone, pair, long = "lorem ipsum", ["hi", "ab cd ef"], "x" * 40  # 11, 2 + 8, 40 tokens; largest bucket 16
+
+    def run(llm: LLM) -> tuple[list, list[int]]:
+        eager, outputs = [], []
+        for prompts, sampling in [(lone, params), (pair, params), (pair, seeded), (long, params)]:
+            before = llm.runner_timings()
+            outputs.append(llm.generate(prompts, sampling))
+            eager.append(_eager_steps_since(llm, before))
+        chunked = llm.engine.scheduler.max_num_batched_tokens
+        llm.engine.scheduler.max_num_batched_tokens = 8  # the 40 x's in chunks, the decoding "hi" beside them
+        try:
+            before = llm.runner_timings()
+            outputs.append(llm.generate(["hi", long], params))
+            eager.append(_eager_steps_since(llm, before))
+        finally:
+            llm.engine.scheduler.max_num_batched_tokens = chunked
+        wait_idle_and_check(llm)
+        return [[(r.token_ids, r.logprobs) for r in (o if isinstance(o, list) else [o])] for o in outputs], eager
+
+    with _llm(tiny_model_dir, max_num_seqs=16) as graphs:
+        assert graphs.engine.runner.graphs.buckets[-1] == 16
+        got, eager_steps = run(graphs)
+    with _llm(tiny_model_dir, max_num_seqs=16, cuda_graphs=False) as plain:
+        expected, _ = run(plain)
+    assert got == expected
+    assert eager_steps == [0, 0, 0, 1, 0]  # the 40-token prompt's prefill alone
+
+
 def test_seeded_samples_batched_equal_solo_with_and_without_graphs(llm, tiny_model_dir):
     """(Greedy batches against solo runs: the preemption test below.)"""
     solo = [llm.generate(p, SEEDED).token_ids for p in PROMPTS]

@@ -5,10 +5,17 @@ than the kernel itself. At start every bucket's whole step (embedding, layers, f
 float32 logits) is captured once, largest bucket first, all graphs sharing one memory pool; a decode
 step of B sequences then fills one static int32 buffer (token ids, positions, slots, block tables, one
 attention tile per sequence), copies it to the device in one transfer and replays the graph of the
-smallest bucket >= B. Padding rows write no KV (slot -1) and attend to nothing (tile length 0). Steps
-a graph does not cover (prefills, chunks, batches past the largest bucket) run eagerly through the same
-kernels, which give a row the same bits in both (R7: fixed tile configurations, splits of the keys
-fixed by position, never by the batch).
+smallest bucket >= B. Padding rows write no KV (slot -1) and attend to nothing (tile length 0).
+
+A row is a token, not a sequence: a short prompt, a chunk or a prompt joining the decodes runs in a
+graph too, each of its tokens a row with its sequence's block table at its own position. The step's
+KV writes come before its attention in every layer, so a row sees the keys of the rows before it as a
+prefill's tile does; the attention kernel gives a token the same bits either way, as a matmul gives a
+row (R7: fixed tile configurations, splits of the keys fixed by position, never by the batch). So
+the graphs take every step of at most the largest bucket's tokens whose prompts' contexts are short
+(GRAPH_CONTEXT: each such row reads its whole context, where a prefill's tile shares the reads), and
+only the rest (long prefills, batches past the largest bucket) runs eagerly, a few hundred launches
+from Python. A lone 60-token prompt's prefill was such an eager step.
 
 Everything the engine guarantees stays with the scheduler, which never sees a graph: an abort, a
 preemption or a finished request only changes what the next step's buffer holds.
@@ -40,6 +47,9 @@ logger = logging.getLogger("kvserve.engine")
 # step pads its batch to the next one.
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16
+# A sequence adding several tokens runs in a graph while its context (its tokens so far and these) is at
+# most this long: each of its rows reads the whole context, where an eager prefill's tile reads it once.
+GRAPH_CONTEXT = 1024
 
 # capture(fn, pool) -> (replay, out): records fn's kernels once, returning a callable that runs them
 # again on whatever the static buffers then hold, and fn's output tensor, which each replay rewrites.
@@ -180,12 +190,13 @@ class DecodeGraphs:
             self.capture_seconds,
         )
 
-    def covers(self, num_new_tokens: list[int], num_blocks: list[int]) -> bool:
-        """Whether a step of sequences adding these token counts, with block tables of these lengths,
-        runs as a graph: one token each, at most the largest bucket of them."""
+    def covers(self, num_new_tokens: list[int], num_computed: list[int], num_blocks: list[int]) -> bool:
+        """Whether a step of sequences adding these token counts to these computed ones, with block tables
+        of these lengths, runs as a graph: at most the largest bucket's tokens, and a sequence adding
+        several within GRAPH_CONTEXT."""
         return (
-            0 < len(num_new_tokens) <= self.layout.max_batch
-            and all(n == 1 for n in num_new_tokens)
+            0 < sum(num_new_tokens) <= self.layout.max_batch
+            and all(n == 1 or c + n <= GRAPH_CONTEXT for n, c in zip(num_new_tokens, num_computed, strict=True))
             and max(num_blocks) <= self.layout.max_blocks
         )
 
@@ -197,10 +208,11 @@ class DecodeGraphs:
         sources: list[int] | None = None,
         sinks: list[int] | None = None,
     ) -> torch.Tensor:
-        """Float32 logits [B, vocab] of one decode step: sequence i adds token_ids[i] at position
-        num_computed_tokens[i] (in its blocks block_tables[i]). A view of the bucket's output, valid
-        until the next run. Running ahead, row i takes its token from token slot sources[i] where that
-        is not -1, and `store_tokens` writes its draw to slot sinks[i] (-1: none)."""
+        """Float32 logits [B, vocab] of one step of B rows: row i adds token_ids[i] at position
+        num_computed_tokens[i] of the sequence whose blocks are block_tables[i] (several rows of one
+        sequence: consecutive positions, in order). A view of the bucket's output, valid until the next
+        run. Running ahead, row i takes its token from token slot sources[i] where that is not -1, and
+        `store_tokens` writes its draw to slot sinks[i] (-1: none)."""
         batch = len(token_ids)
         bucket = self._bucket_of[batch]
         size = self.block_size
@@ -231,8 +243,8 @@ class DecodeGraphs:
 
     def store_tokens(self, tokens: torch.Tensor, sinks: list[int] | None = None) -> None:
         """After the last run's sampler: its draws [B] (one per row) into the token slots the buffer
-        names, on the device; or, where not every row samples (rare: a prefill-only request in a graph
-        step), its draws into the slots `sinks` names."""
+        names, on the device; or, where not every row samples (a prompt's rows but its last, a
+        prefill-only request), its draws into the slots `sinks` names."""
         if sinks is None:
             index = self._views(self.static)[6][: self._batch].long()
         else:

@@ -178,7 +178,9 @@ class ModelRunner:
         self._drawn = []
         try:
             if self.graphs is not None and self.graphs.covers(
-                [len(s.token_ids) for s in items], [len(s.block_ids) for s in items]
+                [len(s.token_ids) for s in items],
+                [s.num_computed_tokens for s in items],
+                [len(s.block_ids) for s in items],
             ):
                 sampled, ids = self._execute_graph(items)
             else:
@@ -252,26 +254,36 @@ class ModelRunner:
         return tokens, sources if any(source >= 0 for source in sources) else None
 
     def _execute_graph(self, items: list[ScheduledRequest]) -> tuple[Sampled | None, list[str]]:
-        """A decode step replayed as the CUDA graph of its bucket, then the sampler."""
+        """A step replayed as the CUDA graph of its bucket, a row per token (`DecodeGraphs.run`), then
+        the sampler on the rows that sample (each sampling sequence's last token)."""
         t0 = time.perf_counter()
         ends, rows, ids = self._sampling_rows(items)
         tokens, sources = self._step_tokens(items)
+        if len(ends) == len(items) and all(len(t) == 1 for t in tokens):  # decode: a row a sequence
+            row_ids, positions = [t[0] for t in tokens], [s.num_computed_tokens for s in items]
+            tables, row_sources = [s.block_ids for s in items], sources
+        else:  # a row a token: consecutive positions of its sequence
+            row_ids, positions, tables, row_sources = [], [], [], []
+            for index, s in enumerate(items):
+                count = len(tokens[index])
+                row_ids += tokens[index]
+                positions += range(s.num_computed_tokens, s.num_computed_tokens + count)
+                tables += [s.block_ids] * count
+                row_sources += [sources[index] if sources is not None else -1] * count
         sinks = None
-        if self.runs_ahead:
-            sinks = [self._take_slot(s.request_id) if s.sample else -1 for s in items]
+        if self.runs_ahead:  # a sampling sequence's last row draws into its request's slot
+            sinks = [-1] * len(row_ids)
+            for end, request_id in zip(ends, ids, strict=True):
+                sinks[end] = self._take_slot(request_id)
         t1 = time.perf_counter()
-        logits = self.graphs.run(
-            [t[0] for t in tokens],
-            [s.num_computed_tokens for s in items],
-            [s.block_ids for s in items],
-            *((sources, sinks) if sinks is not None else ()),
-        )
-        if len(ends) < len(items):  # a prefill-only request ending on one token samples nothing
+        logits = self.graphs.run(row_ids, positions, tables, *((row_sources, sinks) if sinks is not None else ()))
+        every_row_samples = len(ends) == len(row_ids)
+        if not every_row_samples:  # a prompt's rows but its last; a prefill-only request
             logits = logits[on_device(self.device, ends)]
         t2 = time.perf_counter()
         sampled = self._launch_sample(logits, rows, ids) if ends else None
         if sampled is not None and sinks is not None:
-            self.graphs.store_tokens(sampled.tokens, [sinks[i] for i in ends] if len(ends) < len(items) else None)
+            self.graphs.store_tokens(sampled.tokens, None if every_row_samples else [sinks[i] for i in ends])
         self.timings.prepare += t1 - t0
         self.timings.forward += t2 - t1
         self.timings.sample += time.perf_counter() - t2
