@@ -299,9 +299,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     _flag(
         p,
         "--cuda-graphs",
-        "on a GPU: on captures the decode step once per batch-size bucket (1, 2, 4, 8, then every 16 up to "
-        "--max-num-seqs) at start-up and replays it, instead of launching each kernel from Python; off runs "
-        "every step eagerly (the same tokens, slower)",
+        "on a GPU: on captures the decode step once per bucket of rows (1, 2, 4, 8, then every 16 up to "
+        "--max-num-seqs) at start-up and replays it for every step of that many tokens or fewer (decodes, "
+        "short prompts), instead of launching each kernel from Python; off runs every step eagerly (the same "
+        "tokens, slower)",
         "on",
         choices=("on", "off"),
     )
