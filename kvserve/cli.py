@@ -301,8 +301,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "--cuda-graphs",
         "on a GPU: on captures the decode step once per bucket of rows (1, 2, 4, 8, then every 16 up to "
         "--max-num-seqs) at start-up and replays it for every step of that many tokens or fewer (decodes, "
-        "short prompts), instead of launching each kernel from Python; off runs every step eagerly (the same "
-        "tokens, slower)",
+        "short prompts within 1,024 tokens of context), instead of launching each kernel from Python; off "
+        "runs every step eagerly (the same tokens, slower)",
         "on",
         choices=("on", "off"),
     )

@@ -177,9 +177,9 @@ class LLM:
         the first stage, and the engine; docs/scale-out.md), each computing on its share of the CPUs
         (this process's torch.set_num_threads then counts its share); `pipeline` gives the Topology
         across hosts (`kvserve serve --nnodes ...` builds it). Everything else is the same either way.
-        `cuda_graphs` (on a GPU): steps of up to `max_num_seqs` tokens (decodes, short prompts) replay
-        CUDA graphs captured here, one per bucket of rows (engine/cuda_graphs.py); off, every step runs
-        eagerly.
+        `cuda_graphs` (on a GPU): steps of up to `max_num_seqs` tokens (decodes, short prompts within
+        GRAPH_CONTEXT tokens of context) replay CUDA graphs captured here, one per bucket of rows
+        (engine/cuda_graphs.py); off, every step runs eagerly.
         `async_scheduling` (None: on a GPU): the engine queues step n+1 on the device before it takes back
         step n's tokens, a request's next token read there (engine/core.py); the same tokens either way.
         A session holds at most `max_session_tokens` tokens (default and most: the context), and one

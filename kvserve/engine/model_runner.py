@@ -57,7 +57,7 @@ class RunnerTimings:
     steps: int = 0
     fused_steps: int = 0  # steps run by the C++ layer loop, each token with its own block table
     fused_prefills: int = 0  # steps of fresh prompts only, run by the same loop
-    graph_steps: int = 0  # decode steps replayed as a CUDA graph (GPU)
+    graph_steps: int = 0  # steps replayed as a CUDA graph (GPU): decodes, short prompts
     ahead_rows: int = 0  # rows scheduled ahead, their token read on the device (async scheduling)
 
     def as_dict(self) -> dict[str, float]:
