@@ -2,10 +2,10 @@
 
 Eager, a decode step of a small model is a few hundred kernel launches from Python, each costing more
 than the kernel itself. At start every bucket's whole step (embedding, layers, final norm, lm_head ->
-float32 logits) is captured once, largest bucket first, all graphs sharing one memory pool; a decode
-step of B sequences then fills one static int32 buffer (token ids, positions, slots, block tables, one
-attention tile per sequence), copies it to the device in one transfer and replays the graph of the
-smallest bucket >= B. Padding rows write no KV (slot -1) and attend to nothing (tile length 0).
+float32 logits) is captured once, largest bucket first, all graphs sharing one memory pool; a step of
+B rows (a decode step: B sequences) then fills one static int32 buffer (token ids, positions, slots,
+block tables, one attention tile per row), copies it to the device in one transfer and replays the graph
+of the smallest bucket >= B. Padding rows write no KV (slot -1) and attend to nothing (tile length 0).
 
 A row is a token, not a sequence: a short prompt, a chunk or a prompt joining the decodes runs in a
 graph too, each of its tokens a row with its sequence's block table at its own position. The step's
