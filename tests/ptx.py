@@ -139,7 +139,7 @@ class Emulator:
         results, index = [], 0
         for bits in out_bits:
             size = self._registers(bits, pack)
-            results.append(self._unpack([registers[f"${index + i}"] for i in range(size)], bits, pack))
+            results.append(self._unpack([registers[f"${index + i}"] for i in range(size)], bits))
             index += size
         return results
 
@@ -164,7 +164,7 @@ class Emulator:
         ]
 
     @staticmethod
-    def _unpack(registers: list[np.ndarray], bits: int, pack: int) -> np.ndarray:
+    def _unpack(registers: list[np.ndarray], bits: int) -> np.ndarray:
         """The registers of each instance -> its pack elements' bits, flattened in element order."""
         if bits >= 32:
             columns = registers

@@ -75,10 +75,6 @@ def _helpers_kernel(
     tl.store(ints_ptr + i, _round_to_int(x, not ASM))
 
 
-def _bf16(values: torch.Tensor) -> torch.Tensor:
-    return values.to(torch.bfloat16)
-
-
 def test_the_elementwise_helpers_assembly_gives_their_interpreter_branchs_bits():
     """nibble_to_float's PRMTs over every byte; nibble_fma_bf16's packed FMAs (one rounding of scale x
     nibble + low) at scales and mins of many sizes, including mins far smaller than the product, where
@@ -87,9 +83,11 @@ def test_the_elementwise_helpers_assembly_gives_their_interpreter_branchs_bits()
     g = torch.Generator().manual_seed(5)
     n = 4096
     byte = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)
-    scale = _bf16(torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 8, (n,), generator=g).float()))
+    scale = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 8, (n,), generator=g).float())
+    scale = scale.to(torch.bfloat16)
     small = torch.exp2(torch.randint(-40, -8, (n,), generator=g).float())  # mins far below the products
-    low = _bf16(torch.where(torch.arange(n) % 2 == 0, torch.randn(n, generator=g), small * torch.randn(n, generator=g)))
+    low = torch.where(torch.arange(n) % 2 == 0, torch.randn(n, generator=g), small * torch.randn(n, generator=g))
+    low = low.to(torch.bfloat16)
     low[::7] = 0
     x = torch.randn(n, generator=g) * 200
     x[: n // 4] = torch.randint(-(2**21), 2**21, (n // 4,), generator=g).float() + 0.5  # ties
