@@ -276,7 +276,7 @@ def run_kvserve(
 ) -> dict:
     import kvserve.kernels.gpu
     from kvserve import LLM, SamplingParams
-    from kvserve.kernels.gpu import pdl_options
+    from kvserve.kernels.gpu import uses_pdl
     from kvserve.processes import freeze_startup_heap
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -311,8 +311,8 @@ def run_kvserve(
             "weights": llm.weights["mode"],
             "cuda_graphs": llm.weights["cuda_graphs"],
             "async_scheduling": llm.weights["async_scheduling"],
-            "pdl": bool(pdl_options(llm.device)),  # programmatic dependent launch (KVSERVE_PDL=1, Hopper+)
-            "weight_prefetch": bool(pdl_options(llm.device)) and kvserve.kernels.gpu.PREFETCH,  # =prefetch
+            "pdl": uses_pdl(llm.device),  # programmatic dependent launch (KVSERVE_PDL=1, Hopper+)
+            "weight_prefetch": uses_pdl(llm.device) and kvserve.kernels.gpu.PREFETCH,  # =prefetch
             "levels": levels,
             "batched_equals_solo": solo_check,
             "ttft_parts": first_token,

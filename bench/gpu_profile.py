@@ -178,7 +178,7 @@ def main() -> None:
     import kvserve.kernels.gpu
     from bench.gpu import build_models
     from kvserve import LLM
-    from kvserve.kernels.gpu import pdl_options, supports_pdl
+    from kvserve.kernels.gpu import supports_pdl, uses_pdl
 
     work = Path(tempfile.mkdtemp(prefix="kvserve-profile-"))
     models = build_models(args.shapes.split(","), args.device, work, with_q4=args.host)
@@ -217,7 +217,7 @@ def main() -> None:
                 ) as llm,
             ):
                 suffix = ("" if llm.weights["async_scheduling"] else "-sync") + (
-                    f"-{pdl}" if pdl_options(llm.device) else ""
+                    f"-{pdl}" if uses_pdl(llm.device) else ""
                 )
                 for streams in (1, 64):
                     host.append(host_case(llm, streams, args.tokens * 4, f"{shape}-{named}{suffix}-{streams}"))

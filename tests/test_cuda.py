@@ -238,7 +238,7 @@ def _pdl(mode: str, monkeypatch) -> None:
     monkeypatch.setattr(kvserve.kernels.gpu, "PDL", mode != "plain")
     monkeypatch.setattr(kvserve.kernels.gpu, "PREFETCH", mode == "prefetch")
     device = torch.device("cuda")
-    assert bool(kvserve.kernels.gpu.pdl_options(device)) == (mode != "plain")
+    assert kvserve.kernels.gpu.uses_pdl(device) == (mode != "plain")
     assert kvserve.kernels.gpu.prefetch_lines(device, 512) == (4 if mode == "prefetch" else 0)
 
 

@@ -1035,7 +1035,7 @@ def test_attention_at_model_sizes_is_the_same_bits_in_decode_prefill_and_chunks(
 # Prints one JSON line per launch: [call-size, kernel, tensor-core instructions, TF32 instructions, counting
 # atomics, whether the count is ordered between the partials' stores and reads (`ordered`), whether
 # programmatic dependent launch's wait comes before any memory access but L2 prefetches (`waits_first`),
-# binary hash].
+# binary hash, whether FP contraction is on].
 _COMPILE_FOR_HOPPER = r"""
 import json, pathlib, re, subprocess, sys, tempfile
 import torch
@@ -1109,7 +1109,8 @@ def launch(kernel, grid):
         tf32 = len(re.findall(r"tf32", ptx))
         counts = len(re.findall(r"\batom\.global\.gpu\.acq_rel\.add", ptx))
         pdl = waits_first(compiled)
-        print(json.dumps([call, kernel.__name__, mma, tf32, counts, ordered(ptx), pdl, compiled.hash]), flush=True)
+        fused = compiled.metadata.enable_fp_fusion
+        print(json.dumps([call, kernel.__name__, mma, tf32, counts, ordered(ptx), pdl, compiled.hash, fused]), flush=True)
     return warmup
 
 JITFunction.__getitem__ = launch
@@ -1167,9 +1168,10 @@ _COMPILE_PDL = r"""
 codes = torch.randint(0, 16, (256, 2048), dtype=torch.uint8)
 scales = torch.rand(256, 64).half()
 kv_cache = k_cache = torch.zeros(8, 16, 2, 128, dtype=bf16)
-pdl = lambda device: {"PDL": True, "launch_pdl": True}
-for module in (attention, elementwise, matmul, norm, sample):
-    module.pdl_options = pdl
+# kvserve.kernels.gpu's own switches and launch options, on a device it is told has the launch
+import kvserve.kernels.gpu as gpu
+gpu.supports_pdl = lambda device: True
+gpu.PDL = True
 x = torch.randn(1, 2048).to(bf16)
 
 def matmuls(tag):  # every matmul kernel, each tile of int4 x int8
@@ -1195,13 +1197,8 @@ args = (torch.randn(1, 8, 128).to(bf16), k_cache, k_cache, meta[5:9].view(1, 4),
 kv = torch.randn(1, 2, 128).to(bf16)
 call = "pdl-1"; attention.store_kv(kv, kv, k_cache, k_cache, meta[4:5])
 call = "pdl-1"; attention.paged_attention(*args, num_splits=2)
-# the matmuls once more, their weights prefetched into L2 before the wait as with KVSERVE_PDL=prefetch:
-# kvserve.kernels.gpu's own switches and launch options, on a device it is told has the launch
-import kvserve.kernels.gpu as gpu
-gpu.supports_pdl = lambda device: True
-gpu.PDL = gpu.PREFETCH = True
-for module in (attention, elementwise, matmul, norm, sample):
-    module.pdl_options = gpu.pdl_options
+# the matmuls once more, their weights prefetched into L2 before the wait as with KVSERVE_PDL=prefetch
+gpu.PREFETCH = True
 matmuls("prefetch")
 # a layer wider than NARROW_N: longer K splits, more lines a row
 wide = torch.randint(0, 16, (4224, 2048), dtype=torch.uint8)
@@ -1216,7 +1213,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     interpreter runs), 16-bit dots use the tensor cores, float32 dots never TF32, and a call compiles
     to the same binary for 1 row (token) as for many. With programmatic dependent launch on, each kernel
     waits for the one before it before it touches memory, but for the matmuls' weights prefetched into
-    L2 where that is on too."""
+    L2 where that is on too. Every launch pins FP contraction on, whatever Triton's default."""
     import json
     import pathlib
     import subprocess
@@ -1227,6 +1224,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("triton has no ptxas to compile for the GPU with")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "0"  # Triton 3.10's default: a launch that does not pin it compiles unfused
     root = pathlib.Path(__file__).resolve().parent.parent
     # the plain launches and the PDL ones in two processes at once (a compile uses one core)
     passes = [
@@ -1250,6 +1248,9 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         for compiling in passes:
             compiling.kill()
             compiling.wait()
+    # FP contraction on at every launch (`launch_options`), the arithmetic every GPU run has measured
+    assert [launch[:2] for launch in launches if launch[-1] is not True] == []
+    launches = [launch[:-1] for launch in launches]
     # programmatic dependent launch (KVSERVE_PDL=1): every kernel waits for the one before it before it
     # touches memory, then lets the next one start; without it, no grid dependency control at all
     with_pdl = [launch for launch in launches if launch[0].startswith("pdl-")]

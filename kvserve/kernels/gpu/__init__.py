@@ -29,7 +29,10 @@ PREFETCH: bool = os.environ.get("KVSERVE_PDL") == "prefetch"
 # int8 kernel's, the first two K steps of the float kernel's: 8 MB of a 1B model's gate and up projections
 # in bfloat16, well within an H200's 50 MB of L2.
 PREFETCH_BYTES = 512
-_PDL_ON = {"PDL": True, "launch_pdl": True}
+# Triton's FP contraction (`a * b + c` as one FMA), pinned on at every launch: the arithmetic that every
+# GPU run so far measured and tested, which Triton 3.10 turns off by default (3.9 warns at the first compile).
+_FIXED = {"enable_fp_fusion": True}
+_PDL_ON = {**_FIXED, "PDL": True, "launch_pdl": True}
 _pdl_devices: dict[int | None, bool] = {}
 
 
@@ -69,18 +72,24 @@ def supports_pdl(device) -> bool:
     return _pdl_devices[device.index]
 
 
-def pdl_options(device) -> dict:
-    """The launch options of a kernel on `device`: {"PDL": True, "launch_pdl": True} (the kernel's
-    constexpr and Triton's launch flag) where programmatic dependent launch is on and the GPU has it,
-    else none."""
-    return _PDL_ON if PDL and supports_pdl(device) else {}
+def uses_pdl(device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch: `PDL` is on and the GPU
+    has it."""
+    return PDL and supports_pdl(device)
+
+
+def launch_options(device) -> dict:
+    """The launch options of every kernel on `device`: FP contraction pinned on, and where
+    programmatic dependent launch is used (`uses_pdl`), the kernel's constexpr PDL and Triton's launch
+    flag."""
+    return _PDL_ON if uses_pdl(device) else _FIXED
 
 
 def prefetch_lines(device, split_bytes: int) -> int:
     """How many 128-byte lines of each weight row's K split (`split_bytes` long) a matmul program on
     `device` asks L2 for before programmatic dependent launch's wait: a power of two covering the split
     up to PREFETCH_BYTES where `PREFETCH` is on and the kernels launch with PDL, else 0 (none)."""
-    if not (PREFETCH and pdl_options(device)):
+    if not (PREFETCH and uses_pdl(device)):
         return 0
     lines = 1
     while lines * 128 < min(split_bytes, PREFETCH_BYTES):

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET, next_power_of_2, pdl_options
+from kvserve.kernels.gpu import INTERPRET, launch_options, next_power_of_2
 from kvserve.kernels.gpu.common import cast, dot, quantize_groups, store_groups, wait_for_prior
 
 ROWS = 16  # query rows (tokens x query heads of a KV head) per program, padded; the same for decode and prefill
@@ -142,7 +142,7 @@ def store_kv(
         BLOCK_D=next_power_of_2(head_dim),
         INTERPRET=INTERPRET,
         num_warps=STORE_NUM_WARPS,
-        **pdl_options(k.device),
+        **launch_options(k.device),
     )
 
 
@@ -552,7 +552,7 @@ def paged_attention(
         SPLIT_KEYS=SPLIT_KEYS,
         QUANTIZE=quantize,
         INTERPRET=INTERPRET,
-        **pdl_options(q.device),
+        **launch_options(q.device),
     )
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q,

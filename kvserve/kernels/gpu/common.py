@@ -9,7 +9,7 @@ import triton.language as tl
 
 @triton.jit
 def wait_for_prior(PDL: tl.constexpr):
-    """A kernel's first step. Launched with programmatic dependent launch (`pdl_options`), a kernel may
+    """A kernel's first step. Launched with programmatic dependent launch (`launch_options`), a kernel may
     start while the one before it in the stream is ending: it waits here until that one has finished
     and its writes are visible, before touching memory, and then lets the next kernel start in turn.
     So each kernel still sees all of the one before (and, by induction, of every earlier one); what

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET, cdiv, next_power_of_2, pdl_options
+from kvserve.kernels.gpu import INTERPRET, cdiv, launch_options, next_power_of_2
 from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups, wait_for_prior
 
 ACT_ROWS, ACT_BLOCK = 4, 512  # rows x outputs of the gated activation per program
@@ -94,7 +94,7 @@ def gated_activation(gate_up: torch.Tensor, gelu: bool, quantized: list | None =
             BLOCK_ROWS=ACT_ROWS,
             BLOCK=ACT_BLOCK,
             INTERPRET=INTERPRET,
-            **pdl_options(gate_up.device),
+            **launch_options(gate_up.device),
         )
     return out
 
@@ -168,7 +168,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
             BLOCK_D=next_power_of_2(rotary_dim),
             INTERPRET=INTERPRET,
             num_warps=4,
-            **pdl_options(x.device),
+            **launch_options(x.device),
         )
     return out
 
@@ -278,6 +278,6 @@ def rotate_and_store(
             BLOCK_D=next_power_of_2(head_dim),
             INTERPRET=INTERPRET,
             num_warps=4,
-            **pdl_options(qk.device),
+            **launch_options(qk.device),
         )
     return q

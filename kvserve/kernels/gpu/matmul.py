@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET, cdiv, next_power_of_2, pdl_options, prefetch_lines
+from kvserve.kernels.gpu import INTERPRET, cdiv, launch_options, next_power_of_2, prefetch_lines
 from kvserve.kernels.gpu.common import (
     cast,
     dot,
@@ -418,7 +418,7 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     if m:
         grid = (m, cdiv(k // GROUP_SIZE, QUANTIZE_GROUPS))
         _quantize_int8_kernel[grid](
-            x, words, d, s, m, k, x.stride(0), GROUPS=QUANTIZE_GROUPS, INTERPRET=INTERPRET, **pdl_options(x.device)
+            x, words, d, s, m, k, x.stride(0), GROUPS=QUANTIZE_GROUPS, INTERPRET=INTERPRET, **launch_options(x.device)
         )
     return words, d, s
 
@@ -854,7 +854,7 @@ def _launch(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **constexprs,
-        **pdl_options(x.device),
+        **launch_options(x.device),
     )
     if is_split and not sum_in_tile:
         _sum_splits_kernel[(cdiv(m * n, SUM_BLOCK),)](
@@ -867,7 +867,7 @@ def _launch(
             HAS_BIAS=bias is not None,
             BLOCK=SUM_BLOCK,
             INTERPRET=INTERPRET,
-            **pdl_options(x.device),
+            **launch_options(x.device),
         )
     return out
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET, pdl_options
+from kvserve.kernels.gpu import INTERPRET, launch_options
 from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups, wait_for_prior
 
 BLOCK = 1024  # elements of a row per step; the row's squares are summed per lane, then across lanes
@@ -128,6 +128,6 @@ def _launch(
             BLOCK=BLOCK,
             INTERPRET=INTERPRET,
             num_warps=NUM_WARPS,
-            **pdl_options(x.device),
+            **launch_options(x.device),
         )
     return total, out

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import cdiv, next_power_of_2, pdl_options
+from kvserve.kernels.gpu import cdiv, launch_options, next_power_of_2
 from kvserve.kernels.gpu.common import wait_for_prior
 
 BLOCK = 2048  # tokens per program: 24 programs a row for a 49,152-token vocabulary
@@ -132,7 +132,7 @@ def pick(
             RANDOM=random,
             BLOCK=BLOCK,
             CHUNKS=next_power_of_2(num_chunks),
-            **pdl_options(logits.device),
+            **launch_options(logits.device),
         )
     return out
 
@@ -158,6 +158,6 @@ def row_cumsum(values: torch.Tensor) -> torch.Tensor:
     out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
     if values.numel():
         _cumsum_kernel[(values.shape[0],)](
-            values, out, values.shape[1], values.stride(0), BLOCK=BLOCK_SCAN, **pdl_options(values.device)
+            values, out, values.shape[1], values.stride(0), BLOCK=BLOCK_SCAN, **launch_options(values.device)
         )
     return out
