@@ -60,6 +60,22 @@ def test_stop_string_is_excluded_and_streams_never_show_part_of_it(llm):
     assert not any("Par" in p for p in pieces)
 
 
+def test_a_stop_string_that_the_last_allowed_token_completes_stops_the_request(llm):
+    """The stop string decides the reason even at max_tokens, as OpenAI and vLLM say "stop"."""
+    full = llm.chat(FRANCE, SamplingParams(max_tokens=48, temperature=0))
+    decode = llm.tokenizer.decode
+    k = next(k for k in range(1, len(full.token_ids) + 1) if "Paris" in decode(full.token_ids[:k]))
+    out = llm.chat(FRANCE, SamplingParams(max_tokens=k, temperature=0, stop=["Paris"]))
+    assert (out.finish_reason, out.stop_reason, len(out.token_ids)) == ("stop", "Paris", k)
+    assert out.text == full.text[: full.text.index("Paris")]
+    assert (
+        list(llm.stream_chat(FRANCE, SamplingParams(max_tokens=k, temperature=0, stop=["Paris"])))[-1].finish_reason
+        == "stop"
+    )
+    short = llm.chat(FRANCE, SamplingParams(max_tokens=k - 1, temperature=0, stop=["Paris"]))
+    assert short.finish_reason == "length" and short.stop_reason is None
+
+
 def test_stop_token_ids_min_tokens_and_ignore_eos(llm):
     free = llm.chat(FRANCE, SamplingParams(max_tokens=40, temperature=0))
     second = free.token_ids[1]

@@ -99,6 +99,20 @@ def test_the_grammar_ends_the_request_even_with_ignore_eos(llm):
     jsonschema.validate(json.loads(result.text), CITY)
 
 
+def test_a_grammar_that_the_last_allowed_token_completes_stops_the_request(llm):
+    """An answer whole at exactly max_tokens stopped: "stop", so that OpenAI's parse() takes it; a token
+    fewer leaves it unfinished ("length")."""
+    whole = llm.generate("Plan a trip:", constrained(CITY))
+    n = len(whole.token_ids)
+    exact = llm.generate("Plan a trip:", constrained(CITY, max_tokens=n))
+    assert (exact.text, exact.finish_reason) == (whole.text, "stop")
+    short = llm.generate("Plan a trip:", constrained(CITY, max_tokens=n - 1))
+    assert short.finish_reason == "length" and whole.text.startswith(short.text)
+    regex = StructuredOutput.regex(r"[a-c]{3}-[0-9]{2}")  # six bytes: six tokens of the byte-level vocabulary
+    six = llm.generate("x", SamplingParams(max_tokens=6, temperature=0, structured_output=regex))
+    assert (len(six.text), six.finish_reason) == (6, "stop")
+
+
 def test_the_mask_changes_only_its_own_row(llm):
     """Greedy unconstrained requests batched with constrained ones keep their solo tokens, and the
     constrained ones theirs."""

@@ -399,8 +399,11 @@ class EngineCore:
                 self._on_finished(request)
                 finished.append(request.request_id)  # the runner forgets it too (a pipeline's stages: its copies)
                 continue
-            if request.grammar is not None and not request.is_finished and not self._advance_grammar(request):
-                continue
+            if request.grammar is not None:
+                if request.is_finished:  # at its length limit with this token
+                    self._last_grammar_token(request)
+                elif not self._advance_grammar(request):
+                    continue
             state, sink = self.states[request.request_id]
             try:  # detokenizing and stop strings: a failure here, too, ends only this request
                 state.add_token(request.output_token_ids[-1], is_last=request.is_finished)
@@ -411,14 +414,25 @@ class EngineCore:
                     self._on_finished(request)
                 self._fail([request.request_id], EngineError(f"Detokenizing this request's output failed: {exc!r}"))
                 continue
-            if state.stopped_by_string is not None and not request.is_finished:
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            if state.stopped_by_string is not None:
+                if not request.is_finished:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+                elif request.status is RequestStatus.FINISHED_LENGTH:  # the stop string came with the last token
+                    request.status = RequestStatus.FINISHED_STOPPED
             logprobs = outcome.logprobs.get(request.request_id)
             if request.is_finished:  # the hooks (a session turn's record) hear the end before its caller
                 finished.append(request.request_id)
                 self._on_finished(request, state.text)
             sink.put(state.chunk([logprobs] if logprobs is not None else None))
         self._forget(finished)
+
+    def _last_grammar_token(self, request: Request) -> None:
+        """A constrained request that reached its length limit with this token: where the token completes
+        its grammar, the answer is whole and the request stopped (as a stop token or string at its last
+        token says too), so that a client's parse of a whole answer never reads "length"."""
+        grammar, request.grammar = request.grammar, None  # its matcher goes with it, as at any finish
+        if grammar.accept(request.output_token_ids[-1]) and grammar.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
 
     def _advance_grammar(self, request: Request) -> bool:
         """Feed a constrained request's new token to its grammar; where the grammar is complete the

@@ -332,7 +332,10 @@ class Scheduler:
             self.stats.generation_tokens_total += 1
             status = self._check_stop(request, token)
             if status is not None:
+                grammar = request.grammar
                 self.finish(request, status)
+                if status is RequestStatus.FINISHED_LENGTH:  # the engine feeds it this last token (core.py)
+                    request.grammar = grammar
             updated.append(request)
         return updated
 
