@@ -230,6 +230,34 @@ def test_streamed_tool_call_deltas_reassemble_into_the_whole_answer(smol):
     assert finish == "tool_calls" and calls
 
 
+def test_a_whole_answer_at_exactly_max_tokens_stops_and_a_call_cut_short_is_never_content(smol):
+    """A call or an object whole at its last allowed token finishes "tool_calls" or "stop" (parse() takes
+    it); a call cut short is "length" with no content, streamed or not (kvserve's wrapper never shows)."""
+    client, _ = smol
+    body = dict(
+        model="smol",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+    )
+    whole = client.chat.completions.create(max_tokens=60, **body)
+    n = whole.usage.completion_tokens
+    exact = client.chat.completions.create(max_tokens=n, **body).choices[0]
+    assert (exact.finish_reason, _calls(exact.message)) == ("tool_calls", _calls(whole.choices[0].message))
+    for cut in (1, 5, n - 1):
+        choice = client.chat.completions.create(max_tokens=cut, **body).choices[0]
+        assert (choice.finish_reason, choice.message.content) == ("length", None), cut
+        streamed = _reassemble(client.chat.completions.create(max_tokens=cut, stream=True, **body))
+        assert streamed == (None, _calls(choice.message), "length"), cut
+    ask = dict(model="smol", messages=[{"role": "user", "content": "Describe Paris as JSON."}], temperature=0)
+    parsed = client.chat.completions.parse(response_format=City, max_tokens=64, **ask)
+    again = client.chat.completions.parse(response_format=City, max_tokens=parsed.usage.completion_tokens, **ask)
+    assert (
+        again.choices[0].finish_reason == "stop" and again.choices[0].message.parsed == parsed.choices[0].message.parsed
+    )
+
+
 def test_a_tool_loop_on_a_qwen_template(qwen):
     for choice in ("required", {"type": "function", "function": {"name": "get_forecast"}}):
         messages = [{"role": "user", "content": "Forecast for Rome?"}]

@@ -297,6 +297,12 @@ ANSWERS = [
         [("f", '{"s": "é"}'), ("g", "{}")],
     ),
     (ToolFormat.GENERIC, '{"content": "caf\\u00e9 \\ud83d\\ude00 \\"q\\" \\\\ done"}', 'café 😀 "q" \\ done', []),
+    # cut short at max_tokens: kvserve's wrapper is never content; a call whose name is whole is a call
+    (ToolFormat.GENERIC, '{"tool_calls": [{"name": "get_', None, []),
+    (ToolFormat.GENERIC, '{"tool_calls": [{"name": "f", "arguments": {"x": 1', None, [("f", '{"x": 1')]),
+    (ToolFormat.GENERIC, '{"content": "Hel', "Hel", []),
+    (ToolFormat.LLAMA3, '<|python_tag|>{"na', None, []),
+    (ToolFormat.LLAMA3, '{"name": "f", "param', None, [("f", "")]),
 ]
 
 

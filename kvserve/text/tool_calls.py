@@ -652,8 +652,9 @@ class ToolCallParser:
             self.buffer = ""
         elif self.state == "start" and self.buffer.strip():
             self._content(self.buffer, out)
-        elif self.state == "json" and self.num_calls == 0 and self.content_decoder is None:
-            self._content(self.raw, out)  # JSON that held no call: the model's answer as written
+        elif self.state == "json" and self.scanner.done and self.num_calls == 0 and self.content_decoder is None:
+            self._content(self.raw, out)  # whole JSON that held no call: the model's answer as written
+        # (JSON cut short, at max_tokens, is a call cut short, never content: no call where its name was cut)
         return out
 
     def _content(self, text: str, out: list[Delta]) -> None:
