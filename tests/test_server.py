@@ -59,6 +59,37 @@ def test_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_a_model_is_retrieved_by_its_name(client):
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "kvserve")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+
+
+def test_a_null_field_is_the_field_unset_as_openai_takes_it(client, base_url):
+    """Clients that send every field send null for those they leave unset: each is its default (a
+    null for a field kvserve lacks asks for nothing), where a value is still checked."""
+    messages = [{"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY).choices[0].message.content
+    unset = ("n", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "stream", "stream_options")
+    unset += ("stop", "seed", "user", "tools", "tool_choice", "parallel_tool_calls", "response_format", "logit_bias")
+    body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    r = httpx.post(f"{base_url}/v1/chat/completions", json={**body, **dict.fromkeys(unset)}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain
+    prompt = {"model": MODEL, "prompt": "abc", "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    text = client.completions.create(model=MODEL, prompt="abc", **GREEDY).choices[0].text
+    nulls = dict.fromkeys(("suffix", "best_of", "echo", "logprobs", "n", "stream"))
+    r = httpx.post(f"{base_url}/v1/completions", json={**prompt, **nulls}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+    for refused, param in (
+        ({"suffix": "x"}, "suffix"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ):
+        r = httpx.post(f"{base_url}/v1/completions", json={**prompt, **refused}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_completion_and_usage(client, llm):
     r = client.completions.create(model=MODEL, prompt="hello world", **GREEDY)
     expected = llm.generate("hello world", _params(12))

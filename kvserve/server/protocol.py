@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
@@ -58,8 +58,17 @@ class _Base(BaseModel):
     response_format: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A top-level null means the field is not set, as in OpenAI's API (`"n": null` is n's default,
+        and `"suffix": null` asks for nothing kvserve lacks), so clients that send every field work."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     def check_supported(self) -> None:
         """Refuse, by name, every field kvserve does not implement (raises UnsupportedFieldError)."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream: true.", "stream_options")
         kind = self.response_format.get("type") if self.response_format is not None else "text"
         if kind not in ("text", "json_object", "json_schema"):
             raise UnsupportedFieldError(

@@ -11,7 +11,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.llm import LLM
 from kvserve.server.execution import Job, handle, llm_stream, with_seed
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvserve.server.state import APIError, authorize, server_state
+from kvserve.server.state import APIError, authorize, check_model, server_state
 from kvserve.text import tool_calls
 
 router = APIRouter(prefix="/v1")
@@ -21,10 +21,20 @@ router = APIRouter(prefix="/v1")
 async def models(request: Request) -> dict:
     state = server_state(request)
     state.ready_llm()
-    return {
-        "object": "list",
-        "data": [{"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvserve"}],
-    }
+    return {"object": "list", "data": [_model_object(state.model_name)]}
+
+
+@router.get("/models/{model:path}", dependencies=[Depends(authorize)])
+async def model(model: str, request: Request) -> dict:
+    """One model (`client.models.retrieve`): this server's, else 404 model_not_found."""
+    state = server_state(request)
+    state.ready_llm()
+    check_model(state, model)
+    return _model_object(model)
+
+
+def _model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvserve"}
 
 
 @router.delete("/requests/{request_id}")
