@@ -172,6 +172,31 @@ def test_logprobs(client):
     assert len(c.choices[0].logprobs.token_logprobs) == 12 and len(c.choices[0].logprobs.top_logprobs[0]) <= 2
 
 
+def test_logprobs_bytes_rebuild_the_text_and_offsets_say_where_each_token_starts(client, base_url):
+    """The tiny model's tokens are single bytes, so each character past ASCII spans tokens (biased here to
+    write é's two bytes, 0xC3 0xA9, in some order): each token's `bytes` are its own (not U+FFFD's), so
+    joined they are the text; a completion's text_offset counts the characters of its text before each
+    token, the same streamed as whole."""
+    biased = dict(temperature=0, max_tokens=24, logit_bias={"195": 40, "169": 40}, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True, **biased
+    )
+    tokens = [bytes(c.bytes) for c in r.choices[0].logprobs.content]
+    assert b"\xc3\xa9" in b"".join(tokens) and all(len(t) == 1 for t in tokens)
+    assert b"".join(tokens).decode("utf-8", "replace") == r.choices[0].message.content
+    whole = client.completions.create(model=MODEL, prompt="ab", logprobs=1, **biased).choices[0]
+    offsets, text = whole.logprobs.text_offset, whole.text
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert len(set(offsets)) < len(offsets)  # é: two tokens, one place
+    for offset, token in zip(offsets, whole.logprobs.tokens, strict=True):
+        if token.isascii():
+            assert text[offset] == token
+    streamed = []
+    for chunk in client.completions.create(model=MODEL, prompt="ab", logprobs=1, stream=True, **biased):
+        streamed += chunk.choices[0].logprobs.text_offset if chunk.choices[0].logprobs else []
+    assert streamed == offsets
+
+
 def test_async_client(base_url, llm):
     async def main():
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)

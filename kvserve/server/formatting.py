@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from typing import Any
 
@@ -30,16 +31,27 @@ class Formatter:
         self.first_chunk = [True] * len(echo_texts)
         self.tool_formats: list[ToolFormat | None] = tool_formats or [None] * len(echo_texts)
         self.tool_parsers = [ToolCallParser(f) if f is not None else None for f in self.tool_formats]
+        # completions' text_offset, per choice: characters of its text so far (its echo first), and the
+        # bytes of a character its tokens have begun but not ended (a token may end within one)
+        self.text_offsets = [len(e or "") for e in echo_texts]
+        self.offset_decoders = [codecs.getincrementaldecoder("utf-8")("replace") for _ in echo_texts]
 
-    def _logprobs(self, logprobs: list[TokenLogprobs] | None, offset: int = 0) -> dict | None:
+    def _token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (a byte-level BPE's token may hold part of a character, which its
+        decoded text shows as U+FFFD), else its decoded text's."""
+        table = self.tokenizer.token_bytes
+        if table is not None and 0 <= token_id < len(table):
+            return table[token_id]
+        return self.tokenizer.decode([token_id]).encode("utf-8")
+
+    def _logprobs(self, logprobs: list[TokenLogprobs] | None, index: int = 0) -> dict | None:
         if not logprobs:
             return None
         decode = self.tokenizer.decode
         if self.chat:
 
             def entry(token_id: int, logprob: float) -> dict:
-                text = decode([token_id])
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+                return {"token": decode([token_id]), "logprob": logprob, "bytes": list(self._token_bytes(token_id))}
 
             return {
                 "content": [
@@ -48,10 +60,11 @@ class Formatter:
                 ]
             }
         tokens = [decode([lp.token_id]) for lp in logprobs]
-        offsets, position = [], offset
-        for token in tokens:
+        offsets, position, decoder = [], self.text_offsets[index], self.offset_decoders[index]
+        for lp in logprobs:  # where each token starts in the choice's text, streamed or not
             offsets.append(position)
-            position += len(token)
+            position += len(decoder.decode(self._token_bytes(lp.token_id)))
+        self.text_offsets[index] = position
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
@@ -98,7 +111,7 @@ class Formatter:
         choice = {
             "index": index,
             "text": chunk.text,
-            "logprobs": self._logprobs(chunk.logprobs),
+            "logprobs": self._logprobs(chunk.logprobs, index),
             "finish_reason": chunk.finish_reason,
         }
         return {
@@ -155,7 +168,7 @@ class Formatter:
                     {
                         "index": index,
                         "text": echo + text,
-                        "logprobs": self._logprobs(logprobs, len(echo)),
+                        "logprobs": self._logprobs(logprobs, index),
                         "finish_reason": output.finish_reason,
                     }
                 )
