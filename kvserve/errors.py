@@ -42,7 +42,9 @@ class EngineClosedError(KVServeError):
 
 def check_text(text: str, param: str | None = None) -> str:
     """Return `text` if it is valid Unicode (encodable as UTF-8); a lone UTF-16 surrogate, which JSON
-    can carry as an escape, raises InvalidRequestError naming `param`."""
+    can carry as an escape, raises InvalidRequestError naming `param`, as does a value that is not a string."""
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{param or 'The text'} must be a string, got {type(text).__name__}.", param)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -31,7 +31,7 @@ from kvserve.pipeline.rendezvous import EngineSizes
 from kvserve.pipeline.runner import PipelineRunner
 from kvserve.pipeline.stage import StageSpec, build_stage
 from kvserve.pipeline.topology import Topology
-from kvserve.prompts import Messages, Prompt, RequestBuilder
+from kvserve.prompts import Messages, Prompt, RequestBuilder, check_messages
 from kvserve.sampling_params import SamplingParams
 from kvserve.sessions.limits import check_text_bytes
 from kvserve.sessions.manager import SessionManager
@@ -305,7 +305,7 @@ class LLM:
         return self.request_builder.build(prompt, params, request_id)
 
     def _chat_ids(self, messages: Messages) -> list[int]:
-        return self.tokenizer.encode_chat(messages)
+        return self.tokenizer.encode_chat(check_messages(messages))
 
     def generate(
         self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None

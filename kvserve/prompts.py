@@ -5,12 +5,13 @@ prompts with the same typed errors before any engine work."""
 from __future__ import annotations
 
 import itertools
+import operator
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvserve.engine.request import Request
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import InvalidRequestError, check_text
 from kvserve.sampling_params import SamplingParams
 from kvserve.text.tokenizer import Tokenizer
 
@@ -28,7 +29,7 @@ class RequestBuilder:
         """A prompt's token ids: text is encoded, token ids are checked against the vocabulary."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        prompt_ids = [int(t) for t in prompt]
+        prompt_ids = _token_ids(prompt)
         vocab = self.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -69,3 +70,47 @@ class RequestBuilder:
             params=params,
             eos_token_ids=self.tokenizer.stop_token_ids,
         )
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    """A prompt given as token ids, as ints: integers of any kind (numpy's too), never bools, floats or
+    bytes (whose iteration would pass for token ids)."""
+    shape = "A prompt is a string or a list of token ids (integers)"
+    if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Iterable):
+        raise InvalidRequestError(f"{shape}; got {type(prompt).__name__}.", "prompt")
+    ids = []
+    for token in prompt:
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            ids.append(operator.index(token))
+        except TypeError:
+            raise InvalidRequestError(f"{shape}; got {token!r:.40} among them.", "prompt") from None
+    return ids
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's
+
+
+def check_messages(messages: Any) -> Messages:
+    """`messages` for a chat template, checked: a non-empty list of dicts, each with one of OpenAI's
+    roles and text content (a list of parts passes to the template; an assistant's tool calls may
+    stand without content)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError(
+            'messages must be a non-empty list of {"role": ..., "content": ...} dicts.', "messages"
+        )
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}] needs a role, one of {', '.join(CHAT_ROLES)}; got {role!r:.40}.", f"messages[{i}].role"
+            )
+        content = message.get("content")
+        if isinstance(content, str):
+            check_text(content, f"messages[{i}].content")
+        elif not isinstance(content, list) and not (content is None and message.get("tool_calls")):
+            raise InvalidRequestError(
+                f"messages[{i}].content must be text, got {type(content).__name__}.", f"messages[{i}].content"
+            )
+    return messages

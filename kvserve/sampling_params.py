@@ -44,13 +44,15 @@ class SamplingParams:
         # Accept a single string / any iterable for the tuple fields.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         bias = self.logit_bias
-        if isinstance(bias, dict):
-            object.__setattr__(self, "logit_bias", tuple(bias.items()))
-        elif not isinstance(bias, tuple):
-            object.__setattr__(self, "logit_bias", tuple(bias or ()))
+        for name, value, what in (
+            ("stop", self.stop, "a string or a list of strings"),
+            ("stop_token_ids", self.stop_token_ids, "a list of token ids"),
+            ("logit_bias", bias.items() if isinstance(bias, dict) else bias, "a dict {token id: bias}"),
+        ):
+            if not _iterable(value or ()) or (name != "stop" and isinstance(value, str | bytes)):
+                raise InvalidRequestError(f"{name} must be {what}, got {value!r:.80}.", name)
+            object.__setattr__(self, name, tuple(value or ()))
         self._validate()
 
     def _validate(self) -> None:
@@ -63,6 +65,14 @@ class SamplingParams:
         def is_int(name: str, low: int, high: int) -> bool:
             value = getattr(self, name)
             return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                fail(name, "must be a number")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be true or false")
 
         if not is_int("max_tokens", 1, MAX_INT32):
             fail("max_tokens", f"must be an integer from 1 to {MAX_INT32}")
@@ -86,7 +96,7 @@ class SamplingParams:
             fail("stop", "must be non-empty strings")
         for s in self.stop:
             check_text(s, "stop")
-        if not all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             fail("stop_token_ids", f"must be integers from 0 to {MAX_INT32}")
         if not is_int("min_tokens", 0, MAX_INT32):
             fail("min_tokens", f"must be an integer from 0 to {MAX_INT32}")
@@ -144,3 +154,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _iterable(value: object) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True

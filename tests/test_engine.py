@@ -282,6 +282,21 @@ def test_invalid_input_is_a_typed_error_naming_the_field(llm):
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of") as err:
         LLM(llm.model_path, kv_cache_dtype="int4", progress=False)
     assert err.value.param == "kv_cache_dtype"
+    # prompts and messages of the wrong shape: a typed error, never bytes read as token ids or a TypeError
+    for prompt in (b"hi", None, 5, [True], [1.5], ("a", "b")):
+        with pytest.raises(InvalidRequestError, match="string or a list of token ids") as err:
+            llm.generate(prompt, SamplingParams(max_tokens=1))
+        assert err.value.param == "prompt", prompt
+    assert llm.generate(torch.tensor([1, 2]), SamplingParams(max_tokens=1)).prompt_token_ids == [1, 2]
+    for messages, param in (
+        ([{"role": "bogus", "content": "x"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([], "messages"),
+    ):
+        with pytest.raises(InvalidRequestError) as err:
+            llm.chat(messages, SamplingParams(max_tokens=1))
+        assert err.value.param == param, messages
 
 
 def test_a_failing_step_fails_only_its_requests(llm):

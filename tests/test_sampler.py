@@ -229,6 +229,18 @@ def test_each_row_gets_its_own_logprobs_from_the_batchs_one_copy():
         ("stop_token_ids", (-1,)),
         ("min_tokens", -1),
         ("logprobs", 21),
+        # values of the wrong type: a typed error, never a TypeError or a string taken as true
+        ("temperature", "0.5"),
+        ("temperature", None),
+        ("top_p", True),
+        ("min_p", None),
+        ("stop", 5),
+        ("stop_token_ids", 5),
+        ("stop_token_ids", "12"),
+        ("stop_token_ids", [True]),
+        ("logit_bias", 5),
+        ("ignore_eos", "false"),
+        ("skip_special_tokens", "no"),
     ],
 )
 def test_invalid_values_name_the_field(field, value):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, InvalidRequestError, SamplingParams
 from kvserve.sessions.manager import SessionLimitError, SessionNotFoundError
 from tests.conftest import StepGate, wait_idle, wait_idle_and_check
 
@@ -218,6 +218,19 @@ def test_sessions_survive_a_restart(tiny_model_dir, tmp_path):
         with pytest.raises(SessionNotFoundError):
             b.session(id=session_id)  # closing deletes it from the store too
         wait_idle_and_check(b)
+
+
+def test_text_that_is_not_a_string_is_refused_not_stored_as_its_repr(llm):
+    s = llm.session()
+    for call, param in ((lambda: s.add_message("user", None), "content"), (lambda: s.append(5), "text")):
+        with pytest.raises(InvalidRequestError) as err:
+            call()
+        assert err.value.param == param and "must be a string" in str(err.value)
+    with pytest.raises(InvalidRequestError) as err:
+        llm.session(system=5)
+    assert err.value.param == "system"
+    assert s.info()["messages"] == []  # nothing was stored
+    s.close()
 
 
 def test_limits_owner_and_ttl(tiny_model_dir):

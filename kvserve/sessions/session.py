@@ -39,12 +39,12 @@ class Session:
     def add_message(self, role: str, content: str) -> None:
         if role not in ROLES:
             raise InvalidRequestError(f"role must be one of {', '.join(ROLES)}, got {role!r}.", "role")
-        content = check_text_bytes(check_text(str(content), "content"), self._manager.max_message_bytes, "content")
+        content = check_text_bytes(check_text(content, "content"), self._manager.max_message_bytes, "content")
         self._call(lambda m, s: m.add_message(s, role, content))
 
     def append(self, text: str) -> None:
         """Streaming input: joins the open user message (or opens one after an assistant turn)."""
-        text = check_text_bytes(check_text(str(text), "text"), self._manager.max_message_bytes, "text")
+        text = check_text_bytes(check_text(text, "text"), self._manager.max_message_bytes, "text")
         self._call(lambda m, s: m.append(s, text))
 
     def start_turn(
