@@ -101,6 +101,17 @@ def _topology(args: argparse.Namespace):
     )
 
 
+def _api_keys(flags: list[str] | None) -> tuple[str, ...]:
+    """The --api-key flags, or else KVSERVE_API_KEY's comma-separated keys; an empty key is refused (a
+    request without one would match it)."""
+    keys = flags if flags is not None else (_env("API_KEY") or "").split(",")
+    if flags is None:
+        keys = [k for k in keys if k.strip()]
+    if any(not k.strip() for k in keys):
+        raise InvalidRequestError("--api-key is empty; give a key, or leave the flag out to serve without auth.")
+    return tuple(keys)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -129,7 +140,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model=args.model,
         served_model_name=args.served_model_name,
-        api_keys=tuple(args.api_key or ()),
+        api_keys=_api_keys(args.api_key),
         max_num_seqs=args.max_num_seqs,
         gather_ms=args.gather_ms,
         max_queue=args.max_queue,
@@ -192,7 +203,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     freeze_startup_heap("front end")
     # an engine in this process (--engine-process off) loads later: its heap is frozen once it has
     app.state.kvserve.on_loaded = lambda: freeze_startup_heap("front end and engine")
-    server.run(sockets=[listening_socket(args.host, args.port)])
+    try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as exc:  # in use, not allowed, or a host that does not resolve
+        print(f"kvserve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    server.run(sockets=[sock])
     return server.exit_status
 
 
@@ -229,6 +245,55 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
 
 
+def _number(text: str, kind: type) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+
+
+def _at_least(low: int, kind: type = int):
+    """An argparse type: a number (of `kind`) no less than `low`."""
+
+    def parse(text: str) -> int | float:
+        value = _number(text, kind)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    return parse
+
+
+def _above(low: int, kind: type = float):
+    """An argparse type: a number (of `kind`) greater than `low`."""
+
+    def parse(text: str) -> int | float:
+        value = _number(text, kind)
+        if not value > low:
+            raise argparse.ArgumentTypeError(f"must be more than {low}, got {text}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _number(text, int)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is from 0 to 65535, got {text}")
+    return value
+
+
+class _BadEnvChoice:
+    """A KVSERVE_* value outside its flag's choices (argparse never checks a default against them, and
+    converts a default that is a string, so this is none); main() refuses it as it would the flag's."""
+
+    def __init__(self, env: str, value: str, choices: tuple) -> None:
+        self.env, self.value, self.choices = env, value, choices
+
+    def __str__(self) -> str:  # as --help shows the default
+        return self.value
+
+
 def _session_ttl(text: str) -> float:
     try:
         return check_ttl(float(text), "--session-ttl")
@@ -253,6 +318,8 @@ def _flag(
     value = os.environ.get(env)
     if value not in (None, ""):
         default = value  # a string: argparse converts it with `type`, and reports a bad one as for the flag
+        if "choices" in kwargs and value not in kwargs["choices"]:
+            default = _BadEnvChoice(env, value, tuple(kwargs["choices"]))
     p.add_argument(flag, type=type, default=default, help=f"{help} (env {env}; default {shown_default})", **kwargs)
 
 
@@ -327,7 +394,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    _flag(p, "--max-tokens", "most tokens to generate per reply", max_tokens, int)
+    _flag(p, "--max-tokens", "most tokens to generate per reply", max_tokens, _at_least(1, int))
     for flag, kind, help in (
         ("--temperature", float, "sampling temperature, 0 (or < 1e-5) for greedy: the most likely token each step"),
         ("--top-k", int, "sample among the k most likely tokens, 0 for no limit"),
@@ -372,36 +439,48 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_model_flags(p)
     _flag(p, "--host", "address to bind", "127.0.0.1")
-    _flag(p, "--port", "port", 8000, int)
+    _flag(p, "--port", "port (0: any free port)", 8000, _port)
     p.add_argument(
         "--api-key",
         action="append",
-        default=[k for k in (_env("API_KEY") or "").split(",") if k],
+        default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* and /openapi.json (never as ?api_key=, which would "
         "be logged); repeat for several keys (env KVSERVE_API_KEY, comma-separated; default: no auth). "
         "/health and /metrics stay open; /docs and /redoc are off, as a browser cannot send the key.",
     )
     _flag(p, "--served-model-name", "the model name clients use; none means the model file's name")
-    _flag(p, "--max-num-seqs", "most requests decoded together in one batch", 64, int)
+    _flag(p, "--max-num-seqs", "most requests decoded together in one batch", 64, _at_least(1, int))
     _flag(
         p,
         "--gather-ms",
         "from idle, the first step waits until no request has arrived for this many milliseconds (at most 8x) "
         "so that requests sent together share one prefill; 0 starts at once",
         3.0,
-        float,
+        _at_least(0, float),
     )
-    _flag(p, "--max-queue", "requests allowed to wait beyond the batch; more get 429 with Retry-After", 256, int)
-    _flag(p, "--request-timeout", "seconds a request may run before it is aborted with 504", 600.0, float)
-    _flag(p, "--kv-cache-tokens", "size of the KV pool in tokens; none means 1 GiB worth", None, int)
-    _flag(p, "--max-body-bytes", "largest request body accepted; larger gets 413", 4 << 20, int)
+    _flag(
+        p,
+        "--max-queue",
+        "requests allowed to wait beyond the batch; more get 429 with Retry-After",
+        256,
+        _at_least(0, int),
+    )
+    _flag(
+        p,
+        "--request-timeout",
+        "seconds a request may run before it is aborted with 504",
+        600.0,
+        _above(0, float),
+    )
+    _flag(p, "--kv-cache-tokens", "size of the KV pool in tokens; none means 1 GiB worth", None, _at_least(1, int))
+    _flag(p, "--max-body-bytes", "largest request body accepted; larger gets 413", 4 << 20, _at_least(1, int))
     _flag(
         p,
         "--body-timeout",
         "seconds a request's body may take to arrive, from its headers; a slower one gets 408 and the "
         "connection is closed",
         30.0,
-        float,
+        _above(0, float),
     )
     _flag(
         p,
@@ -410,16 +489,16 @@ def build_parser() -> argparse.ArgumentParser:
         "events beyond the connection's 64 KiB send buffer: out of the batch, its KV freed, its place kept) "
         "and resumes when the client reads; paused for this many seconds, it is aborted and frees its slot",
         60.0,
-        float,
+        _above(0, float),
     )
-    _flag(p, "--max-sessions", "most open sessions; more get 429", 1024, int)
+    _flag(p, "--max-sessions", "most open sessions; more get 429", 1024, _at_least(0, int))
     _flag(
         p,
         "--max-sessions-per-key",
         "most open sessions one API key may hold, more get 429; without --api-key all callers are one key "
         "and share this limit (0: no limit)",
         256,
-        int,
+        _at_least(0, int),
     )
     _flag(
         p,
@@ -433,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
         "most tokens one session may hold (its history and the text streamed into it); a message, append or "
         "turn that would exceed it gets 400 and is not applied",
         None,
-        int,
+        _at_least(1, int),
         shown_default="the model's context",
     )
     _flag(
@@ -442,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
         "largest text, in UTF-8 bytes, that one session message, append or system prompt may carry (a "
         "session's first messages together); larger gets 400",
         None,
-        int,
+        _at_least(1, int),
         shown_default=f"{BYTES_PER_TOKEN} per token of --max-session-tokens",
     )
     _flag(
@@ -458,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-timeout",
         "on SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them",
         30.0,
-        float,
+        _at_least(0, float),
     )
     _flag(
         p,
@@ -475,16 +554,16 @@ def build_parser() -> argparse.ArgumentParser:
         "split the model's layers over N processes (pipeline stages, each its own KV pool for its layers; "
         "torch.distributed over gloo), on this host or, with --nnodes, across hosts; docs/scale-out.md",
         1,
-        int,
+        _at_least(1, int),
     )
-    _flag(p, "--nnodes", "hosts the pipeline's stages run on, the same number of stages on each", 1, int)
+    _flag(p, "--nnodes", "hosts the pipeline's stages run on, the same number of stages on each", 1, _at_least(1, int))
     _flag(
         p,
         "--node-rank",
         "this host's place among --nnodes (0: the HTTP server, the engine and the first stages; others "
         "serve their stages only)",
         0,
-        int,
+        _at_least(0, int),
     )
     _flag(p, "--master-addr", "address of node 0, where the stages meet (torchrun's MASTER_ADDR)", "127.0.0.1")
     _flag(
@@ -492,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--master-port",
         "port on node 0 where the stages meet (torchrun's MASTER_PORT)",
         None,
-        int,
+        _port,
         shown_default="a free port on one host, 29500 across hosts",
     )
     _flag(
@@ -501,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
         "seconds without a heartbeat after which a pipeline stage counts as gone, or the engine process as "
         "not answering: requests in flight fail, new ones get 503 and /health says why",
         5.0,
-        float,
+        _above(0, float),
     )
     _flag(p, "--log-level", "server log level", "info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_cmd_serve)
@@ -509,7 +588,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for value in vars(args).values():
+        if isinstance(value, _BadEnvChoice):
+            parser.error(f"{value.env}={value.value!r} is not one of {', '.join(value.choices)}")
     if args.command == "serve":  # say at start-up how the weights are held (kvserve.weights)
         logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
         logging.getLogger("kvserve").setLevel(getattr(logging, args.log_level.upper()))
@@ -518,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVServeError as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the machine's files or network, e.g. a KVSERVE_HOME that is not a folder
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -82,6 +82,22 @@ def _kv_cache_dtype(name: str) -> torch.dtype | None:
     return KV_CACHE_DTYPES[name]
 
 
+def _check_sizes(**sizes: int | float | None) -> None:
+    """The engine's sizes, checked before anything loads: whole numbers of at least 1 (the KV pool at
+    least a block), a gather time of at least 0; None where a default is chosen later."""
+    for name, value in sizes.items():
+        if value is None and name not in ("block_size", "max_num_seqs", "gather_ms"):
+            continue
+        low = 0 if name == "gather_ms" else sizes["block_size"] if name == "kv_cache_tokens" else 1
+        kind = (int, float) if name == "gather_ms" else int
+        if isinstance(value, bool) or not isinstance(value, kind) or not value >= low:
+            raise InvalidRequestError(
+                f"{name} must be {'a number' if name == 'gather_ms' else 'an integer'} of at least {low}, "
+                f"got {value!r:.40}.",
+                name,
+            )
+
+
 def _engine_config(
     model_config: ModelConfig,
     kv_cache_dtype: torch.dtype,
@@ -187,6 +203,14 @@ class LLM:
         token of that); more is refused with InvalidRequestError and not applied.
         From idle, the first step waits until no request has arrived for `gather_ms` ms (at most 8x), so
         that requests sent together share one prefill (engine/burst.py); 0 starts at once."""
+        _check_sizes(
+            block_size=block_size,
+            kv_cache_tokens=kv_cache_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            gather_ms=gather_ms,
+        )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         topology = pipeline or (Topology.from_settings(pipeline_parallel) if pipeline_parallel > 1 else None)
         if topology is not None and not topology.hosts_rank0:

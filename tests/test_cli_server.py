@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -113,3 +114,56 @@ def test_chat_loop_with_reset_and_exit(tiny_model_dir):
     assert out.returncode == 0, out.stderr
     assert "(conversation cleared)" in out.stdout
     assert out.stdout.count(">>> ") == 4
+
+
+def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "kvserve.cli", *args]
+    return subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_settings_stop_serve_with_a_message_and_a_status_never_a_traceback(tiny_model_dir, tmp_path):
+    """What --help promises is checked at start: each bad value is a one-line error (status 2 for a
+    setting, 1 for the machine's refusal), from a flag or from its KVSERVE_* variable alike."""
+    db = ["--session-db", str(tmp_path / "sessions.db"), "--model", str(tiny_model_dir)]
+    for flags, env, says in [
+        (["--port", "99999"], {}, "a port is from 0 to 65535"),
+        (["--request-timeout", "0"], {}, "must be more than 0"),
+        (["--max-queue", "-1"], {}, "must be at least 0"),
+        (["--kv-cache-tokens", "0"], {}, "must be at least 1"),
+        ([], {"KVSERVE_BATCH_INVARIANT": "true"}, "KVSERVE_BATCH_INVARIANT='true' is not one of on, off"),
+        ([], {"KVSERVE_ENGINE_PROCESS": "yes"}, "KVSERVE_ENGINE_PROCESS='yes' is not one of on, off"),
+        ([], {"KVSERVE_LOG_LEVEL": "bogus"}, "KVSERVE_LOG_LEVEL='bogus' is not one of"),
+        (["--api-key", "secret", "--api-key", ""], {}, "--api-key is empty"),
+    ]:
+        done = _cli("serve", *db, *flags, env=env)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, (
+            flags,
+            env,
+            done.stderr,
+        )
+    with socket.socket() as taken:  # a port in use: status 1, saying so
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = _cli("serve", *db, "--port", str(taken.getsockname()[1]))
+    assert done.returncode == 1 and "cannot listen on 127.0.0.1:" in done.stderr and "Traceback" not in done.stderr
+    home = tmp_path / "a-file"
+    home.write_text("")
+    done = _cli("pull", env={"KVSERVE_HOME": str(home)})
+    assert done.returncode == 1 and "kvserve: error:" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_serve_exits_1_when_its_engine_cannot_start(tmp_path):
+    """A model that cannot load leaves nothing to serve: the server says why and exits 1 (as llama.cpp's
+    server and vLLM do) instead of answering 503 until someone looks."""
+    not_a_model = tmp_path / "no-config"
+    not_a_model.mkdir()
+    done = _cli("serve", "--model", str(not_a_model), "--port", "0", "--session-db", str(tmp_path / "s.db"))
+    assert done.returncode == 1 and "The engine could not start" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_api_key_flag_replaces_the_variable_and_an_empty_key_never_matches(monkeypatch):
+    from kvserve import cli
+
+    monkeypatch.setenv("KVSERVE_API_KEY", "old,older")
+    assert cli._api_keys(None) == ("old", "older")
+    assert cli._api_keys(["new"]) == ("new",)  # a rotated key: the variable's stop working

@@ -462,3 +462,12 @@ def test_a_body_with_a_content_encoding_is_refused_with_415(keyless):
         assert "uncompressed" in assert_openai_error(r, 415)["message"]
     identity = post(keyless, "completions", body, key=None, headers={"Content-Encoding": "identity"})
     assert identity.status_code == 200
+
+
+def test_no_key_never_matches_even_an_empty_key(llm):
+    """`kvserve serve` refuses an empty --api-key; a server made with one in code still answers a
+    request without a key 401, and the real key 200."""
+    settings = ServerSettings(served_model_name=MODEL, api_keys=("alice", ""), max_num_seqs=4, max_queue=8)
+    with running_server(settings, llm) as base:
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer alice"}).status_code == 200

@@ -92,5 +92,7 @@ async def _load(state: ServerState) -> None:
                     raise
     except Exception as exc:
         state.load_error = f"{type(exc).__name__}: {exc}"
+        if state.on_fatal is not None:  # `kvserve serve`: nothing to serve, so exit for a supervisor to see
+            state.on_fatal(f"The engine could not start ({state.load_error})")
         return
     state.set_llm(loaded)

@@ -115,7 +115,7 @@ async def require_key(request: Request) -> bytes | None:  # async: no thread-poo
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(token, key)
-    if not matched:
+    if not matched or not token:  # no key is never a key, whatever keys are set
         where = "API keys in the query string are not accepted (they end up in logs)"
         if "api_key" not in request.url.query.lower().replace("-", "_"):
             where = "Missing or invalid API key"
