@@ -92,6 +92,9 @@ class Session:
         self._call(run)
 
     def fork(self) -> Session:
+        """An independent copy of the session as it is now: its history through its last finished turn,
+        and its open streamed input. Taken while a turn runs, it holds neither that turn nor what is
+        queued behind it (those apply to this session only)."""
         child = self._call(lambda m, s: m.fork(s))
         return Session(self.client, self._manager, child.session_id, self.owner)
 
