@@ -96,6 +96,28 @@ def test_r1_appends_during_a_turn_queue_behind_it_in_order(llm):
     close_all_and_check(llm, [s])
 
 
+def test_a_fork_asked_for_during_a_turn_holds_the_turn_and_what_was_asked_before_it(llm):
+    """Calls apply in the order made: a fork asked for while a turn runs is made once the turn and the
+    message added before the fork have applied (the call waits), and holds neither what came after."""
+    s = llm.session(system="sys")
+    s.add_message("user", "Count to ten.")
+    stream = s.stream(SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    first = next(stream)  # the turn runs
+    s.add_message("user", "before the fork")  # stored now, applied behind the turn
+    forked = []
+    fork = threading.Thread(target=lambda: forked.append(s.fork()))
+    fork.start()
+    fork.join(60)  # the turn runs on whether or not its stream is read
+    assert forked, "the fork did not return"
+    s.add_message("user", "after the fork")
+    reply = first.text + "".join(c.text for c in stream)
+    history = [{"role": "system", "content": "sys"}, {"role": "user", "content": "Count to ten."}]
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "before the fork"}]
+    assert forked[0].info()["messages"] == history
+    assert s.info()["messages"] == [*history, {"role": "user", "content": "after the fork"}]
+    close_all_and_check(llm, [s, forked[0]])
+
+
 def test_streamed_input_is_prefilled_eagerly(llm):
     s = llm.session()
     text = "".join(f"word{i} " for i in range(60))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from kvserve.engine.client import EngineClient
@@ -92,11 +93,11 @@ class Session:
         self._call(run)
 
     def fork(self) -> Session:
-        """An independent copy of the session as it is now: its history through its last finished turn,
-        and its open streamed input. Taken while a turn runs, it holds neither that turn nor what is
-        queued behind it (those apply to this session only)."""
-        child = self._call(lambda m, s: m.fork(s))
-        return Session(self.client, self._manager, child.session_id, self.owner)
+        """An independent copy of the session, sharing its computed prefix. Asked for while a turn runs,
+        it is made once that turn and the calls made before the fork have applied, and this waits."""
+        made: Future = Future()
+        self._call(lambda m, s: m.fork(s, made))
+        return Session(self.client, self._manager, made.result().session_id, self.owner)
 
     def info(self) -> dict[str, Any]:
         return self._call(lambda m, s: m.info(s))
