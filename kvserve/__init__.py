@@ -29,7 +29,7 @@ from kvserve.errors import (
 from kvserve.llm import LLM
 from kvserve.outputs import RequestOutput, StreamChunk, Usage
 from kvserve.sampling_params import SamplingParams
-from kvserve.sessions.manager import SessionLimitError, SessionNotFoundError
+from kvserve.sessions.manager import SessionBusyError, SessionLimitError, SessionNotFoundError
 from kvserve.sessions.session import Session
 from kvserve.structured_output import StructuredOutput
 from kvserve.text.tokenizer import Tokenizer
@@ -47,6 +47,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "Session",
+    "SessionBusyError",
     "SessionLimitError",
     "SessionNotFoundError",
     "StreamChunk",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
@@ -247,9 +248,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _number(text: str, kind: type) -> int | float:
     try:
-        return kind(text)
+        value = kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+    if not math.isfinite(value):  # nan passes every comparison; inf waits forever
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
 
 
 def _at_least(low: int, kind: type = int):

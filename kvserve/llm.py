@@ -8,6 +8,7 @@ EngineClient, which reads the request's own sink; leaving a stream early aborts 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -90,7 +91,7 @@ def _check_sizes(**sizes: int | float | None) -> None:
             continue
         low = 0 if name == "gather_ms" else sizes["block_size"] if name == "kv_cache_tokens" else 1
         kind = (int, float) if name == "gather_ms" else int
-        if isinstance(value, bool) or not isinstance(value, kind) or not value >= low:
+        if isinstance(value, bool) or not isinstance(value, kind) or not low <= value < math.inf:
             raise InvalidRequestError(
                 f"{name} must be {'a number' if name == 'gather_ms' else 'an integer'} of at least {low}, "
                 f"got {value!r:.40}.",

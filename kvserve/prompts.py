@@ -89,14 +89,14 @@ def _token_ids(prompt: Any) -> list[int]:
     return ids
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")  # OpenAI's, and Llama 3.1's tool role
 
 
 def check_messages(messages: Any) -> Messages:
     """`messages` for a chat template, checked: a non-empty list of dicts, each with one of OpenAI's
     roles and text content (a list of parts passes to the template; an assistant's tool calls may
     stand without content)."""
-    if not isinstance(messages, list) or not messages:
+    if not isinstance(messages, list | tuple) or not messages:
         raise InvalidRequestError(
             'messages must be a non-empty list of {"role": ..., "content": ...} dicts.', "messages"
         )

@@ -128,6 +128,7 @@ def test_bad_settings_stop_serve_with_a_message_and_a_status_never_a_traceback(t
     for flags, env, says in [
         (["--port", "99999"], {}, "a port is from 0 to 65535"),
         (["--request-timeout", "0"], {}, "must be more than 0"),
+        (["--gather-ms", "nan"], {}, "not a finite number"),
         (["--max-queue", "-1"], {}, "must be at least 0"),
         (["--kv-cache-tokens", "0"], {}, "must be at least 1"),
         ([], {"KVSERVE_BATCH_INVARIANT": "true"}, "KVSERVE_BATCH_INVARIANT='true' is not one of on, off"),

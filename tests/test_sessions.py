@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvserve import LLM, InvalidRequestError, SamplingParams
-from kvserve.sessions.manager import SessionLimitError, SessionNotFoundError
+from kvserve.sessions.manager import SessionBusyError, SessionLimitError, SessionNotFoundError
 from tests.conftest import StepGate, wait_idle, wait_idle_and_check
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -96,26 +96,46 @@ def test_r1_appends_during_a_turn_queue_behind_it_in_order(llm):
     close_all_and_check(llm, [s])
 
 
-def test_a_fork_asked_for_during_a_turn_holds_the_turn_and_what_was_asked_before_it(llm):
-    """Calls apply in the order made: a fork asked for while a turn runs is made once the turn and the
-    message added before the fork have applied (the call waits), and holds neither what came after."""
+def test_a_fork_during_a_turn_is_refused_and_after_it_holds_the_turn(llm):
+    """A fork copies the session, so it needs one that is not changing: during a turn (with a message
+    queued behind it) it is refused with SessionBusyError, rather than copy a history that lacks what
+    was asked for before it; after the turn it holds the reply and the queued message."""
     s = llm.session(system="sys")
     s.add_message("user", "Count to ten.")
-    stream = s.stream(SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    first = next(stream)  # the turn runs
-    s.add_message("user", "before the fork")  # stored now, applied behind the turn
-    forked = []
-    fork = threading.Thread(target=lambda: forked.append(s.fork()))
-    fork.start()
-    fork.join(60)  # the turn runs on whether or not its stream is read
-    assert forked, "the fork did not return"
-    s.add_message("user", "after the fork")
-    reply = first.text + "".join(c.text for c in stream)
-    history = [{"role": "system", "content": "sys"}, {"role": "user", "content": "Count to ten."}]
-    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "before the fork"}]
-    assert forked[0].info()["messages"] == history
-    assert s.info()["messages"] == [*history, {"role": "user", "content": "after the fork"}]
-    close_all_and_check(llm, [s, forked[0]])
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    with StepGate(llm) as gate:
+        chunks, outcome = [], []
+        turn = threading.Thread(target=lambda: chunks.extend(s.stream(params)))
+        turn.start()
+        assert gate.entered.wait(30)  # the turn's first step waits at the gate: it is running
+        queued = threading.Thread(target=s.add_message, args=("user", "queued behind the turn"))
+        queued.start()
+        while queued.is_alive():  # the engine takes calls between steps: a step at a time until it has
+            gate.allow(1)
+            queued.join(0.05)
+
+        def fork() -> None:
+            try:
+                outcome.append(s.fork())
+            except SessionBusyError as exc:
+                outcome.append(exc)
+
+        forking = threading.Thread(target=fork)
+        forking.start()
+        while forking.is_alive():
+            gate.allow(1)
+            forking.join(0.05)
+        assert isinstance(outcome[0], SessionBusyError) and gate.num_entered < 200  # the turn still ran
+        gate.open()
+        turn.join(60)
+    child = s.fork()
+    reply = "".join(c.text for c in chunks)
+    assert child.info()["messages"][-2:] == [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "queued behind the turn"},
+    ]
+    assert child.info()["messages"] == s.info()["messages"]
+    close_all_and_check(llm, [s, child])
 
 
 def test_streamed_input_is_prefilled_eagerly(llm):

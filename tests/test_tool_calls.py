@@ -303,6 +303,10 @@ ANSWERS = [
     (ToolFormat.GENERIC, '{"content": "Hel', "Hel", []),
     (ToolFormat.LLAMA3, '<|python_tag|>{"na', None, []),
     (ToolFormat.LLAMA3, '{"name": "f", "param', None, [("f", "")]),
+    (ToolFormat.LLAMA3, '{"parameters": {"x', None, []),
+    # JSON that is not a call stays the model's answer, whole, malformed or cut short
+    (ToolFormat.LLAMA3, '{"Paris" is the capital of France}', '{"Paris" is the capital of France}', []),
+    (ToolFormat.LLAMA3, '{"city": "Paris", "population": 21', '{"city": "Paris", "population": 21', []),
 ]
 
 

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, KVServeError
 from kvserve.server.protocol import error_body
 from kvserve.server.state import APIError
-from kvserve.sessions.manager import SessionLimitError, SessionNotFoundError
+from kvserve.sessions.manager import SessionBusyError, SessionLimitError, SessionNotFoundError
 from kvserve.sessions.store import SessionStoreError
 
 logger = logging.getLogger("kvserve.server")
@@ -38,6 +38,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SessionNotFoundError)
     async def session_not_found(_: Request, exc: SessionNotFoundError) -> JSONResponse:
         return respond(404, error_body(str(exc), "not_found_error", "session_id", "session_not_found"))
+
+    @app.exception_handler(SessionBusyError)
+    async def session_busy(_: Request, exc: SessionBusyError) -> JSONResponse:
+        return respond(409, error_body(str(exc), "invalid_request_error", "session_id", "session_busy"))
 
     @app.exception_handler(SessionLimitError)
     async def session_limit(_: Request, exc: SessionLimitError) -> JSONResponse:

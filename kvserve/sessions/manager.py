@@ -22,7 +22,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +43,10 @@ class SessionNotFoundError(KVServeError):
     """No session with that id (or not one this caller may see)."""
 
 
+class SessionBusyError(KVServeError):
+    """A call that needs the session idle (a fork) while a turn runs: 409, try again once it ends."""
+
+
 class SessionLimitError(KVServeError):
     """The maximum number of sessions is reached; close or let some expire first."""
 
@@ -55,14 +58,6 @@ class Turn:
     sink: Any
     interrupt: bool = False
     announce: bool = False  # put an empty chunk in the sink when the turn starts (its checks passed)
-
-
-@dataclass
-class Fork:
-    """A fork asked for while a turn ran: made when the operations before it have applied, its child
-    (or the error) then set on `future`."""
-
-    future: Future
 
 
 class _ReplySink:
@@ -201,35 +196,32 @@ class SessionManager:
         cannot delete it (SessionStoreError), the session stays as it was."""
         if self.store is not None:
             self.store.delete(state.session_id)
-        waiting = [op for op in state.pending if isinstance(op, Turn | Fork)]
+        waiting = [op for op in state.pending if isinstance(op, Turn)]
         state.pending.clear()
         self.sessions.pop(state.session_id, None)  # from here on, finishing requests ignore it
         self.abort([i for i in (state.turn_request_id, state.prefill_request_id) if i])
-        for op in waiting:
-            _fail(op, SessionNotFoundError(f"Session {state.session_id!r} was closed."))
+        for turn in waiting:
+            turn.sink.put(SessionNotFoundError(f"Session {state.session_id!r} was closed."))
         self._unpin(state)
 
     def shutdown(self) -> None:
         """The engine is stopping: turns that never started are told so; nothing new starts."""
         for state in self.sessions.values():
             for op in state.pending:
-                if isinstance(op, Turn | Fork):
-                    _fail(op, EngineClosedError("The engine closed before this turn or fork was made."))
+                if isinstance(op, Turn):
+                    op.sink.put(EngineClosedError("The engine closed before this turn started."))
             state.pending.clear()
 
-    def fork(self, state: SessionState, future: Future) -> None:
-        """An independent copy sharing the computed prefix (the pinned blocks get one more reference),
-        set on `future`: now, or, while a turn runs, once it and the operations asked for before the fork
-        have applied (calls apply in the order made)."""
-        if state.is_busy:
-            state.pending.append(Fork(future))
-            return
-        try:
-            future.set_result(self._fork(state))
-        except Exception as exc:  # a store that cannot take the child: the caller hears why
-            future.set_exception(exc)
-
-    def _fork(self, state: SessionState) -> SessionState:
+    def fork(self, state: SessionState) -> SessionState:
+        """An independent copy sharing the computed prefix (the pinned blocks get one more reference).
+        Refused (SessionBusyError) while a turn runs or operations wait behind one:
+        calls apply in the order made, so a copy taken then would lack what was asked for before it, and
+        waiting here would hold the caller's thread for a whole turn."""
+        if state.is_generating or state.pending:  # (an eager prefill alone changes no history)
+            raise SessionBusyError(
+                f"Session {state.session_id!r} is running a turn (or applying input queued behind one); "
+                "fork it once that has ended."
+            )
         child = self.create(state.owner, state.messages, state.ttl, state.open_user)
         child.pinned_block_ids = list(state.pinned_block_ids)
         self.pool.touch(child.pinned_block_ids)
@@ -393,7 +385,7 @@ class SessionManager:
         """(messages, open user message) once the queued operations, and `extra`, apply."""
         messages, open_user = list(state.messages), state.open_user
         for op in [*state.pending, extra]:
-            if op is None or isinstance(op, Turn | Fork):
+            if op is None or isinstance(op, Turn):
                 continue
             if op[0] == "append":
                 open_user = (open_user or "") + op[1]
@@ -463,8 +455,6 @@ class SessionManager:
             op = state.pending.popleft()
             if isinstance(op, Turn):
                 self.start_turn(state, op)
-            elif isinstance(op, Fork):
-                self.fork(state, op.future)
             elif op[0] == "add_message":
                 self._add_message(state, op[1], op[2])
             else:
@@ -506,11 +496,3 @@ class SessionManager:
 def _rows(messages: list[dict[str, str]], open_user: str | None) -> list[Row]:
     rows = [(m["role"], m["content"], False) for m in messages]
     return [*rows, ("user", open_user, True)] if open_user is not None else rows
-
-
-def _fail(op: Turn | Fork, error: Exception) -> None:
-    """A queued turn or fork that will never be made: its caller hears why."""
-    if isinstance(op, Turn):
-        op.sink.put(error)
-    else:
-        op.future.set_exception(error)

@@ -3,14 +3,13 @@
 Any thread may call any method at any time. Operations on one session apply in the order they
 were called: `append` / `add_message` during a turn wait behind it (nothing is lost), a second
 `stream` waits for the first to finish, and `stream(interrupt=True)` or `interrupt()` aborts the
-running turn first.
+running turn first. `fork` needs the session idle (SessionBusyError during a turn).
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future
 from typing import Any
 
 from kvserve.engine.client import EngineClient
@@ -93,11 +92,10 @@ class Session:
         self._call(run)
 
     def fork(self) -> Session:
-        """An independent copy of the session, sharing its computed prefix. Asked for while a turn runs,
-        it is made once that turn and the calls made before the fork have applied, and this waits."""
-        made: Future = Future()
-        self._call(lambda m, s: m.fork(s, made))
-        return Session(self.client, self._manager, made.result().session_id, self.owner)
+        """An independent copy of the session, sharing its computed prefix. While a turn runs (or input
+        queued behind one applies) it raises SessionBusyError: fork once the turn has ended."""
+        child = self._call(lambda m, s: m.fork(s))
+        return Session(self.client, self._manager, child.session_id, self.owner)
 
     def info(self) -> dict[str, Any]:
         return self._call(lambda m, s: m.info(s))

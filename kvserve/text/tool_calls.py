@@ -36,6 +36,8 @@ from kvserve.text.tokenizer import Tokenizer
 MAX_TOOLS = 128  # OpenAI's limit
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+_FIRST_KEY = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*(?:"([^"]*)("?))?')  # an object's first key, closed or not
+_CALL_KEYS = ("name", "parameters", "arguments")
 
 
 class ToolFormat(enum.StrEnum):
@@ -652,10 +654,23 @@ class ToolCallParser:
             self.buffer = ""
         elif self.state == "start" and self.buffer.strip():
             self._content(self.buffer, out)
-        elif self.state == "json" and self.scanner.done and self.num_calls == 0 and self.content_decoder is None:
-            self._content(self.raw, out)  # whole JSON that held no call: the model's answer as written
-        # (JSON cut short, at max_tokens, is a call cut short, never content: no call where its name was cut)
+        elif self.state == "json" and self.num_calls == 0 and self.content_decoder is None and not self._cut_call():
+            self._content(self.raw, out)  # JSON that held no call: the model's answer as written
         return out
+
+    def _cut_call(self) -> bool:
+        """Whether the JSON, unfinished, is a call whose name was cut (at max_tokens), never content:
+        kvserve's generic wrapper always is; in Llama 3's format, JSON whose first key is a call's (or,
+        cut within it, begins one). Other JSON, whole or not, is the model's answer."""
+        if self.scanner.done:
+            return False
+        if self.fmt is ToolFormat.GENERIC:
+            return True
+        first = _FIRST_KEY.match(self.raw)
+        if first is None:
+            return False
+        key, closed = first.group(1) or "", first.group(2)
+        return key in _CALL_KEYS if closed else any(k.startswith(key) for k in _CALL_KEYS)
 
     def _content(self, text: str, out: list[Delta]) -> None:
         if not text:
