@@ -17,7 +17,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.server.app import ServerSettings, create_app
-from tests.conftest import wait_idle_and_check
+from tests.conftest import StepGate, wait_idle_and_check
 from tests.server_harness import descendants, free_port, running_server, serving
 
 MODEL = "tiny"
@@ -208,3 +208,31 @@ def test_sigkill_mid_turn_then_restart_continues_the_session(tiny_model_dir, tmp
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_a_fork_during_a_turn_is_409_session_busy(llm):
+    """Over HTTP too a fork needs the session idle: during a turn it is 409 `session_busy`, at once."""
+    with running_server(ServerSettings(served_model_name=MODEL), llm) as base, StepGate(llm) as gate:
+        sid = httpx.post(f"{base}/v1/sessions", json={"system": "sys"}).json()["id"]
+        httpx.post(f"{base}/v1/sessions/{sid}/messages", json={"role": "user", "content": "hi"}).raise_for_status()
+        body = {"max_tokens": 100, "ignore_eos": True, "temperature": 0}
+        turn = threading.Thread(
+            target=httpx.post, args=(f"{base}/v1/sessions/{sid}/completions",), kwargs={"json": body, "timeout": 120}
+        )
+        turn.start()
+        assert gate.entered.wait(30)  # the turn's first step waits at the gate: it is running
+        answers = []
+        fork = threading.Thread(target=lambda: answers.append(httpx.post(f"{base}/v1/sessions/{sid}/fork", timeout=60)))
+        fork.start()
+        while fork.is_alive():  # the engine takes calls between steps: a step at a time until it has
+            gate.allow(1)
+            fork.join(0.05)
+        steps_before_the_answer = gate.num_entered
+        gate.open()
+        turn.join(60)
+        assert steps_before_the_answer < 100  # the turn still had tokens to go
+        assert answers[0].status_code == 409 and answers[0].json()["error"]["code"] == "session_busy"
+        child = httpx.post(f"{base}/v1/sessions/{sid}/fork")  # idle again
+        assert child.status_code == 200
+        for session_id in (sid, child.json()["id"]):
+            httpx.delete(f"{base}/v1/sessions/{session_id}").raise_for_status()
