@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.sessions.limits import BYTES_PER_TOKEN, TTL_BOUNDS, check_ttl
@@ -44,10 +47,26 @@ def _on_off_auto(value: str) -> bool | None:
     return None if value == "auto" else value == "on"
 
 
+@contextlib.contextmanager
 def _terminal_llm(args: argparse.Namespace, **kwargs):
-    """The LLM of `generate` and `chat`: the model flags, one sequence at a time."""
+    """The LLM of `generate` and `chat`: the model flags, one sequence at a time. It closes with Ctrl-C
+    ignored: a second one, cutting the engine's shutdown short, aborted the process in torch's teardown."""
     from kvserve.llm import LLM
 
+    llm = _load_terminal_llm(LLM, args, **kwargs)
+    try:
+        yield llm
+    finally:
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        try:
+            llm.close()
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, previous)
+
+
+def _load_terminal_llm(LLM, args: argparse.Namespace, **kwargs):
     return LLM(
         args.model,
         dtype=args.dtype,

@@ -116,6 +116,33 @@ def test_chat_loop_with_reset_and_exit(tiny_model_dir):
     assert out.stdout.count(">>> ") == 4
 
 
+def test_two_ctrl_c_at_the_chat_prompt_end_it_cleanly(tiny_model_dir):
+    """A terminal's Ctrl-C reaches the process (and `timeout -s INT` sends it twice): the first ends the
+    chat at its prompt, a second one during the close must not abort the process in torch's teardown."""
+    chat = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.cli", "chat", "--model", str(tiny_model_dir), "--max-tokens", "3"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        chat.stdin.write("hello\n")
+        chat.stdin.flush()
+        seen = ""
+        while seen.count(">>> ") < 2:  # the reply is written and the prompt asks again: a known point
+            char = chat.stdout.read(1)
+            assert char, f"chat ended early: {chat.wait()} {chat.stderr.read()[-2000:]}"
+            seen += char
+        chat.send_signal(signal.SIGINT)
+        chat.send_signal(signal.SIGINT)
+        stderr = chat.communicate(timeout=60)[1]
+    finally:
+        chat.kill()
+        chat.wait()
+    assert chat.returncode == 0 and "terminate called" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+
+
 def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "kvserve.cli", *args]
     return subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
