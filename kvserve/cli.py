@@ -86,17 +86,19 @@ def _load_terminal_llm(LLM, args: argparse.Namespace, **kwargs):
 SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
 
-def _sampling_params(args: argparse.Namespace, model_path):
-    """SamplingParams from the flags, else the model file's recommended values, else SAMPLING_DEFAULTS."""
+def _sampling_params(args: argparse.Namespace, model_path=None):
+    """SamplingParams from the flags, else the model file's recommended values, else SAMPLING_DEFAULTS
+    (without `model_path`: the flags' own values checked, before a model loads)."""
     from kvserve.sampling_params import SamplingParams
     from kvserve.weights.loader import recommended_sampling
 
-    values = {**SAMPLING_DEFAULTS, **recommended_sampling(model_path)}
+    values = {**SAMPLING_DEFAULTS, **(recommended_sampling(model_path) if model_path is not None else {})}
     values.update({name: getattr(args, name) for name in SAMPLING_DEFAULTS if getattr(args, name) is not None})
     return SamplingParams(max_tokens=args.max_tokens, seed=args.seed, **values)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    _sampling_params(args)  # a bad flag is refused before the model loads
     with _terminal_llm(args, session_db=False) as llm:  # one prompt: no session, so no lock on a server's store
         params = _sampling_params(args, llm.model_path)
         if args.raw or llm.tokenizer.chat_template is None:
@@ -233,6 +235,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    _sampling_params(args)  # a bad flag is refused before the model loads
     with _terminal_llm(args, session_db=False) as llm:
         params = _sampling_params(args, llm.model_path)
         if llm.tokenizer.chat_template is None:

@@ -52,3 +52,12 @@ def test_a_gguf_file_recommends_through_its_general_sampling_keys(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     assert GGUFFile(path).recommended_sampling() == {"temperature": 0.25, "top_k": 64}
+
+
+def test_a_bad_sampling_flag_is_refused_before_any_model_loads(capsys, tmp_path):
+    """The flags' own values are checked first: no model is looked for (this one does not exist)."""
+    from kvserve.cli import main
+
+    for command in (["generate", "hi"], ["chat"]):
+        assert main([*command, "--model", str(tmp_path / "none.gguf"), "--temperature", "-1"]) == 2
+        assert "temperature must be between 0 and 100" in capsys.readouterr().err
