@@ -53,21 +53,7 @@ def _terminal_llm(args: argparse.Namespace, **kwargs):
     ignored: a second one, cutting the engine's shutdown short, aborted the process in torch's teardown."""
     from kvserve.llm import LLM
 
-    llm = _load_terminal_llm(LLM, args, **kwargs)
-    try:
-        yield llm
-    finally:
-        main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
-        try:
-            llm.close()
-        finally:
-            if main_thread:
-                signal.signal(signal.SIGINT, previous)
-
-
-def _load_terminal_llm(LLM, args: argparse.Namespace, **kwargs):
-    return LLM(
+    llm = LLM(
         args.model,
         dtype=args.dtype,
         weights=args.weights,
@@ -79,6 +65,16 @@ def _load_terminal_llm(LLM, args: argparse.Namespace, **kwargs):
         max_num_seqs=1,
         **kwargs,
     )
+    try:
+        yield llm
+    finally:
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        try:
+            llm.close()
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, previous)
 
 
 # generate and chat sample as llama.cpp and Ollama do by default (a 135M model decoding greedily
@@ -124,14 +120,13 @@ def _topology(args: argparse.Namespace):
 
 
 def _api_keys(flags: list[str] | None) -> tuple[str, ...]:
-    """The --api-key flags, or else KVSERVE_API_KEY's comma-separated keys; an empty key is refused (a
-    request without one would match it)."""
-    keys = flags if flags is not None else (_env("API_KEY") or "").split(",")
+    """The --api-key flags, or else KVSERVE_API_KEY's comma-separated keys; an empty flag is refused (a
+    request without a key would match it)."""
     if flags is None:
-        keys = [k for k in keys if k.strip()]
-    if any(not k.strip() for k in keys):
+        return tuple(k for k in (_env("API_KEY") or "").split(",") if k.strip())
+    if any(not k.strip() for k in flags):
         raise InvalidRequestError("--api-key is empty; give a key, or leave the flag out to serve without auth.")
-    return tuple(keys)
+    return tuple(flags)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

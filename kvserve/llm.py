@@ -83,20 +83,12 @@ def _kv_cache_dtype(name: str) -> torch.dtype | None:
     return KV_CACHE_DTYPES[name]
 
 
-def _check_sizes(**sizes: int | float | None) -> None:
-    """The engine's sizes, checked before anything loads: whole numbers of at least 1 (the KV pool at
-    least a block), a gather time of at least 0; None where a default is chosen later."""
-    for name, value in sizes.items():
-        if value is None and name not in ("block_size", "max_num_seqs", "gather_ms"):
-            continue
-        low = 0 if name == "gather_ms" else sizes["block_size"] if name == "kv_cache_tokens" else 1
-        kind = (int, float) if name == "gather_ms" else int
-        if isinstance(value, bool) or not isinstance(value, kind) or not low <= value < math.inf:
-            raise InvalidRequestError(
-                f"{name} must be {'a number' if name == 'gather_ms' else 'an integer'} of at least {low}, "
-                f"got {value!r:.40}.",
-                name,
-            )
+def _check_size(name: str, value: object, low: int, kind: type | tuple = int) -> None:
+    """One of the engine's sizes, checked before anything loads: a finite number of `kind` (never a
+    bool), at least `low`."""
+    if isinstance(value, bool) or not isinstance(value, kind) or not low <= value < math.inf:
+        what = "an integer" if kind is int else "a number"
+        raise InvalidRequestError(f"{name} must be {what} of at least {low}, got {value!r:.40}.", name)
 
 
 def _engine_config(
@@ -204,14 +196,15 @@ class LLM:
         token of that); more is refused with InvalidRequestError and not applied.
         From idle, the first step waits until no request has arrived for `gather_ms` ms (at most 8x), so
         that requests sent together share one prefill (engine/burst.py); 0 starts at once."""
-        _check_sizes(
-            block_size=block_size,
-            kv_cache_tokens=kv_cache_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-            gather_ms=gather_ms,
-        )
+        _check_size("block_size", block_size, 1)
+        _check_size("max_num_seqs", max_num_seqs, 1)
+        _check_size("gather_ms", gather_ms, 0, (int, float))
+        if kv_cache_tokens is not None:  # (None: chosen later, as the rest)
+            _check_size("kv_cache_tokens", kv_cache_tokens, block_size)  # at least a block
+        if max_model_len is not None:
+            _check_size("max_model_len", max_model_len, 1)
+        if max_num_batched_tokens is not None:
+            _check_size("max_num_batched_tokens", max_num_batched_tokens, 1)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         topology = pipeline or (Topology.from_settings(pipeline_parallel) if pipeline_parallel > 1 else None)
         if topology is not None and not topology.hosts_rank0:

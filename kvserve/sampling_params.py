@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidRequestError, check_text
@@ -51,7 +52,7 @@ class SamplingParams:
             ("stop_token_ids", self.stop_token_ids, "a list of token ids"),
             ("logit_bias", bias.items() if isinstance(bias, dict) else bias, "a dict {token id: bias}"),
         ):
-            if not _iterable(value or ()) or (name != "stop" and isinstance(value, str | bytes)):
+            if not isinstance(value or (), Iterable) or (name != "stop" and isinstance(value, str | bytes)):
                 raise InvalidRequestError(f"{name} must be {what}, got {value!r:.80}.", name)
             object.__setattr__(self, name, tuple(value or ()))
         self._validate()
@@ -155,11 +156,3 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-
-def _iterable(value: object) -> bool:
-    try:
-        iter(value)
-    except TypeError:
-        return False
-    return True
