@@ -251,11 +251,15 @@ def test_sessions_survive_a_restart(tiny_model_dir, tmp_path):
             {"role": "user", "content": "turn two (acknowledged, not answered before the restart)"},
             {"role": "user", "content": "streamed input"},
         ]  # everything acknowledged was stored before it was (R8), the open message as open
+        fork = again.fork()
+        assert again.info()["num_turns"] == 1 == fork.info()["num_turns"]  # the reply each holds
+        fork.close()
         again.append(" goes on")  # joins the streamed message, as it would have before the restart
         messages[-1] = {"role": "user", "content": "streamed input goes on"}
         assert again.info()["messages"] == messages
         out = again.generate(GREEDY)
         assert out.text == b.chat(messages, GREEDY).text
+        assert again.info()["num_turns"] == 2
         again.close()
         with pytest.raises(SessionNotFoundError):
             b.session(id=session_id)  # closing deletes it from the store too

@@ -91,7 +91,6 @@ class SessionState:
     prefill_request_id: str | None = None  # the running eager prefill
     pending: deque = field(default_factory=deque)  # operations waiting for the running turn
     last_used: float = field(default_factory=time.monotonic)
-    num_turns: int = 0
     turn_sink: _ReplySink | None = None  # the running turn's
 
     @property
@@ -317,7 +316,6 @@ class SessionManager:
             state.messages.append({"role": "assistant", "content": text})
             error = self._persist(state)
             if error is None:
-                state.num_turns += 1
                 self._pin(state, request)
             else:  # not acknowledged: the turn fails, and the history stays as it was before it
                 state.messages.pop()
@@ -369,7 +367,8 @@ class SessionManager:
             "num_tokens": len(prompt_ids),
             "num_cached_tokens": len(state.pinned_block_ids) * self.pool.block_size,
             "kv_blocks": len(state.pinned_block_ids),
-            "num_turns": state.num_turns,
+            # the assistant replies in the history, so a reopened or forked session counts what it holds
+            "num_turns": sum(m["role"] == "assistant" for m in messages),
             "ttl": state.ttl,
             "messages": messages,
         }
