@@ -197,6 +197,45 @@ def wait_idle_and_check(llm, timeout: float = 30.0, pinned: int = 0) -> dict:
     return counts
 
 
+def run_beside_a_failing_request(llm, prompts, params, take_back=True, wait_s=30.0, join_s=60.0) -> dict:
+    """R6's case: a model step raises whenever the request for "poison" is in it. The first prompt is
+    held in its first step while the others and "poison" queue up, so the next step batches them all.
+    Returns each prompt's output (or the EngineError it got), "poison" included."""
+    import threading
+    import time
+
+    from kvserve.errors import EngineError
+
+    poison_ids = llm.tokenizer.encode("poison")
+
+    def fault(out) -> None:
+        if any(item.prompt_token_ids == poison_ids for item in out.scheduled):
+            raise RuntimeError("injected fault")
+
+    results: dict[str, object] = {}
+
+    def run(prompt: str) -> None:
+        try:
+            results[prompt] = llm.generate(prompt, params)
+        except EngineError as exc:
+            results[prompt] = exc
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in [*prompts, "poison"]]
+    with StepGate(llm, fault, take_back=take_back) as gate:
+        threads[0].start()
+        assert gate.entered.wait(wait_s)  # the first prompt is held in its first step; the rest queue up
+        for t in threads[1:]:
+            t.start()
+        deadline = time.monotonic() + wait_s
+        while llm.engine.inbox.qsize() < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert llm.engine.inbox.qsize() == len(prompts)  # the next step batches them with the first
+        gate.open()
+        for t in threads:
+            t.join(join_s)
+    return results
+
+
 class StepGate:
     """Holds an engine's model steps at a known point: while closed, every step waits before it runs.
 

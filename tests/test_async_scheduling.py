@@ -402,45 +402,16 @@ def test_a_gate_that_takes_steps_back_early_leaves_the_tokens_alone(tiny_model_d
 def test_a_step_that_fails_for_one_request_fails_only_that_request_running_ahead(tiny_model_dir, triton_kernels):
     """R6 with async scheduling: a step raises whenever one request is in it, batched with others that
     run ahead. The others get their tokens, the one fails alone, and no block leaks."""
-    import threading
-    import time
-
     from kvserve.errors import EngineError
-    from tests.conftest import StepGate, wait_idle_and_check
+    from tests.conftest import run_beside_a_failing_request, wait_idle_and_check
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = PROMPTS[:3]
     with _llm(tiny_model_dir, False) as sync:
         expected = [sync.generate(p, params).token_ids for p in prompts]
     with _llm(tiny_model_dir, True) as llm:
-        poison = llm.tokenizer.encode("poison")
-
-        def fault(out) -> None:
-            if any(item.prompt_token_ids == poison for item in out.scheduled):
-                raise RuntimeError("injected fault")
-
-        results: dict[str, object] = {}
-
-        def run(prompt: str) -> None:
-            try:
-                results[prompt] = llm.generate(prompt, params).token_ids
-            except EngineError as exc:
-                results[prompt] = exc
-
-        threads = [threading.Thread(target=run, args=(p,)) for p in [*prompts, "poison"]]
-        with StepGate(llm, fault, take_back=False) as gate:
-            threads[0].start()
-            assert gate.entered.wait(60)  # the first prompt is held in its first step; the rest queue up
-            for t in threads[1:]:
-                t.start()
-            deadline = time.monotonic() + 60
-            while llm.engine.inbox.qsize() < 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert llm.engine.inbox.qsize() == 3
-            gate.open()
-            for t in threads:
-                t.join(300)
-        assert [results[p] for p in prompts] == expected
+        results = run_beside_a_failing_request(llm, prompts, params, take_back=False, wait_s=60, join_s=300)
+        assert [results[p].token_ids for p in prompts] == expected
         assert isinstance(results["poison"], EngineError) and "injected fault" in str(results["poison"])
         assert llm.runner_timings()["ahead_rows"] > 0  # the others did run ahead
         wait_idle_and_check(llm)

@@ -11,7 +11,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.errors import EngineError, InvalidRequestError
 from kvserve.server.app import ServerSettings
 from kvserve.sessions.store import SessionStore, SessionStoreError, key_owner
-from tests.conftest import StepGate, wait_idle_and_check
+from tests.conftest import StepGate, run_beside_a_failing_request, wait_idle_and_check
 from tests.server_harness import running_server
 
 MODEL = "tiny"
@@ -122,34 +121,8 @@ def test_a_step_that_fails_for_one_request_fails_only_that_request(llm):
     prompts = ["one", "two", "three"]
     expected = [solo(llm, p, 16) for p in prompts]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    poison_ids = llm.tokenizer.encode("poison")
-
-    def fault(out) -> None:  # a model step that raises whenever the poisoned request is in it
-        if any(s.prompt_token_ids == poison_ids for s in out.scheduled):
-            raise RuntimeError("injected fault")
-
-    results: dict[str, object] = {}
-
-    def run(prompt: str) -> None:
-        try:
-            results[prompt] = llm.generate(prompt, params).text
-        except EngineError as exc:
-            results[prompt] = exc
-
-    threads = [threading.Thread(target=run, args=(p,)) for p in [*prompts, "poison"]]
-    with StepGate(llm, fault) as gate:
-        threads[0].start()
-        assert gate.entered.wait(30)  # "one" is held in its first step; the rest queue up behind it
-        for t in threads[1:]:
-            t.start()
-        deadline = time.monotonic() + 30
-        while llm.engine.inbox.qsize() < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert llm.engine.inbox.qsize() == 3  # the next step batches "two", "three" and "poison" with "one"
-        gate.open()
-        for t in threads:
-            t.join(60)
-    assert [results[p] for p in prompts] == expected
+    results = run_beside_a_failing_request(llm, prompts, params)
+    assert [results[p].text for p in prompts] == expected
     assert isinstance(results["poison"], EngineError) and "injected fault" in str(results["poison"])
 
 
