@@ -301,3 +301,58 @@ def test_limits_owner_and_ttl(tiny_model_dir):
             a.info()  # expired
         assert llm.stats()["num_sessions"] == 0
         wait_idle_and_check(llm)
+
+
+def test_a_turn_is_announced_only_once_the_engine_knows_its_request(llm):
+    """The server answers a session turn's headers on the announce chunk, and a client (the page)
+    then asks GET /v1/requests/{id}/events: the engine's monitor must know the request by then, or
+    the client is told it "ended too long ago". Checked on the engine thread, where the two happen."""
+    from kvserve.engine.client import ThreadSink, chunks
+
+    seen_at_admit: dict[str, int] = {}
+
+    class AtAdmit:  # an observer ahead of the monitor: what the turn's sink held when it was admitted
+        def on_admit(self, request) -> None:
+            seen_at_admit[request.request_id] = sink.qsize()
+
+        def on_finished(self, request) -> None:
+            pass
+
+    llm.engine.observers.insert(0, AtAdmit())
+    s = llm.session()
+    s.add_message("user", "hello")
+    sink = ThreadSink()
+    request_id, start = s.start_turn(GREEDY, False, "announced-turn", announce=True)
+    start(sink)
+    got = list(chunks(sink))
+    assert got[0].text == "" and got[0].finish_reason is None  # the announce chunk comes first
+    assert got[-1].finish_reason == "length"
+    assert seen_at_admit == {request_id: 0}  # admitted (and known to the monitor) before it was announced
+    assert llm.monitor.statuses([request_id])[request_id]["state"] == "finished"
+    close_all_and_check(llm, [s])
+
+
+def test_a_turn_whose_request_id_is_in_use_is_refused_and_leaves_the_other_request_alone(llm):
+    """A turn given the id of a request already running is refused; the session stays usable, and
+    the other request's reply never becomes the session's (it finished under the same id)."""
+    from kvserve.engine.client import ThreadSink, chunks
+
+    s = llm.session()
+    s.add_message("user", "hello")
+    with StepGate(llm) as gate:
+        other = llm.client.submit(llm.request_builder.build("the other request", GREEDY, "shared-id"))
+        assert gate.entered.wait(30)  # the other request is running under "shared-id", held in a step
+        sink = ThreadSink()
+        _, start = s.start_turn(GREEDY, False, "shared-id")
+        start(sink)  # queued for the engine thread, which takes it after the step it is held in
+        gate.allow(1)
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            list(chunks(sink))
+        gate.open()
+        assert list(chunks(other))[-1].finish_reason == "length"
+    wait_idle(llm)
+    assert s.info()["messages"] == [{"role": "user", "content": "hello"}]  # not the other request's reply
+    reply = s.generate(GREEDY)  # the session is not stuck behind a turn that never ran
+    assert reply.finish_reason == "length"
+    assert s.info()["messages"][-1] == {"role": "assistant", "content": reply.text}
+    close_all_and_check(llm, [s])

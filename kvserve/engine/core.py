@@ -309,12 +309,13 @@ class EngineCore:
             except BaseException as exc:
                 message.future.set_exception(exc)
 
-    def admit(self, request: Request, sink: Sink | None) -> None:
-        """Hand a request to the scheduler (engine thread). A None sink: internal, no output."""
+    def admit(self, request: Request, sink: Sink | None) -> bool:
+        """Hand a request to the scheduler (engine thread). A None sink: internal, no output. False:
+        refused, its id being in use (the error is in the sink)."""
         if request.request_id in self.states or request.request_id in self.scheduler.requests:
             if sink is not None:
                 sink.put(InvalidRequestError(f"Request id {request.request_id!r} is already in use.", "request_id"))
-            return
+            return False
         if sink is not None:
             self.states[request.request_id] = (RequestTextState(request, self.tokenizer), sink)
         spec = request.params.structured_output
@@ -323,6 +324,7 @@ class EngineCore:
         self.scheduler.add_request(request)
         for observer in self.observers:
             observer.on_admit(request)
+        return True
 
     def _grammar_ready(self, request: Request) -> None:
         if self.scheduler.requests.get(request.request_id) is not request or request.grammar is None:

@@ -116,7 +116,7 @@ class SessionManager:
         self,
         pool: BlockPool,
         tokenizer: Tokenizer,
-        submit: Callable[[Request, Any], None],
+        submit: Callable[[Request, Any], bool],
         abort: Callable[[list[str]], None],
         store: SessionStore | None,
         max_sessions: int,
@@ -285,13 +285,15 @@ class SessionManager:
             return
         state.messages, state.open_user = conversation, None
         self._persist(state)  # the open message is closed now: a failure is mended by the next write
-        if turn.announce:
-            turn.sink.put(StreamChunk(turn.request_id, "", []))
         request = Request(turn.request_id, prompt_ids, turn.params, eos_token_ids=self.tokenizer.stop_token_ids)
-        state.turn_request_id = turn.request_id
-        state.turn_sink = _ReplySink(turn.sink)
+        sink = _ReplySink(turn.sink)
+        if not self.submit(request, sink):  # its id is another request's: refused, the error is in the sink
+            self._drain(state)
+            return
+        state.turn_request_id, state.turn_sink = turn.request_id, sink
         self.by_request[turn.request_id] = state.session_id
-        self.submit(request, state.turn_sink)
+        if turn.announce:  # after the admission: whoever hears it can ask the engine about the request
+            turn.sink.put(StreamChunk(turn.request_id, "", []))
 
     # ----- engine hooks (kvserve.engine.hooks.EngineHooks) -------------------------------------
     def on_finished(self, request: Request, text: str = "") -> None:
