@@ -356,3 +356,53 @@ def test_a_turn_whose_request_id_is_in_use_is_refused_and_leaves_the_other_reque
     assert reply.finish_reason == "length"
     assert s.info()["messages"][-1] == {"role": "assistant", "content": reply.text}
     close_all_and_check(llm, [s])
+
+
+def test_turns_queued_behind_a_request_their_pins_crowd_out_all_finish(tiny_model_dir):
+    """A pool of 16 blocks, two sessions pinning half of it, then a stateless request and both sessions'
+    next turns admitted together, in that order. The turns need more blocks than are free, and so
+    does the request ahead of them: their sessions' pins must give way (before, reclaim spared a
+    session with a queued turn: nothing ran, and the engine thread spun). Every output equals its
+    reference (the solo run; the stateless chat on the session's history), and no block leaks."""
+    from kvserve.engine.client import ThreadSink
+
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=256, session_db=False, progress=False) as small:
+        sessions, histories = [], []
+        for i in range(2):
+            s = small.session(system=f"system {i} " * 10)
+            s.add_message("user", "hi")
+            first = s.generate(GREEDY)
+            s.add_message("user", "again")
+            sessions.append(s)
+            histories.append(
+                [
+                    {"role": "system", "content": f"system {i} " * 10},
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": first.text},
+                    {"role": "user", "content": "again"},
+                ]
+            )
+        assert small.stats()["session_kv_blocks"] >= 8  # pinned, of 16
+        entered, release = threading.Event(), threading.Event()
+        holder = threading.Thread(target=lambda: small.engine.call(lambda: (entered.set(), release.wait(30))))
+        holder.start()
+        assert entered.wait(30)  # the engine thread waits in this call while the three arrive
+        sinks = [small.client.submit(small.request_builder.build("x" * 60, GREEDY, "stateless"))]
+        for s in sessions:
+            sink = ThreadSink()
+            s.start_turn(GREEDY, False, None)[1](sink)
+            sinks.append(sink)
+        release.set()  # one drain of the inbox admits all three before the next schedule
+        holder.join(30)
+        outputs = []
+        for sink in sinks:  # a timeout, not a hang, if they never finish
+            got = []
+            while not got or got[-1].finish_reason is None:
+                item = sink.get(timeout=60)
+                assert not isinstance(item, BaseException), item
+                got.append(item)
+            outputs.append("".join(c.text for c in got))
+        assert outputs[0] == small.generate("x" * 60, GREEDY).text
+        for out, history in zip(outputs[1:], histories, strict=True):
+            assert out == small.chat(history, GREEDY).text
+        close_all_and_check(small, sessions)

@@ -11,7 +11,7 @@ A request's life, as events in the log (`kind`): queued -> scheduled (with the t
 covered) -> first_token (TTFT) -> finished (stop, length, abort, error) -> freed (how many of its
 blocks went back to the pool, how many stay held by a session or a request sharing them); preempted
 (its blocks freed, back to the queue) may come between. Engine-wide: evicted (cached blocks taken for
-new work) and reclaimed (idle sessions let their pinned blocks go under memory pressure).
+new work) and reclaimed (sessions let their pinned blocks go under memory pressure).
 """
 
 from __future__ import annotations

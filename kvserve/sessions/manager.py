@@ -5,8 +5,8 @@ grows, and references on the KV blocks of the tokens it has computed ("pinned" b
 registered in the prefix cache). A turn is an ordinary request whose prompt is the rendered
 history; the pinned blocks make the scheduler's prefix lookup skip everything already computed.
 While text streams in, an eager prefill request computes the part of the prompt that can no
-longer change. Under memory pressure idle sessions are unpinned least recently used first; their
-next turn simply recomputes. Operations arriving while a turn runs wait behind it, in order.
+longer change. Under memory pressure sessions are unpinned least recently used first, idle ones
+before those with a turn queued; their next turn simply recomputes. Operations arriving while a turn runs wait behind it, in order.
 
 Every operation a caller is told succeeded is in the store first: a new session, a message, an
 append (written as the history reads once the operations queued behind a turn apply), and a turn's
@@ -336,12 +336,15 @@ class SessionManager:
                 state.pending = deque(kept)
 
     def reclaim(self, num_blocks: int) -> None:
-        """Memory pressure: unpin idle sessions, least recently used first, until enough is free."""
-        idle = sorted(
-            (s for s in self.sessions.values() if not s.is_generating and s.pinned_block_ids),
-            key=lambda s: s.last_used,
+        """Memory pressure: unpin sessions, least recently used first, until enough is free. Idle ones
+        go first, then those with a turn: a queued turn's pins must give way too, or a request ahead of
+        it that they crowd out waits for a turn that waits behind it, and nothing runs. That turn finds
+        its blocks in the prefix cache if they are still there, or computes them again; a running
+        turn holds its blocks itself (unpinning them frees nothing, and its end pins them again)."""
+        pinned = sorted(
+            (s for s in self.sessions.values() if s.pinned_block_ids), key=lambda s: (s.is_busy, s.last_used)
         )
-        for state in idle:
+        for state in pinned:
             if self.pool.num_free_blocks >= num_blocks:
                 return
             self._unpin(state)

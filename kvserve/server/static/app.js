@@ -625,7 +625,7 @@ function eventText(event) {
     case "finished": return `${who} ${event.reason === "abort" ? "aborted" : `finished (${event.reason ?? "?"})`}`;
     case "freed": return `${who} freed ${event.num_blocks ?? "its"} blocks` + (event.num_kept ? ` (${event.num_kept} kept by their session)` : "");
     case "evicted": return `evicted ${event.num_blocks} cached blocks for new work`;
-    case "reclaimed": return `idle sessions released ${event.num_blocks} blocks`;
+    case "reclaimed": return `sessions released ${event.num_blocks} blocks`;
     default: return `${who} ${event.kind}`;
   }
 }
