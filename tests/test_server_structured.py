@@ -9,6 +9,7 @@ tool-call deltas reassembled into the whole answer; bad input answered 400, neve
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -211,6 +212,35 @@ def test_a_tool_loop_on_the_bundled_model(smol):
     )  # generic auto: a call or an answer, valid either way
     if auto.choices[0].finish_reason == "stop":
         assert auto.choices[0].message.content and not auto.choices[0].message.tool_calls
+
+
+class Item(BaseModel):
+    sku: Literal["a1", "b2", "c3"]
+    qty: int = Field(ge=1, le=9)
+
+
+class Order(BaseModel):
+    items: list[Item] = Field(min_length=1, max_length=3)
+
+
+def test_a_pydantic_tool_with_a_nested_model(smol):
+    """openai.pydantic_function_tool writes the nested model into $defs and refers to it: every such
+    tool was answered 400 before (the grammar embedded the parameters where their $ref failed)."""
+    client, _ = smol
+    tool = openai.pydantic_function_tool(Order)
+    assert "$defs" in tool["function"]["parameters"]
+    completion = client.chat.completions.parse(
+        model="smol",
+        messages=[{"role": "user", "content": "Order two a1 and one c3."}],
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,  # else this small model calls again and again, until max_tokens
+        temperature=0,
+        max_tokens=120,
+    )
+    (call,) = completion.choices[0].message.tool_calls
+    assert call.function.name == "Order"
+    assert isinstance(call.function.parsed_arguments, Order)  # the client validated it with the model
 
 
 def test_streamed_tool_call_deltas_reassemble_into_the_whole_answer(smol):

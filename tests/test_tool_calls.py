@@ -272,6 +272,65 @@ def test_grammars_accept_exactly_calls_of_the_named_functions(qwen_tokenizer, bu
     assert not _accepts(smol, auto, '{"tool_calls": []}')
 
 
+# As openai.pydantic_function_tool writes a model with a nested one: its parameters refer to their own
+# $defs (and here to `definitions` and to their root too), which hold wherever the grammar embeds them.
+ORDER = {
+    "type": "function",
+    "function": {
+        "name": "place_order",
+        "parameters": {
+            "$defs": {
+                "Item": {
+                    "type": "object",
+                    "properties": {"sku": {"enum": ["a1", "b2"]}, "qty": {"type": "integer", "minimum": 1}},
+                    "required": ["sku", "qty"],
+                    "additionalProperties": False,
+                }
+            },
+            "definitions": {"Note": {"type": "string", "maxLength": 8}},
+            "type": "object",
+            "properties": {
+                "items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "minItems": 1},
+                "note": {"$ref": "#/definitions/Note"},
+                "then": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+            },
+            "required": ["items", "note", "then"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_tools_whose_parameters_refer_to_their_own_definitions(qwen_tokenizer, bundled_gguf):
+    """Before, every such tool was refused ("Pointer '/$defs/Item' does not exist"): the grammar
+    embeds the parameters below its own root, where their references no longer pointed."""
+    qwen = Tokenizer.from_folder(qwen_tokenizer)
+    good = '{"items": [{"sku": "a1", "qty": 2}], "note": "soon", "then": {"items": [{"sku": "b2", "qty": 1}], "note": "", "then": null}}'
+    bad = [
+        good.replace('"a1"', '"c3"'),  # not in the Item's enum
+        good.replace('"qty": 2', '"qty": 0'),  # below the Item's minimum
+        good.replace('"soon"', '"tomorrow!"'),  # longer than the Note's maxLength
+        good.replace('"then": null', '"then": {"items": []}'),  # the root's schema, nested: too few items
+    ]
+    as_hermes = '<tool_call>\n{"name": "place_order", "arguments": %s}\n</tool_call>'
+    as_llama = '{"name": "place_order", "parameters": %s}'
+    as_generic = '{"tool_calls": [{"name": "place_order", "arguments": %s}]}'
+    for choice in ("required", {"type": "function", "function": {"name": "place_order"}}):
+        tools = ToolChoice.from_request([ORDER, WEATHER], choice, None)
+        hermes = tool_calls.grammar(tools, ToolFormat.HERMES, qwen)
+        llama = tool_calls.grammar(tools, ToolFormat.LLAMA3, qwen)
+        generic = tool_calls.grammar(tools, ToolFormat.GENERIC, qwen)
+        for grammar, form in ((hermes, as_hermes), (llama, as_llama), (generic, as_generic)):
+            assert _accepts(qwen, grammar, form % good)
+            for arguments in bad:
+                assert not _accepts(qwen, grammar, form % arguments), arguments
+    smol = Tokenizer.from_gguf(bundled_gguf)
+    auto = tool_calls.grammar(ToolChoice.from_request([WEATHER, ORDER], "auto", None), ToolFormat.GENERIC, smol)
+    assert _accepts(smol, auto, as_generic % good)
+    assert not _accepts(smol, auto, as_generic % bad[0])
+    assert _accepts(smol, auto, '{"content": "Done."}')
+
+
 ANSWERS = [
     (
         ToolFormat.HERMES,

@@ -268,18 +268,51 @@ def render_inputs(
 
 
 # ----- grammars ---------------------------------------------------------------------------------
-def _call_schema(function: Function, arguments_key: str, options: bool = False) -> dict[str, Any]:
-    schema = {
+def _call_schema(function: Function, arguments_key: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A call of `function`. Parameters with references (`$ref`, as pydantic writes nested models)
+    go into `defs`, the root's `$defs`, rebased there, so that what they point to is found."""
+    parameters = function.parameters
+    if _has_ref(parameters):
+        defs[function.name] = _rebased(parameters, f"/$defs/{function.name}")
+        parameters = {"$ref": f"#/$defs/{function.name}"}
+    return {
         "type": "object",
-        "properties": {"name": {"const": function.name}, arguments_key: function.parameters},
+        "properties": {"name": {"const": function.name}, arguments_key: parameters},
         "required": ["name", arguments_key],
         "additionalProperties": False,
     }
-    return {**schema, "x-guidance": JSON_OPTIONS} if options else schema
 
 
-def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
+_VALUES = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas: left as they are
+
+
+def _has_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return isinstance(schema.get("$ref"), str) or any(_has_ref(v) for k, v in schema.items() if k not in _VALUES)
+    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with each local reference ("#/...", "#") made to resolve from `root` of the whole."""
+    if isinstance(schema, list):
+        return [_rebased(v, root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _VALUES else _rebased(v, root) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = "#" + root + ref[1:]
+    return out
+
+
+def _calls(choice: ToolChoice, arguments_key: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A call of any of the choice's functions."""
+    schemas = [_call_schema(f, arguments_key, defs) for f in choice.functions]
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def _with_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def grammar(choice: ToolChoice | None, fmt: ToolFormat, tokenizer: Tokenizer) -> StructuredOutput | None:
@@ -287,22 +320,18 @@ def grammar(choice: ToolChoice | None, fmt: ToolFormat, tokenizer: Tokenizer) ->
     for `auto` in the generic format; None where the model answers freely."""
     if choice is None or choice.choice == "none" or (choice.choice == "auto" and fmt is not ToolFormat.GENERIC):
         return None
-    param = "tools"
+    param, defs = "tools", {}
     if fmt is ToolFormat.HERMES:
-        call = json.dumps(
-            {**_one_of([_call_schema(f, "arguments") for f in choice.functions]), "x-guidance": JSON_OPTIONS}
-        )
+        call = json.dumps({**_with_defs(_calls(choice, "arguments", defs), defs), "x-guidance": JSON_OPTIONS})
         start, end = (_lark_literal(tokenizer, HERMES_START), _lark_literal(tokenizer, HERMES_END))
         repeat = ' ("\\n" call)*' if choice.parallel else ""
         lark = f'start: call{repeat}\ncall: {start} "\\n" body "\\n" {end}\nbody: %json {call}\n'
         return StructuredOutput.lark(lark, param=param, kind="tool_calls")
     if fmt is ToolFormat.LLAMA3:
-        return StructuredOutput.json_schema(
-            _one_of([_call_schema(f, "parameters") for f in choice.functions]), param, "tool_calls"
-        )
+        return StructuredOutput.json_schema(_with_defs(_calls(choice, "parameters", defs), defs), param, "tool_calls")
     calls = {
         "type": "array",
-        "items": _one_of([_call_schema(f, "arguments") for f in choice.functions]),
+        "items": _calls(choice, "arguments", defs),
         "minItems": 1,
         **({} if choice.parallel else {"maxItems": 1}),
     }
@@ -320,7 +349,7 @@ def grammar(choice: ToolChoice | None, fmt: ToolFormat, tokenizer: Tokenizer) ->
             "additionalProperties": False,
         }
         schema = {"anyOf": [schema, content]}
-    return StructuredOutput.json_schema(schema, param, "tool_calls")
+    return StructuredOutput.json_schema(_with_defs(schema, defs), param, "tool_calls")
 
 
 def _added_token(tokenizer: Tokenizer, text: str):
