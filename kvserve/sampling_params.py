@@ -142,10 +142,15 @@ class SamplingParams:
             ("min_tokens", self.min_tokens),
         ):
             if conflict:
+                source = (
+                    "tools whose calls a grammar writes (a required or named call, or any call in the generic "
+                    "format, which models whose template has no tools use)"
+                    if self.structured_output.kind == "tool_calls"
+                    else "response_format (structured_output in Python)"
+                )
                 raise InvalidRequestError(
-                    f"{name} cannot be combined with structured output (response_format or a required tool call): "
-                    "the grammar decides where the output ends, and it must end where the grammar is complete. "
-                    f"Remove {name}.",
+                    f"{name} cannot be combined with structured output, here from {source}: the grammar decides "
+                    f"where the output ends, and it must end where the grammar is complete. Remove {name}.",
                     name,
                 )
 

@@ -20,6 +20,7 @@ from typing import Any
 import llguidance
 
 from kvserve.errors import InvalidRequestError
+from kvserve.json_schemas import closed
 
 MAX_SCHEMA_BYTES = 64 << 10  # a schema's JSON text; bounds compile time (bench/results/structured.json)
 MAX_GRAMMAR_BYTES = 512 << 10  # a whole grammar (a tool list embeds each function's schema)
@@ -101,7 +102,7 @@ def json_schema_grammar(
             + ".",
             param,
         )
-    text = json.dumps(schema, separators=(",", ":"))
+    text = json.dumps(closed(schema), separators=(",", ":"))
     if len(text) > max_bytes:
         raise _too_large(len(text), param, max_bytes)
     try:

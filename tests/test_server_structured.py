@@ -361,6 +361,7 @@ BAD = [
     ),
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("chat", {"response_format": {"type": "json_object"}, "stop": ["}"]}, "stop"),
+    ("chat", {"tools": [WEATHER], "stop": ["}"]}, "stop"),  # auto, but the generic format's calls are a grammar's
     ("chat", {"response_format": {"type": "json_object"}, "tools": [WEATHER]}, "response_format"),
     (
         "chat",

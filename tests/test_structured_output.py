@@ -259,8 +259,11 @@ def test_bad_schemas_are_refused_when_made(schema, match):
 def test_what_a_grammar_cannot_combine_with_is_refused():
     grammar = StructuredOutput.json_object()
     for conflict in (dict(stop=["}"]), dict(stop_token_ids=[5]), dict(min_tokens=2)):
-        with pytest.raises(InvalidRequestError, match="cannot be combined with structured output"):
+        with pytest.raises(InvalidRequestError, match="cannot be combined with structured output, here from resp"):
             SamplingParams(structured_output=grammar, **conflict)
+    calls = StructuredOutput.json_schema({"type": "object"}, "tools", "tool_calls")  # the message says why
+    with pytest.raises(InvalidRequestError, match="here from tools whose calls a grammar writes"):
+        SamplingParams(structured_output=calls, stop=["x"])
     with pytest.raises(InvalidRequestError, match="logit_bias values"):
         SamplingParams(logit_bias={1: 101})
 

@@ -324,6 +324,10 @@ def test_tools_whose_parameters_refer_to_their_own_definitions(qwen_tokenizer, b
             assert _accepts(qwen, grammar, form % good)
             for arguments in bad:
                 assert not _accepts(qwen, grammar, form % arguments), arguments
+    anything = {"type": "function", "function": {"name": "place_order", "parameters": {}}}
+    loose = tool_calls.grammar(ToolChoice.from_request([anything], "required", None), ToolFormat.LLAMA3, qwen)
+    assert _accepts(qwen, loose, as_llama % '{"any": ["keys"]}')
+    assert not _accepts(qwen, loose, as_llama % "[1, 2]")  # `{}` allows any object, not any value
     smol = Tokenizer.from_gguf(bundled_gguf)
     auto = tool_calls.grammar(ToolChoice.from_request([WEATHER, ORDER], "auto", None), ToolFormat.GENERIC, smol)
     assert _accepts(smol, auto, as_generic % good)

@@ -110,7 +110,7 @@ class _Base(BaseModel):
             raise InvalidRequestError(
                 "response_format.json_schema.strict must be true or false.", "response_format.json_schema.strict"
             )
-        # strict or not, the output follows the schema: kvserve always constrains it
+        # strict or not, the output follows the schema, its objects closed (kvserve/json_schemas.py)
         return StructuredOutput.json_schema(spec.get("schema", True), "response_format.json_schema.schema")
 
     def token_bias(self) -> dict[int, float]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
+from kvserve.json_schemas import closed, has_ref, rebased
 from kvserve.structured_output import JSON_OPTIONS, StructuredOutput
 from kvserve.text.chat_template import ChatTemplateError
 from kvserve.text.tokenizer import Tokenizer
@@ -148,6 +149,9 @@ def _function(tool: Any, index: int) -> Function:
         raise InvalidRequestError(f"{where} must be a JSON schema object.", where)
     if parameters.get("type", "object") != "object":
         raise InvalidRequestError(f"{where} must describe an object (type 'object').", where)
+    # arguments are an object even where the schema does not say so ({} included), its keys closed as
+    # a response_format schema's are (kvserve/json_schemas.py)
+    parameters = closed({"type": "object", **parameters})
     StructuredOutput.json_schema(parameters, param=where)  # refuses what the grammar cannot take, by name
     return Function(name, description, parameters)
 
@@ -272,8 +276,8 @@ def _call_schema(function: Function, arguments_key: str, defs: dict[str, Any]) -
     """A call of `function`. Parameters with references (`$ref`, as pydantic writes nested models)
     go into `defs`, the root's `$defs`, rebased there, so that what they point to is found."""
     parameters = function.parameters
-    if _has_ref(parameters):
-        defs[function.name] = _rebased(parameters, f"/$defs/{function.name}")
+    if has_ref(parameters):
+        defs[function.name] = rebased(parameters, f"/$defs/{function.name}")
         parameters = {"$ref": f"#/$defs/{function.name}"}
     return {
         "type": "object",
@@ -281,28 +285,6 @@ def _call_schema(function: Function, arguments_key: str, defs: dict[str, Any]) -
         "required": ["name", arguments_key],
         "additionalProperties": False,
     }
-
-
-_VALUES = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas: left as they are
-
-
-def _has_ref(schema: Any) -> bool:
-    if isinstance(schema, dict):
-        return isinstance(schema.get("$ref"), str) or any(_has_ref(v) for k, v in schema.items() if k not in _VALUES)
-    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
-
-
-def _rebased(schema: Any, root: str) -> Any:
-    """`schema` with each local reference ("#/...", "#") made to resolve from `root` of the whole."""
-    if isinstance(schema, list):
-        return [_rebased(v, root) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in _VALUES else _rebased(v, root) for k, v in schema.items()}
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        out["$ref"] = "#" + root + ref[1:]
-    return out
 
 
 def _calls(choice: ToolChoice, arguments_key: str, defs: dict[str, Any]) -> dict[str, Any]:
