@@ -245,3 +245,76 @@ def test_a_second_key_sees_no_text_of_the_firsts(page: Page, browser, process_se
     finally:
         context.close()
     wait_idle_and_check(llm, pinned=held_on_map(page))  # alice's sessions, as her map shows them
+
+
+def test_a_reply_stays_in_its_session_when_another_is_opened_while_it_streams(page: Page, thread_server):
+    """Before, the reply went into the history of whichever session was on screen when it ended (and
+    a fork of that one copied it), and Stop stopped the other session's turn."""
+    base, llm = thread_server
+    open_page(page, base, None, 64)
+    page.click("#new-session")
+    ask(page, "The first session.", temperature="0", **{"max-tokens": "4"})
+    expect(page.locator("#messages li.assistant").last).to_have_attribute(
+        "data-finish", ENDED, timeout=ANSWER_TIMEOUT_MS
+    )
+    first = page.locator("#session-header").inner_text().removeprefix("Session ")
+    page.click("#new-session")
+    with StepGate(llm) as gate:
+        ask(page, "The second session, a long answer.", temperature="0", **{"max-tokens": "200"})
+        assert gate.entered.wait(30)
+        gate.allow(2)
+        expect(page.locator("#messages li.assistant").last.locator(".text")).not_to_be_empty()
+        expect(page.locator("#stop")).to_be_enabled()
+        second = page.locator("#session-header").inner_text().removeprefix("Session ")
+        page.click(f"#session-list li[data-id='{first}']")
+        # opening a session reads it on the engine thread, between steps: one step at a time until it shows
+        for _ in range(150):  # of the turn's 200
+            if page.locator("#session-header").inner_text() == f"Session {first}":
+                break
+            gate.step()
+        expect(page.locator("#session-header")).to_have_text(f"Session {first}")
+        expect(page.locator("#stop")).to_be_disabled()  # the running turn is the second session's
+        expect(page.locator("#messages li")).to_have_count(2)  # the first session's, nothing of the turn's
+        gate.open()
+    # the page refreshes the list when the turn has ended: the second session idle, with its reply
+    expect(page.locator(f"#session-list li[data-id='{second}'] .meta")).to_contain_text(
+        "2 messages · idle", timeout=ANSWER_TIMEOUT_MS
+    )
+    on_server = [m["content"] for m in llm.session(id=first).info()["messages"]]
+    assert page.evaluate("state.messages.map((m) => m.content)") == on_server  # the page's copy is the server's
+    expect(page.locator("#messages li")).to_have_count(2)
+    page.click(f"#session-list li[data-id='{second}']")
+    expect(page.locator("#messages li.assistant")).to_have_count(1)  # its reply, where it belongs
+    expect(page.locator("#messages li.assistant .text")).not_to_be_empty()
+    wait_idle_and_check(llm, pinned=pinned(llm))
+
+
+def test_enter_pressed_twice_sends_the_message_once(page: Page, thread_server):
+    base, llm = thread_server
+    open_page(page, base, None, 64)
+    page.click("#new-session")
+    page.fill("#max-tokens", "4")
+    page.fill("#prompt", "Only once, please.")
+    page.press("#prompt", "Enter")
+    page.press("#prompt", "Enter")
+    expect(page.locator("#messages li.assistant").last).to_have_attribute(
+        "data-finish", ENDED, timeout=ANSWER_TIMEOUT_MS
+    )
+    session = page.locator("#session-header").inner_text().removeprefix("Session ")
+    wait_idle_and_check(llm, pinned=pinned(llm))
+    roles = [m["role"] for m in llm.session(id=session).info()["messages"]]
+    assert roles == ["user", "assistant"]
+    expect(page.locator("#messages li")).to_have_count(2)
+
+
+def test_a_new_key_gets_its_own_engine_view(page: Page, process_server):
+    """Before, the engine view kept the first key's stream when another key was entered."""
+    base, _ = process_server
+    open_page(page, base, "alice", 512)
+    page.click("#key-button")
+    page.fill("#api-key", "bob")
+    with page.expect_request(
+        lambda r: r.url.endswith("/v1/engine/events") and r.headers.get("authorization") == "Bearer bob"
+    ):
+        page.click("#key-submit")
+    expect(page.locator("#connection")).to_have_text("live")

@@ -13,10 +13,11 @@ const state = {
   info: null,
   sessionId: null,
   messages: [], // the open session's history: {role, content}
-  turn: null, // the running turn: {requestId, item}
+  turn: null, // the last turn started: {requestId, item, sessionId}, until it ends
+  sending: false, // a message on its way: Enter again sends nothing twice
   cells: [],
   series: new Map(), // the engine's per-second figures by second
-  engineStream: null,
+  engineStream: null, // the engine view's stream: {controller}, replaced when the key changes
 };
 
 // ----- the API ------------------------------------------------------------------------------------
@@ -198,7 +199,7 @@ $("#new-session").addEventListener("click", () => {
 // finds the shared prefix's blocks in the prefix cache.
 async function forkAt(index) {
   try {
-    if (index === state.messages.length - 1 && !state.turn) {
+    if (index === state.messages.length - 1 && !ownTurn()) {
       const child = await apiJson(`/v1/sessions/${encodeURIComponent(state.sessionId)}/fork`, { body: {} });
       await openSession(child.id);
     } else {
@@ -216,6 +217,7 @@ function renderMessages() {
   $("#session-header").textContent = state.sessionId
     ? `Session ${state.sessionId}`
     : "No session yet: the first message starts one.";
+  showStop();
 }
 
 function messageItem(role, content, index) {
@@ -257,33 +259,51 @@ function samplingBody() {
 
 async function send() {
   const text = $("#prompt").value.trim();
-  if (!text) return;
+  if (!text || state.sending) return;
+  state.sending = true;
+  $("#prompt").value = ""; // at once: a second Enter finds nothing to send
   showError(null);
   try {
     if (!state.sessionId) await newSession(null);
-    const interrupting = Boolean(state.turn) && $("#interrupt").checked;
-    const session = encodeURIComponent(state.sessionId);
-    await api(`/v1/sessions/${session}/messages`, { body: { role: "user", content: text } });
-    $("#prompt").value = "";
-    state.messages.push({ role: "user", content: text });
-    $("#messages").append(messageItem("user", text, state.messages.length - 1));
-    await runTurn(session, interrupting);
+    const sessionId = state.sessionId;
+    const interrupting = ownTurn() && $("#interrupt").checked;
+    await api(`/v1/sessions/${encodeURIComponent(sessionId)}/messages`, { body: { role: "user", content: text } });
+    state.sending = false; // in the session: the next message may go (its turn waits behind this one)
+    if (state.sessionId === sessionId) {
+      state.messages.push({ role: "user", content: text });
+      $("#messages").append(messageItem("user", text, state.messages.length - 1));
+    }
+    await runTurn(sessionId, interrupting);
   } catch (error) {
+    if (state.sending && !$("#prompt").value) $("#prompt").value = text; // not sent: back for another try
     showError(error);
+  } finally {
+    state.sending = false;
   }
 }
 
-async function runTurn(session, interrupting) {
+// Whether the session on screen has a turn running: Stop, interrupting and forking its whole history
+// belong to it, never to another session's turn.
+function ownTurn() {
+  return Boolean(state.turn && state.turn.sessionId === state.sessionId);
+}
+
+function showStop() {
+  $("#stop").disabled = !ownTurn();
+}
+
+async function runTurn(sessionId, interrupting) {
+  const session = encodeURIComponent(sessionId);
   const requestId = `page-${crypto.getRandomValues(new Uint32Array(2)).join("")}`;
   const item = messageItem("assistant", "");
   item.dataset.requestId = requestId;
   const lifecycle = document.createElement("div");
   lifecycle.className = "lifecycle";
   item.append(lifecycle);
-  $("#messages").append(item);
-  const turn = { requestId, item };
+  if (state.sessionId === sessionId) $("#messages").append(item);
+  const turn = { requestId, item, sessionId };
   state.turn = turn;
-  $("#stop").disabled = false;
+  showStop();
   const body = { ...samplingBody(), interrupt: interrupting };
   let reply = "";
   let finish = null;
@@ -315,16 +335,19 @@ async function runTurn(session, interrupting) {
   } catch (error) {
     showError(error);
   } finally {
-    if (state.turn === turn) {
-      state.turn = null;
-      $("#stop").disabled = true;
-    }
+    if (state.turn === turn) state.turn = null;
+    showStop();
   }
   if (firstAt) showRate(numTokens, firstAt, true);
   item.dataset.finish = finish || "error";
   if (finish === "stop" || finish === "length") {
-    state.messages.push({ role: "assistant", content: reply });
-    item.append(forkButton(state.messages.length - 1));
+    // Kept in its session's history on the server; on screen only while that session is (another one
+    // opened meanwhile shows its own history, and this reply when its session is opened again).
+    if (state.sessionId === sessionId) {
+      state.messages.push({ role: "assistant", content: reply });
+      item.append(forkButton(state.messages.length - 1));
+      if (!item.isConnected) $("#messages").append(item); // its session was left and opened again
+    }
   } else {
     item.classList.add("stopped");
     const note = document.createElement("div");
@@ -405,8 +428,8 @@ $("#prompt").addEventListener("keydown", (event) => {
   }
 });
 $("#stop").addEventListener("click", async () => {
+  if (!ownTurn()) return;
   const turn = state.turn;
-  if (!turn) return;
   $("#stop").disabled = true;
   try {
     await api(`/v1/requests/${encodeURIComponent(turn.requestId)}`, { method: "DELETE" });
@@ -422,19 +445,24 @@ function showError(error) {
 }
 
 // ----- the engine view ----------------------------------------------------------------------------
+// One stream at a time: a new key (start() again) ends the last key's and opens its own.
 async function watchEngine() {
-  if (state.engineStream) return;
-  state.engineStream = true;
-  for (;;) {
+  if (state.engineStream) state.engineStream.controller.abort();
+  const stream = { controller: new AbortController() };
+  state.engineStream = stream;
+  const signal = stream.controller.signal;
+  while (!signal.aborted) {
     try {
-      const response = await api("/v1/engine/events");
+      const response = await api("/v1/engine/events", { signal });
       $("#connection").textContent = "live";
       for await (const event of serverEvents(response)) {
+        if (signal.aborted) return;
         if (event.name === "engine") renderEngine(JSON.parse(event.data));
       }
     } catch (error) {
+      if (signal.aborted) return;
       if (error.status === 401) {
-        state.engineStream = null;
+        if (state.engineStream === stream) state.engineStream = null;
         return;
       }
     }
