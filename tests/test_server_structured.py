@@ -396,6 +396,37 @@ BAD = [
         },
         "messages[0].tool_calls[0].function.arguments",
     ),
+    (  # JSON, but not an object
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0].function.arguments",
+    ),
+    (  # a result for a call no assistant message made (OpenAI: 400)
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                },
+                {"role": "tool", "tool_call_id": "c2", "content": "x"},
+            ]
+        },
+        "messages[2].tool_call_id",
+    ),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c", "content": "x"}]},
+        "messages[1].tool_call_id",
+    ),
     (
         "completions",
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},

@@ -188,6 +188,12 @@ def conversation(messages: list[dict[str, Any]], fmt: ToolFormat, tokenizer: Tok
                 raise InvalidRequestError(
                     f"messages[{i}] (a tool result) needs its tool_call_id.", f"messages[{i}].tool_call_id"
                 )
+            if call_id not in names:  # as OpenAI: a result answers a call an earlier assistant message made
+                raise InvalidRequestError(
+                    f"messages[{i}] is a tool result for {call_id!r:.80}, which no earlier assistant message's "
+                    "tool_calls has: send the assistant message with that call before its result.",
+                    f"messages[{i}].tool_call_id",
+                )
             if fmt is ToolFormat.GENERIC:
                 result = {"tool_call_id": call_id, "name": names.get(call_id), "content": message["content"]}
                 if _renders_tool_role(tokenizer):
@@ -214,9 +220,12 @@ def _parse_call(call: Any, where: str) -> dict[str, Any]:
         try:
             arguments = json.loads(arguments)
         except ValueError:
-            raise InvalidRequestError(
-                f"{where}.function.arguments must be a JSON object's text.", f"{where}.function.arguments"
-            ) from None
+            arguments = None
+    if not isinstance(arguments, dict):  # a function's arguments are an object, as its parameters say
+        raise InvalidRequestError(
+            f"{where}.function.arguments must be a JSON object's text, such as '{{\"city\": \"Paris\"}}'.",
+            f"{where}.function.arguments",
+        )
     return {
         "id": str(call.get("id") or ""),
         "type": "function",
