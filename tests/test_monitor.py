@@ -81,6 +81,7 @@ def test_a_requests_lifecycle_is_queued_scheduled_first_token_finished_freed(llm
     status = llm.monitor.statuses(["life"])["life"]
     assert status["state"] == "finished" and status["finish_reason"] == "length"
     assert status["num_output_tokens"] == 24 and status["kv_blocks"] == 0
+    assert status["max_tokens"] == 24  # kept once it ends (the page shows 24/24, not 24)
     assert status["num_blocks_freed"] == 4  # ceil(63 / 16): all back to the pool (cached or free)
     assert kinds(llm, "life") == ["queued", "scheduled", "first_token", "finished", "freed"]
     freed = next(e for e in llm.monitor.read()["events"] if e["request_id"] == "life" and e["kind"] == "freed")

@@ -63,6 +63,7 @@ class Track:
     num_prompt_tokens: int
     is_internal: bool  # a session's eager prefill: no output, nobody streams it
     admitted_at: float
+    max_tokens: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     scheduled_at: float | None = None
     first_token_at: float | None = None
@@ -126,7 +127,7 @@ class Track:
             "num_computed_tokens": request.num_computed_tokens if request is not None else None,
             "num_cached_tokens": self.num_cached_tokens,
             "num_output_tokens": num_output,
-            "max_tokens": request.params.max_tokens if request is not None else None,
+            "max_tokens": self.max_tokens,
             "kv_blocks": len(request.block_ids) if request is not None else 0,
             "num_blocks_freed": self.num_blocks_freed,
             "num_preemptions": self.num_preemptions,
@@ -186,6 +187,7 @@ class EngineMonitor:
             request.num_prompt_tokens,
             request.prefill_only,
             now,
+            request.params.max_tokens,
             block_ids=request.block_ids,
         )
         self.live[request.request_id] = track
