@@ -158,6 +158,8 @@ def test_fork_continues_independently(llm):
     first = s.generate(GREEDY).text
     t = s.fork()
     assert t.id != s.id
+    pinned = llm.engine.call(lambda: llm.sessions.stats())["session_kv_blocks"]
+    assert pinned == s.info()["kv_blocks"] == t.info()["kv_blocks"] > 0  # one set of blocks, held by both
     s.add_message("user", "branch A")
     t.add_message("user", "branch B")
     a, b = s.generate(GREEDY), t.generate(GREEDY)

@@ -402,7 +402,8 @@ class SessionManager:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(len(s.pinned_block_ids) for s in self.sessions.values())
+        """Distinct blocks: a fork and its parent share theirs."""
+        return len({b for s in self.sessions.values() for b in s.pinned_block_ids})
 
     def stats(self) -> dict[str, Any]:
         return {"num_sessions": len(self.sessions), "session_kv_blocks": self.num_pinned_blocks}
