@@ -107,6 +107,18 @@ def _engine_config(
     num_blocks = max(1, kv_cache_tokens // block_size)
     # A request must fit in the pool on its own, or preemption could never make room for it.
     longest = model_config.max_position_embeddings
+    if max_model_len is not None and max_model_len > longest:  # asked for: refused, never lowered unsaid
+        raise InvalidRequestError(
+            f"max_model_len={max_model_len} is longer than this model's context of {longest} tokens; lower it, "
+            f"or leave it out for {min(longest, num_blocks * block_size)}.",
+            "max_model_len",
+        )
+    if max_model_len is not None and max_model_len > num_blocks * block_size:
+        raise InvalidRequestError(
+            f"max_model_len={max_model_len} does not fit in the KV cache of {num_blocks * block_size} tokens "
+            "(kv_cache_tokens), which must hold a request alone; raise kv_cache_tokens or lower max_model_len.",
+            "max_model_len",
+        )
     return EngineConfig(
         num_kv_blocks=num_blocks,
         block_size=block_size,

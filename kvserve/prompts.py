@@ -54,7 +54,8 @@ class RequestBuilder:
         limit = self.max_model_len
         if len(prompt_ids) >= limit:
             raise InvalidRequestError(
-                f"The prompt has {len(prompt_ids)} tokens; this model's context is {limit}. Shorten the prompt.",
+                f"The prompt has {len(prompt_ids)} tokens; the context is {limit} (the model's, or less where the KV "
+                "cache or max_model_len is smaller). Shorten the prompt.",
                 "prompt",
             )
         self.check_params(params)

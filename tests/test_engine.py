@@ -250,6 +250,19 @@ def test_request_larger_than_the_pool_is_refused(small_llm):
         small_llm.generate(prompt(1, 200), SamplingParams(max_tokens=100))
 
 
+def test_a_max_model_len_that_cannot_be_served_is_refused_not_lowered(tiny_model_dir):
+    """Before, either was lowered without a word (to the pool's 256 tokens, or the model's 1024)."""
+    for settings, match in (
+        (dict(kv_cache_tokens=256, max_model_len=512), "does not fit in the KV cache of 256 tokens"),
+        (dict(max_model_len=4096), "longer than this model's context of 1024 tokens"),
+    ):
+        with pytest.raises(InvalidRequestError, match=match) as err:
+            LLM(str(tiny_model_dir), dtype="float32", session_db=False, progress=False, **settings)
+        assert err.value.param == "max_model_len"
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=256, session_db=False, progress=False) as small:
+        assert small.config.max_model_len == 256  # unasked, the pool's
+
+
 # ----- prefix caching --------------------------------------------------------------------------
 def test_shared_256_token_prefix_is_computed_once(llm):
     shared = list(range(40, 40 + 256))

@@ -223,7 +223,7 @@ def _parse_call(call: Any, where: str) -> dict[str, Any]:
             arguments = None
     if not isinstance(arguments, dict):  # a function's arguments are an object, as its parameters say
         raise InvalidRequestError(
-            f"{where}.function.arguments must be a JSON object's text, such as '{{\"city\": \"Paris\"}}'.",
+            f'{where}.function.arguments must be a JSON object\'s text, such as \'{{"city": "Paris"}}\'.',
             f"{where}.function.arguments",
         )
     return {
