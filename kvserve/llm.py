@@ -25,7 +25,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.monitor import EngineMonitor
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
-from kvserve.errors import InvalidRequestError, check_text
+from kvserve.errors import InvalidRequestError, UnsupportedModelError, check_text
 from kvserve.models.config import ModelConfig
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.pipeline.rendezvous import EngineSizes
@@ -407,6 +407,11 @@ class LLM:
         if id is not None:
             self.client.call(lambda: sessions.get(id, owner))
             return Session(self.client, sessions, id, owner)
+        if self.tokenizer.chat_template is None:  # refused now, not at its first turn
+            raise UnsupportedModelError(
+                "This model has no chat template (it is a base model), so it cannot hold a conversation: "
+                "send plain prompts (/v1/completions, llm.generate) instead of a session."
+            )
         initial = [{"role": "system", "content": check_text(system, "system")}] if system else []
         for i, message in enumerate(messages or []):
             if message.get("role") not in ("system", "user", "assistant") or not isinstance(

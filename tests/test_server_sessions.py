@@ -236,3 +236,26 @@ def test_a_fork_during_a_turn_is_409_session_busy(llm):
         assert child.status_code == 200
         for session_id in (sid, child.json()["id"]):
             httpx.delete(f"{base}/v1/sessions/{session_id}").raise_for_status()
+
+
+def test_a_base_model_refuses_a_session_up_front(tiny_model_dir, tmp_path):
+    """A model without a chat template cannot hold a conversation. Before, POST /v1/sessions answered
+    200 with a session whose every turn then failed (and the page made one per try)."""
+    import shutil
+
+    base_model = tmp_path / "base-model"
+    shutil.copytree(tiny_model_dir, base_model)
+    config = json.loads((base_model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (base_model / "tokenizer_config.json").write_text(json.dumps(config))
+    settings = ServerSettings(
+        model=str(base_model), engine_process=False, dtype="float32", session_db=str(tmp_path / "s.db")
+    )
+    with running_server(settings) as base:
+        for body in ({}, {"system": "hi"}):  # the first, with nothing to render yet, was the 200
+            refused = httpx.post(f"{base}/v1/sessions", json=body, timeout=60)
+            assert refused.status_code == 400, refused.text
+            assert "no chat template" in refused.json()["error"]["message"]
+        assert httpx.get(f"{base}/v1/sessions", timeout=60).json()["data"] == []  # none was made
+        plain = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert plain.status_code == 200, plain.text
