@@ -408,3 +408,30 @@ def test_turns_queued_behind_a_request_their_pins_crowd_out_all_finish(tiny_mode
         for out, history in zip(outputs[1:], histories, strict=True):
             assert out == small.chat(history, GREEDY).text
         close_all_and_check(small, sessions)
+
+
+def test_a_session_is_live_in_one_llm_of_a_process_at_a_time(tiny_model_dir, tmp_path):
+    """Two LLMs of one process may share a store (they share its lock), but not a session: before,
+    each took its own copy, their histories diverged, and a close in one broke the other's writes."""
+    db = tmp_path / "shared.db"
+    with (
+        LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, session_db=db, progress=False) as a,
+        LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, session_db=db, progress=False) as b,
+    ):
+        s = a.session(system="shared store")
+        s.add_message("user", "hello")
+        reply = s.generate(GREEDY).text
+        with pytest.raises(SessionBusyError, match="open in another LLM of this process"):
+            b.session(id=s.id)
+        mine = b.session()  # a's cannot see b's either
+        with pytest.raises(SessionBusyError):
+            a.session(id=mine.id)
+        mine.close()
+        with pytest.raises(SessionNotFoundError):  # closed: gone from the store, nobody's
+            a.session(id=mine.id)
+        a.close()  # a lets its sessions go: b may take them up, with the history a stored
+        again = b.session(id=s.id)
+        assert again.info()["messages"][-1] == {"role": "assistant", "content": reply}
+        again.add_message("user", "and again")
+        assert again.generate(GREEDY).finish_reason == "length"
+        close_all_and_check(b, [again])

@@ -3,7 +3,8 @@ the store open. A second server on the same store would split sessions' historie
 processes (each its own copy in memory, each writing); it is refused at start, naming the holder.
 
 The lock belongs to the process, not to a SessionStore: two stores of one process on the same file
-(two LLMs in one script) share it, counted, and the last to close releases it. The kernel releases it
+(two LLMs in one script) share it, counted, and the last to close releases it. Within the process a
+session is then live in one of them at a time (`claim`): the other refuses it until it is closed there. The kernel releases it
 when the process dies, even by SIGKILL, so a crash never leaves a stale lock; the file's text (the
 holder's pid and host) only names who holds it now.
 """
@@ -14,9 +15,11 @@ import fcntl
 import os
 import socket
 import threading
+import weakref
 from pathlib import Path
 
 _held: dict[Path, list] = {}  # lock file -> [file descriptor, stores holding it]
+_claims: dict[Path, dict[str, weakref.ref]] = {}  # lock file -> session id -> the store it is live in
 _guard = threading.Lock()
 
 
@@ -57,3 +60,24 @@ def release(path: Path) -> None:
         if entry[1] == 0:
             del _held[path]
             os.close(entry[0])  # drops the flock
+
+
+def claim(path: Path, session_id: str, holder: object) -> bool:
+    """Make `session_id` live in `holder` (a store of this process on the lock file `path`); False
+    while it is live in another one."""
+    with _guard:
+        claims = _claims.setdefault(path, {})
+        current = claims.get(session_id)
+        if current is not None and current() not in (None, holder):
+            return False
+        claims[session_id] = weakref.ref(holder)
+        return True
+
+
+def unclaim(path: Path, session_ids: list[str], holder: object) -> None:
+    with _guard:
+        claims = _claims.get(path, {})
+        for session_id in session_ids:
+            current = claims.get(session_id)
+            if current is not None and current() in (None, holder):
+                del claims[session_id]

@@ -156,6 +156,7 @@ class SessionManager:
         if self.store is not None:
             self.store.create(session_id, owner, state.ttl, state.messages, open_user)
             state.stored = _rows(state.messages, open_user)
+            self.store.claim(session_id)  # a new id: no other LLM of this process has it
         self.sessions[session_id] = state
         return state
 
@@ -167,6 +168,11 @@ class SessionManager:
                 stored_owner, ttl, rows = loaded
                 if stored_owner == owner:
                     self._check_room(owner)
+                    if not self.store.claim(session_id):  # else two live copies would write one history
+                        raise SessionBusyError(
+                            f"Session {session_id!r} is open in another LLM of this process, on the same session "
+                            "store; use it there, or close that LLM first."
+                        )
                     is_open = bool(rows) and rows[-1][2]  # only the last message can still be open
                     messages = [{"role": role, "content": content} for role, content, _ in rows[: len(rows) - is_open]]
                     state = SessionState(session_id, stored_owner, ttl, messages, stored=rows)
@@ -195,6 +201,7 @@ class SessionManager:
         cannot delete it (SessionStoreError), the session stays as it was."""
         if self.store is not None:
             self.store.delete(state.session_id)
+            self.store.unclaim(state.session_id)
         waiting = [op for op in state.pending if isinstance(op, Turn)]
         state.pending.clear()
         self.sessions.pop(state.session_id, None)  # from here on, finishing requests ignore it

@@ -115,6 +115,7 @@ class SessionStore:
         self.error: str | None = None  # the last failure, until a write succeeds
         self.broken: str | None = None  # a failure no write mends (removed or corrupt), until a restart
         self._lock = threading.Lock()
+        self._claimed: set[str] = set()  # the sessions live here (lock.claim)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._owner_lock = lock.acquire(self.path)
@@ -293,9 +294,23 @@ class SessionStore:
                 self._write("write", lambda: self._db.execute("DELETE FROM sessions WHERE id = ?", (probe,)))
         return self.broken or self.error
 
+    def claim(self, session_id: str) -> bool:
+        """Make the session live here; False while another store of this process (another LLM on the
+        same file) holds it live."""
+        if not lock.claim(self._owner_lock, session_id, self):
+            return False
+        self._claimed.add(session_id)
+        return True
+
+    def unclaim(self, session_id: str) -> None:
+        self._claimed.discard(session_id)
+        lock.unclaim(self._owner_lock, [session_id], self)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        lock.unclaim(self._owner_lock, list(self._claimed), self)
+        self._claimed.clear()
         lock.release(self._owner_lock)
 
     # ----- internals ----------------------------------------------------------------------
