@@ -28,41 +28,52 @@ _SCHEMAS = (
     "then",
     "else",
 )
+# Schemas that describe part of the same instance as the schema they are in (which a closed object
+# would refuse the rest of): allOf's members and the conditionals always; anyOf's and oneOf's where
+# the schema lists properties of its own too.
+_PARTS = frozenset({"allOf", "not", "if", "then", "else", "dependentSchemas"})
 
-Rewrite = Callable[[dict[str, Any], bool], dict[str, Any]]  # (a schema, is it a member of allOf) -> schema
+Rewrite = Callable[[dict[str, Any], bool], dict[str, Any]]  # (a schema, is it a part of another) -> schema
 
 
-def _walk(schema: Any, rewrite: Rewrite, in_all_of: bool = False) -> Any:
+def _walk(schema: Any, rewrite: Rewrite, is_part: bool = False) -> Any:
     """`schema` with `rewrite` applied to every schema in it, innermost first."""
     if isinstance(schema, list):  # `items` as a list
         return [_walk(s, rewrite) for s in schema]
     if not isinstance(schema, dict):  # true, false
         return schema
     node = dict(schema)
+    has_properties = isinstance(node.get("properties"), dict)
     for key in _SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
-            node[key] = {name: _walk(s, rewrite) for name, s in node[key].items()}
+            node[key] = {name: _walk(s, rewrite, key in _PARTS) for name, s in node[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(node.get(key), list):
-            node[key] = [_walk(s, rewrite, key == "allOf") for s in node[key]]
+            part = key in _PARTS or (key in ("anyOf", "oneOf") and has_properties)
+            node[key] = [_walk(s, rewrite, part) for s in node[key]]
     for key in _SCHEMAS:
         if key in node:
-            node[key] = _walk(node[key], rewrite)
-    return rewrite(node, in_all_of)
+            node[key] = _walk(node[key], rewrite, key in _PARTS)
+    return rewrite(node, is_part)
 
 
-def _close(node: dict[str, Any], in_all_of: bool) -> dict[str, Any]:
-    # A member of allOf is left open: closed, it would refuse the properties its siblings list.
-    if in_all_of or not isinstance(node.get("properties"), dict):
+_COMBINED = ("allOf", "anyOf", "oneOf", "if", "then", "else", "dependentSchemas", "$ref")
+
+
+def _close(node: dict[str, Any], is_part: bool) -> dict[str, Any]:
+    if is_part or not isinstance(node.get("properties"), dict):
         return node
     if "additionalProperties" in node or "unevaluatedProperties" in node:
+        return node
+    if any(key in node for key in _COMBINED):  # properties from elsewhere may complete it: left open
         return node
     return {**node, "additionalProperties": False}
 
 
 def closed(schema: Any) -> Any:
     """`schema` with `additionalProperties: false` on each object that lists `properties` and does
-    not say whether others may come."""
+    not say whether others may come, unless it describes only part of an object (allOf's members,
+    conditionals, anyOf's and oneOf's beside properties of their own)."""
     return _walk(schema, _close)
 
 

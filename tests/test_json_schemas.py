@@ -31,6 +31,15 @@ def test_objects_that_list_their_properties_are_closed_and_nothing_else_changes(
         "$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}},
         "const": {"properties": {"left": "as it is"}},  # a value, not a schema
     }
+    mixed = {
+        "properties": {"kind": {"enum": ["a", "b"]}},
+        "anyOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}],
+        "if": {"properties": {"kind": {"const": "a"}}},
+        "then": {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    }
+    assert closed(mixed) == mixed  # each part describes the same object as the rest: nothing closes
+    union = closed({"anyOf": [PERSON, {"type": "object", "properties": {"id": {"type": "integer"}}}]})
+    assert all(member["additionalProperties"] is False for member in union["anyOf"])  # each alone: closed
     out = closed(schema)
     props = out["properties"]
     assert out["additionalProperties"] is False
@@ -83,5 +92,7 @@ def test_a_schema_that_does_not_mention_other_keys_refuses_them(bundled_gguf):
     assert not _accepts(smol, person, '{"name": "Ada", "age": 36}')
     opened = StructuredOutput.json_schema({**PERSON, "additionalProperties": True})
     assert _accepts(smol, opened, '{"name": "Ada", "age": 36}')
+    parts = {"allOf": [PERSON, {"properties": {"age": {"type": "integer"}}, "required": ["age"]}]}
+    assert _accepts(smol, StructuredOutput.json_schema(parts), '{"name": "Ada", "age": 36}')  # not closed apart
     anything = StructuredOutput.json_object()
     assert _accepts(smol, anything, json.dumps({"any": {"keys": [1, 2]}}))
