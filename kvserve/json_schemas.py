@@ -36,45 +36,86 @@ _PARTS = frozenset({"allOf", "not", "if", "then", "else", "dependentSchemas"})
 Rewrite = Callable[[dict[str, Any], bool], dict[str, Any]]  # (a schema, is it a part of another) -> schema
 
 
-def _walk(schema: Any, rewrite: Rewrite, is_part: bool = False) -> Any:
-    """`schema` with `rewrite` applied to every schema in it, innermost first."""
-    if isinstance(schema, list):  # `items` as a list
-        return [_walk(s, rewrite) for s in schema]
+def _walk(
+    schema: Any, rewrite: Rewrite, is_part: bool = False, parts: frozenset[str] = frozenset(), path: str = "#"
+) -> Any:
+    """`schema` with `rewrite` applied to every schema in it, innermost first. `parts`: references
+    ("#/$defs/Name") to schemas that are parts where they are referred to; `path` is this one's."""
     if not isinstance(schema, dict):  # true, false
         return schema
     node = dict(schema)
     has_properties = isinstance(node.get("properties"), dict)
+
+    def inner(child: Any, key: str, part: bool) -> Any:
+        where = f"{path}/{key}"
+        if isinstance(child, list):  # `items` as a list
+            return [_walk(s, rewrite, part, parts, f"{where}/{i}") for i, s in enumerate(child)]
+        return _walk(child, rewrite, part or where in parts, parts, where)
+
     for key in _SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
-            node[key] = {name: _walk(s, rewrite, key in _PARTS) for name, s in node[key].items()}
+            node[key] = {name: inner(s, f"{key}/{_escaped(name)}", key in _PARTS) for name, s in node[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(node.get(key), list):
             part = key in _PARTS or (key in ("anyOf", "oneOf") and has_properties)
-            node[key] = [_walk(s, rewrite, part) for s in node[key]]
+            node[key] = [inner(s, f"{key}/{i}", part) for i, s in enumerate(node[key])]
     for key in _SCHEMAS:
         if key in node:
-            node[key] = _walk(node[key], rewrite, key in _PARTS)
+            node[key] = inner(node[key], key, key in _PARTS)
     return rewrite(node, is_part)
 
 
+def _escaped(name: str) -> str:
+    """A JSON pointer's reference token (RFC 6901)."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
 _COMBINED = ("allOf", "anyOf", "oneOf", "if", "then", "else", "dependentSchemas", "$ref")
+_ANNOTATIONS = frozenset({"$ref", "description", "title", "$comment", "default", "examples", "deprecated"})
 
 
 def _close(node: dict[str, Any], is_part: bool) -> dict[str, Any]:
-    if is_part or not isinstance(node.get("properties"), dict):
+    properties = node.get("properties")
+    if is_part or not isinstance(properties, dict):
         return node
     if "additionalProperties" in node or "unevaluatedProperties" in node:
         return node
     if any(key in node for key in _COMBINED):  # properties from elsewhere may complete it: left open
         return node
+    required = node.get("required")
+    if isinstance(required, list) and any(key not in properties for key in required):
+        return node  # it names keys it does not list: others are meant to come
     return {**node, "additionalProperties": False}
+
+
+def _referred_as_parts(schema: dict[str, Any]) -> frozenset[str]:
+    """The references to be read as parts of another schema: from a part, or beside other keywords
+    (a definition extended there). Their definitions are then parts too, and what they refer to."""
+    found: frozenset[str] = frozenset()
+    refs: set[str] = set()
+
+    def note(node: dict[str, Any], is_part: bool) -> dict[str, Any]:
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (is_part or any(key not in _ANNOTATIONS for key in node)):
+            refs.add(ref)
+        return node
+
+    while True:
+        refs.update(found)
+        _walk(schema, note, parts=found)
+        if refs == found:
+            return found
+        found = frozenset(refs)
 
 
 def closed(schema: Any) -> Any:
     """`schema` with `additionalProperties: false` on each object that lists `properties` and does
     not say whether others may come, unless it describes only part of an object (allOf's members,
-    conditionals, anyOf's and oneOf's beside properties of their own)."""
-    return _walk(schema, _close)
+    conditionals, anyOf's and oneOf's beside properties of their own, a definition one of those
+    refers to) or names required keys it does not list."""
+    if not isinstance(schema, dict):
+        return schema
+    return _walk(schema, _close, parts=_referred_as_parts(schema))
 
 
 def rebased(schema: Any, root: str) -> Any:

@@ -102,9 +102,10 @@ def json_schema_grammar(
             + ".",
             param,
         )
-    text = json.dumps(closed(schema), separators=(",", ":"))
-    if len(text) > max_bytes:
+    text = json.dumps(schema, separators=(",", ":"))
+    if len(text) > max_bytes:  # the client's schema, as sent
         raise _too_large(len(text), param, max_bytes)
+    text = json.dumps(closed(schema), separators=(",", ":"))
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
     except ValueError as exc:

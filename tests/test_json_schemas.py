@@ -16,6 +16,17 @@ from kvserve.text.tokenizer import Tokenizer
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
 
 
+# Objects that others complete: none may be closed (each was unsatisfiable, or refused "age", closed).
+BASE = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
+AGE = {"properties": {"age": {"type": "integer"}}, "required": ["age"]}
+INCOMPLETE = [
+    {"properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name", "age"]},  # names more
+    {"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/$defs/Base"}, AGE]},  # inheritance through a definition
+    {"$defs": {"Base": BASE}, "$ref": "#/$defs/Base", **AGE},  # a definition extended beside its reference
+    {"$defs": {"Base": {"$ref": "#/$defs/Root"}, "Root": BASE}, "allOf": [{"$ref": "#/$defs/Base"}, AGE]},
+]
+
+
 def test_objects_that_list_their_properties_are_closed_and_nothing_else_changes():
     schema = {
         "type": "object",
@@ -94,5 +105,7 @@ def test_a_schema_that_does_not_mention_other_keys_refuses_them(bundled_gguf):
     assert _accepts(smol, opened, '{"name": "Ada", "age": 36}')
     parts = {"allOf": [PERSON, {"properties": {"age": {"type": "integer"}}, "required": ["age"]}]}
     assert _accepts(smol, StructuredOutput.json_schema(parts), '{"name": "Ada", "age": 36}')  # not closed apart
+    for schema in INCOMPLETE:  # each compiles, and takes the key another part adds
+        assert _accepts(smol, StructuredOutput.json_schema(schema), '{"name": "Ada", "age": 36}'), schema
     anything = StructuredOutput.json_object()
     assert _accepts(smol, anything, json.dumps({"any": {"keys": [1, 2]}}))

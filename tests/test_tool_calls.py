@@ -324,6 +324,20 @@ def test_tools_whose_parameters_refer_to_their_own_definitions(qwen_tokenizer, b
             assert _accepts(qwen, grammar, form % good)
             for arguments in bad:
                 assert not _accepts(qwen, grammar, form % arguments), arguments
+    # parameters made by inheritance keep their parts open through the grammar's own rewriting, too
+    inherited = {
+        "type": "function",
+        "function": {
+            "name": "place_order",
+            "parameters": {
+                "$defs": {"Base": {"type": "object", "properties": {"sku": {"enum": ["a1"]}}, "required": ["sku"]}},
+                "allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"qty": {"type": "integer"}}, "required": ["qty"]}],
+            },
+        },
+    }
+    calls = ToolChoice.from_request([inherited, WEATHER], "required", None)
+    for fmt, form in ((ToolFormat.HERMES, as_hermes), (ToolFormat.LLAMA3, as_llama), (ToolFormat.GENERIC, as_generic)):
+        assert _accepts(qwen, tool_calls.grammar(calls, fmt, qwen), form % '{"sku": "a1", "qty": 2}'), fmt
     anything = {"type": "function", "function": {"name": "place_order", "parameters": {}}}
     loose = tool_calls.grammar(ToolChoice.from_request([anything], "required", None), ToolFormat.LLAMA3, qwen)
     assert _accepts(qwen, loose, as_llama % '{"any": ["keys"]}')

@@ -149,10 +149,7 @@ def _function(tool: Any, index: int) -> Function:
         raise InvalidRequestError(f"{where} must be a JSON schema object.", where)
     if parameters.get("type", "object") != "object":
         raise InvalidRequestError(f"{where} must describe an object (type 'object').", where)
-    # arguments are an object even where the schema does not say so ({} included), its keys closed as
-    # a response_format schema's are (kvserve/json_schemas.py)
-    parameters = closed({"type": "object", **parameters})
-    StructuredOutput.json_schema(parameters, param=where)  # refuses what the grammar cannot take, by name
+    StructuredOutput.json_schema(_arguments(parameters), param=where)  # refuses what the grammar cannot take
     return Function(name, description, parameters)
 
 
@@ -284,7 +281,7 @@ def render_inputs(
 def _call_schema(function: Function, arguments_key: str, defs: dict[str, Any]) -> dict[str, Any]:
     """A call of `function`. Parameters with references (`$ref`, as pydantic writes nested models)
     go into `defs`, the root's `$defs`, rebased there, so that what they point to is found."""
-    parameters = function.parameters
+    parameters = _arguments(function.parameters)
     if has_ref(parameters):
         defs[function.name] = rebased(parameters, f"/$defs/{function.name}")
         parameters = {"$ref": f"#/$defs/{function.name}"}
@@ -294,6 +291,12 @@ def _call_schema(function: Function, arguments_key: str, defs: dict[str, Any]) -
         "required": ["name", arguments_key],
         "additionalProperties": False,
     }
+
+
+def _arguments(parameters: dict[str, Any]) -> dict[str, Any]:
+    """What a call's arguments must be: an object even where the schema does not say so (`{}`
+    included), its keys closed as a response_format schema's are (kvserve/json_schemas.py)."""
+    return closed({"type": "object", **parameters})
 
 
 def _calls(choice: ToolChoice, arguments_key: str, defs: dict[str, Any]) -> dict[str, Any]:
