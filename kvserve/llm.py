@@ -487,3 +487,6 @@ class LLM:
         engine = getattr(self, "engine", None)
         if engine is not None and not engine.is_closed:
             engine.shutdown(timeout=5)
+            store = getattr(self, "session_store", None)
+            if store is not None and not engine.thread.is_alive():  # its sessions may live in another LLM now
+                store.close()

@@ -340,7 +340,7 @@ def test_a_turn_whose_request_id_is_in_use_is_refused_and_leaves_the_other_reque
     from kvserve.engine.client import ThreadSink, chunks
 
     s = llm.session()
-    s.add_message("user", "hello")
+    s.append("hel")  # streamed in: the message stays open until a turn takes it
     with StepGate(llm) as gate:
         other = llm.client.submit(llm.request_builder.build("the other request", GREEDY, "shared-id"))
         assert gate.entered.wait(30)  # the other request is running under "shared-id", held in a step
@@ -353,6 +353,7 @@ def test_a_turn_whose_request_id_is_in_use_is_refused_and_leaves_the_other_reque
         gate.open()
         assert list(chunks(other))[-1].finish_reason == "length"
     wait_idle(llm)
+    s.append("lo")  # the refused turn took nothing: this joins the open message
     assert s.info()["messages"] == [{"role": "user", "content": "hello"}]  # not the other request's reply
     reply = s.generate(GREEDY)  # the session is not stuck behind a turn that never ran
     assert reply.finish_reason == "length"

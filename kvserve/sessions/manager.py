@@ -140,6 +140,7 @@ class SessionManager:
         self.default_ttl = check_ttl(default_ttl, "session_ttl")
         self.sessions: dict[str, SessionState] = {}
         self.by_request: dict[str, str] = {}  # turn or prefill request id -> session id
+        self._num_pinned: int | None = None  # num_pinned_blocks, until pins change
 
     # ----- lifecycle ------------------------------------------------------------------------
     def create(
@@ -230,6 +231,7 @@ class SessionManager:
             )
         child = self.create(state.owner, state.messages, state.ttl, state.open_user)
         child.pinned_block_ids = list(state.pinned_block_ids)
+        self._num_pinned = None
         self.pool.touch(child.pinned_block_ids)
         return child
 
@@ -290,13 +292,13 @@ class SessionManager:
             )
             self._drain(state)
             return
-        state.messages, state.open_user = conversation, None
-        self._persist(state)  # the open message is closed now: a failure is mended by the next write
         request = Request(turn.request_id, prompt_ids, turn.params, eos_token_ids=self.tokenizer.stop_token_ids)
         sink = _ReplySink(turn.sink)
         if not self.submit(request, sink):  # its id is another request's: refused, the error is in the sink
             self._drain(state)
             return
+        state.messages, state.open_user = conversation, None
+        self._persist(state)  # the open message is closed now: a failure is mended by the next write
         state.turn_request_id, state.turn_sink = turn.request_id, sink
         self.by_request[turn.request_id] = state.session_id
         if turn.announce:  # after the admission: whoever hears it can ask the engine about the request
@@ -409,8 +411,11 @@ class SessionManager:
 
     @property
     def num_pinned_blocks(self) -> int:
-        """Distinct blocks: a fork and its parent share theirs."""
-        return len({b for s in self.sessions.values() for b in s.pinned_block_ids})
+        """Distinct blocks (a fork and its parent share theirs): counted again only after pins changed,
+        not on every engine step."""
+        if self._num_pinned is None:
+            self._num_pinned = len({b for s in self.sessions.values() for b in s.pinned_block_ids})
+        return self._num_pinned
 
     def stats(self) -> dict[str, Any]:
         return {"num_sessions": len(self.sessions), "session_kv_blocks": self.num_pinned_blocks}
@@ -478,11 +483,13 @@ class SessionManager:
         self.pool.touch(blocks)
         self._unpin(state)
         state.pinned_block_ids = blocks
+        self._num_pinned = None
 
     def _unpin(self, state: SessionState) -> None:
         if state.pinned_block_ids:
             self.pool.free(state.pinned_block_ids)
             state.pinned_block_ids = []
+            self._num_pinned = None
 
     def _eager_prefill(self, state: SessionState) -> None:
         """Compute the streamed prompt's stable part now, so the turn has little left to do."""
