@@ -16,6 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvserve.server.app import ServerSettings, create_app
@@ -318,3 +319,45 @@ def test_a_new_key_gets_its_own_engine_view(page: Page, process_server):
     ):
         page.click("#key-submit")
     expect(page.locator("#connection")).to_have_text("live")
+
+
+def test_stop_stops_the_shown_sessions_turn_while_another_sessions_runs(page: Page, thread_server):
+    """Two sessions with a turn each running at once: back on the first, Stop is its own and stops it
+    alone (before, the page knew one running turn, the last started: Stop was off, or stopped it)."""
+    base, llm = thread_server
+    open_page(page, base, None, 64)
+
+    def until(done) -> None:  # the page's reads of sessions wait for step boundaries: one step at a time
+        for _ in range(120):
+            if done():
+                return
+            gate.step()
+        assert done()
+
+    with StepGate(llm) as gate:
+        page.click("#new-session")
+        ask(page, "The first session, at length.", temperature="0", **{"max-tokens": "300"})
+        until(lambda: page.locator("#messages li.assistant .text").first.inner_text() != "")
+        first = page.locator("#session-header").inner_text().removeprefix("Session ")
+        first_id = page.locator("#messages li.assistant").first.get_attribute("data-request-id")
+        page.click("#new-session")
+        ask(page, "The second session, at length.", temperature="0", **{"max-tokens": "300"})
+        until(lambda: page.locator("#messages li.assistant").count() == 1)
+        until(lambda: page.locator("#messages li.assistant .text").first.inner_text() != "")
+        second_id = page.locator("#messages li.assistant").first.get_attribute("data-request-id")
+        second = page.locator("#session-header").inner_text().removeprefix("Session ")
+        page.click(f"#session-list li[data-id='{first}']")
+        until(lambda: page.locator("#session-header").inner_text() == f"Session {first}")
+        reply = page.locator(f"#messages li.assistant[data-request-id='{first_id}']")
+        expect(reply.locator(".text")).not_to_be_empty()  # its reply, shown again as it streams on
+        expect(page.locator("#stop")).to_be_enabled()  # the first session's turn still streams
+        page.click("#stop")
+        until(lambda: page.locator("#stop").is_disabled())
+        gate.open()
+    expect(reply).to_have_attribute("data-finish", "abort", timeout=ANSWER_TIMEOUT_MS)
+    expect(page.locator(f"#session-list li[data-id='{second}'] .meta")).to_contain_text(
+        "2 messages · idle", timeout=ANSWER_TIMEOUT_MS
+    )
+    for request_id, state in ((first_id, "aborted"), (second_id, "finished")):  # the second, not stopped
+        assert httpx.get(f"{base}/v1/requests/{request_id}", timeout=30).json()["state"] == state
+    wait_idle_and_check(llm, pinned=pinned(llm))

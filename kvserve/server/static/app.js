@@ -13,7 +13,8 @@ const state = {
   info: null,
   sessionId: null,
   messages: [], // the open session's history: {role, content}
-  turn: null, // the last turn started: {requestId, item, sessionId}, until it ends
+  turns: new Map(), // session id -> its turns streaming or queued, oldest first: {requestId, item}
+  view: 0, // counts the times the messages were drawn from a history: a turn's end knows if they were
   sending: false, // a message on its way: Enter again sends nothing twice
   cells: [],
   series: new Map(), // the engine's per-second figures by second
@@ -211,9 +212,11 @@ async function forkAt(index) {
 }
 
 function renderMessages() {
+  state.view += 1;
   const ol = $("#messages");
   ol.replaceChildren();
   state.messages.forEach((message, index) => ol.append(messageItem(message.role, message.content, index)));
+  for (const turn of state.turns.get(state.sessionId) || []) ol.append(turn.item); // still streaming or queued
   $("#session-header").textContent = state.sessionId
     ? `Session ${state.sessionId}`
     : "No session yet: the first message starts one.";
@@ -263,29 +266,32 @@ async function send() {
   state.sending = true;
   $("#prompt").value = ""; // at once: a second Enter finds nothing to send
   showError(null);
+  let posted = false;
   try {
     if (!state.sessionId) await newSession(null);
     const sessionId = state.sessionId;
+    const view = state.view;
     const interrupting = ownTurn() && $("#interrupt").checked;
     await api(`/v1/sessions/${encodeURIComponent(sessionId)}/messages`, { body: { role: "user", content: text } });
+    posted = true;
     state.sending = false; // in the session: the next message may go (its turn waits behind this one)
-    if (state.sessionId === sessionId) {
+    if (state.view === view) { // else its history was drawn again (from the server, with this message)
       state.messages.push({ role: "user", content: text });
       $("#messages").append(messageItem("user", text, state.messages.length - 1));
     }
     await runTurn(sessionId, interrupting);
   } catch (error) {
-    if (state.sending && !$("#prompt").value) $("#prompt").value = text; // not sent: back for another try
+    if (!posted && !$("#prompt").value) $("#prompt").value = text; // not sent: back for another try
     showError(error);
   } finally {
-    state.sending = false;
+    if (!posted) state.sending = false;
   }
 }
 
-// Whether the session on screen has a turn running: Stop, interrupting and forking its whole history
-// belong to it, never to another session's turn.
+// Whether the session on screen has a turn streaming or queued: Stop, interrupting and forking its
+// whole history belong to it, never to another session's turns.
 function ownTurn() {
-  return Boolean(state.turn && state.turn.sessionId === state.sessionId);
+  return (state.turns.get(state.sessionId) || []).length > 0;
 }
 
 function showStop() {
@@ -300,9 +306,12 @@ async function runTurn(sessionId, interrupting) {
   const lifecycle = document.createElement("div");
   lifecycle.className = "lifecycle";
   item.append(lifecycle);
+  const view = state.view;
   if (state.sessionId === sessionId) $("#messages").append(item);
-  const turn = { requestId, item, sessionId };
-  state.turn = turn;
+  const turn = { requestId, item };
+  const turns = state.turns.get(sessionId) || [];
+  turns.push(turn);
+  state.turns.set(sessionId, turns);
   showStop();
   const body = { ...samplingBody(), interrupt: interrupting };
   let reply = "";
@@ -335,18 +344,21 @@ async function runTurn(sessionId, interrupting) {
   } catch (error) {
     showError(error);
   } finally {
-    if (state.turn === turn) state.turn = null;
+    turns.splice(turns.indexOf(turn), 1);
+    if (!turns.length && state.turns.get(sessionId) === turns) state.turns.delete(sessionId);
     showStop();
   }
   if (firstAt) showRate(numTokens, firstAt, true);
   item.dataset.finish = finish || "error";
   if (finish === "stop" || finish === "length") {
-    // Kept in its session's history on the server; on screen only while that session is (another one
-    // opened meanwhile shows its own history, and this reply when its session is opened again).
-    if (state.sessionId === sessionId) {
+    // Kept in its session's history on the server. Added to the page's copy only if that was not
+    // drawn again meanwhile (another session opened, or this one again, which may already hold it):
+    // then the session on screen, if it is this one, is read from the server once more.
+    if (state.view === view) {
       state.messages.push({ role: "assistant", content: reply });
       item.append(forkButton(state.messages.length - 1));
-      if (!item.isConnected) $("#messages").append(item); // its session was left and opened again
+    } else if (state.sessionId === sessionId) {
+      await openSession(sessionId);
     }
   } else {
     item.classList.add("stopped");
@@ -428,13 +440,15 @@ $("#prompt").addEventListener("keydown", (event) => {
   }
 });
 $("#stop").addEventListener("click", async () => {
-  if (!ownTurn()) return;
-  const turn = state.turn;
+  const turns = [...(state.turns.get(state.sessionId) || [])]; // the streaming one and any queued behind it
+  if (!turns.length) return;
   $("#stop").disabled = true;
-  try {
-    await api(`/v1/requests/${encodeURIComponent(turn.requestId)}`, { method: "DELETE" });
-  } catch (error) {
-    if (error.status !== 404) showError(error); // 404: it had ended already
+  for (const turn of turns) {
+    try {
+      await api(`/v1/requests/${encodeURIComponent(turn.requestId)}`, { method: "DELETE" });
+    } catch (error) {
+      if (error.status !== 404) showError(error); // 404: it had ended already
+    }
   }
 });
 
