@@ -4,9 +4,9 @@ processes (each its own copy in memory, each writing); it is refused at start, n
 
 The lock belongs to the process, not to a SessionStore: two stores of one process on the same file
 (two LLMs in one script) share it, counted, and the last to close releases it. Within the process a
-session is then live in one of them at a time (`claim`): the other refuses it until it is closed there. The kernel releases it
-when the process dies, even by SIGKILL, so a crash never leaves a stale lock; the file's text (the
-holder's pid and host) only names who holds it now.
+session is then live in one of them at a time (`claim`): the other refuses it until it is closed
+there. The kernel releases the lock when the process dies, even by SIGKILL, so a crash never leaves a
+stale lock; the file's text (the holder's pid and host) only names who holds it now.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ registered in the prefix cache). A turn is an ordinary request whose prompt is t
 history; the pinned blocks make the scheduler's prefix lookup skip everything already computed.
 While text streams in, an eager prefill request computes the part of the prompt that can no
 longer change. Under memory pressure sessions are unpinned least recently used first, idle ones
-before those with a turn queued; their next turn simply recomputes. Operations arriving while a turn runs wait behind it, in order.
+before those with a turn queued; their next turn simply recomputes. Operations arriving while a turn
+runs wait behind it, in order.
 
 Every operation a caller is told succeeded is in the store first: a new session, a message, an
 append (written as the history reads once the operations queued behind a turn apply), and a turn's
