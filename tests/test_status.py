@@ -112,6 +112,42 @@ def test_a_requests_events_follow_its_lifecycle_to_the_freed_blocks(base, llm):
     assert names[0] == "status" and lifecycle == ["queued", "scheduled", "first_token", "finished", "freed", "end"]
 
 
+def test_a_streamed_request_the_engine_has_not_taken_in_yet_is_queued_not_unknown(base, llm):
+    """A streamed response's headers can reach the client before the engine thread takes its request
+    in. Asked then, its status was a 404 saying it ended too long ago; it is queued, and its events
+    follow it to the end."""
+    body = {"model": "tiny", "prompt": "on its way", "max_tokens": 4, "stream": True, **GREEDY}
+    entered, release = threading.Event(), threading.Event()
+    holder = in_thread(lambda: llm.engine.call(lambda: (entered.set(), release.wait(30))))
+    assert entered.wait(30)  # the engine thread waits in this call: nothing is taken in meanwhile
+    names: list[str] = []
+    try:
+        with httpx.stream(
+            "POST", f"{base}/v1/completions", json=body, headers=auth("alice", **{"X-Request-Id": "job-early"})
+        ) as response:
+            assert response.status_code == 200  # the headers came while the request waits in the inbox
+            status = httpx.get(f"{base}/v1/requests/job-early", headers=auth("alice"), timeout=30)
+            assert status.status_code == 200, status.text
+            assert status.json()["state"] == "queued" and status.json()["num_output_tokens"] == 0
+
+            def follow() -> None:
+                with httpx.stream(
+                    "GET", f"{base}/v1/requests/job-early/events", headers=auth("alice"), timeout=60
+                ) as r:
+                    names.extend(name for name, _ in sse(r))
+
+            follower = in_thread(follow)
+            release.set()
+            response.read()
+            follower.join(30)
+    finally:
+        release.set()
+        holder.join(30)
+    assert names[0] == "status" and names[-1] == "end" and "finished" in names
+    final = httpx.get(f"{base}/v1/requests/job-early", headers=auth("alice"), timeout=30).json()
+    assert final["state"] == "finished" and final["num_output_tokens"] == 4
+
+
 def first_view(base: str, key: str) -> tuple[str, dict]:
     with httpx.stream("GET", f"{base}/v1/engine/events", headers=auth(key), timeout=60) as r:
         for name, view in sse(r):

@@ -354,12 +354,41 @@ def _request_object(request_id: str, statuses: dict[str, dict[str, Any]], engine
     }
 
 
+async def _statuses(state: ServerState, owner: str | None, request_id: str, engine_ids: list[str]) -> dict:
+    """The engine requests' statuses. While the response is in flight, one the engine has not taken
+    in yet (its headers can reach the client first) is queued: not a 404 saying it ended long ago."""
+    statuses = await call_op(state, "status_requests", engine_ids)
+    running = state.requests.get((owner, request_id))
+    for engine_id in running.engine_ids if running is not None else ():
+        statuses.setdefault(engine_id, _on_its_way(engine_id))
+    return statuses
+
+
+def _on_its_way(engine_id: str) -> dict[str, Any]:
+    """The status of an engine request on its way into the engine: as the monitor's, known fields only."""
+    timings = ("queued_at", "scheduled_at", "first_token_at", "finished_at", "queue_s", "ttft_s", "e2e_s")
+    return {
+        "id": engine_id,
+        "state": "queued",
+        "num_prompt_tokens": None,
+        "num_computed_tokens": 0,
+        "num_cached_tokens": 0,
+        "num_output_tokens": 0,
+        "max_tokens": None,
+        "kv_blocks": 0,
+        "num_blocks_freed": None,
+        "num_preemptions": 0,
+        "finish_reason": None,
+        "internal": False,
+        "timings": {**dict.fromkeys(timings), "tokens_per_s": None},
+    }
+
+
 @router.get("/requests/{request_id}")
 async def request_status(request_id: str, request: Request, owner: str | None = Depends(authorize)) -> dict:
     state = server_state(request)
     engine_ids = _engine_ids(state, owner, request_id)
-    statuses = await call_op(state, "status_requests", engine_ids)
-    return _request_object(request_id, statuses, engine_ids)
+    return _request_object(request_id, await _statuses(state, owner, request_id, engine_ids), engine_ids)
 
 
 async def _until_closed(messages: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -376,8 +405,7 @@ async def request_events(request_id: str, request: Request, owner: str | None = 
     freed) as it happens, and `end` once every choice's blocks are freed."""
     state = server_state(request)
     engine_ids = _engine_ids(state, owner, request_id)
-    statuses = await call_op(state, "status_requests", engine_ids)
-    first = _request_object(request_id, statuses, engine_ids)
+    first = _request_object(request_id, await _statuses(state, owner, request_id, engine_ids), engine_ids)
     status_feed = feed(request)
 
     async def follow() -> AsyncIterator[str]:
