@@ -309,9 +309,15 @@ def test_enter_pressed_twice_sends_the_message_once(page: Page, thread_server):
 
 
 def test_a_new_key_gets_its_own_engine_view(page: Page, process_server):
-    """Before, the engine view kept the first key's stream when another key was entered."""
+    """Before, the engine view kept the first key's stream when another key was entered, and the
+    first key's conversation stayed on screen."""
     base, _ = process_server
     open_page(page, base, "alice", 512)
+    page.click("#new-session")
+    ask(page, "Only for alice.", **{"max-tokens": "2"})
+    expect(page.locator("#messages li.assistant").last).to_have_attribute(
+        "data-finish", ENDED, timeout=ANSWER_TIMEOUT_MS
+    )
     page.click("#key-button")
     page.fill("#api-key", "bob")
     with page.expect_request(
@@ -319,6 +325,9 @@ def test_a_new_key_gets_its_own_engine_view(page: Page, process_server):
     ):
         page.click("#key-submit")
     expect(page.locator("#connection")).to_have_text("live")
+    expect(page.locator("#messages li")).to_have_count(0)
+    expect(page.locator("#session-header")).to_have_text("No session yet: the first message starts one.")
+    expect(page.locator("#session-list li")).to_have_count(0)  # bob's sessions: none
 
 
 def test_stop_stops_the_shown_sessions_turn_while_another_sessions_runs(page: Page, thread_server):

@@ -92,7 +92,13 @@ function askForKey(error) {
 
 $("#key-form").addEventListener("submit", (event) => {
   event.preventDefault();
-  state.key = $("#api-key").value.trim();
+  const key = $("#api-key").value.trim();
+  if (key !== state.key && state.sessionId) { // another caller: the last key's conversation leaves the screen
+    state.sessionId = null;
+    state.messages = [];
+    renderMessages();
+  }
+  state.key = key;
   sessionStorage.setItem(KEY_STORAGE, state.key);
   $("#key-dialog").close();
   start();
