@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -71,7 +72,22 @@ def _escaped(name: str) -> str:
 
 
 _COMBINED = ("allOf", "anyOf", "oneOf", "if", "then", "else", "dependentSchemas", "$ref")
-_ANNOTATIONS = frozenset({"$ref", "description", "title", "$comment", "default", "examples", "deprecated"})
+# What may sit beside a `$ref` without extending what it refers to (the root's definitions, for one).
+_ANNOTATIONS = frozenset(
+    {
+        "$ref",
+        "description",
+        "title",
+        "$comment",
+        "default",
+        "examples",
+        "deprecated",
+        "$defs",
+        "definitions",
+        "$schema",
+        "$id",
+    }
+)
 
 
 def _close(node: dict[str, Any], is_part: bool) -> dict[str, Any]:
@@ -97,7 +113,7 @@ def _referred_as_parts(schema: dict[str, Any]) -> frozenset[str]:
     def note(node: dict[str, Any], is_part: bool) -> dict[str, Any]:
         ref = node.get("$ref")
         if isinstance(ref, str) and (is_part or any(key not in _ANNOTATIONS for key in node)):
-            refs.add(ref)
+            refs.add(unquote(ref))  # "#/$defs/A%20B" names the path "#/$defs/A B"
         return node
 
     while True:

@@ -116,7 +116,8 @@ def _engine_config(
     if max_model_len is not None and max_model_len > num_blocks * block_size:
         raise InvalidRequestError(
             f"max_model_len={max_model_len} does not fit in the KV cache of {num_blocks * block_size} tokens "
-            "(kv_cache_tokens), which must hold a request alone; raise kv_cache_tokens or lower max_model_len.",
+            f"(kv_cache_tokens, in whole blocks of {block_size}), which must hold a request alone; raise "
+            "kv_cache_tokens or lower max_model_len.",
             "max_model_len",
         )
     return EngineConfig(
@@ -487,6 +488,3 @@ class LLM:
         engine = getattr(self, "engine", None)
         if engine is not None and not engine.is_closed:
             engine.shutdown(timeout=5)
-            store = getattr(self, "session_store", None)
-            if store is not None and not engine.thread.is_alive():  # its sessions may live in another LLM now
-                store.close()

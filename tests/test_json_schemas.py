@@ -24,6 +24,7 @@ INCOMPLETE = [
     {"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/$defs/Base"}, AGE]},  # inheritance through a definition
     {"$defs": {"Base": BASE}, "$ref": "#/$defs/Base", **AGE},  # a definition extended beside its reference
     {"$defs": {"Base": {"$ref": "#/$defs/Root"}, "Root": BASE}, "allOf": [{"$ref": "#/$defs/Base"}, AGE]},
+    {"$defs": {"A Base": BASE}, "allOf": [{"$ref": "#/$defs/A%20Base"}, AGE]},  # a percent-encoded reference
 ]
 
 
@@ -51,6 +52,14 @@ def test_objects_that_list_their_properties_are_closed_and_nothing_else_changes(
     assert closed(mixed) == mixed  # each part describes the same object as the rest: nothing closes
     union = closed({"anyOf": [PERSON, {"type": "object", "properties": {"id": {"type": "integer"}}}]})
     assert all(member["additionalProperties"] is False for member in union["anyOf"])  # each alone: closed
+    # a root that only refers to its definition (pydantic's recursive model) closes the definition
+    node = {
+        "$defs": {
+            "Node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}
+        },
+        "$ref": "#/$defs/Node",
+    }
+    assert closed(node)["$defs"]["Node"]["additionalProperties"] is False
     out = closed(schema)
     props = out["properties"]
     assert out["additionalProperties"] is False

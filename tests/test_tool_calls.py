@@ -444,3 +444,27 @@ def test_answers_parse_the_same_whole_and_in_any_pieces(fmt, text, content, call
 def test_bad_tools_are_refused_by_name(tools, choice, match):
     with pytest.raises(InvalidRequestError, match=match):
         ToolChoice.from_request(tools, choice, None)
+
+
+def test_a_history_is_checked_as_openai_checks_it(bundled_gguf):
+    tokenizer = Tokenizer.from_gguf(bundled_gguf)
+
+    def call(arguments):
+        return {
+            "role": "assistant",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}],
+        }
+
+    user = {"role": "user", "content": "hi"}
+    result = {"role": "tool", "tool_call_id": "c", "content": "done"}
+    for no_arguments in ("", "{}", {}):  # "" as some clients send a call without arguments
+        rendered = tool_calls.conversation([user, call(no_arguments), result], ToolFormat.GENERIC, tokenizer)
+        assert json.loads(rendered[1]["content"])["tool_calls"][0]["arguments"] == {}
+    for arguments in ("[1, 2]", "[]", "null", "{oops", None):
+        with pytest.raises(InvalidRequestError, match="JSON object") as err:
+            tool_calls.conversation([user, call(arguments)], ToolFormat.GENERIC, tokenizer)
+        assert err.value.param == "messages[1].tool_calls[0].function.arguments"
+    for history in ([user, result], [user, call("{}"), {**result, "tool_call_id": "other"}]):
+        with pytest.raises(InvalidRequestError, match="no earlier assistant message") as err:
+            tool_calls.conversation(history, ToolFormat.GENERIC, tokenizer)
+        assert err.value.param.endswith(".tool_call_id")

@@ -213,6 +213,8 @@ def _parse_call(call: Any, where: str) -> dict[str, Any]:
             f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}.', where
         )
     arguments = function.get("arguments", "{}")
+    if arguments == "":  # some clients send it for a call without arguments
+        arguments = "{}"
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
