@@ -349,7 +349,7 @@ class Int8GroupLinear(nn.Module):
         """Hold the codes 16 output rows x 4 inputs interleaved (layers/quads.py), instead of row-major:
         at 5 bits where every code fits (GGML's Q5_0: the file's own width), else 8, with float16 scales
         where the file's are; read by one vpdpbusd per 4 inputs and 16 outputs for any row count on AVX512-VNNI
-        (bench/kernels.py: 2.5x the row-major kernel for one row, 4-5x from 16), vpmaddubsw on AVX2.
+        (bench/cpu_kernels.py: 2.5x the row-major kernel for one row, 4-5x from 16), vpmaddubsw on AVX2.
         Arranged at load where the CPU has AVX2 and the inputs are int8 (loader.py), else on the first call that
         multiplies this way. A tied embedding then looks its rows up in these quads (one copy)."""
         if self.quads is not None:

@@ -11,8 +11,8 @@ it uses. One row (decode) reads every weight byte for one multiply-add each, so 
 second are reported too (the default shapes' 0.7-1.3 MB stay in L2: a model's layers together come
 from DRAM).
 
-    python bench/kernels.py                      # results/kernels.json
-    python bench/kernels.py --shapes 3072x576,576x1536 --rows 1,64
+    python bench/cpu_kernels.py                      # results/kernels.json
+    python bench/cpu_kernels.py --shapes 3072x576,576x1536 --rows 1,64
 """
 
 from __future__ import annotations
