@@ -132,6 +132,16 @@ def ask(page: Page, text: str, **sampling: str) -> None:
     page.click("#send")
 
 
+def step_until(gate: StepGate, done, max_steps: int = 120) -> None:
+    """Let the held engine run one step at a time until `done()`: the page's reads of sessions wait for
+    step boundaries, and the turn running must not end meanwhile (it has more tokens than max_steps)."""
+    for _ in range(max_steps):
+        if done():
+            return
+        gate.step()
+    assert done()
+
+
 def answered(page: Page, index: int = 0):
     """The index-th reply, once the page has its end and has seen its blocks freed."""
     reply = page.locator("#messages li.assistant").nth(index)
@@ -268,11 +278,7 @@ def test_a_reply_stays_in_its_session_when_another_is_opened_while_it_streams(pa
         expect(page.locator("#stop")).to_be_enabled()
         second = page.locator("#session-header").inner_text().removeprefix("Session ")
         page.click(f"#session-list li[data-id='{first}']")
-        # opening a session reads it on the engine thread, between steps: one step at a time until it shows
-        for _ in range(150):  # of the turn's 200
-            if page.locator("#session-header").inner_text() == f"Session {first}":
-                break
-            gate.step()
+        step_until(gate, lambda: page.locator("#session-header").inner_text() == f"Session {first}", 150)
         expect(page.locator("#session-header")).to_have_text(f"Session {first}")
         expect(page.locator("#stop")).to_be_disabled()  # the running turn is the second session's
         expect(page.locator("#messages li")).to_have_count(2)  # the first session's, nothing of the turn's
@@ -336,32 +342,25 @@ def test_stop_stops_the_shown_sessions_turn_while_another_sessions_runs(page: Pa
     base, llm = thread_server
     open_page(page, base, None, 64)
 
-    def until(done) -> None:  # the page's reads of sessions wait for step boundaries: one step at a time
-        for _ in range(120):
-            if done():
-                return
-            gate.step()
-        assert done()
-
     with StepGate(llm) as gate:
         page.click("#new-session")
         ask(page, "The first session, at length.", temperature="0", **{"max-tokens": "300"})
-        until(lambda: page.locator("#messages li.assistant .text").first.inner_text() != "")
+        step_until(gate, lambda: page.locator("#messages li.assistant .text").first.inner_text() != "")
         first = page.locator("#session-header").inner_text().removeprefix("Session ")
         first_id = page.locator("#messages li.assistant").first.get_attribute("data-request-id")
         page.click("#new-session")
         ask(page, "The second session, at length.", temperature="0", **{"max-tokens": "300"})
-        until(lambda: page.locator("#messages li.assistant").count() == 1)
-        until(lambda: page.locator("#messages li.assistant .text").first.inner_text() != "")
+        step_until(gate, lambda: page.locator("#messages li.assistant").count() == 1)
+        step_until(gate, lambda: page.locator("#messages li.assistant .text").first.inner_text() != "")
         second_id = page.locator("#messages li.assistant").first.get_attribute("data-request-id")
         second = page.locator("#session-header").inner_text().removeprefix("Session ")
         page.click(f"#session-list li[data-id='{first}']")
-        until(lambda: page.locator("#session-header").inner_text() == f"Session {first}")
+        step_until(gate, lambda: page.locator("#session-header").inner_text() == f"Session {first}")
         reply = page.locator(f"#messages li.assistant[data-request-id='{first_id}']")
         expect(reply.locator(".text")).not_to_be_empty()  # its reply, shown again as it streams on
         expect(page.locator("#stop")).to_be_enabled()  # the first session's turn still streams
         page.click("#stop")
-        until(lambda: page.locator("#stop").is_disabled())
+        step_until(gate, lambda: page.locator("#stop").is_disabled())
         gate.open()
     expect(reply).to_have_attribute("data-finish", "abort", timeout=ANSWER_TIMEOUT_MS)
     expect(page.locator(f"#session-list li[data-id='{second}'] .meta")).to_contain_text(
