@@ -338,6 +338,10 @@ def test_tools_whose_parameters_refer_to_their_own_definitions(qwen_tokenizer, b
     calls = ToolChoice.from_request([inherited, WEATHER], "required", None)
     for fmt, form in ((ToolFormat.HERMES, as_hermes), (ToolFormat.LLAMA3, as_llama), (ToolFormat.GENERIC, as_generic)):
         assert _accepts(qwen, tool_calls.grammar(calls, fmt, qwen), form % '{"sku": "a1", "qty": 2}'), fmt
+        # WEATHER's parameters do not mention other keys: none may come, in every format
+        weather = (form % '{"city": "Rome", "days": 2}').replace("place_order", "get_weather")
+        assert _accepts(qwen, tool_calls.grammar(calls, fmt, qwen), weather), fmt
+        assert not _accepts(qwen, tool_calls.grammar(calls, fmt, qwen), weather.replace("2}", '2, "x": 1}')), fmt
     anything = {"type": "function", "function": {"name": "place_order", "parameters": {}}}
     loose = tool_calls.grammar(ToolChoice.from_request([anything], "required", None), ToolFormat.LLAMA3, qwen)
     assert _accepts(qwen, loose, as_llama % '{"any": ["keys"]}')

@@ -297,8 +297,9 @@ def _call_schema(function: Function, arguments_key: str, defs: dict[str, Any]) -
 
 def _arguments(parameters: dict[str, Any]) -> dict[str, Any]:
     """What a call's arguments must be: an object even where the schema does not say so (`{}`
-    included), its keys closed as a response_format schema's are (kvserve/json_schemas.py)."""
-    return closed({"type": "object", **parameters})
+    included). Its keys are closed with the whole grammar's schema, as a response_format schema's are
+    (StructuredOutput.json_schema; the hermes format's, embedded in Lark, here)."""
+    return {"type": "object", **parameters}
 
 
 def _calls(choice: ToolChoice, arguments_key: str, defs: dict[str, Any]) -> dict[str, Any]:
@@ -318,7 +319,7 @@ def grammar(choice: ToolChoice | None, fmt: ToolFormat, tokenizer: Tokenizer) ->
         return None
     param, defs = "tools", {}
     if fmt is ToolFormat.HERMES:
-        call = json.dumps({**_with_defs(_calls(choice, "arguments", defs), defs), "x-guidance": JSON_OPTIONS})
+        call = json.dumps({**closed(_with_defs(_calls(choice, "arguments", defs), defs)), "x-guidance": JSON_OPTIONS})
         start, end = (_lark_literal(tokenizer, HERMES_START), _lark_literal(tokenizer, HERMES_END))
         repeat = ' ("\\n" call)*' if choice.parallel else ""
         lark = f'start: call{repeat}\ncall: {start} "\\n" body "\\n" {end}\nbody: %json {call}\n'
