@@ -93,11 +93,7 @@ function askForKey(error) {
 $("#key-form").addEventListener("submit", (event) => {
   event.preventDefault();
   const key = $("#api-key").value.trim();
-  if (key !== state.key && state.sessionId) { // another caller: the last key's conversation leaves the screen
-    state.sessionId = null;
-    state.messages = [];
-    renderMessages();
-  }
+  if (key !== state.key && state.sessionId) showNoSession(); // another caller: the last key's conversation goes
   state.key = key;
   sessionStorage.setItem(KEY_STORAGE, state.key);
   $("#key-dialog").close();
@@ -194,10 +190,15 @@ async function newSession(messages) {
   await refreshSessions();
 }
 
-$("#new-session").addEventListener("click", () => {
+// No session on screen: the next message starts one.
+function showNoSession() {
   state.sessionId = null;
   state.messages = [];
   renderMessages();
+}
+
+$("#new-session").addEventListener("click", () => {
+  showNoSession();
   refreshSessions();
 });
 
