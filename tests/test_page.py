@@ -14,6 +14,7 @@ import dataclasses
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -132,14 +133,18 @@ def ask(page: Page, text: str, **sampling: str) -> None:
     page.click("#send")
 
 
-def step_until(gate: StepGate, done, max_steps: int = 120) -> None:
-    """Let the held engine run one step at a time until `done()`: the page's reads of sessions wait for
-    step boundaries, and the turn running must not end meanwhile (it has more tokens than max_steps)."""
-    for _ in range(max_steps):
-        if done():
-            return
-        gate.step()
-    assert done()
+def take_in_the_pages_calls(gate: StepGate, llm, done, timeout_s: float = 60.0) -> None:
+    """Until `done()`, let the held engine take in what the page sends: the page's session calls wait
+    for a step boundary, so one step each time a message waits in the engine's inbox, and no other.
+    The turns held then advance by as many steps as the page sends calls, whatever the machine's speed
+    (a turn that could end within those steps would make the test depend on it)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if llm.engine.inbox.qsize():
+            gate.step()  # the step ends, the engine applies the inbox, the next step waits at the gate
+        else:
+            assert time.monotonic() < deadline, "the page never got there"
+            time.sleep(0.01)  # the page's next call is on its way: polled, not raced
 
 
 def answered(page: Page, index: int = 0):
@@ -278,8 +283,8 @@ def test_a_reply_stays_in_its_session_when_another_is_opened_while_it_streams(pa
         expect(page.locator("#stop")).to_be_enabled()
         second = page.locator("#session-header").inner_text().removeprefix("Session ")
         page.click(f"#session-list li[data-id='{first}']")
-        step_until(gate, lambda: page.locator("#session-header").inner_text() == f"Session {first}", 150)
-        expect(page.locator("#session-header")).to_have_text(f"Session {first}")
+        # its turn ends at 22 tokens: 2 steps so far, and one for each of the page's calls now
+        take_in_the_pages_calls(gate, llm, lambda: page.locator("#session-header").inner_text() == f"Session {first}")
         expect(page.locator("#stop")).to_be_disabled()  # the running turn is the second session's
         expect(page.locator("#messages li")).to_have_count(2)  # the first session's, nothing of the turn's
         gate.open()
@@ -338,34 +343,42 @@ def test_a_new_key_gets_its_own_engine_view(page: Page, process_server):
 
 def test_stop_stops_the_shown_sessions_turn_while_another_sessions_runs(page: Page, thread_server):
     """Two sessions with a turn each running at once: back on the first, Stop is its own and stops it
-    alone (before, the page knew one running turn, the last started: Stop was off, or stopped it)."""
+    alone (before, the page knew one running turn, the last started: Stop was off, or stopped it).
+    The turns advance only by the steps the test lets through, about 15: the first's greedy reply runs
+    222 tokens, the second's 284."""
     base, llm = thread_server
     open_page(page, base, None, 64)
 
+    def status(request_id: str) -> str:
+        return httpx.get(f"{base}/v1/requests/{request_id}", timeout=30).json()["state"]
+
     with StepGate(llm) as gate:
         page.click("#new-session")
-        ask(page, "The first session, at length.", temperature="0", **{"max-tokens": "300"})
-        step_until(gate, lambda: page.locator("#messages li.assistant .text").first.inner_text() != "")
+        ask(page, "Write at length, first session.", temperature="0", **{"max-tokens": "300"})
+        assert gate.entered.wait(30)  # the first turn is in its first step
+        gate.allow(2)
+        expect(page.locator("#messages li.assistant .text").first).not_to_be_empty()
         first = page.locator("#session-header").inner_text().removeprefix("Session ")
         first_id = page.locator("#messages li.assistant").first.get_attribute("data-request-id")
         page.click("#new-session")
         ask(page, "The second session, at length.", temperature="0", **{"max-tokens": "300"})
-        step_until(gate, lambda: page.locator("#messages li.assistant").count() == 1)
-        step_until(gate, lambda: page.locator("#messages li.assistant .text").first.inner_text() != "")
+        take_in_the_pages_calls(gate, llm, lambda: len(llm.monitor.live) == 2)  # the second turn is in
+        gate.allow(2)
+        expect(page.locator("#messages li.assistant .text").first).not_to_be_empty()
         second_id = page.locator("#messages li.assistant").first.get_attribute("data-request-id")
         second = page.locator("#session-header").inner_text().removeprefix("Session ")
         page.click(f"#session-list li[data-id='{first}']")
-        step_until(gate, lambda: page.locator("#session-header").inner_text() == f"Session {first}")
+        take_in_the_pages_calls(gate, llm, lambda: page.locator("#session-header").inner_text() == f"Session {first}")
         reply = page.locator(f"#messages li.assistant[data-request-id='{first_id}']")
         expect(reply.locator(".text")).not_to_be_empty()  # its reply, shown again as it streams on
         expect(page.locator("#stop")).to_be_enabled()  # the first session's turn still streams
         page.click("#stop")
-        step_until(gate, lambda: page.locator("#stop").is_disabled())
+        take_in_the_pages_calls(gate, llm, lambda: status(first_id) == "aborted")  # its abort applied
+        assert status(second_id) in ("prefill", "decoding")
         gate.open()
     expect(reply).to_have_attribute("data-finish", "abort", timeout=ANSWER_TIMEOUT_MS)
     expect(page.locator(f"#session-list li[data-id='{second}'] .meta")).to_contain_text(
         "2 messages · idle", timeout=ANSWER_TIMEOUT_MS
     )
-    for request_id, state in ((first_id, "aborted"), (second_id, "finished")):  # the second, not stopped
-        assert httpx.get(f"{base}/v1/requests/{request_id}", timeout=30).json()["state"] == state
+    assert status(second_id) == "finished"  # not stopped
     wait_idle_and_check(llm, pinned=pinned(llm))
