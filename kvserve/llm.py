@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -158,6 +160,17 @@ def stage_spec(
     )
 
 
+def _shut_down(engine: EngineCore, store: SessionStore | None) -> None:
+    """LLM.close, and what happens once nothing holds an LLM's client: the engine thread aborts what
+    it runs and ends, then the store closes (its lock and its sessions' claims released)."""
+    if threading.current_thread() is engine.thread:  # collected there: the thread cannot wait for itself
+        threading.Thread(target=_shut_down, args=(engine, store), name="kvserve-shutdown", daemon=True).start()
+        return
+    engine.shutdown()
+    if store is not None:
+        store.close()
+
+
 def _open_store(session_db: str | os.PathLike[str] | bool | None) -> SessionStore | None:
     """$KVSERVE_HOME/sessions.db by default (None or True), a path, or False for no store."""
     if session_db is False:
@@ -257,16 +270,16 @@ class LLM:
             pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
         )
 
+        # What the engine thread keeps (build_runner, the monitor's reader) holds no reference to this
+        # LLM, so that an LLM nobody holds is collected, and shut down (`_shut_down`).
+        config, stop_token_ids = self.config, self.tokenizer.stop_token_ids
+
         def build_runner(engine: EngineCore) -> ModelRunner | PipelineRunner:
             # Runs on the engine thread: the weights and the KV pool are created by the thread that
             # computes with them. (With OpenMP, a second thread that ever ran parallel torch code makes
             # both thread teams stop spinning between kernels; here that halved decode speed.)
             sizes = EngineSizes(
-                self.config.num_kv_blocks,
-                block_size,
-                self.tokenizer.stop_token_ids,
-                self.config.max_num_seqs,
-                self.config.max_model_len,
+                config.num_kv_blocks, block_size, stop_token_ids, config.max_num_seqs, config.max_model_len
             )
             if topology is not None and topology.stages > 1:
                 return PipelineRunner.start(engine, topology.with_port(), spec, sizes, progress)
@@ -293,11 +306,22 @@ class LLM:
             return self.sessions
 
         make_hooks = make_sessions if enable_prefix_caching else None
-        self.engine = EngineCore(scheduler, build_runner, self.tokenizer, make_hooks, gather=gather_ms / 1000)
-        self.client = EngineClient(self.engine)
+        try:
+            engine = EngineCore(scheduler, build_runner, self.tokenizer, make_hooks, gather=gather_ms / 1000)
+        except BaseException:
+            if self.session_store is not None:  # its lock, for the next try
+                self.session_store.close()
+            raise
+        self.engine = engine
+        # Everything a caller holds (this LLM, its sessions, its unfinished streams) holds the client:
+        # once none is left, the engine stops and the store closes, as close() does.
+        self.client = EngineClient(engine)
+        self._shut_down = weakref.finalize(self.client, _shut_down, engine, self.session_store)
+        self._shut_down.atexit = False  # at exit the daemon engine thread just ends, as before
         # What the engine is doing, for status readers (the server's page and status routes); built on
         # the engine thread, which it watches.
-        self.monitor = self.engine.call(lambda: EngineMonitor(self.engine, lambda: session_holders(self.sessions)))
+        sessions = self.sessions
+        self.monitor = engine.call(lambda: EngineMonitor(engine, lambda: session_holders(sessions)))
         self.model = self.engine.runner.model
         self.weights: dict[str, Any] = {
             "choice": weights,
@@ -474,17 +498,11 @@ class LLM:
         return self.engine.call(lambda: self.engine.runner.timings.as_dict(), timeout=60)
 
     def close(self) -> None:
-        self.engine.shutdown()
-        if self.session_store is not None:
-            self.session_store.close()
+        """Stop the engine (aborting what runs) and close the session store; once is enough."""
+        self._shut_down()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None and not engine.is_closed:
-            engine.shutdown(timeout=5)

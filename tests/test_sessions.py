@@ -3,6 +3,7 @@ persistence. Every test ends with the pool's integrity check and, once sessions 
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -409,6 +410,50 @@ def test_turns_queued_behind_a_request_their_pins_crowd_out_all_finish(tiny_mode
         for out, history in zip(outputs[1:], histories, strict=True):
             assert out == small.chat(history, GREEDY).text
         close_all_and_check(small, sessions)
+
+
+def test_an_llm_nobody_holds_stops_its_engine_and_lets_its_sessions_go(tiny_model_dir, tmp_path):
+    """Dropped without close(): while one of its sessions or unfinished streams is held it serves them;
+    once nothing is, its engine thread ends and its store lets the sessions go. Before, the engine thread
+    held the LLM for good: its thread, its KV pool and its sessions' claims stayed until the process ended."""
+    db = tmp_path / "dropped.db"
+
+    def open_llm() -> LLM:
+        return LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, session_db=db, progress=False)
+
+    llm = open_llm()
+    engine = llm.engine
+    alone = llm.generate("x", GREEDY).text
+    session, stream = llm.session(system="kept"), llm.stream("x", GREEDY)
+    session_id = session.id
+    del llm
+    gc.collect()
+    assert engine.thread.is_alive()
+    assert "".join(c.text for c in stream) == alone
+    session.add_message("user", "hello")
+    reply = session.generate(GREEDY).text
+    del session, stream
+    gc.collect()
+    assert not engine.thread.is_alive()
+    with open_llm() as again:  # the session is free to open here (SessionBusyError while claimed)
+        reopened = again.session(id=session_id)
+        assert reopened.info()["messages"][-1] == {"role": "assistant", "content": reply}
+        close_all_and_check(again, [reopened])
+
+
+def test_closing_on_the_engine_thread_finishes_from_another_thread(tiny_model_dir, tmp_path):
+    """An LLM's last reference may drop on its engine thread (a garbage collection that runs there):
+    closing there cannot wait for that thread to end, so another thread finishes the close."""
+    db = tmp_path / "closed-there.db"
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, session_db=db, progress=False)
+    session_id = llm.session(system="kept").id
+    llm.client.call(llm.close)
+    for thread in threading.enumerate():
+        if thread.name == "kvserve-shutdown":
+            thread.join(30)
+    assert not llm.engine.thread.is_alive()
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, session_db=db, progress=False) as again:
+        close_all_and_check(again, [again.session(id=session_id)])  # let go by the closed store
 
 
 def test_a_session_is_live_in_one_llm_of_a_process_at_a_time(tiny_model_dir, tmp_path):

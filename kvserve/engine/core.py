@@ -209,9 +209,11 @@ class EngineCore:
         self.inbox.put(_RunnerDied(reason))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort what runs and stop the engine thread (waiting up to `timeout`; not when called on it)."""
         if self.thread.is_alive():
             self.inbox.put(_Shutdown())
-            self.thread.join(timeout)
+            if threading.current_thread() is not self.thread:
+                self.thread.join(timeout)
         self.is_closed = True
 
     # ----- engine thread ------------------------------------------------------------------
