@@ -62,15 +62,18 @@ def serving(app, healthy: bool = True, log_level: str = "warning"):
     thread.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
+    last = "nothing"  # what /health last answered, for the error below
     while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200 or not healthy:
+        try:  # a loaded machine may take seconds to answer: a short timeout would only ask again
+            answer = httpx.get(f"{base}/health", timeout=10)
+            if answer.status_code == 200 or not healthy:
                 break
-        except httpx.HTTPError:
-            pass
+            last = f"{answer.status_code} {answer.text[:300]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
         time.sleep(0.05)
     else:
-        raise RuntimeError("server did not become healthy")
+        raise RuntimeError(f"server did not become healthy in 60 s (started: {server.started}); /health: {last}")
     try:
         yield base
     finally:
