@@ -471,3 +471,18 @@ def test_no_key_never_matches_even_an_empty_key(llm):
     with running_server(settings, llm) as base:
         assert httpx.get(f"{base}/v1/models").status_code == 401
         assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer alice"}).status_code == 200
+
+
+def test_errors_outside_the_fields_say_what_to_do(keyless):
+    """The router's own 404 and 405, a body over the size limit, and a body that is not a JSON object
+    say what to send instead (before: "Not Found", "Method Not Allowed", the bare limit, and pydantic's
+    name for the request class)."""
+    missing = assert_openai_error(httpx.post(f"{keyless}/v1/embeddings", json={}), 404)
+    assert "POST /v1/embeddings" in missing["message"] and "/v1/models" in missing["message"]
+    wrong = httpx.get(f"{keyless}/v1/chat/completions")
+    assert "takes POST" in assert_openai_error(wrong, 405)["message"] and wrong.headers["allow"] == "POST"
+    too_big = post(keyless, "completions", {"model": MODEL, "prompt": "x" * (5 << 20)}, key=None)
+    assert "--max-body-bytes" in assert_openai_error(too_big, 413)["message"]
+    for body in ([{"model": MODEL, "prompt": "x"}], '"just text"', "5"):
+        error = assert_openai_error(post(keyless, "completions", body, key=None), 400)
+        assert error["message"] == "The request body must be a JSON object of the request's fields.", error

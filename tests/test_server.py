@@ -90,6 +90,23 @@ def test_a_null_field_is_the_field_unset_as_openai_takes_it(client, base_url):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_an_openai_field_whose_value_asks_for_nothing_is_accepted(client, base_url):
+    """`store: false`, `service_tier: "auto"`, `modalities: ["text"]` and `best_of: 1` ask for nothing
+    kvserve lacks (before: 400 each); any other value of those fields is still refused by name."""
+    messages = [{"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY).choices[0].message.content
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, store=False, service_tier="auto", modalities=["text"], **GREEDY
+    )
+    assert answer.choices[0].message.content == plain
+    text = client.completions.create(model=MODEL, prompt="abc", **GREEDY).choices[0].text
+    assert client.completions.create(model=MODEL, prompt="abc", best_of=1, **GREEDY).choices[0].text == text
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 2}
+    for refused in ({"store": True}, {"service_tier": "flex"}, {"modalities": ["text", "audio"]}, {"best_of": 2}):
+        r = httpx.post(f"{base_url}/v1/chat/completions", json={**chat, **refused}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(refused)), r.text
+
+
 def test_completion_and_usage(client, llm):
     r = client.completions.create(model=MODEL, prompt="hello world", **GREEDY)
     expected = llm.generate("hello world", _params(12))
@@ -170,6 +187,41 @@ def test_logprobs(client):
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy = top-1
     c = client.completions.create(model=MODEL, prompt="x", logprobs=2, **GREEDY)
     assert len(c.choices[0].logprobs.token_logprobs) == 12 and len(c.choices[0].logprobs.top_logprobs[0]) <= 2
+
+
+def test_completion_logprobs_always_hold_the_sampled_token(client):
+    """As OpenAI's and vLLM's completions: each top_logprobs holds the top `logprobs` tokens and the
+    sampled one, so up to logprobs + 1; logprobs=0 gives the sampled token alone. At temperature 2
+    many sampled tokens are not the top one; before, they were missing from top_logprobs."""
+    sampled = dict(temperature=2, seed=3, max_tokens=24, extra_body={"ignore_eos": True})
+    lp = client.completions.create(model=MODEL, prompt="x", logprobs=1, **sampled).choices[0].logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == logprob and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in lp.top_logprobs)
+    zero = client.completions.create(model=MODEL, prompt="x", logprobs=0, **GREEDY).choices[0].logprobs
+    assert zero.top_logprobs == [{t: v} for t, v in zip(zero.tokens, zero.token_logprobs, strict=True)]
+
+
+def test_an_assistant_message_sent_back_as_the_client_parsed_it_is_its_text(client):
+    """`message.model_dump()` (how most clients keep a conversation) adds refusal, annotations, audio and
+    function_call, all null: they change nothing (before: 400 for each). A refusal is the assistant's
+    text; a spoken reply or a deprecated function_call is refused by name."""
+    question = {"role": "user", "content": "Hi"}
+    reply = client.chat.completions.create(model=MODEL, messages=[question], **GREEDY).choices[0].message
+    dumped = reply.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= dumped.keys()
+    then = {"role": "user", "content": "And then?"}
+    by_hand = [question, {"role": "assistant", "content": reply.content}, then]
+    expected = client.chat.completions.create(model=MODEL, messages=by_hand, **GREEDY).choices[0].message.content
+    answer = client.chat.completions.create(model=MODEL, messages=[question, dumped, then], **GREEDY)
+    assert answer.choices[0].message.content == expected
+    refusal = {"role": "assistant", "content": None, "refusal": reply.content}
+    answer = client.chat.completions.create(model=MODEL, messages=[question, refusal, then], **GREEDY)
+    assert answer.choices[0].message.content == expected
+    for field, value in (("audio", {"id": "audio_1"}), ("function_call", {"name": "f", "arguments": "{}"})):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=MODEL, messages=[question, {**dumped, field: value}, then], **GREEDY)
+        assert error.value.body["param"] == f"messages[1].{field}"
 
 
 def test_logprobs_bytes_rebuild_the_text_and_offsets_say_where_each_token_starts(client, base_url):
@@ -369,6 +421,23 @@ def test_error_bodies_name_the_field(base_url):
         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []},
     )
     assert r.json()["error"]["param"] == "tools" and "tools" in r.json()["error"]["message"]
+
+
+def test_chat_errors_name_the_fields_the_body_sent(base_url):
+    """A chat body's max_completion_tokens and top_logprobs are the engine's max_tokens and logprobs, and
+    its messages the engine's prompt: errors name what the client sent (before, the engine's names)."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    for extra, param, says in (
+        ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be an integer"),
+        ({"max_completion_tokens": 10**6}, "max_completion_tokens", "lower max_completion_tokens to at most"),
+        ({"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens", "must not exceed max_completion_tokens (4)"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens must be an integer"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be between 0 and 20"),
+        ({"messages": [{"role": "user", "content": "x " * 1000}]}, "messages", "Send fewer or shorter messages"),
+    ):
+        r = httpx.post(f"{base_url}/v1/chat/completions", json={**chat, **extra})
+        error = r.json()["error"]
+        assert (r.status_code, error["param"]) == (400, param) and says in error["message"], (extra, error)
 
 
 def test_auth(llm):

@@ -75,13 +75,22 @@ def install_error_handlers(app: FastAPI) -> None:
         return respond(500, error_body(message, "server_error", code=500))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return respond(exc.status_code, error_body(str(exc.detail), kind, code=exc.status_code))
+        message = str(exc.detail)
+        route = f"{request.method} {request.url.path}"
+        if exc.status_code == 404 and message == "Not Found":  # the router's: no such route
+            message = f"There is no route {route}; the OpenAI routes are under /v1 (GET /v1/models lists the model)."
+        elif exc.status_code == 405 and message == "Method Not Allowed":
+            allowed = (exc.headers or {}).get("Allow", "another method")
+            message = f"{route} is not a route; {request.url.path} takes {allowed}."
+        return respond(exc.status_code, error_body(message, kind, code=exc.status_code), exc.headers)  # 405's Allow
 
 
 def _validation_body(errors: list[dict]) -> dict:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "model_type" and not _param(first.get("loc", ())):  # the body: an array, a string
+        return error_body("The request body must be a JSON object of the request's fields.", "invalid_request_error")
     param = _param(first.get("loc", ()))
     msg = str(first.get("msg"))
     message = f"{param}: {msg}" if param and not msg.startswith(param) else msg
@@ -135,7 +144,12 @@ class BodyLimitMiddleware:
 
     async def _reject(self, send) -> None:
         body = json.dumps(
-            error_body(f"The request body exceeds {self.max_bytes} bytes.", "invalid_request_error", code=413)
+            error_body(
+                f"The request body exceeds {self.max_bytes} bytes; send a smaller one (the server's limit is "
+                "--max-body-bytes).",
+                "invalid_request_error",
+                code=413,
+            )
         ).encode()
         await send(
             {

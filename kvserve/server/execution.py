@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvserve.errors import EngineClosedError, EngineError, KVServeError
+from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, KVServeError
 from kvserve.llm import LLM
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.sampling_params import MAX_SEED, SamplingParams
@@ -42,6 +42,9 @@ async def handle(request: Request, owner, body_type, prepare, id_prefix: str, ki
         jobs = prepare(llm, body)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         return await run(state, llm, request, owner, response_id, kind, body, jobs, chat, release)
+    except InvalidRequestError as exc:
+        release()
+        raise body.as_sent(exc) from None
     except BaseException:
         release()
         raise

@@ -16,6 +16,11 @@ from kvserve.text.tool_calls import Delta, ToolCallParser, ToolFormat, parse
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
+def _sampled(lp: TokenLogprobs, decode) -> dict[str, float]:
+    """The sampled token's entry, where the top ones do not hold it already."""
+    return {} if any(t == lp.token_id for t, _ in lp.top) else {decode([lp.token_id]): lp.logprob}
+
+
 def event(payload: dict) -> str:
     """One server-sent event, on one line for every client's idea of a line."""
     return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
@@ -68,7 +73,8 @@ class Formatter:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in logprobs],
+            # as OpenAI's and vLLM's: the top `logprobs` and the sampled token, so up to logprobs + 1
+            "top_logprobs": [{**{decode([t]): v for t, v in lp.top}, **_sampled(lp, decode)} for lp in logprobs],
             "text_offset": offsets,
         }
 

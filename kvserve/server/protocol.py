@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.structured_output import StructuredOutput
 from kvserve.text.tool_calls import ToolChoice
 
@@ -62,8 +62,11 @@ class _Base(BaseModel):
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
         """A top-level null means the field is not set, as in OpenAI's API (`"n": null` is n's default,
-        and `"suffix": null` asks for nothing kvserve lacks), so clients that send every field work."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        and `"suffix": null` asks for nothing kvserve lacks), so clients that send every field work; so
+        does an OpenAI field's value that asks for nothing (`"store": false`, `"best_of": 1`)."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None and not _asks_nothing(k, v)}
 
     def check_supported(self) -> None:
         """Refuse, by name, every field kvserve does not implement (raises UnsupportedFieldError)."""
@@ -87,6 +90,21 @@ class _Base(BaseModel):
     def num_requests(self) -> int:
         """The engine requests this body creates (what admission counts)."""
         return self.n
+
+    def sent_names(self) -> dict[str, str]:
+        """The engine's names for fields this body sent under another name (see `as_sent`)."""
+        return {}
+
+    def as_sent(self, error: InvalidRequestError) -> InvalidRequestError:
+        """`error` naming the fields as this body sent them: a chat body's max_completion_tokens is the
+        engine's max_tokens."""
+        message, param = str(error), error.param
+        for engine_name, name in self.sent_names().items():
+            message = re.sub(rf"\b{engine_name}\b", name, message)
+            param = name if param == engine_name else param
+        if (message, param) == (str(error), error.param):
+            return error
+        return type(error)(message, param)  # as it is unpickled (InvalidRequestError.__reduce__)
 
     def structured_output(self) -> StructuredOutput | None:
         """The grammar response_format asks for (400 for a schema the grammar engine refuses)."""
@@ -144,6 +162,17 @@ class _Base(BaseModel):
 
 
 _FORMAT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# OpenAI fields kvserve does not implement, and the values of each that ask for nothing it lacks
+_NOTHING_ASKED: dict[str, tuple[Any, ...]] = {
+    "store": (False,),  # OpenAI keeps no copy; neither does kvserve
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
+    "best_of": (1,),
+}
+
+
+def _asks_nothing(field: str, value: Any) -> bool:
+    return any(type(value) is type(v) and value == v for v in _NOTHING_ASKED.get(field, ()))
 
 
 class CompletionRequest(_Base):
@@ -211,6 +240,12 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's result: which call it answers
+    # The rest of an assistant message as the API answers it, which clients send back as it is
+    # (`message.model_dump()`): a refusal is the assistant's text; citations change nothing.
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
     def as_dict(self, index: int) -> dict[str, Any]:
         """The message as the chat template takes it (tool calls and results as text/tool_calls.py reads them)."""
@@ -229,8 +264,19 @@ class ChatMessage(BaseModel):
         return message
 
     def text(self, index: int) -> str:
+        for name, why in (
+            ("audio", "(a spoken reply) is not supported; send the reply's text as content"),
+            ("function_call", "is the deprecated form of a call; send it in tool_calls"),
+        ):
+            if getattr(self, name) is not None:
+                raise UnsupportedFieldError(f"messages[{index}].{name} {why}.", f"messages[{index}].{name}")
+        if (self.refusal is not None or self.annotations is not None) and self.role != "assistant":
+            field = "refusal" if self.refusal is not None else "annotations"
+            raise InvalidRequestError(
+                f"messages[{index}].{field}: only an assistant message has one.", f"messages[{index}].{field}"
+            )
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         texts = []
@@ -273,7 +319,15 @@ class ChatCompletionRequest(_Base):
     def chat_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true.", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:  # else "logprobs" is named
+            raise InvalidRequestError(
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}.", "top_logprobs"
+            )
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def sent_names(self) -> dict[str, str]:
+        # max_completion_tokens is the one used when both are sent
+        return {"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {}
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -329,3 +383,4 @@ class SessionCompletionRequest(_Base):
     interrupt: bool = False
 
     chat_logprobs = ChatCompletionRequest.chat_logprobs
+    sent_names = ChatCompletionRequest.sent_names

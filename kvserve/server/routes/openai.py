@@ -82,6 +82,13 @@ def _chat_jobs(llm: LLM, body: ChatCompletionRequest) -> list[Job]:
     fmt = tool_calls.detect_format(tokenizer)
     messages, variables = tool_calls.render_inputs(body.conversation(), choice, fmt, tokenizer)
     prompt_ids = tokenizer.encode_chat(messages, **variables)
+    limit = llm.config.max_model_len
+    if len(prompt_ids) >= limit:  # named as sent: the engine would say "prompt"
+        raise InvalidRequestError(
+            f"The messages make a prompt of {len(prompt_ids)} tokens{' with the tools' if body.tools else ''}; "
+            f"the context is {limit}. Send fewer or shorter messages.",
+            "messages",
+        )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     default_max = max(1, llm.config.max_model_len - len(prompt_ids))  # as OpenAI: up to the context
     params = body.sampling_params(max_tokens, body.chat_logprobs(), default_max)
