@@ -224,6 +224,22 @@ def test_an_assistant_message_sent_back_as_the_client_parsed_it_is_its_text(clie
         assert error.value.body["param"] == f"messages[1].{field}"
 
 
+def test_a_stream_sends_no_empty_chunk_while_its_text_is_held_back(client):
+    """A token that ends inside a character (the tiny model writes é as two byte tokens) adds no text
+    yet: no event goes out for it (before: `delta: {}` mid-stream, which OpenAI never sends), and the
+    streamed text is the whole answer's."""
+    biased = dict(temperature=0, max_tokens=24, logit_bias={"195": 40, "169": 40}, extra_body={"ignore_eos": True})
+    messages = [{"role": "user", "content": "x"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, **biased).choices[0].message.content
+    assert "é" in whole
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, **biased))
+    assert all(c.choices[0].delta.content for c in chunks[1:-1])  # the role's first, the finish's last
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole
+    text = client.completions.create(model=MODEL, prompt="x", **biased).choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt="x", stream=True, **biased))
+    assert all(c.choices[0].text for c in chunks[:-1]) and "".join(c.choices[0].text for c in chunks) == text
+
+
 def test_logprobs_bytes_rebuild_the_text_and_offsets_say_where_each_token_starts(client, base_url):
     """The tiny model's tokens are single bytes, so each character past ASCII spans tokens (biased here to
     write é's two bytes, 0xC3 0xA9, in some order): each token's `bytes` are its own (not U+FFFD's), so

@@ -81,9 +81,11 @@ class Formatter:
     def chunk_events(self, index: int, chunk: StreamChunk) -> list[dict]:
         """The events of one engine chunk: one, or for an answer parsed for tool calls one per piece
         (content, a call's id and name, a piece of its arguments), as OpenAI streams them; none
-        while a piece is not decided yet."""
+        while a piece is not decided yet, or while the chunk's text is held back."""
         parser = self.tool_parsers[index]
         if parser is None:
+            if not (chunk.text or chunk.logprobs or chunk.finish_reason):  # text held back (a stop string's
+                return []  # start, a character's first bytes): nothing to send, as OpenAI sends no empty delta
             return [self.chunk_event(index, chunk)]
         deltas = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason is not None else [])
         events = [self._chat_event(index, _delta(d), None, None) for d in deltas]
