@@ -7,6 +7,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -129,6 +130,18 @@ def _api_keys(flags: list[str] | None) -> tuple[str, ...]:
     return tuple(flags)
 
 
+def _origins(value: str) -> tuple[str, ...]:
+    """--allowed-origins: '*', or origins as a browser sends them (scheme://host[:port], no path)."""
+    origins = tuple(o.strip() for o in value.split(",") if o.strip())
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise argparse.ArgumentTypeError(
+                f"{origin!r} is not an origin; write it as a browser sends it, such as https://chat.example.com "
+                "(scheme and host, a port if any, no path), or * for any"
+            )
+    return origins
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -171,6 +184,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cuda_graphs=args.cuda_graphs == "on",
         async_scheduling=_on_off_auto(args.async_scheduling),
         max_body_bytes=args.max_body_bytes,
+        allowed_origins=args.allowed_origins,
         max_sessions=args.max_sessions,
         max_sessions_per_key=args.max_sessions_per_key or None,
         session_ttl=args.session_ttl,
@@ -468,6 +482,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on /v1/* and /openapi.json (never as ?api_key=, which would "
         "be logged); repeat for several keys (env KVSERVE_API_KEY, comma-separated; default: no auth). "
         "/health and /metrics stay open; /docs and /redoc are off, as a browser cannot send the key.",
+    )
+    _flag(
+        p,
+        "--allowed-origins",
+        "other sites whose pages may call the API from a browser (CORS), comma-separated, such as "
+        "'https://chat.example.com', or '*' for any; none: only the server's own page (a page of any site "
+        "could otherwise use the model and, without --api-key, its sessions)",
+        "",
+        _origins,
+        shown_default="none",
     )
     _flag(p, "--served-model-name", "the model name clients use; none means the model file's name")
     _flag(p, "--max-num-seqs", "most requests decoded together in one batch", 64, _at_least(1, int))

@@ -162,6 +162,8 @@ def test_bad_settings_stop_serve_with_a_message_and_a_status_never_a_traceback(t
         ([], {"KVSERVE_ENGINE_PROCESS": "yes"}, "KVSERVE_ENGINE_PROCESS='yes' is not one of on, off"),
         ([], {"KVSERVE_LOG_LEVEL": "bogus"}, "KVSERVE_LOG_LEVEL='bogus' is not one of"),
         (["--api-key", "secret", "--api-key", ""], {}, "--api-key is empty"),
+        (["--allowed-origins", "https://chat.example.com/app"], {}, "is not an origin"),
+        ([], {"KVSERVE_ALLOWED_ORIGINS": "chat.example.com"}, "is not an origin"),
     ]:
         done = _cli("serve", *db, *flags, env=env)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, (
@@ -195,3 +197,12 @@ def test_the_api_key_flag_replaces_the_variable_and_an_empty_key_never_matches(m
     monkeypatch.setenv("KVSERVE_API_KEY", "old,older")
     assert cli._api_keys(None) == ("old", "older")
     assert cli._api_keys(["new"]) == ("new",)  # a rotated key: the variable's stop working
+
+
+def test_allowed_origins_are_read_as_a_comma_separated_list():
+    from kvserve import cli
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["serve"]).allowed_origins == ()
+    flags = ["serve", "--allowed-origins", "https://a.example, http://localhost:5173,*"]
+    assert parser.parse_args(flags).allowed_origins == ("https://a.example", "http://localhost:5173", "*")

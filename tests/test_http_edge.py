@@ -486,3 +486,32 @@ def test_errors_outside_the_fields_say_what_to_do(keyless):
     for body in ([{"model": MODEL, "prompt": "x"}], '"just text"', "5"):
         error = assert_openai_error(post(keyless, "completions", body, key=None), 400)
         assert error["message"] == "The request body must be a JSON object of the request's fields.", error
+
+
+def test_other_sites_pages_may_call_the_api_only_when_allowed(llm, keyless):
+    """A browser lets another site's page read an answer only when the server says that site may
+    (CORS). By default none may, so a page of any site the user opens cannot use the model or its
+    sessions; `--allowed-origins` names those that may, `*` any."""
+    site, other = "https://chat.example.com", "https://evil.example.net"
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    assert httpx.options(f"{keyless}/v1/completions", headers={"Origin": site, **preflight}).status_code == 405
+    assert "access-control-allow-origin" not in httpx.post(f"{keyless}/v1/completions", json=body).headers
+    settings = ServerSettings(served_model_name=MODEL, api_keys=("alice",), allowed_origins=(site,))
+    with running_server(settings, llm) as base:
+        answer = httpx.options(f"{base}/v1/completions", headers={"Origin": site, **preflight})
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == site
+        assert "authorization" in answer.headers["access-control-allow-headers"].lower()
+        refused = httpx.options(f"{base}/v1/completions", headers={"Origin": other, **preflight})
+        assert "access-control-allow-origin" not in refused.headers
+        r = post(base, "completions", body, headers={"Origin": site})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == site
+        assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+        unauthorized = post(base, "completions", body, key=None, headers={"Origin": site})  # errors are readable too
+        assert unauthorized.status_code == 401 and unauthorized.headers["access-control-allow-origin"] == site
+    with running_server(ServerSettings(served_model_name=MODEL, allowed_origins=("*",)), llm) as base:
+        r = post(base, "completions", body, key=None, headers={"Origin": other})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"

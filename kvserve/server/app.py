@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from kvserve.llm import LLM
@@ -67,7 +68,15 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(BodyDeadlineMiddleware, timeout=settings.body_timeout)
-    app.add_middleware(HTTPVersionMiddleware)  # added last: runs first
+    app.add_middleware(HTTPVersionMiddleware)
+    if settings.allowed_origins:  # outermost: every answer, an error or a refusal too, says who may read it
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],  # Authorization, Content-Type, X-Request-Id
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
     for router in (health.router, openai.router, sessions.router, page.router):
         app.include_router(router)
     status.install(app, state)  # the status routes, and the ledger of requests they read
