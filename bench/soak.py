@@ -309,7 +309,7 @@ async def one_request(
                     out["key"], out["json_error"] = _error_key(response, raw)
                     out["ok"] = False
                 else:
-                    stream_error = None
+                    stream_error = finish = None
                     async for line in response.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
@@ -318,6 +318,8 @@ async def one_request(
                         event = json.loads(line[6:])
                         if "error" in event:
                             stream_error = event["error"].get("type", "?")
+                        elif event.get("choices"):
+                            finish = event["choices"][0]["finish_reason"] or finish
                         if events == 1 and kind == "disconnect":
                             break  # leaving the block closes the connection mid-stream
                     out["events"] = events
@@ -325,8 +327,8 @@ async def one_request(
                         out["key"], out["ok"] = f"200 stream-error {stream_error}", False
                     else:
                         out["key"] = "200"
-                        # role event + one per token + the finish event (which may carry the last token)
-                        out["ok"] = events >= 1 if kind == "disconnect" else events >= args.max_tokens
+                        # ignore_eos: a whole stream ends at max_tokens (a token whose text is held back sends no event)
+                        out["ok"] = events >= 1 if kind == "disconnect" else finish == "length"
     except httpx.HTTPError as exc:
         out["key"], out["ok"] = f"transport {type(exc).__name__}", False
     finally:

@@ -160,15 +160,23 @@ def stage_spec(
     )
 
 
-def _shut_down(engine: EngineCore, store: SessionStore | None) -> None:
+class _ShutDown:
     """LLM.close, and what happens once nothing holds an LLM's client: the engine thread aborts what
-    it runs and ends, then the store closes (its lock and its sessions' claims released)."""
-    if threading.current_thread() is engine.thread:  # collected there: the thread cannot wait for itself
-        threading.Thread(target=_shut_down, args=(engine, store), name="kvserve-shutdown", daemon=True).start()
-        return
-    engine.shutdown()
-    if store is not None:
-        store.close()
+    it runs and ends, then the store closes (its lock and its sessions' claims released); `done` then."""
+
+    def __init__(self, engine: EngineCore, store: SessionStore | None) -> None:
+        self.engine, self.store, self.done = engine, store, threading.Event()
+
+    def __call__(self) -> None:
+        if threading.current_thread() is self.engine.thread:  # collected there: it cannot wait for itself
+            threading.Thread(target=self, name="kvserve-shutdown", daemon=True).start()
+            return
+        try:
+            self.engine.shutdown()
+            if self.store is not None:
+                self.store.close()
+        finally:
+            self.done.set()
 
 
 def _open_store(session_db: str | os.PathLike[str] | bool | None) -> SessionStore | None:
@@ -271,7 +279,7 @@ class LLM:
         )
 
         # What the engine thread keeps (build_runner, the monitor's reader) holds no reference to this
-        # LLM, so that an LLM nobody holds is collected, and shut down (`_shut_down`).
+        # LLM, so that an LLM nobody holds is collected, and shut down (`_ShutDown`).
         config, stop_token_ids = self.config, self.tokenizer.stop_token_ids
 
         def build_runner(engine: EngineCore) -> ModelRunner | PipelineRunner:
@@ -316,8 +324,9 @@ class LLM:
         # Everything a caller holds (this LLM, its sessions, its unfinished streams) holds the client:
         # once none is left, the engine stops and the store closes, as close() does.
         self.client = EngineClient(engine)
-        self._shut_down = weakref.finalize(self.client, _shut_down, engine, self.session_store)
-        self._shut_down.atexit = False  # at exit the daemon engine thread just ends, as before
+        self._shut_down = _ShutDown(engine, self.session_store)
+        self._finalizer = weakref.finalize(self.client, self._shut_down)
+        self._finalizer.atexit = False  # at exit the daemon engine thread just ends, as before
         # What the engine is doing, for status readers (the server's page and status routes); built on
         # the engine thread, which it watches.
         sessions = self.sessions
@@ -498,8 +507,11 @@ class LLM:
         return self.engine.call(lambda: self.engine.runner.timings.as_dict(), timeout=60)
 
     def close(self) -> None:
-        """Stop the engine (aborting what runs) and close the session store; once is enough."""
-        self._shut_down()
+        """Stop the engine (aborting what runs) and close the session store; a second call (another
+        thread's) waits for the first one's."""
+        self._finalizer()  # runs once
+        if threading.current_thread() is not self.engine.thread:
+            self._shut_down.done.wait()
 
     def __enter__(self) -> LLM:
         return self

@@ -439,6 +439,10 @@ def test_error_bodies_name_the_field(base_url):
     assert r.json()["error"]["param"] == "tools" and "tools" in r.json()["error"]["message"]
 
 
+def _tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+
 def test_chat_errors_name_the_fields_the_body_sent(base_url):
     """A chat body's max_completion_tokens and top_logprobs are the engine's max_tokens and logprobs, and
     its messages the engine's prompt: errors name what the client sent (before, the engine's names)."""
@@ -450,6 +454,11 @@ def test_chat_errors_name_the_fields_the_body_sent(base_url):
         ({"max_tokens": 0}, "max_tokens", "max_tokens must be an integer"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be between 0 and 20"),
         ({"messages": [{"role": "user", "content": "x " * 1000}]}, "messages", "Send fewer or shorter messages"),
+        (  # a message quoting the client's own text keeps it as sent
+            {"max_completion_tokens": 4, "tools": [_tool("max_tokens"), _tool("max_tokens")]},
+            "tools",
+            "'max_tokens' twice",
+        ),
     ):
         r = httpx.post(f"{base_url}/v1/chat/completions", json={**chat, **extra})
         error = r.json()["error"]

@@ -456,6 +456,36 @@ def test_closing_on_the_engine_thread_finishes_from_another_thread(tiny_model_di
         close_all_and_check(again, [again.session(id=session_id)])  # let go by the closed store
 
 
+def test_a_second_close_waits_for_the_first(tiny_model_dir, tmp_path):
+    """Two threads close one LLM: the second close returns once the engine has stopped and the store
+    let its sessions go, as the first does (before, it returned at once, the first still joining)."""
+    db = tmp_path / "closed-twice.db"
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, session_db=db, progress=False)
+    session_id = llm.session(system="kept").id
+    held, entered, seen = threading.Event(), threading.Event(), []
+    llm.engine.post(held.wait)  # the engine thread waits here, so the first close waits for it
+    first = threading.Thread(target=llm.close)
+    first.start()
+    deadline = time.monotonic() + 30
+    while llm._finalizer.alive and time.monotonic() < deadline:  # the first close has begun
+        time.sleep(0.01)
+
+    def second() -> None:
+        entered.set()
+        llm.close()
+        seen.append(llm.engine.thread.is_alive())
+
+    other = threading.Thread(target=second)
+    other.start()
+    assert entered.wait(30)
+    held.set()
+    first.join(30)
+    other.join(30)
+    assert seen == [False]
+    with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, session_db=db, progress=False) as again:
+        close_all_and_check(again, [again.session(id=session_id)])
+
+
 def test_a_session_is_live_in_one_llm_of_a_process_at_a_time(tiny_model_dir, tmp_path):
     """Two LLMs of one process may share a store (they share its lock), but not a session: before,
     each took its own copy, their histories diverged, and a close in one broke the other's writes."""

@@ -80,7 +80,10 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         route = f"{request.method} {request.url.path}"
         if exc.status_code == 404 and message == "Not Found":  # the router's: no such route
-            message = f"There is no route {route}; the OpenAI routes are under /v1 (GET /v1/models lists the model)."
+            message = (
+                f"There is no route {route}. kvserve serves GET /v1/models, POST /v1/completions, "
+                "POST /v1/chat/completions, /v1/sessions, /v1/requests, /health and /metrics."
+            )
         elif exc.status_code == 405 and message == "Method Not Allowed":
             allowed = (exc.headers or {}).get("Allow", "another method")
             message = f"{route} is not a route; {request.url.path} takes {allowed}."

@@ -98,12 +98,13 @@ class _Base(BaseModel):
     def as_sent(self, error: InvalidRequestError) -> InvalidRequestError:
         """`error` naming the fields as this body sent them: a chat body's max_completion_tokens is the
         engine's max_tokens."""
-        message, param = str(error), error.param
-        for engine_name, name in self.sent_names().items():
-            message = re.sub(rf"\b{engine_name}\b", name, message)
-            param = name if param == engine_name else param
-        if (message, param) == (str(error), error.param):
+        names = self.sent_names()
+        if error.param not in _LENGTH_PARAMS or not names:  # others may quote the client's text (a tool's name)
             return error
+        message = str(error)
+        for engine_name, name in names.items():
+            message = re.sub(rf"\b{engine_name}\b", name, message)
+        param = names.get(error.param, error.param)
         return type(error)(message, param)  # as it is unpickled (InvalidRequestError.__reduce__)
 
     def structured_output(self) -> StructuredOutput | None:
@@ -162,6 +163,7 @@ class _Base(BaseModel):
 
 
 _FORMAT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_LENGTH_PARAMS = ("max_tokens", "min_tokens")  # the errors `as_sent` renames in: their text is the engine's
 # OpenAI fields kvserve does not implement, and the values of each that ask for nothing it lacks
 _NOTHING_ASKED: dict[str, tuple[Any, ...]] = {
     "store": (False,),  # OpenAI keeps no copy; neither does kvserve
