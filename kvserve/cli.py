@@ -121,10 +121,17 @@ def _topology(args: argparse.Namespace):
 
 
 def _api_keys(flags: list[str] | None) -> tuple[str, ...]:
-    """The --api-key flags, or else KVSERVE_API_KEY's comma-separated keys; an empty flag is refused (a
-    request without a key would match it)."""
+    """The --api-key flags, or else KVSERVE_API_KEY's comma-separated keys (spaces around each one
+    dropped); an empty flag is refused (a request without a key would match it), and so is a variable
+    that is set but names no key (it would turn auth off without a word)."""
     if flags is None:
-        return tuple(k for k in (_env("API_KEY") or "").split(",") if k.strip())
+        value = _env("API_KEY") or ""
+        keys = tuple(k.strip() for k in value.split(",") if k.strip())
+        if value and not keys:
+            raise InvalidRequestError(
+                f"KVSERVE_API_KEY={value!r} names no key; give comma-separated keys, or unset it to serve without auth."
+            )
+        return keys
     if any(not k.strip() for k in flags):
         raise InvalidRequestError("--api-key is empty; give a key, or leave the flag out to serve without auth.")
     return tuple(flags)

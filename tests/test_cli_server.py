@@ -11,7 +11,9 @@ import threading
 import time
 
 import httpx
+import pytest
 
+from kvserve.errors import InvalidRequestError
 from tests.server_harness import descendants, free_port
 
 
@@ -194,9 +196,12 @@ def test_serve_exits_1_when_its_engine_cannot_start(tmp_path):
 def test_the_api_key_flag_replaces_the_variable_and_an_empty_key_never_matches(monkeypatch):
     from kvserve import cli
 
-    monkeypatch.setenv("KVSERVE_API_KEY", "old,older")
+    monkeypatch.setenv("KVSERVE_API_KEY", "old, older,")  # spaces after commas are not part of a key
     assert cli._api_keys(None) == ("old", "older")
     assert cli._api_keys(["new"]) == ("new",)  # a rotated key: the variable's stop working
+    monkeypatch.setenv("KVSERVE_API_KEY", " , ")  # set, but no key: refused, never auth off without a word
+    with pytest.raises(InvalidRequestError, match="names no key"):
+        cli._api_keys(None)
 
 
 def test_allowed_origins_are_read_as_a_comma_separated_list():

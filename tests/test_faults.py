@@ -92,6 +92,9 @@ def test_a_second_process_on_the_same_store_is_refused_naming_the_holder(tmp_pat
         assert holder.stdout.readline().strip() == "ready"
         with pytest.raises(SessionStoreError, match=f"pid {holder.pid} on {socket.gethostname()}"):
             SessionStore(db)
+        (tmp_path / "link.db").symlink_to(db)  # another name for the same file: before, its own lock
+        with pytest.raises(SessionStoreError, match=f"pid {holder.pid} on {socket.gethostname()}"):
+            SessionStore(tmp_path / "link.db")
         server = _serve("--session-db", str(db), "--port", "1")  # refused before it loads a model
         assert server.wait(60) == 2
         assert f"pid {holder.pid}" in server.stderr.read()

@@ -110,7 +110,9 @@ def owner_secret(path: Path) -> tuple[bytes, bool]:
 
 class SessionStore:
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        # The file itself, not a link's name for it: the lock and the secret live beside it, so that a
+        # second server given a symbolic link to a store in use is refused like one given its path.
+        self.path = Path(path).resolve()
         self.secret_path = self.path.with_name(self.path.name + ".secret")
         self.error: str | None = None  # the last failure, until a write succeeds
         self.broken: str | None = None  # a failure no write mends (removed or corrupt), until a restart
