@@ -149,6 +149,9 @@ def _origins(value: str) -> tuple[str, ...]:
     return origins
 
 
+SHUTDOWN_GRACE = 2.0  # seconds, past --shutdown-timeout, for the requests then aborted to get their answers
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -215,7 +218,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        # past --shutdown-timeout the requests still running end with a 503 (ServerState.stopping);
+        # uvicorn cancels what is left (a 500, a stream cut short) only after this grace for those answers
+        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE,
     )
 
     class Server(uvicorn.Server):
@@ -225,6 +230,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)
             getattr(self, "_captured_signals", []).clear()
             app.state.status_feed.close_soon()  # open pages' status streams end rather than hold the shutdown
+            app.state.kvserve.stop_requests_in(args.shutdown_timeout)
 
         def engine_died(self, reason: str) -> None:
             # Nothing can be served without it: exit non-zero, so that a supervisor starts a new server.
@@ -587,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(
         p,
         "--shutdown-timeout",
-        "on SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting them",
+        "on SIGTERM/SIGINT, seconds to let in-flight requests finish; then each still running is aborted "
+        "and answered 503 (a stream: an error event)",
         30.0,
         _at_least(0, float),
     )

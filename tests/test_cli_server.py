@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -52,6 +53,7 @@ def test_serve_reports_loading_then_ready_and_exits_cleanly_on_sigterm(tiny_mode
 
         def stream() -> None:
             body = {"model": "tiny", "prompt": "x", "max_tokens": 900, "stream": True, "ignore_eos": True}
+            body["stream_options"] = {"include_usage": True}
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     streaming.set()
@@ -68,10 +70,87 @@ def test_serve_reports_loading_then_ready_and_exits_cleanly_on_sigterm(tiny_mode
         assert proc.wait(60) == 0
         assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]  # none left behind
         assert result["lines"][-1] == "data: [DONE]"  # the in-flight stream was finished, not cut
-        assert len(result["lines"]) == 901  # all 900 tokens, then [DONE]
+        usage, last = (json.loads(line[6:]) for line in result["lines"][-2:-4:-1])
+        assert usage["usage"]["completion_tokens"] == 900 and last["choices"][0]["finish_reason"] == "length"
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_request_still_running_at_the_shutdown_timeout_gets_an_error_event_and_the_server_exits_0(
+    tiny_model_dir, tmp_path
+):
+    """SIGTERM with --shutdown-timeout 0.5: a stream still running then ends with an error event and
+    [DONE] (before: uvicorn cut it mid-way, and answered an unstreamed one a text/plain 500). Its
+    engine process is stopped (SIGSTOP) so that it surely is still running; SIGCONT lets it shut down."""
+    port = free_port()
+    env = {**os.environ, "KVSERVE_SESSION_DB": str(tmp_path / "s.db"), "KVSERVE_DTYPE": "float32"}
+    flags = ["--model", str(tiny_model_dir), "--port", str(port), "--shutdown-timeout", "0.5", "--stage-timeout", "600"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.cli", "serve", *flags, "--log-level", "warning"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(base) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (engine,) = descendants(proc.pid, b"spawn_main")
+        os.kill(engine, signal.SIGSTOP)
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 900, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert json.loads(next(lines)[6:])["choices"][0]["delta"]["role"] == "assistant"  # it runs
+            proc.send_signal(signal.SIGTERM)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        os.kill(engine, signal.SIGCONT)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down", events
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigterm_while_the_engine_loads_exits_at_once(tiny_model_dir, tmp_path):
+    """A loading engine process has nothing to finish: at SIGTERM it is killed and the server exits 0
+    at once (before, it was sent "shutdown", which nobody reads while loading, and waited 30 s). The
+    weights here are a named pipe nobody writes, so the engine surely is still loading."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for path in tiny_model_dir.iterdir():
+        if path.suffix == ".safetensors":
+            os.mkfifo(model / path.name)  # opening it blocks: the load never ends
+        else:
+            (model / path.name).write_bytes(path.read_bytes())
+    env = {**os.environ, "KVSERVE_SESSION_DB": str(tmp_path / "s.db")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model), "--port", str(free_port())],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (engines := descendants(proc.pid, b"spawn_main")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engines, "the engine process never started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0  # a hang guard: it exits within a moment
+        assert not [pid for pid in engines if os.path.exists(f"/proc/{pid}")]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_serve_with_the_engine_in_process_freezes_the_heap_once_the_engine_has_loaded(tiny_model_dir):

@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from kvserve import LLM
-from kvserve.server.app import ServerSettings
+from kvserve.server.app import ServerSettings, create_app
 from tests.conftest import StepGate, wait_idle_and_check
-from tests.server_harness import running_server
+from tests.server_harness import running_server, serving
 
 MODEL = "tiny"
 
@@ -533,3 +533,43 @@ def _params(max_tokens: int):
     from kvserve import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def test_requests_still_running_when_the_shutdown_timeout_is_over_get_a_503(llm):
+    """Past --shutdown-timeout (`stop_requests_in`, which `kvserve serve` calls at SIGTERM) a request
+    still running is aborted and answered as OpenAI answers errors: 503, or in a stream an error event
+    then [DONE]. Before, uvicorn cancelled them: a text/plain 500 and a stream cut mid-way. The engine
+    is held, so both are surely still running; their blocks are freed once it steps again."""
+    app = create_app(ServerSettings(served_model_name=MODEL), llm)
+    state = app.state.kvserve
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True}
+    answers: dict = {}
+
+    def unstreamed() -> None:
+        answers["plain"] = httpx.post(
+            f"{base}/v1/completions", json=body, headers={"X-Request-Id": "plain"}, timeout=60
+        )
+
+    def streamed() -> None:
+        request = {**body, "stream": True}
+        with httpx.stream(
+            "POST", f"{base}/v1/completions", json=request, headers={"X-Request-Id": "s"}, timeout=60
+        ) as r:
+            answers["stream"] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+    with serving(app) as base, StepGate(llm) as gate:
+        threads = [threading.Thread(target=unstreamed), threading.Thread(target=streamed)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while not {"plain", "s"} <= {rid for _, rid in state.requests} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gate.entered.wait(30)
+        state.stop_requests_in(0)
+        for thread in threads:
+            thread.join(30)
+        gate.open()
+    plain = answers["plain"]
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutting_down", plain.text
+    assert answers["stream"][-1] == "[DONE]"
+    assert json.loads(answers["stream"][-2])["error"]["code"] == "server_shutting_down", answers["stream"]

@@ -39,6 +39,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redact_access_log()  # here: uvicorn has configured its loggers by now
+        state.loop = asyncio.get_running_loop()
         loader = None
         if llm is not None:
             state.set_llm(llm)

@@ -201,6 +201,9 @@ class RemoteLLM:
     def close(self) -> None:
         """Ask the engine process to stop (it aborts what is left), wait for it, then kill it if it must."""
         self._closing = True
+        if self.process.is_alive() and self._reader is None:  # still loading: nothing to finish or to save
+            self.process.kill()
+            self.process.join(5)
         if self.process.is_alive():
             with contextlib.suppress(KVServeError, zmq.ZMQError):
                 self._send(("shutdown",))

@@ -170,7 +170,10 @@ SESSION_METHODS = frozenset({"info", "add_message", "append", "fork", "close", "
 def main(settings: ServerSettings, to_engine: str, from_engine: str) -> None:
     """The engine process: load the model, say ready (or why not), then serve until told to stop or
     until the front end's process is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end decides
+    # Ctrl-C reaches the whole group, and a service manager's SIGTERM may too: the front end decides
+    # (it ends the requests, then sends "shutdown"); this process dies with it in any case.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
     context = zmq.Context()

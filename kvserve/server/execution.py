@@ -29,6 +29,12 @@ from kvserve.server.state import APIError, ServerState, check_model, read_json, 
 from kvserve.sessions.store import SessionStoreError
 from kvserve.text.tool_calls import ToolFormat
 
+SHUTTING_DOWN = "The server is shutting down and aborted this request; send it again (to another server)."
+
+
+class ServerStoppingError(KVServeError):
+    """What ends a stream still running when the server's --shutdown-timeout is over."""
+
 
 async def handle(request: Request, owner, body_type, prepare, id_prefix: str, kind: str, chat: bool) -> Response:
     """Parse and check the body, admit its engine requests, build the choices' jobs (`prepare`), run."""
@@ -205,16 +211,18 @@ async def _collect_or_abort(state, request, streams, arrival) -> list[RequestOut
 
 
 async def _finish_or_abort(state, request, awaitable):
-    """Await `awaitable` (work on the body's streams); a client disconnect or the time limit cancels
-    it, which aborts its engine requests, and answers 499 or 504."""
+    """Await `awaitable` (work on the body's streams); a client disconnect, the time limit or the
+    server's shutdown cancels it, which aborts its engine requests, and answers 499, 504 or 503."""
     work = asyncio.ensure_future(awaitable)
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    stopping = asyncio.ensure_future(state.stopping.wait())
     try:
         done, _ = await asyncio.wait(
-            {work, disconnect}, timeout=state.settings.request_timeout, return_when=asyncio.FIRST_COMPLETED
+            {work, disconnect, stopping}, timeout=state.settings.request_timeout, return_when=asyncio.FIRST_COMPLETED
         )
     finally:
         disconnect.cancel()
+        stopping.cancel()
     if work in done:
         return work.result()
     work.cancel()
@@ -222,6 +230,8 @@ async def _finish_or_abort(state, request, awaitable):
         await work
     if disconnect in done:
         raise APIError(499, "Client closed the request.", "client_closed_request")
+    if stopping in done:
+        raise APIError(503, SHUTTING_DOWN, "service_unavailable", code="server_shutting_down")
     raise APIError(
         504,
         f"The request exceeded its time limit of {state.settings.request_timeout:g} s and was aborted.",
@@ -257,13 +267,18 @@ async def _sse(
             await queue.put((index, exc))
             raise
 
+    async def stop() -> None:  # the server's shutdown: the stream ends with an error event
+        await state.stopping.wait()
+        await queue.put((0, ServerStoppingError(SHUTTING_DOWN)))
+
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    finals: list[StreamChunk | None] = [None] * len(tasks)
+    tasks.append(asyncio.ensure_future(stop()))
+    remaining = len(streams)
+    finals: list[StreamChunk | None] = [None] * len(streams)
     try:
         async with asyncio.timeout(state.settings.request_timeout):
             if formatter.chat:
-                for i in range(len(tasks)):
+                for i in range(len(streams)):
                     yield event(formatter.chunk_event(i, None, role=True))
             while remaining:
                 index, item = await queue.get()
@@ -307,6 +322,8 @@ def _stream_error(exc: KVServeError) -> dict:
         return error_body(str(exc), "timeout_error", code="stream_stalled")
     if isinstance(exc, SessionStoreError):
         return error_body(str(exc), "service_unavailable", code="session_store_error")
+    if isinstance(exc, ServerStoppingError):
+        return error_body(str(exc), "service_unavailable", code="server_shutting_down")
     if isinstance(exc, EngineClosedError):
         return error_body(str(exc), "service_unavailable", code=503)
     return error_body(str(exc), "server_error" if isinstance(exc, EngineError) else "invalid_request_error")

@@ -3,6 +3,7 @@ once loaded, the body as checked JSON."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import secrets
@@ -81,9 +82,18 @@ class ServerState:
     # Called (in the loading thread) once an engine in this process has loaded; `kvserve serve` freezes
     # the heap there, its own process for good.
     on_loaded: Callable[[], None] | None = None
+    # Set when a shutdown's --shutdown-timeout is over: the requests still running end with a 503
+    # (an error event in a stream) before the server stops, not a 500 or a stream cut short.
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    loop: asyncio.AbstractEventLoop | None = None  # the server's, once it has started
 
     def __post_init__(self) -> None:
         self.key_bytes = tuple(key.encode() for key in self.settings.api_keys)
+
+    def stop_requests_in(self, seconds: float) -> None:
+        """From any thread (a signal handler): in `seconds`, end every request still running."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, seconds, self.stopping.set)
 
     def set_llm(self, llm: LLM) -> None:
         self.model_name = self.settings.served_model_name or llm.model_path.stem
