@@ -109,11 +109,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pipeline_placement(args: argparse.Namespace) -> list[tuple[str, object, object]]:
+    """The flags that place a process in a pipeline: (flag, its value, its value for one process)."""
+    return [
+        ("--nnodes", args.nnodes, 1),
+        ("--node-rank", args.node_rank, 0),
+        ("--master-addr", args.master_addr, "127.0.0.1"),
+        ("--master-port", args.master_port, None),
+    ]
+
+
 def _topology(args: argparse.Namespace):
     """The pipeline the flags (or torchrun's environment) describe, None for one process."""
     from kvserve.pipeline.topology import Topology
 
     if args.pipeline_parallel <= 1:
+        placed = [f for f, v, alone in _pipeline_placement(args) if v != alone]
+        if placed:  # a host's command that lost its --pipeline-parallel would serve HTTP on its own
+            raise InvalidRequestError(
+                f"{', '.join(placed)} place{'s' if len(placed) == 1 else ''} this process in a pipeline, but "
+                "--pipeline-parallel is 1; give the number of stages in all, or leave "
+                f"{'it' if len(placed) == 1 else 'them'} out."
+            )
         return None
     return Topology.from_settings(
         args.pipeline_parallel, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.stage_timeout
@@ -280,13 +297,16 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                 continue
             if not line.strip():
                 continue
-            session.add_message("user", line)
             try:
+                session.add_message("user", line)
                 for chunk in session.stream(params):
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
             except KeyboardInterrupt:  # leaving the stream aborts the turn; the chat goes on
                 sys.stdout.write(" [stopped]")
+            except InvalidRequestError as exc:  # no room for the message or its reply: the chat goes on
+                print(f"kvserve: {exc} /reset starts a new conversation.", file=sys.stderr)
+                continue
             sys.stdout.write("\n")
 
 
@@ -530,7 +550,13 @@ def build_parser() -> argparse.ArgumentParser:
         600.0,
         _above(0, float),
     )
-    _flag(p, "--kv-cache-tokens", "size of the KV pool in tokens; none means 1 GiB worth", None, _at_least(1, int))
+    _flag(
+        p,
+        "--kv-cache-tokens",
+        "size of the KV pool in tokens, at least one block of 16; none means 1 GiB worth",
+        None,
+        _at_least(16, int),
+    )
     _flag(p, "--max-body-bytes", "largest request body accepted; larger gets 413", 4 << 20, _at_least(1, int))
     _flag(
         p,
@@ -646,9 +672,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reopen_closed_std_streams() -> list[str]:
+    """Put /dev/null on a standard descriptor the caller closed (`2>&-`), and return those names: a
+    closed one is taken by the next file opened (a lock's, a pipe's), which hung multiprocessing's
+    locks when it was stderr's."""
+    closed = []
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+            setattr(sys, name, open(fd, mode, encoding="utf-8", closefd=False))  # noqa: SIM115 (the process's for good)
+            closed.append(name)
+    return closed
+
+
 def main(argv: list[str] | None = None) -> int:
+    closed = _reopen_closed_std_streams()
     parser = build_parser()
     args = parser.parse_args(argv)
+    needs = {"generate": "stdout", "models": "stdout", "pull": "stdout", "chat": "stdin"}.get(args.command)
+    if needs in closed:
+        print(f"kvserve: error: {needs} is closed; {args.command} needs it.", file=sys.stderr)
+        return 1
     for value in vars(args).values():
         if isinstance(value, _BadEnvChoice):
             parser.error(f"{value.env}={value.value!r} is not one of {', '.join(value.choices)}")
@@ -660,11 +709,21 @@ def main(argv: list[str] | None = None) -> int:
     except KVServeError as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvserve models | head -1`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 128 + signal.SIGPIPE
     except OSError as exc:  # the machine's files or network, e.g. a KVSERVE_HOME that is not a folder
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 130
+        # At once, without the interpreter's teardown: an engine thread still loading the model in C++
+        # is not torn down under it (that aborted the process: "terminate called without an active
+        # exception").
+        with contextlib.suppress(Exception):
+            sys.stdout.write("\n" if sys.stdout.isatty() else "")
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":

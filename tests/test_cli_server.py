@@ -197,6 +197,52 @@ def test_chat_loop_with_reset_and_exit(tiny_model_dir):
     assert out.stdout.count(">>> ") == 4
 
 
+def test_a_chat_line_the_context_cannot_hold_is_refused_and_the_chat_goes_on(tiny_model_dir):
+    """The tiny model's context is 1,024 tokens: a line of 1,800 is refused with the reason, and the
+    next line is answered (before, the whole chat ended with status 2)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "chat", "--model", str(tiny_model_dir), "--max-tokens", "5"],
+        input="hello\n" + "hi " * 600 + "\nstill here?\n/exit\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "more than its limit of 1024" in out.stderr and "/reset starts a new conversation" in out.stderr
+    assert out.stdout.count(">>> ") == 4 and "Traceback" not in out.stderr
+
+
+def test_closed_standard_streams_and_a_closed_pipe_end_in_a_line_or_in_silence(tiny_model_dir):
+    """`2>&-` (before: generate hung for good, multiprocessing's lock taking stderr's number), `>&-` and
+    `<&-` (before: tracebacks, after the model loaded), and a reader that stops early (`| head -1`;
+    before: "[Errno 32] Broken pipe" and status 1)."""
+    generate = [
+        sys.executable,
+        "-m",
+        "kvserve.cli",
+        "generate",
+        "hi",
+        "--model",
+        str(tiny_model_dir),
+        "--max-tokens",
+        "3",
+    ]
+
+    def closed(fd: int, command: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(command, preexec_fn=lambda: os.close(fd), stderr=subprocess.PIPE, text=True, timeout=120)
+
+    assert closed(2, generate).returncode == 0  # a hang guard: it ends, and well
+    no_stdout = closed(1, generate)
+    assert no_stdout.returncode == 1 and no_stdout.stderr.strip().endswith("stdout is closed; generate needs it.")
+    chat = closed(0, [sys.executable, "-m", "kvserve.cli", "chat", "--model", str(tiny_model_dir)])
+    assert chat.returncode == 1 and "stdin is closed; chat needs it." in chat.stderr
+    models = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.cli", "models"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    models.stdout.close()  # the reader is gone before the first line
+    assert models.wait(120) == 128 + signal.SIGPIPE and models.stderr.read() == ""
+
+
 def test_two_ctrl_c_at_the_chat_prompt_end_it_cleanly(tiny_model_dir):
     """A terminal's Ctrl-C reaches the process (and `timeout -s INT` sends it twice): the first ends the
     chat at its prompt, a second one during the close must not abort the process in torch's teardown."""
@@ -238,7 +284,8 @@ def test_bad_settings_stop_serve_with_a_message_and_a_status_never_a_traceback(t
         (["--request-timeout", "0"], {}, "must be more than 0"),
         (["--gather-ms", "nan"], {}, "not a finite number"),
         (["--max-queue", "-1"], {}, "must be at least 0"),
-        (["--kv-cache-tokens", "0"], {}, "must be at least 1"),
+        (["--kv-cache-tokens", "8"], {}, "must be at least 16"),
+        (["--nnodes", "2", "--node-rank", "1"], {}, "--nnodes, --node-rank place this process in a pipeline"),
         ([], {"KVSERVE_BATCH_INVARIANT": "true"}, "KVSERVE_BATCH_INVARIANT='true' is not one of on, off"),
         ([], {"KVSERVE_ENGINE_PROCESS": "yes"}, "KVSERVE_ENGINE_PROCESS='yes' is not one of on, off"),
         ([], {"KVSERVE_LOG_LEVEL": "bogus"}, "KVSERVE_LOG_LEVEL='bogus' is not one of"),
