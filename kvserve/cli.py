@@ -173,6 +173,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.server.app import ServerSettings, create_app
+    from kvserve.server.body_deadline import head_deadline_protocol
 
     topology = _topology(args)
     if topology is not None and not topology.hosts_rank0:  # this host serves stages only, no HTTP
@@ -238,6 +239,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # past --shutdown-timeout the requests still running end with a 503 (ServerState.stopping);
         # uvicorn cancels what is left (a 500, a stream cut short) only after this grace for those answers
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE,
+        http=head_deadline_protocol(args.body_timeout),
     )
 
     class Server(uvicorn.Server):
@@ -561,8 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(
         p,
         "--body-timeout",
-        "seconds a request's body may take to arrive, from its headers; a slower one gets 408 and the "
-        "connection is closed",
+        "seconds a request's head may take to arrive (from the connection, or its last response: else the "
+        "connection is closed) and then its body (from its headers: else 408, and the connection is closed)",
         30.0,
         _above(0, float),
     )

@@ -13,6 +13,7 @@ import uvicorn
 
 from kvserve.server.app import ServerSettings, create_app
 from kvserve.server.backpressure import listening_socket
+from kvserve.server.body_deadline import head_deadline_protocol
 
 
 def free_port() -> int:
@@ -57,7 +58,9 @@ def serving(app, healthy: bool = True, log_level: str = "warning"):
     else once it answered at all. Stop it (gracefully) on exit."""
     sock = listening_socket("127.0.0.1", 0)  # as `kvserve serve` listens (its connections' send buffers)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    timeout = app.state.kvserve.settings.body_timeout
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level, http=head_deadline_protocol(timeout))
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

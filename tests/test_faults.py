@@ -409,3 +409,31 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_closed(
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
         assert b'"type":"timeout_error"' in answer.replace(b" ", b"")
         assert httpx.get(f"{base}/health").status_code == 200
+
+
+def _length(response: bytes) -> int:
+    """A response head's Content-Length (0 until the head is whole)."""
+    head = response.split(b"\r\n\r\n", 1)[0].lower()
+    return next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.startswith(b"content-length:")), 0)
+
+
+def test_a_head_that_does_not_arrive_in_time_has_its_connection_closed(llm):
+    """A request line and headers that trickle in (slowloris), or never come, held a connection (a file
+    descriptor) for as long as the client liked: now the connection is closed once --body-timeout has
+    passed since it opened, or since its last response. A head that arrives in time is answered."""
+    with running_server(ServerSettings(served_model_name=MODEL, body_timeout=0.5), llm) as base:
+        host, port = base.removeprefix("http://").split(":")
+        for sent in (b"", b"GET /health HTTP/1.1\r\nHost: x\r\n"):  # nothing; a head without its end
+            with socket.create_connection((host, int(port)), timeout=60) as sock:
+                sock.sendall(sent)
+                assert sock.recv(65536) == b""  # closed by the server (a hang guard: 60 s)
+        with socket.create_connection((host, int(port)), timeout=60) as sock:  # after a response, the same
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(65536):  # the whole response: what follows is the server's doing
+                answer += chunk
+                if b"\r\n\r\n" in answer and len(answer.split(b"\r\n\r\n", 1)[1]) >= _length(answer):
+                    break
+            assert answer.startswith(b"HTTP/1.1 200")
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+            assert sock.recv(65536) == b""

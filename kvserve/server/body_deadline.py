@@ -1,6 +1,8 @@
-"""A deadline on request bodies: a body still arriving `timeout` seconds after its headers gets 408 and
-the connection is closed. uvicorn bounds an idle keep-alive connection, not a body that trickles in (a
-byte every few seconds holds a connection and a task for as long as the client likes)."""
+"""Deadlines on a request's arrival. Its head (request line and headers) must have arrived `timeout`
+seconds after the connection opened, or after the last response on it, else the connection is closed;
+its body must then arrive within `timeout` seconds of its headers, else 408 and the connection is
+closed. uvicorn bounds an idle keep-alive connection, not a head or a body that trickles in (a byte
+every few seconds holds a connection and a file descriptor, or a task, for as long as the client likes)."""
 
 from __future__ import annotations
 
@@ -60,3 +62,29 @@ class BodyDeadlineMiddleware:
 
 class _BodyTimeout(Exception):
     pass
+
+
+def head_deadline_protocol(timeout: float) -> type:
+    """uvicorn's HTTP/1.1 protocol (h11) with the deadline on a request's head: pass as `http=`."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadDeadlineProtocol(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_head_deadline()
+
+        def _arm_head_deadline(self) -> None:
+            cycle = self.cycle  # a new head starts a new cycle: then this deadline is not its
+
+            def late() -> None:
+                if self.cycle is cycle and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                    self.transport.close()
+
+            self.loop.call_later(timeout, late)
+
+    return HeadDeadlineProtocol
