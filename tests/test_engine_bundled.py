@@ -85,6 +85,11 @@ def test_stop_token_ids_min_tokens_and_ignore_eos(llm):
     assert longer.finish_reason == "length" and len(longer.token_ids) == 40
     at_least = llm.chat(FRANCE, SamplingParams(max_tokens=40, temperature=0, min_tokens=len(free.token_ids) + 3))
     assert len(at_least.token_ids) >= len(free.token_ids) + 3
+    # a stop string is not looked for before min_tokens either (before: the first token's text ended it)
+    first_word = free.text.split()[0]
+    assert llm.chat(FRANCE, SamplingParams(max_tokens=40, temperature=0, stop=[first_word])).text == ""
+    held = llm.chat(FRANCE, SamplingParams(max_tokens=40, temperature=0, stop=[first_word], min_tokens=5))
+    assert len(held.token_ids) >= 5 and held.text.startswith(first_word)
 
 
 def test_logprobs_match_the_model_distribution(llm, reference_model):

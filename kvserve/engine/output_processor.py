@@ -30,7 +30,8 @@ class RequestTextState:
             self.text += self.detokenizer.add([token])
         if is_last and self.stopped_by_string is None:
             self.text += self.detokenizer.flush()
-        if self.stops and self.stopped_by_string is None:
+        # as stop tokens are, stop strings are not looked for before min_tokens (vLLM's rule too)
+        if self.stops and self.stopped_by_string is None and request.num_output_tokens >= request.params.min_tokens:
             start = max(0, self.num_sent_chars - self.max_stop_len)
             hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
             if hits:
