@@ -31,13 +31,16 @@ from kvserve.outputs import RequestOutput, StreamChunk, Usage
 from kvserve.sampling_params import SamplingParams
 from kvserve.sessions.manager import SessionBusyError, SessionLimitError, SessionNotFoundError
 from kvserve.sessions.session import Session
+from kvserve.sessions.store import SessionStoreError
 from kvserve.structured_output import StructuredOutput
+from kvserve.text.chat_template import ChatTemplateError
 from kvserve.text.tokenizer import Tokenizer
 from kvserve.version import __version__
 from kvserve.weights.registry import pull, resolve_model
 
 __all__ = [
     "LLM",
+    "ChatTemplateError",
     "EngineClosedError",
     "EngineError",
     "InvalidRequestError",
@@ -50,6 +53,7 @@ __all__ = [
     "SessionBusyError",
     "SessionLimitError",
     "SessionNotFoundError",
+    "SessionStoreError",
     "StreamChunk",
     "StructuredOutput",
     "Tokenizer",

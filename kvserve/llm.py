@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import threading
 import weakref
@@ -36,7 +37,7 @@ from kvserve.pipeline.stage import StageSpec, build_stage
 from kvserve.pipeline.topology import Topology
 from kvserve.prompts import Messages, Prompt, RequestBuilder, check_messages
 from kvserve.sampling_params import SamplingParams
-from kvserve.sessions.limits import check_text_bytes
+from kvserve.sessions.limits import check_text_bytes, check_ttl
 from kvserve.sessions.manager import SessionManager
 from kvserve.sessions.session import Session
 from kvserve.sessions.status import session_holders
@@ -93,6 +94,14 @@ def _check_size(name: str, value: object, low: int, kind: type | tuple = int) ->
         raise InvalidRequestError(f"{name} must be {what} of at least {low}, got {value!r:.40}.", name)
 
 
+def _memory_bytes() -> int | None:
+    """The machine's memory (the KV pool lives in it on the CPU; a GPU's pool is checked as it is made)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _engine_config(
     model_config: ModelConfig,
     kv_cache_dtype: torch.dtype,
@@ -102,10 +111,25 @@ def _engine_config(
     max_model_len: int | None,
     max_num_batched_tokens: int | None,
     enable_prefix_caching: bool,
+    in_this_memory: bool = True,
 ) -> EngineConfig:
     """The engine's sizes: the KV pool (1 GiB worth of tokens unless told) and the limits."""
+    per_token = kv_cache_bytes_per_token(model_config, kv_cache_dtype)
     if kv_cache_tokens is None:
-        kv_cache_tokens = DEFAULT_KV_CACHE_BYTES // kv_cache_bytes_per_token(model_config, kv_cache_dtype)
+        kv_cache_tokens = DEFAULT_KV_CACHE_BYTES // per_token
+        if kv_cache_tokens < block_size:  # one block would be more than the budget
+            raise InvalidRequestError(
+                f"block_size={block_size} is more tokens than the default KV cache holds ({kv_cache_tokens}); "
+                "lower it (16 is usual), or set kv_cache_tokens.",
+                "block_size",
+            )
+    memory = _memory_bytes() if in_this_memory else None
+    if memory is not None and kv_cache_tokens * per_token > memory:  # refused now, not as a MemoryError
+        raise InvalidRequestError(
+            f"kv_cache_tokens={kv_cache_tokens} needs {kv_cache_tokens * per_token / 2**30:.1f} GiB of KV cache, more "
+            f"than this machine's {memory / 2**30:.1f} GiB of memory; lower it.",
+            "kv_cache_tokens",
+        )
     num_blocks = max(1, kv_cache_tokens // block_size)
     # A request must fit in the pool on its own, or preemption could never make room for it.
     longest = model_config.max_position_embeddings
@@ -179,6 +203,14 @@ class _ShutDown:
             self.done.set()
 
 
+def _request_ids(request_id: object) -> list[str]:
+    """A request id or a list of them, as a list; anything else is an InvalidRequestError."""
+    ids = [request_id] if isinstance(request_id, str) else request_id
+    if not isinstance(ids, list | tuple | set) or not all(isinstance(i, str) for i in ids):
+        raise InvalidRequestError(f"request_id must be a string or a list of strings, got {request_id!r:.60}.")
+    return list(ids)
+
+
 def _open_store(session_db: str | os.PathLike[str] | bool | None) -> SessionStore | None:
     """$KVSERVE_HOME/sessions.db by default (None or True), a path, or False for no store."""
     if session_db is False:
@@ -233,6 +265,33 @@ class LLM:
         _check_size("block_size", block_size, 1)
         _check_size("max_num_seqs", max_num_seqs, 1)
         _check_size("gather_ms", gather_ms, 0, (int, float))
+        _check_size("max_sessions", max_sessions, 0)
+        _check_size("pipeline_parallel", pipeline_parallel, 1)
+        for name, value in (
+            ("max_sessions_per_owner", max_sessions_per_owner),
+            ("max_session_tokens", max_session_tokens),
+            ("max_message_bytes", max_message_bytes),
+        ):
+            if value is not None:
+                _check_size(name, value, 1)
+        check_ttl(session_ttl, "session_ttl")
+        for name, value in (
+            ("batch_invariant", batch_invariant),
+            ("cuda_graphs", cuda_graphs),
+            ("enable_prefix_caching", enable_prefix_caching),
+            ("progress", progress),
+        ):
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be True or False, got {value!r:.40}.", name)
+        if model is not None and not isinstance(model, str | os.PathLike):
+            raise InvalidRequestError(
+                f"model must be a registered name or a path (a string), got {type(model).__name__}.", "model"
+            )
+        if not isinstance(session_db, str | os.PathLike | bool | None):
+            raise InvalidRequestError(
+                f"session_db must be a path, True (the default store) or False (none), got {type(session_db).__name__}.",
+                "session_db",
+            )
         if kv_cache_tokens is not None:  # (None: chosen later, as the rest)
             _check_size("kv_cache_tokens", kv_cache_tokens, block_size)  # at least a block
         if max_model_len is not None:
@@ -272,6 +331,7 @@ class LLM:
             max_model_len,
             max_num_batched_tokens,
             enable_prefix_caching,
+            self.device.type == "cpu" and topology is None,  # a pipeline's pool is split over its stages
         )
         pool = BlockPool(self.config.num_kv_blocks, block_size, enable_prefix_caching)
         scheduler = Scheduler(
@@ -372,12 +432,23 @@ class LLM:
         return self.tokenizer.encode_chat(check_messages(messages))
 
     def generate(
-        self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None
+        self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
     ) -> RequestOutput | list[RequestOutput]:
-        """Run to completion. A list of prompts (strings or token-id lists) gives a list of results."""
-        is_batch = isinstance(prompts, list) and (not prompts or not isinstance(prompts[0], int))
+        """Run to completion. A list of prompts (strings or token-id lists) gives a list of results;
+        `params` is one for all, or a list of one per prompt."""
+        is_batch = isinstance(prompts, list) and (not prompts or not isinstance(prompts[0], numbers.Integral))
         batch = prompts if is_batch else [prompts]
-        requests = [self._make_request(p, params, None) for p in batch]
+        if isinstance(params, list | tuple):
+            if not is_batch or len(params) != len(batch):
+                raise InvalidRequestError(
+                    f"params is a list of {len(params)}; give one SamplingParams for all prompts, or one per prompt "
+                    f"({len(batch)}).",
+                    "params",
+                )
+            per_prompt = list(params)
+        else:
+            per_prompt = [params] * len(batch)
+        requests = [self._make_request(p, q, None) for p, q in zip(batch, per_prompt, strict=True)]
         try:
             sinks = [self.client.submit(request) for request in requests]
             results = [
@@ -447,9 +518,16 @@ class LLM:
                 "send plain prompts (/v1/completions, llm.generate) instead of a session."
             )
         initial = [{"role": "system", "content": check_text(system, "system")}] if system else []
+        if messages is not None and not isinstance(messages, list | tuple):
+            raise InvalidRequestError(
+                f'messages must be a list of {{"role": ..., "content": ...}} dicts, got {type(messages).__name__}.',
+                "messages",
+            )
         for i, message in enumerate(messages or []):
-            if message.get("role") not in ("system", "user", "assistant") or not isinstance(
-                message.get("content"), str
+            if (
+                not isinstance(message, dict)
+                or message.get("role") not in ("system", "user", "assistant")
+                or not isinstance(message.get("content"), str)
             ):
                 raise InvalidRequestError(
                     f"messages[{i}] needs a role (system/user/assistant) and text content.", "messages"
@@ -465,13 +543,13 @@ class LLM:
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests by id (idempotent; unknown or finished ids are ignored)."""
-        self.client.abort([request_id] if isinstance(request_id, str) else list(request_id))
+        self.client.abort(_request_ids(request_id))
 
     def pause(self, request_id: str | list[str], paused: bool = True) -> None:
         """Hold requests out of the batch (their reader is not keeping up: the server pauses a stream
         whose client does not read), or with `paused=False` let them back. A paused request keeps its
         place and its output; its KV blocks are freed and recomputed when it runs again."""
-        self.client.pause([request_id] if isinstance(request_id, str) else list(request_id), paused)
+        self.client.pause(_request_ids(request_id), paused)
 
     # ----- introspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError, check_text
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, checked_params
 from kvserve.text.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -47,7 +47,9 @@ class RequestBuilder:
 
     def build(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Request:
         """A Request for `prompt`, or InvalidRequestError naming the field that is wrong."""
-        params = params or SamplingParams()
+        params = checked_params(params)
+        if request_id is not None and not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a string, got {type(request_id).__name__}.", "request_id")
         prompt_ids = self.encode_prompt(prompt)
         if not prompt_ids:
             raise InvalidRequestError("The prompt is empty; send at least one token of text.", "prompt")
@@ -95,12 +97,13 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")  # 
 
 def check_messages(messages: Any) -> Messages:
     """`messages` for a chat template, checked: a non-empty list of dicts, each with one of OpenAI's
-    roles and text content (a list of parts passes to the template; an assistant's tool calls may
-    stand without content)."""
+    roles and text content (OpenAI's text parts are joined into it, as the server does; an assistant's
+    tool calls may stand without content)."""
     if not isinstance(messages, list | tuple) or not messages:
         raise InvalidRequestError(
             'messages must be a non-empty list of {"role": ..., "content": ...} dicts.', "messages"
         )
+    messages = [_joined_parts(m, i) for i, m in enumerate(messages)]
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in CHAT_ROLES:
@@ -110,8 +113,25 @@ def check_messages(messages: Any) -> Messages:
         content = message.get("content")
         if isinstance(content, str):
             check_text(content, f"messages[{i}].content")
-        elif not isinstance(content, list) and not (content is None and message.get("tool_calls")):
+        elif not (content is None and message.get("tool_calls")):
             raise InvalidRequestError(
                 f"messages[{i}].content must be text, got {type(content).__name__}.", f"messages[{i}].content"
             )
     return messages
+
+
+def _joined_parts(message: Any, index: int) -> Any:
+    """A message whose content is OpenAI's list of text parts, with that text as its content."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for j, part in enumerate(message["content"]):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(
+                f"messages[{index}].content[{j}] is {kind!r:.40}; only text parts "
+                '({"type": "text", "text": ...}) are supported.',
+                f"messages[{index}].content[{j}]",
+            )
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}

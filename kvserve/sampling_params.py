@@ -161,3 +161,17 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def checked_params(params: object, default: SamplingParams | None = None) -> SamplingParams:
+    """`params`, or `default` (SamplingParams()) for None; anything but a SamplingParams is an
+    InvalidRequestError (a dict, the class itself)."""
+    if params is None:
+        return default or SamplingParams()
+    if not isinstance(params, SamplingParams):
+        shown = "the SamplingParams class" if params is SamplingParams else f"a {type(params).__name__}"
+        raise InvalidRequestError(
+            f"params must be a SamplingParams, such as SamplingParams(max_tokens=64, temperature=0), got {shown}.",
+            "params",
+        )
+    return params

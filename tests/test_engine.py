@@ -10,6 +10,7 @@ import asyncio
 import gc
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -310,6 +311,51 @@ def test_invalid_input_is_a_typed_error_naming_the_field(llm):
         with pytest.raises(InvalidRequestError) as err:
             llm.chat(messages, SamplingParams(max_tokens=1))
         assert err.value.param == param, messages
+
+
+def test_every_mistake_in_the_python_api_is_a_typed_error_naming_its_argument(llm, tiny_model_dir, tmp_path):
+    """What an outside tester found raising AttributeError, TypeError, MemoryError or nothing at all:
+    each is an InvalidRequestError naming the argument, raised before anything loads or runs."""
+    for params in ({"max_tokens": 3}, 3, SamplingParams):  # a dict, a number, the class itself
+        with pytest.raises(InvalidRequestError, match="must be a SamplingParams") as err:
+            llm.generate("hi", params)
+        assert err.value.param == "params"
+    with pytest.raises(InvalidRequestError, match="one per prompt"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=1)])
+    one, two = SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=2, temperature=0)
+    assert [len(r.token_ids) for r in llm.generate(["a", "b"], [one, two])] == [1, 2]  # as vLLM takes them
+    assert llm.generate([np.int64(1), np.int64(2)], one).prompt_token_ids == [1, 2]  # one prompt, not two
+    for request_id in (None, 5):
+        with pytest.raises(InvalidRequestError, match="request_id must be a string"):
+            llm.abort(request_id)
+    with pytest.raises(InvalidRequestError, match="request_id must be a string"):
+        llm.stream("x", one, request_id=5)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
+    assert llm.chat(parts, one).token_ids == llm.chat([{"role": "user", "content": "Hi"}], one).token_ids
+    with pytest.raises(InvalidRequestError) as err:
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], one)
+    assert err.value.param == "messages[0].content[0]"
+    for messages in ("hi", ["hi"]):
+        with pytest.raises(InvalidRequestError) as err:
+            llm.session(messages=messages)
+    with pytest.raises(InvalidRequestError, match="ttl must be from"):
+        llm.session(ttl="x")
+    model = str(tiny_model_dir)
+    for kwargs, param in (
+        ({"max_sessions": "x"}, "max_sessions"),
+        ({"max_message_bytes": -1}, "max_message_bytes"),
+        ({"pipeline_parallel": 0}, "pipeline_parallel"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
+        ({"session_ttl": "x"}, "session_ttl"),
+        ({"session_db": 123}, "session_db"),
+        ({"kv_cache_tokens": 10**13}, "kv_cache_tokens"),  # more than any machine's memory: not a MemoryError
+    ):
+        with pytest.raises(InvalidRequestError) as err:
+            LLM(model, progress=False, **{"session_db": tmp_path / "s.db", **kwargs})
+        assert err.value.param == param, kwargs
+    with pytest.raises(InvalidRequestError) as err:
+        LLM(123)
+    assert err.value.param == "model"
 
 
 def test_a_failing_step_fails_only_its_requests(llm):

@@ -486,6 +486,18 @@ def test_a_second_close_waits_for_the_first(tiny_model_dir, tmp_path):
         close_all_and_check(again, [again.session(id=session_id)])
 
 
+def test_closing_a_session_twice_closes_it_once(llm):
+    """As LLM.close: `with llm.session() as s: s.close()` raised SessionNotFoundError at the block's end.
+    Another Session object of the same id still finds it gone."""
+    with llm.session(system="x") as session:
+        other = llm.session(id=session.id)
+        session.close()
+    session.close()
+    with pytest.raises(SessionNotFoundError):
+        other.close()
+    wait_idle_and_check(llm)
+
+
 def test_a_session_is_live_in_one_llm_of_a_process_at_a_time(tiny_model_dir, tmp_path):
     """Two LLMs of one process may share a store (they share its lock), but not a session: before,
     each took its own copy, their histories diverged, and a close in one broke the other's writes."""

@@ -15,7 +15,7 @@ from typing import Any
 from kvserve.engine.client import EngineClient
 from kvserve.errors import InvalidRequestError, check_text
 from kvserve.outputs import RequestOutput, StreamChunk
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, checked_params
 from kvserve.sessions.limits import check_text_bytes
 from kvserve.sessions.manager import SessionManager, SessionState, Turn
 
@@ -30,6 +30,7 @@ class Session:
         self._manager = manager  # lives on the engine thread: only touched through client.call / post
         self.id = session_id
         self.owner = owner
+        self._closed = False  # by this object's close()
 
     def _call(self, fn) -> Any:
         """Run fn(manager, state) on the engine thread, in order with this session's other calls."""
@@ -53,7 +54,7 @@ class Session:
         """(request id, start): `start(sink)` queues the turn, its chunks going to `sink`. `stream`
         and `astream` read the sink here; the engine process sends it to its front end. With
         `announce`, an empty chunk comes first, once the turn has started (its checks passed)."""
-        params = params or SamplingParams(max_tokens=256)
+        params = checked_params(params, SamplingParams(max_tokens=256))
         request_id = request_id or f"{self.id}-turn-{uuid.uuid4().hex[:8]}"
         manager, owner, sid = self._manager, self.owner, self.id
 
@@ -101,7 +102,10 @@ class Session:
         return self._call(lambda m, s: m.info(s))
 
     def close(self) -> None:
-        self._call(lambda m, s: m.close(s))
+        """End the session (its blocks freed, its rows deleted); closing it again here does nothing."""
+        if not self._closed:
+            self._call(lambda m, s: m.close(s))
+            self._closed = True
 
     def __enter__(self) -> Session:
         return self
