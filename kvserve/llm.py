@@ -71,11 +71,30 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if not isinstance(dtype, str):
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
         return dtype
-    if dtype not in DTYPES:
-        raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.", "dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r:.40}.", "dtype")
     return DTYPES[dtype]
+
+
+def _device(device: object) -> torch.device:
+    """The device asked for (None: a CUDA device where there is one, else the CPU), checked now."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        checked = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError, ValueError):
+        checked = None
+    if checked is None or checked.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r:.40}.", "device")
+    if checked.type == "cuda" and (not torch.cuda.is_available() or (checked.index or 0) >= torch.cuda.device_count()):
+        raise InvalidRequestError(
+            f"device {str(checked)!r} is not here: this torch sees {torch.cuda.device_count()} CUDA device(s); "
+            "use 'cpu', or leave device out.",
+            "device",
+        )
+    return checked
 
 
 def _kv_cache_dtype(name: str) -> torch.dtype | None:
@@ -298,7 +317,7 @@ class LLM:
             _check_size("max_model_len", max_model_len, 1)
         if max_num_batched_tokens is not None:
             _check_size("max_num_batched_tokens", max_num_batched_tokens, 1)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = _device(device)
         topology = pipeline or (Topology.from_settings(pipeline_parallel) if pipeline_parallel > 1 else None)
         if topology is not None and not topology.hosts_rank0:
             raise InvalidRequestError(

@@ -349,6 +349,10 @@ def test_every_mistake_in_the_python_api_is_a_typed_error_naming_its_argument(ll
         ({"session_ttl": "x"}, "session_ttl"),
         ({"session_db": 123}, "session_db"),
         ({"kv_cache_tokens": 10**13}, "kv_cache_tokens"),  # more than any machine's memory: not a MemoryError
+        ({"dtype": torch.int8}, "dtype"),
+        ({"dtype": 5}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"device": "cuda:99"}, "device"),  # none here, nor on a GPU machine
     ):
         with pytest.raises(InvalidRequestError) as err:
             LLM(model, progress=False, **{"session_db": tmp_path / "s.db", **kwargs})
