@@ -299,6 +299,15 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                 continue
             if not line.strip():
                 continue
+            history = [*session.info()["messages"], {"role": "user", "content": line}]
+            need, limit = len(llm.tokenizer.encode_chat(history)) + params.max_tokens, llm.config.max_model_len
+            if need > limit:  # refused before it is added: a message without room for its reply would stay
+                print(
+                    f"kvserve: this line and a reply of up to {params.max_tokens} tokens need {need} tokens, more than "
+                    f"the context of {limit}; it was not sent. /reset starts a new conversation.",
+                    file=sys.stderr,
+                )
+                continue
             try:
                 session.add_message("user", line)
                 for chunk in session.stream(params):

@@ -26,14 +26,15 @@ class RequestTextState:
     def add_token(self, token: int, is_last: bool) -> None:
         """Feed the request's newest token. Sets `stopped_by_string` if a stop string appeared."""
         request = self.request
+        before = len(self.text)
         if not (request.stop_reason == token and request.is_finished):  # a stop token adds no text
             self.text += self.detokenizer.add([token])
         if is_last and self.stopped_by_string is None:
             self.text += self.detokenizer.flush()
-        # as stop tokens are, stop strings are not looked for before min_tokens (vLLM's rule too)
+        # A stop string counts where it ends in this token's text (one wholly before was looked for then);
+        # as stop tokens are, stop strings are not looked for before min_tokens (vLLM's rules both).
         if self.stops and self.stopped_by_string is None and request.num_output_tokens >= request.params.min_tokens:
-            start = max(0, self.num_sent_chars - self.max_stop_len)
-            hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+            hits = [(i, s) for s in self.stops if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
             if hits:
                 index, stop = min(hits)
                 self.text = self.text[:index]

@@ -82,6 +82,7 @@ class RemoteLLM:
         self._timeout = settings.engine_timeout
         self._heard = time.monotonic()  # when the engine process last sent anything
         self._closing = False
+        self._loaded = False  # the engine process said it is ready
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
 
@@ -102,6 +103,7 @@ class RemoteLLM:
             message = pickle.loads(first.result())
             if message[0] == "failed":
                 raise EngineProcessError(message[1])
+            self._loaded = True
             info = message[1]
             self.model_path = Path(info["model_path"])
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, self.model_path)
@@ -201,7 +203,7 @@ class RemoteLLM:
     def close(self) -> None:
         """Ask the engine process to stop (it aborts what is left), wait for it, then kill it if it must."""
         self._closing = True
-        if self.process.is_alive() and self._reader is None:  # still loading: nothing to finish or to save
+        if self.process.is_alive() and not self._loaded:  # still loading: nothing to finish or to save
             self.process.kill()
             self.process.join(5)
         if self.process.is_alive():

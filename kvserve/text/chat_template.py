@@ -51,5 +51,5 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **kwargs},
             )
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:  # the template's code
+        except (jinja2.TemplateError, TypeError) as exc:  # TypeError: the template's code on a message it cannot read
             raise ChatTemplateError(f"The model's chat template failed on this conversation: {exc}") from exc
