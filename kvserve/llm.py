@@ -13,7 +13,7 @@ import numbers
 import os
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -224,10 +224,12 @@ class _ShutDown:
 
 def _request_ids(request_id: object) -> list[str]:
     """A request id or a list of them, as a list; anything else is an InvalidRequestError."""
-    ids = [request_id] if isinstance(request_id, str) else request_id
-    if not isinstance(ids, list | tuple | set) or not all(isinstance(i, str) for i in ids):
+    if isinstance(request_id, str):
+        return [request_id]
+    ids = list(request_id) if isinstance(request_id, Iterable) and not isinstance(request_id, bytes) else None
+    if ids is None or not all(isinstance(i, str) for i in ids):  # any iterable of them: a dict's keys too
         raise InvalidRequestError(f"request_id must be a string or a list of strings, got {request_id!r:.60}.")
-    return list(ids)
+    return ids
 
 
 def _open_store(session_db: str | os.PathLike[str] | bool | None) -> SessionStore | None:

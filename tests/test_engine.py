@@ -325,9 +325,10 @@ def test_every_mistake_in_the_python_api_is_a_typed_error_naming_its_argument(ll
     one, two = SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=2, temperature=0)
     assert [len(r.token_ids) for r in llm.generate(["a", "b"], [one, two])] == [1, 2]  # as vLLM takes them
     assert llm.generate([np.int64(1), np.int64(2)], one).prompt_token_ids == [1, 2]  # one prompt, not two
-    for request_id in (None, 5):
+    for request_id in (None, 5, [5], b"id"):
         with pytest.raises(InvalidRequestError, match="request_id must be a string"):
             llm.abort(request_id)
+    llm.abort({"gone": 1}.keys())  # any iterable of ids, as before
     with pytest.raises(InvalidRequestError, match="request_id must be a string"):
         llm.stream("x", one, request_id=5)
     parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
