@@ -37,7 +37,7 @@ from kvserve.pipeline.stage import StageSpec, build_stage
 from kvserve.pipeline.topology import Topology
 from kvserve.prompts import Messages, Prompt, RequestBuilder, check_messages
 from kvserve.sampling_params import SamplingParams
-from kvserve.sessions.limits import check_text_bytes, check_ttl
+from kvserve.sessions.limits import check_text_bytes
 from kvserve.sessions.manager import SessionManager
 from kvserve.sessions.session import Session
 from kvserve.sessions.status import session_holders
@@ -295,7 +295,6 @@ class LLM:
         ):
             if value is not None:
                 _check_size(name, value, 1)
-        check_ttl(session_ttl, "session_ttl")
         for name, value in (
             ("batch_invariant", batch_invariant),
             ("cuda_graphs", cuda_graphs),
