@@ -124,14 +124,18 @@ def _joined_parts(message: Any, index: int) -> Any:
     """A message whose content is OpenAI's list of text parts, with that text as its content."""
     if not isinstance(message, dict) or not isinstance(message.get("content"), list):
         return message
+    return {**message, "content": joined_text_parts(message["content"], index)}
+
+
+def joined_text_parts(parts: list, index: int) -> str:
+    """The text of messages[index]'s content given as OpenAI's parts; a part that is not text is refused."""
     texts = []
-    for j, part in enumerate(message["content"]):
+    for j, part in enumerate(parts):
         if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise InvalidRequestError(
-                f"messages[{index}].content[{j}] is {kind!r:.40}; only text parts "
-                '({"type": "text", "text": ...}) are supported.',
-                f"messages[{index}].content[{j}]",
+                f"messages[{index}].content[{j}] has type {kind!r}; only text parts are supported.",
+                f"messages[{index}].content[{j}].type",
             )
         texts.append(part["text"])
-    return {**message, "content": "".join(texts)}
+    return "".join(texts)

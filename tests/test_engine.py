@@ -335,7 +335,7 @@ def test_every_mistake_in_the_python_api_is_a_typed_error_naming_its_argument(ll
     assert llm.chat(parts, one).token_ids == llm.chat([{"role": "user", "content": "Hi"}], one).token_ids
     with pytest.raises(InvalidRequestError) as err:
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], one)
-    assert err.value.param == "messages[0].content[0]"
+    assert err.value.param == "messages[0].content[0].type"  # as the server names it
     for messages in ("hi", ["hi"]):
         with pytest.raises(InvalidRequestError) as err:
             llm.session(messages=messages)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
+from kvserve.prompts import joined_text_parts
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.structured_output import StructuredOutput
 from kvserve.text.tool_calls import ToolChoice
@@ -281,15 +282,7 @@ class ChatMessage(BaseModel):
             return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        texts = []
-        for j, part in enumerate(self.content):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise UnsupportedFieldError(
-                    f"messages[{index}].content[{j}] has type {part.get('type')!r}; only text parts are supported.",
-                    f"messages[{index}].content[{j}].type",
-                )
-            texts.append(part["text"])
-        return "".join(texts)
+        return joined_text_parts(self.content, index)
 
 
 class ChatCompletionRequest(_Base):
