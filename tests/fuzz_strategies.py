@@ -506,8 +506,8 @@ def check_error_object(body: Any) -> str | None:
         return "error.type is not a non-empty string"
     if error["param"] is not None and not isinstance(error["param"], str):
         return f"error.param is {type(error['param']).__name__}, not str or null"
-    if error["code"] is not None and (isinstance(error["code"], bool) or not isinstance(error["code"], (str, int))):
-        return f"error.code is {type(error['code']).__name__}, not str, int or null"
+    if error["code"] is not None and not isinstance(error["code"], str):
+        return f"error.code is {type(error['code']).__name__}, not str or null"
     return None
 
 

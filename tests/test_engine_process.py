@@ -165,7 +165,8 @@ def test_a_dead_engine_process_fails_requests_at_once_and_health_says_so(tiny_mo
         health = httpx.get(f"{base}/health")
         assert health.status_code == 503 and "exited with code -9" in health.json()["detail"]
         later = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
-        assert later.status_code == 503 and later.json()["error"]["type"] == "service_unavailable"
+        assert later.status_code == 503 and later.json()["error"]["type"] == "service_unavailable", later.text
+        assert later.json()["error"]["code"] == "engine_unavailable"
         chat = httpx.post(f"{base}/v1/sessions", json={})
         assert chat.status_code == 503
     assert engine.process.exitcode == -signal.SIGKILL

@@ -407,7 +407,9 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_closed(
             while chunk := sock.recv(65536):  # to the end: the server closes the connection
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-        assert b'"type":"timeout_error"' in answer.replace(b" ", b"")
+        assert b'"type":"timeout_error"' in answer.replace(b" ", b"") and b'"code":"request_timeout"' in answer.replace(
+            b" ", b""
+        )
         assert httpx.get(f"{base}/health").status_code == 200
 
 

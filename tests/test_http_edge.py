@@ -90,6 +90,7 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
     assert r.headers["content-type"].startswith("application/json"), r.text[:300]
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"] is None or isinstance(error["code"], str), error  # OpenAI's codes: strings or null
     if param is not None:
         assert error["param"] == param, error
     return error

@@ -39,6 +39,7 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
     assert r.headers["content-type"].startswith("application/json"), r.text[:300]
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"] is None or isinstance(error["code"], str), error  # OpenAI's codes: strings or null
     if param is not None:
         assert error["param"] == param, error
     return error
@@ -170,7 +171,7 @@ def test_when_the_engine_thread_dies_health_is_503_and_requests_fail_fast(tiny_m
         health = httpx.get(f"{url}/health")
         assert health.status_code == 503 and "engine thread died" in health.json()["detail"]
         after = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
-        assert assert_openai_error(after, 503)["type"] == "service_unavailable"
+        assert assert_openai_error(after, 503)["code"] == "engine_unavailable"
 
 
 # ----- 3. a request belongs to the key that sent it -------------------------------------------------

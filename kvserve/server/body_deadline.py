@@ -50,7 +50,7 @@ class BodyDeadlineMiddleware:
 
     async def _reject(self, send) -> None:
         message = f"The request body did not arrive within {self.timeout:g} s (--body-timeout); send it faster."
-        body = json.dumps(error_body(message, "timeout_error", code=408)).encode()
+        body = json.dumps(error_body(message, "timeout_error", code="request_timeout")).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

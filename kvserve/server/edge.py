@@ -34,7 +34,9 @@ class HTTPVersionMiddleware:
         version = scope.get("http_version", "1.1") if scope["type"] == "http" else "1.1"
         if not version.startswith("1."):
             message = f"HTTP/{version} is not supported; send HTTP/1.1 (or HTTP/1.0) requests."
-            return await send_error(send, 505, error_body(message, "invalid_request_error", code=505))
+            return await send_error(
+                send, 505, error_body(message, "invalid_request_error", code="http_version_not_supported")
+            )
         return await self.app(scope, receive, send)
 
 

@@ -52,7 +52,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, SessionStoreError):
             return respond(503, error_body(str(exc), "service_unavailable", code="session_store_error"))
         if isinstance(exc, EngineClosedError):
-            return respond(503, error_body(str(exc), "service_unavailable", code=503))
+            return respond(503, error_body(str(exc), "service_unavailable", code="engine_unavailable"))
         if isinstance(exc, EngineError):
             return respond(500, error_body(str(exc), "server_error"))
         return respond(400, error_body(str(exc), "invalid_request_error"))
@@ -72,7 +72,7 @@ def install_error_handlers(app: FastAPI) -> None:
         # A bug, not the client's mistake; still an OpenAI-shaped body, and the engine keeps serving.
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         message = f"The server failed on this request ({type(exc).__name__}); other requests are unaffected."
-        return respond(500, error_body(message, "server_error", code=500))
+        return respond(500, error_body(message, "server_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -87,7 +87,12 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405 and message == "Method Not Allowed":
             allowed = (exc.headers or {}).get("Allow", "another method")
             message = f"{route} is not a route; {request.url.path} takes {allowed}."
-        return respond(exc.status_code, error_body(message, kind, code=exc.status_code), exc.headers)  # 405's Allow
+        code = _HTTP_CODES.get(exc.status_code)
+        return respond(exc.status_code, error_body(message, kind, code=code), exc.headers)  # 405's Allow
+
+
+# OpenAI's error codes are strings or null; these name the router's and Starlette's own refusals.
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 def _validation_body(errors: list[dict]) -> dict:
@@ -151,7 +156,7 @@ class BodyLimitMiddleware:
                 f"The request body exceeds {self.max_bytes} bytes; send a smaller one (the server's limit is "
                 "--max-body-bytes).",
                 "invalid_request_error",
-                code=413,
+                code="body_too_large",
             )
         ).encode()
         await send(

@@ -325,5 +325,5 @@ def _stream_error(exc: KVServeError) -> dict:
     if isinstance(exc, ServerStoppingError):
         return error_body(str(exc), "service_unavailable", code="server_shutting_down")
     if isinstance(exc, EngineClosedError):
-        return error_body(str(exc), "service_unavailable", code=503)
+        return error_body(str(exc), "service_unavailable", code="engine_unavailable")
     return error_body(str(exc), "server_error" if isinstance(exc, EngineError) else "invalid_request_error")

@@ -107,7 +107,7 @@ class ServerState:
     def ready_llm(self) -> LLM | RemoteLLM:
         if self.llm is None:
             detail = f": {self.load_error}" if self.load_error else "; retry shortly"
-            raise APIError(503, f"The model is still loading{detail}.", "service_unavailable", code=503)
+            raise APIError(503, f"The model is still loading{detail}.", "service_unavailable", code="model_loading")
         return self.llm
 
 
