@@ -150,6 +150,12 @@ def _engine_config(
             "kv_cache_tokens",
         )
     num_blocks = max(1, kv_cache_tokens // block_size)
+    if max_num_seqs > num_blocks * block_size:  # each running sequence holds a token of the cache at least
+        raise InvalidRequestError(
+            f"max_num_seqs={max_num_seqs} is more sequences than the KV cache holds tokens "
+            f"({num_blocks * block_size}), so most could never run; lower it (64 is usual).",
+            "max_num_seqs",
+        )
     # A request must fit in the pool on its own, or preemption could never make room for it.
     longest = model_config.max_position_embeddings
     if max_model_len is not None and max_model_len > longest:  # asked for: refused, never lowered unsaid
