@@ -27,6 +27,7 @@ import pytest
 from kvserve import LLM
 from kvserve.errors import InvalidRequestError
 from kvserve.server.app import ServerSettings, create_app
+from kvserve.server.routes import openai as openai_routes
 from kvserve.sessions.limits import MAX_SESSION_TTL, MIN_SESSION_TTL
 from kvserve.sessions.manager import Turn
 from kvserve.sessions.store import SessionStore, SessionStoreError, key_owner
@@ -489,7 +490,7 @@ def test_errors_outside_the_fields_say_what_to_do(keyless):
         assert error["message"] == "The request body must be a JSON object of the request's fields.", error
 
 
-def test_other_sites_pages_may_call_the_api_only_when_allowed(llm, keyless):
+def test_other_sites_pages_may_call_the_api_only_when_allowed(llm, keyless, monkeypatch):
     """A browser lets another site's page read an answer only when the server says that site may
     (CORS). By default none may, so a page of any site the user opens cannot use the model or its
     sessions; `--allowed-origins` names those that may, `*` any."""
@@ -513,6 +514,16 @@ def test_other_sites_pages_may_call_the_api_only_when_allowed(llm, keyless):
         assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
         unauthorized = post(base, "completions", body, key=None, headers={"Origin": site})  # errors are readable too
         assert unauthorized.status_code == 401 and unauthorized.headers["access-control-allow-origin"] == site
+
+        def bug(name: str) -> dict:
+            raise RuntimeError("injected bug")
+
+        monkeypatch.setattr(openai_routes, "_model_object", bug)
+        failed = httpx.get(f"{base}/v1/models", headers={**auth("alice"), "Origin": site})  # a bug's 500 too
+        assert assert_openai_error(failed, 500)["type"] == "server_error" and "RuntimeError" in failed.text
+        assert failed.headers["access-control-allow-origin"] == site
+        monkeypatch.undo()
+        assert httpx.get(f"{base}/v1/models", headers=auth("alice")).status_code == 200
     with running_server(ServerSettings(served_model_name=MODEL, allowed_origins=("*",)), llm) as base:
         r = post(base, "completions", body, key=None, headers={"Origin": other})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"

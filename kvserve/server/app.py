@@ -21,7 +21,7 @@ from kvserve.server.body_deadline import BodyDeadlineMiddleware
 from kvserve.server.edge import HTTPVersionMiddleware, redact_access_log
 from kvserve.server.engine_client import RemoteLLM
 from kvserve.server.engine_process import build_llm
-from kvserve.server.errors import BodyLimitMiddleware, install_error_handlers
+from kvserve.server.errors import BodyLimitMiddleware, BugMiddleware, install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.routes import health, openai, page, sessions, status
 from kvserve.server.state import ServerSettings, ServerState, require_key
@@ -70,6 +70,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(BodyDeadlineMiddleware, timeout=settings.body_timeout)
     app.add_middleware(HTTPVersionMiddleware)
+    app.add_middleware(BugMiddleware)
     if settings.allowed_origins:  # outermost: every answer, an error or a refusal too, says who may read it
         app.add_middleware(
             CORSMiddleware,

@@ -67,12 +67,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def pydantic_validation(_: Request, exc: ValidationError) -> JSONResponse:
         return respond(400, _validation_body(exc.errors()))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # A bug, not the client's mistake; still an OpenAI-shaped body, and the engine keeps serving.
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        message = f"The server failed on this request ({type(exc).__name__}); other requests are unaffected."
-        return respond(500, error_body(message, "server_error"))
+    app.exception_handler(Exception)(unexpected)  # a bug in a middleware outside BugMiddleware
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -89,6 +84,38 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"{route} is not a route; {request.url.path} takes {allowed}."
         code = _HTTP_CODES.get(exc.status_code)
         return respond(exc.status_code, error_body(message, kind, code=code), exc.headers)  # 405's Allow
+
+
+async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """A bug, not the client's mistake; still an OpenAI-shaped body, and the engine keeps serving."""
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    message = f"The server failed on this request ({type(exc).__name__}); other requests are unaffected."
+    return JSONResponse(error_body(message, "server_error"), status_code=500)
+
+
+class BugMiddleware:
+    """A route's bug answered 500 here, inside the CORS middleware, so that a browser may read it too
+    (Starlette answers the exceptions nobody handled outside every middleware)."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:  # a stream cut mid-answer: nothing more can be said on it
+                raise
+            await (await unexpected(Request(scope), exc))(scope, receive, send)
 
 
 # OpenAI's error codes are strings or null; these name the router's and Starlette's own refusals.
