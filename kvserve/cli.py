@@ -711,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for value in vars(args).values():
         if isinstance(value, _BadEnvChoice):
-            parser.error(f"{value.env}={value.value!r} is not one of {', '.join(value.choices)}")
+            commands = parser._subparsers._group_actions[0].choices  # the command's usage, as its flag's error
+            commands[args.command].error(f"{value.env}={value.value!r} is not one of {', '.join(value.choices)}")
     if args.command == "serve":  # say at start-up how the weights are held (kvserve.weights)
         logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
         logging.getLogger("kvserve").setLevel(getattr(logging, args.log_level.upper()))

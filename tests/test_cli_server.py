@@ -286,7 +286,7 @@ def test_bad_settings_stop_serve_with_a_message_and_a_status_never_a_traceback(t
         (["--nnodes", "2", "--node-rank", "1"], {}, "--nnodes, --node-rank place this process in a pipeline"),
         ([], {"KVSERVE_BATCH_INVARIANT": "true"}, "KVSERVE_BATCH_INVARIANT='true' is not one of on, off"),
         ([], {"KVSERVE_ENGINE_PROCESS": "yes"}, "KVSERVE_ENGINE_PROCESS='yes' is not one of on, off"),
-        ([], {"KVSERVE_LOG_LEVEL": "bogus"}, "KVSERVE_LOG_LEVEL='bogus' is not one of"),
+        ([], {"KVSERVE_LOG_LEVEL": "bogus"}, "kvserve serve: error: KVSERVE_LOG_LEVEL='bogus' is not one of"),
         (["--api-key", "secret", "--api-key", ""], {}, "--api-key is empty"),
         (["--allowed-origins", "https://chat.example.com/app"], {}, "is not an origin"),
         ([], {"KVSERVE_ALLOWED_ORIGINS": "chat.example.com"}, "is not an origin"),
