@@ -34,7 +34,7 @@ _SCHEMAS = (
 # the schema lists properties of its own too.
 _PARTS = frozenset({"allOf", "not", "if", "then", "else", "dependentSchemas"})
 
-Rewrite = Callable[[dict[str, Any], bool], dict[str, Any]]  # (a schema, is it a part of another) -> schema
+Rewrite = Callable[[dict[str, Any], bool, str], dict[str, Any]]  # (a schema, is it a part, its path) -> schema
 
 
 def _walk(
@@ -63,7 +63,7 @@ def _walk(
     for key in _SCHEMAS:
         if key in node:
             node[key] = inner(node[key], key, key in _PARTS)
-    return rewrite(node, is_part)
+    return rewrite(node, is_part, path)
 
 
 def _escaped(name: str) -> str:
@@ -90,7 +90,7 @@ _ANNOTATIONS = frozenset(
 )
 
 
-def _close(node: dict[str, Any], is_part: bool) -> dict[str, Any]:
+def _close(node: dict[str, Any], is_part: bool, _: str) -> dict[str, Any]:
     properties = node.get("properties")
     if is_part or not isinstance(properties, dict):
         return node
@@ -106,22 +106,27 @@ def _close(node: dict[str, Any], is_part: bool) -> dict[str, Any]:
 
 def _referred_as_parts(schema: dict[str, Any]) -> frozenset[str]:
     """The references to be read as parts of another schema: from a part, or beside other keywords
-    (a definition extended there). Their definitions are then parts too, and what they refer to."""
-    found: frozenset[str] = frozenset()
-    refs: set[str] = set()
+    (a definition extended there). Their definitions are then parts too, and what they refer to:
+    one walk, then the references' chain (a walk per link was quadratic in a chain's length)."""
+    found: set[str] = set()
+    refers: dict[str, str] = {}  # a schema's path -> the reference it holds
 
-    def note(node: dict[str, Any], is_part: bool) -> dict[str, Any]:
+    def note(node: dict[str, Any], is_part: bool, path: str) -> dict[str, Any]:
         ref = node.get("$ref")
-        if isinstance(ref, str) and (is_part or any(key not in _ANNOTATIONS for key in node)):
-            refs.add(unquote(ref))  # "#/$defs/A%20B" names the path "#/$defs/A B"
+        if isinstance(ref, str):
+            refers[path] = unquote(ref)  # "#/$defs/A%20B" names the path "#/$defs/A B"
+            if is_part or any(key not in _ANNOTATIONS for key in node):
+                found.add(refers[path])
         return node
 
-    while True:
-        refs.update(found)
-        _walk(schema, note, parts=found)
-        if refs == found:
-            return found
-        found = frozenset(refs)
+    _walk(schema, note)
+    todo = list(found)
+    while todo:  # a part's own reference names a part too
+        ref = refers.get(todo.pop())
+        if ref is not None and ref not in found:
+            found.add(ref)
+            todo.append(ref)
+    return frozenset(found)
 
 
 def closed(schema: Any) -> Any:
@@ -138,7 +143,7 @@ def rebased(schema: Any, root: str) -> Any:
     """`schema` with each local reference ("#", "#/...") resolved from the JSON pointer `root` of
     the schema it is embedded in."""
 
-    def rebase(node: dict[str, Any], _: bool) -> dict[str, Any]:
+    def rebase(node: dict[str, Any], _: bool, __: str) -> dict[str, Any]:
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#"):
             return {**node, "$ref": "#" + root + ref[1:]}
@@ -150,10 +155,71 @@ def rebased(schema: Any, root: str) -> Any:
 def has_ref(schema: Any) -> bool:
     found = []
 
-    def note(node: dict[str, Any], _: bool) -> dict[str, Any]:
+    def note(node: dict[str, Any], _: bool, __: str) -> dict[str, Any]:
         if isinstance(node.get("$ref"), str):
             found.append(node)
         return node
 
     _walk(schema, note)
     return bool(found)
+
+
+MAX_DEPTH = 128  # a schema's JSON nesting the grammar engine reads (its JSON parser's recursion limit)
+
+
+def depth(value: Any) -> int:
+    """How deeply `value`'s objects and arrays nest (without recursion: a client's schema may nest
+    deeper than Python's stack)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, level = todo.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def inexact_number_bound(schema: Any) -> str | None:
+    """A sentence on the first number bound the grammar engine would not hold, or None. llguidance 1.9
+    lets through the excluded integer N of a range with no integer in it: `exclusiveMinimum` N >= 0
+    with every value below N + 1 allows "N" itself (and `exclusiveMaximum` N <= 0 with every value
+    above N - 1, "N", or "-0" for 0)."""
+    found: list[tuple[str, str]] = []  # (where, the excluded value it lets through)
+
+    def note(node: dict[str, Any], _: bool, path: str) -> dict[str, Any]:
+        kind = node.get("type")
+        if kind == "integer" or (isinstance(kind, list) and "number" not in kind):
+            return node  # integers are held exactly
+        low, low_excluded = _bound(node, "minimum", "exclusiveMinimum", max)
+        high, high_excluded = _bound(node, "maximum", "exclusiveMaximum", min)
+        if low is None or high is None:
+            return node
+        if low_excluded and float(low).is_integer() and low >= 0 and high < low + 1:
+            found.append((f"{path}: exclusiveMinimum {low:g} with a maximum below {low + 1:g}", f"{low:g}"))
+        elif high_excluded and float(high).is_integer() and high <= 0 and low > high - 1:
+            excluded = f"{high:g}" if high else "-0"
+            found.append((f"{path}: exclusiveMaximum {high:g} with a minimum above {high - 1:g}", excluded))
+        return node
+
+    _walk(schema, note)
+    if not found:
+        return None
+    where, excluded = found[0]
+    return (
+        f"{where} cannot be held exactly: kvserve's grammar engine would let {excluded} itself through; use "
+        "minimum or maximum a little inside the bound instead (0.000001 inside it, say)."
+    )
+
+
+def _bound(node: dict[str, Any], inclusive: str, exclusive: str, stricter: Callable) -> tuple[float | None, bool]:
+    """A schema's effective bound on one side from its two keywords: (value, excluded), or (None, False)."""
+    bounds = [
+        (node[key], key == exclusive)
+        for key in (inclusive, exclusive)
+        if isinstance(node.get(key), (int, float)) and not isinstance(node.get(key), bool)
+    ]
+    if not bounds:
+        return None, False
+    value = stricter(b for b, _ in bounds)
+    return value, any(excluded for b, excluded in bounds if b == value)

@@ -20,7 +20,7 @@ from typing import Any
 import llguidance
 
 from kvserve.errors import InvalidRequestError
-from kvserve.json_schemas import closed
+from kvserve.json_schemas import MAX_DEPTH, closed, depth, inexact_number_bound
 
 MAX_SCHEMA_BYTES = 64 << 10  # a schema's JSON text; bounds compile time (bench/results/structured.json)
 MAX_GRAMMAR_BYTES = 512 << 10  # a whole grammar (a tool list embeds each function's schema)
@@ -91,6 +91,8 @@ def json_schema_grammar(
             raise _too_large(len(schema), param, max_bytes)
         try:
             schema = json.loads(schema)
+        except RecursionError:
+            raise _too_deep(param) from None
         except ValueError as exc:
             raise InvalidRequestError(f"{param}: the schema is not valid JSON ({exc}).", param) from None
     if schema is True:
@@ -102,14 +104,29 @@ def json_schema_grammar(
             + ".",
             param,
         )
+    if depth(schema) > MAX_DEPTH:  # before anything walks it
+        raise _too_deep(param)
     text = json.dumps(schema, separators=(",", ":"))
     if len(text) > max_bytes:  # the client's schema, as sent
         raise _too_large(len(text), param, max_bytes)
+    problem = inexact_number_bound(schema)
+    if problem:
+        raise InvalidRequestError(f"{param}: {problem}", param)
     text = json.dumps(closed(schema), separators=(",", ":"))
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
     except ValueError as exc:
+        if "recursion limit" in str(exc):
+            raise _too_deep(param) from None
         raise InvalidRequestError(f"{param}: the schema cannot be used: {exc}.", param) from None
+
+
+def _too_deep(param: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{param}: the schema nests objects and arrays too deeply for the grammar engine (at most about "
+        f"{MAX_DEPTH} levels); flatten it (a recursive structure can refer to itself through $defs and $ref).",
+        param,
+    )
 
 
 def _too_large(size: int, param: str, max_bytes: int) -> InvalidRequestError:

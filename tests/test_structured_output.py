@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve import LLM, InvalidRequestError, SamplingParams
+from kvserve.errors import EngineError
 from kvserve.structured_output import StructuredOutput
 from tests.conftest import wait_idle_and_check
 from tests.test_batch_invariance import at_once
@@ -177,10 +178,45 @@ def test_a_grammar_that_fails_to_compile_fails_only_its_request(llm, monkeypatch
         raise RuntimeError("compiler bug")
 
     monkeypatch.setattr(grammars, "_compile", broken)
-    with pytest.raises(InvalidRequestError, match="cannot be compiled"):
+    with pytest.raises(InvalidRequestError, match="cannot be used"):
         llm.generate("x", constrained({**CITY, "title": "broken"}))
     monkeypatch.undo()
     assert llm.generate("x", SamplingParams(max_tokens=4, temperature=0)).finish_reason is not None
+
+
+PAST_THE_LIMITS = {  # each compiles, then passes the grammar engine's limits at its first token or "{"
+    "self-reference": {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"},
+    "700 optional properties": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(700)}},
+    "required recursion": {
+        "$defs": {"N": {"type": "object", "properties": {"c": {"$ref": "#/$defs/N"}}, "required": ["c"]}},
+        "$ref": "#/$defs/N",
+    },
+}
+
+
+@pytest.mark.parametrize("name", PAST_THE_LIMITS)
+def test_a_grammar_past_the_engines_limits_at_its_start_is_refused_before_any_output(llm, name):
+    """Refused as the request's own mistake (a 400 over HTTP), in a sentence rather than the grammar
+    engine's parser state (tens of KB), while a request beside it runs to its end."""
+    beside = llm.stream("x", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    with pytest.raises(InvalidRequestError, match="grammar cannot be used") as refused:
+        llm.generate("x", constrained(PAST_THE_LIMITS[name]))
+    assert refused.value.param == "response_format" and len(str(refused.value)) < 500, str(refused.value)
+    assert "<state>" not in str(refused.value)
+    assert sum(len(chunk.token_ids) for chunk in beside) == 12
+
+
+def test_a_grammar_failing_mid_answer_names_its_cause_in_one_line():
+    """Past the grammar engine's limits mid-answer: the request's own error (the schema must be simpler),
+    without the parser state llguidance appends; any other failure is the engine's."""
+    from kvserve.engine.grammar import grammar_failure
+
+    state = "\n<state>\n" + "x" * 50_000
+    limit = grammar_failure("Parser Error: Current row has 2799 items; max is 2000" + state, "tools")
+    assert isinstance(limit, InvalidRequestError) and limit.param == "tools" and "simplify" in str(limit)
+    assert "2799 items" in str(limit) and len(str(limit)) < 500
+    other = grammar_failure("token not allowed" + state, "response_format")
+    assert type(other) is EngineError and len(str(other)) < 500
 
 
 def test_preempted_constrained_requests_give_their_solo_outputs(tiny_model_dir, llm):
@@ -238,6 +274,16 @@ def test_logit_bias_bans_and_forces_tokens(llm):
         llm.generate("bias", SamplingParams(logit_bias={10**6: 1.0}))  # outside the vocabulary
 
 
+def _deep(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+DEEP = _deep(3000)
+
+
 @pytest.mark.parametrize(
     "schema, match",
     [
@@ -248,8 +294,30 @@ def test_logit_bias_bans_and_forces_tokens(llm):
         (False, "no output matches"),
         ("{not json", "not valid JSON"),
         ({"enum": ["x" * 1000] * 100}, "more than"),
+        (DEEP, "too deeply"),  # deeper than Python's stack: never a RecursionError
+        ('{"a":' * 2000 + "1" + "}" * 2000, "too deeply"),  # as text: deeper than json.loads goes
+        (
+            {"type": "number", "exclusiveMinimum": 2, "exclusiveMaximum": 2.5},
+            r"#: exclusiveMinimum 2 with a maximum below 3 .* let 2 itself",
+        ),
+        (
+            {"properties": {"x": {"exclusiveMinimum": -0.5, "exclusiveMaximum": 0}}},
+            "#/properties/x: exclusiveMaximum 0 .* let -0 itself",
+        ),
     ],
-    ids=["bad-type", "bad-pattern", "unsupported", "dangling-ref", "false", "not-json", "too-large"],
+    ids=[
+        "bad-type",
+        "bad-pattern",
+        "unsupported",
+        "dangling-ref",
+        "false",
+        "not-json",
+        "too-large",
+        "deep",
+        "deep-text",
+        "excluded-integer",
+        "excluded-minus-zero",
+    ],
 )
 def test_bad_schemas_are_refused_when_made(schema, match):
     with pytest.raises(InvalidRequestError, match=match):

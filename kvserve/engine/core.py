@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.burst import BurstGate
-from kvserve.engine.grammar import Grammars
+from kvserve.engine.grammar import Grammars, grammar_failure, grammar_param
 from kvserve.engine.hooks import EngineHooks
 from kvserve.engine.model_runner import RunnerOutput
 from kvserve.engine.output_processor import RequestTextState
@@ -333,7 +333,7 @@ class EngineCore:
             return  # finished meanwhile
         problem = request.grammar.take()
         if problem is not None:
-            error = InvalidRequestError(f"The request's grammar cannot be compiled: {problem}", "response_format")
+            error = InvalidRequestError(f"The request's grammar cannot be used: {problem}", grammar_param(request))
             self._fail([request.request_id], error)
 
     @property
@@ -371,8 +371,8 @@ class EngineCore:
             ids = {request_id for request_id, _ in failed}
             out.scheduled = [item for item in out.scheduled if item.request_id not in ids]
             for request_id, why in failed:
-                out.requests.pop(request_id, None)
-                self._fail([request_id], EngineError(f"The request's grammar failed: {why}"))
+                request = out.requests.pop(request_id, None)
+                self._fail([request_id], grammar_failure(why, grammar_param(request)))
         if out.is_empty:
             self._stalled = bool(self.in_flight)  # blocks wait for a step in flight: wait for its result
             return
@@ -443,8 +443,7 @@ class EngineCore:
         request ends. False (the request failed) if the grammar refused the token."""
         grammar = request.grammar
         if not grammar.accept(request.output_token_ids[-1]):
-            error = EngineError(f"The output left its grammar ({grammar.error}); the request cannot continue.")
-            self._fail([request.request_id], error)
+            self._fail([request.request_id], grammar_failure(grammar.error, grammar_param(request)))
             return False
         if grammar.is_finished:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)

@@ -15,6 +15,7 @@ A matcher goes with its request (`Request.grammar`), whichever way the request f
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -25,10 +26,44 @@ import llguidance
 import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.errors import EngineError, InvalidRequestError, KVServeError
 from kvserve.structured_output import StructuredOutput, parser_limits
 from kvserve.text.tokenizer import Tokenizer
 
 MAX_CACHED_GRAMMARS = 256
+
+
+class GrammarRefused(Exception):
+    """The grammar engine refuses a request's grammar before its first token (the message says why)."""
+
+
+def first_line(message: str, limit: int = 300) -> str:
+    """llguidance's error without the parser state it appends (tens of KB for a large grammar)."""
+    line = message.strip().split("\n", 1)[0] or "the grammar failed"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+_LIMITS = re.compile(r"limit|max is|too many|fuel", re.IGNORECASE)
+
+
+def grammar_failure(why: str, param: str) -> KVServeError:
+    """The error a request ends with when its grammar fails mid-answer: the request's own where its
+    grammar needs more than the grammar engine's limits (a 400's kind: the schema must be simpler),
+    else the engine's."""
+    line = first_line(why)
+    if _LIMITS.search(line):
+        return InvalidRequestError(
+            f"The output's grammar needs more work per token than the grammar engine allows ({line}); simplify "
+            "it: fewer optional properties, less nesting or recursion.",
+            param,
+        )
+    return EngineError(f"The request's grammar failed ({line}); the request cannot continue.")
+
+
+def grammar_param(request) -> str:
+    """The field a request's grammar came from: its tools' or its response_format's."""
+    spec = request.params.structured_output if request is not None else None
+    return "tools" if spec is not None and spec.kind == "tool_calls" else "response_format"
 
 
 class Grammar:
@@ -45,10 +80,10 @@ class Grammar:
         cannot be used, or None."""
         try:
             pristine = self.compiled.result(timeout=0)
+        except GrammarRefused as exc:
+            return str(exc)
         except Exception as exc:  # compiling raised (a bug of ours or the library's): the request fails
             return f"compiling its grammar failed ({exc!r})"
-        if pristine.is_error():
-            return pristine.get_error()
         self.matcher = pristine.deep_copy()
         self.is_ready = True
         return None
@@ -103,14 +138,32 @@ class Grammars:
 
     # ----- the pool's thread ---------------------------------------------------------------
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        """A pristine matcher of `grammar`, or GrammarRefused: where it fails to compile, or on its
+        first token or the tokens it forces (an object's "{"), the grammar engine's limits are past
+        before any output (a definition that only refers to itself, hundreds of optional properties,
+        a required recursion)."""
         started = time.perf_counter()
-        matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0, limits=parser_limits())
-        if matcher.is_error():  # not cached: the same text fails the same way, cheaply
-            with self._lock:
-                self._cache.pop(grammar, None)
-        self.num_compiled += 1
-        self.compile_seconds += time.perf_counter() - started
-        return matcher
+        try:
+            matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0, limits=parser_limits())
+            problem = matcher.get_error() if matcher.is_error() else self._first_steps_problem(matcher)
+            if problem:
+                with self._lock:  # not cached: the same text fails the same way, cheaply
+                    self._cache.pop(grammar, None)
+                raise GrammarRefused(first_line(problem))
+            return matcher
+        finally:
+            self.num_compiled += 1
+            self.compile_seconds += time.perf_counter() - started
+
+    def _first_steps_problem(self, pristine: llguidance.LLMatcher) -> str:
+        probe = pristine.deep_copy()
+        bitmask = torch.empty((1, self.num_words), dtype=torch.int32)
+        probe.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
+        if not probe.is_error():
+            forced = probe.compute_ff_tokens()
+            if forced and not probe.is_error():
+                probe.consume_tokens(forced)
+        return probe.get_error() if probe.is_error() else ""
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the vocabulary (every token's bytes), built once on first use (~0.2 s
