@@ -527,3 +527,34 @@ def test_other_sites_pages_may_call_the_api_only_when_allowed(llm, keyless, monk
     with running_server(ServerSettings(served_model_name=MODEL, allowed_origins=("*",)), llm) as base:
         r = post(base, "completions", body, key=None, headers={"Origin": other})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+@pytest.mark.parametrize("route, prepare", [("chat/completions", "_chat_jobs"), ("completions", "_completion_jobs")])
+def test_a_bodys_schemas_and_tokens_are_worked_out_off_the_event_loop(llm, keyless, monkeypatch, route, prepare):
+    """A 4 MiB body's prompt takes seconds to tokenize, its tools' schemas to check; done on the event
+    loop, every other client's stream stood still meanwhile. Here a body's preparation is held: the
+    server still answers others, then the held request completes."""
+    entered, release = threading.Event(), threading.Event()
+    original = getattr(openai_routes, prepare)
+
+    def held(*args):
+        entered.set()
+        assert release.wait(60)
+        return original(*args)
+
+    monkeypatch.setattr(openai_routes, prepare, held)
+    body = {
+        "model": MODEL,
+        "max_tokens": 2,
+        **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {"prompt": "hi"}),
+    }
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(post(keyless, route, body, key=None)))
+    worker.start()
+    try:
+        assert entered.wait(60)
+        assert httpx.get(f"{keyless}/health", timeout=30).status_code == 200  # the loop is free
+    finally:
+        release.set()
+        worker.join(60)
+    assert answers and answers[0].status_code == 200, answers

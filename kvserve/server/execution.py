@@ -40,12 +40,13 @@ async def handle(request: Request, owner, body_type, prepare, id_prefix: str, ki
     """Parse and check the body, admit its engine requests, build the choices' jobs (`prepare`), run."""
     state = server_state(request)
     llm = state.ready_llm()
-    body = body_type.model_validate(await read_json(request))
-    body.check_supported()
+    body = await asyncio.to_thread(_checked, body_type, await read_json(request))
     check_model(state, body.model)
     release = admit(state, body.num_requests())
     try:
-        jobs = prepare(llm, body)
+        # Schemas, tools, the chat template and the prompts' tokens, off the event loop: a 4 MiB body's
+        # take seconds, in which every other stream would stand still.
+        jobs = await asyncio.to_thread(prepare, llm, body)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         return await run(state, llm, request, owner, response_id, kind, body, jobs, chat, release)
     except InvalidRequestError as exc:
@@ -54,6 +55,12 @@ async def handle(request: Request, owner, body_type, prepare, id_prefix: str, ki
     except BaseException:
         release()
         raise
+
+
+def _checked(body_type, fields):
+    body = body_type.model_validate(fields)
+    body.check_supported()
+    return body
 
 
 def admit(state: ServerState, num_requests: int) -> Callable[[], None]:

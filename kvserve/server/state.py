@@ -162,6 +162,17 @@ async def read_json(request: Request) -> Any:
             code="unsupported_content_encoding",
         )
     raw = await request.body()
+    if len(raw) < OFF_THE_LOOP_BYTES:
+        return _parsed(raw)
+    return await asyncio.to_thread(_parsed, raw)
+
+
+# A body this large is parsed on a worker thread: 4 MiB of JSON holds the event loop, and every stream
+# on it, for tens of milliseconds.
+OFF_THE_LOOP_BYTES = 64 << 10
+
+
+def _parsed(raw: bytes) -> Any:
     try:
         body = json.loads(raw)
     except RecursionError:

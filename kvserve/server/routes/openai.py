@@ -69,8 +69,9 @@ def _completion_jobs(llm: LLM, body: CompletionRequest) -> list[Job]:
         echo = None
         if body.echo:
             echo = prompt if isinstance(prompt, str) else llm.tokenizer.decode(llm.encode_prompt(prompt))
+        prompt_ids = llm.encode_prompt(prompt)  # here, off the event loop (the engine request checks them again)
         for i in range(body.n):
-            jobs.append(Job(p_index, llm_stream(llm, prompt, with_seed(params, body.seed, i)), echo))
+            jobs.append(Job(p_index, llm_stream(llm, prompt_ids, with_seed(params, body.seed, i)), echo))
     return jobs
 
 
