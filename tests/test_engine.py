@@ -186,6 +186,30 @@ def test_a_loops_streams_are_woken_once_for_what_a_step_delivered():
     asyncio.run(main())
 
 
+def test_leaving_a_refused_duplicate_id_before_its_refusal_leaves_the_request_holding_the_id(llm):
+    """A second request of an id in use is refused; one whose stream is left (a cancelled task, a
+    timeout) before the refusal arrives aborted, by id, the first request instead."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+    async def main():
+        with StepGate(llm) as gate:
+            first = asyncio.create_task(llm.agenerate(prompt(1, 10), params, request_id="taken"))
+            await asyncio.to_thread(gate.entered.wait, 30)  # "taken" is running, held at a step
+            llm.pause("taken")  # applied after that step: it stays, unfinished, while the engine goes on
+            gate.open()
+        second = asyncio.create_task(llm.agenerate(prompt(2, 10), params, request_id="taken"))
+        await asyncio.sleep(0)  # it has sent its request, and waits for its first chunk
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        with pytest.raises(InvalidRequestError, match="already in use"):  # a thread's is refused the same way
+            await asyncio.to_thread(lambda: list(llm.stream(prompt(3, 10), params, request_id="taken")))
+        llm.pause("taken", paused=False)
+        return await first
+
+    assert asyncio.run(main()).finish_reason == "length"
+
+
 def test_async_stream_and_task_cancellation(llm):
     async def main():
         texts = [prompt(i, 10) for i in range(4)]

@@ -97,10 +97,11 @@ class EngineClient:
         return sink
 
     def stream(self, request: Request) -> Iterator[StreamChunk]:
-        return self.stream_with(request.request_id, lambda sink: self.engine.add(request, sink))
+        return self.stream_with(request.request_id, lambda sink: self.engine.add(request, sink), own=True)
 
-    def stream_with(self, request_id: str, start: Start) -> Iterator[StreamChunk]:
-        """Yield a request's chunks; `start(sink)` submits it. Leaving early aborts `request_id`."""
+    def stream_with(self, request_id: str, start: Start, own: bool = False) -> Iterator[StreamChunk]:
+        """Yield a request's chunks; `start(sink)` submits it. Leaving early aborts `request_id`; with
+        `own` (the request streams into this sink from its admission), only if it is this stream's."""
         sink = ThreadSink()
         start(sink)
         finished = False
@@ -113,16 +114,17 @@ class EngineClient:
             raise
         finally:
             if not finished:
-                self.abort([request_id])
+                self.engine.abort([request_id], sink if own else None)
 
     def astream(self, request: Request) -> AsyncIterator[StreamChunk]:
-        return self.astream_with(request.request_id, lambda sink: self.engine.add(request, sink))
+        return self.astream_with(request.request_id, lambda sink: self.engine.add(request, sink), own=True)
 
-    async def astream_with(self, request_id: str, start: Start) -> AsyncIterator[StreamChunk]:
+    async def astream_with(self, request_id: str, start: Start, own: bool = False) -> AsyncIterator[StreamChunk]:
         """asyncio twin of `stream_with`: `start(sink)` submits; leaving early aborts `request_id`."""
         sink = AsyncSink(asyncio.get_running_loop())
         start(sink)
-        async with contextlib.aclosing(read_chunks(sink.queue, lambda: self.abort([request_id]))) as stream:
+        abort = lambda: self.engine.abort([request_id], sink if own else None)  # noqa: E731
+        async with contextlib.aclosing(read_chunks(sink.queue, abort)) as stream:
             async for chunk in stream:
                 yield chunk
 

@@ -77,6 +77,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_ids: list[str]
+    sink: Sink | None = None  # only a request streaming into this sink (not another's of the same id)
 
 
 @dataclass
@@ -167,9 +168,11 @@ class EngineCore:
             raise EngineClosedError("The engine is closed; create a new LLM to submit requests.")
         self.inbox.put(_Add(request, sink))
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], sink: Sink | None = None) -> None:
+        """Abort these requests; with `sink`, only where it is the request's own (a stream left before
+        its refusal as a duplicate id arrived aborts nothing, not the request that holds the id)."""
         if not self.is_closed:
-            self.inbox.put(_Abort(list(request_ids)))
+            self.inbox.put(_Abort(list(request_ids), sink))
 
     def pause(self, request_ids: list[str], paused: bool = True) -> None:
         """Hold requests out of the batch (their reader is not keeping up) or let them back
@@ -300,7 +303,10 @@ class EngineCore:
         elif isinstance(message, _Add):
             self.admit(message.request, message.sink)
         elif isinstance(message, _Abort):
-            self._abort(message.request_ids, RequestStatus.FINISHED_ABORTED)
+            ids = message.request_ids
+            if message.sink is not None:
+                ids = [i for i in ids if (entry := self.states.get(i)) is not None and entry[1] is message.sink]
+            self._abort(ids, RequestStatus.FINISHED_ABORTED)
         elif isinstance(message, _Pause):
             self.scheduler.pause(message.request_ids, message.paused)
         elif isinstance(message, _GrammarReady):
