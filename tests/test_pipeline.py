@@ -490,3 +490,22 @@ def _healthy(base: str) -> bool:
         return httpx.get(f"{base}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_serve_with_its_engine_in_process_exits_1_when_a_stage_dies(tiny_model_dir, tmp_path):
+    """`--engine-process off`: the engine runs in the server's process; a lost stage stops it for good,
+    and the server exits with status 1 for a supervisor, as with the engine in a process of its own."""
+    port = free_port()
+    env = {**os.environ, "KVSERVE_SESSION_DB": str(tmp_path / "sessions.db")}
+    command = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir), "--dtype", "float32"]
+    command += ["--port", str(port), "--pipeline-parallel", "2", "--engine-process", "off", "--log-level", "warning"]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"))
+        (stage,) = wait_for(lambda: descendants(server.pid, b"pipeline.worker"))
+        os.kill(stage, signal.SIGKILL)
+        assert server.wait(60) == 1
+        log = server.stderr.read()
+        assert "pipeline stage 1" in log and "the server exits with status 1" in log, log
+    finally:
+        server.kill()

@@ -139,6 +139,7 @@ class EngineCore:
         self.steps_total = 0
         self.is_closed = False
         self.death: str | None = None  # why the engine thread stopped, if it did not stop on request
+        self.on_death: Callable[[str], None] | None = None  # told why, on the engine thread (serve exits 1)
         # Called on the engine thread after every loop turn, once that turn's outputs are in their sinks
         # (the engine process sends one message per turn from here: outputs batched per step).
         self.after_turn: list[Callable[[], None]] = []
@@ -275,6 +276,7 @@ class EngineCore:
             logger.exception("engine thread died")
             self.death = f"the engine thread died: {exc!r}"
             self._fail(list(self.states), EngineError("The engine thread died:\n" + traceback.format_exc()))
+            self._tell_death()
             raise
         finally:
             self.is_closed = True
@@ -296,6 +298,14 @@ class EngineCore:
             self.hooks.shutdown()
         everyone = list(dict.fromkeys([*self.scheduler.requests, *self.states]))  # queued or streaming, once each
         self._fail(everyone, EngineError(f"The engine stopped: {reason}."))
+        self._tell_death()
+
+    def _tell_death(self) -> None:
+        if self.on_death is not None:
+            try:
+                self.on_death(self.death)
+            except Exception:  # the listener's bug: the engine is stopping anyway
+                logger.exception("on_death failed")
 
     def _apply(self, message: Any) -> None:
         if isinstance(message, _StepDone):

@@ -95,6 +95,8 @@ async def _load(state: ServerState) -> None:
             loaded.on_death = lambda reason: state.on_fatal(reason) if state.on_fatal is not None else None
         else:
             loaded = await asyncio.to_thread(build_llm, settings)
+            # its engine stops for good (a lost pipeline stage, the engine thread's bug): as a dead process
+            loaded.engine.on_death = lambda reason: state.on_fatal(reason) if state.on_fatal is not None else None
             if state.on_loaded is not None:
                 try:
                     await asyncio.to_thread(state.on_loaded)
