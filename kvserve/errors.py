@@ -1,5 +1,12 @@
 """Typed errors a user can cause. Each message says what to do about it."""
 
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 class KVServeError(Exception):
     """Base class of every error kvserve raises on purpose."""
@@ -14,7 +21,7 @@ class ModelFetchError(KVServeError):
 
 
 class UnsupportedModelError(KVServeError):
-    """The model file is readable but describes an architecture or layout kvserve cannot run."""
+    """The model file describes an architecture or layout kvserve cannot run, or is damaged."""
 
 
 class UnsupportedTensorTypeError(UnsupportedModelError):
@@ -55,3 +62,26 @@ def check_text(text: str, param: str | None = None) -> str:
             param,
         ) from None
     return text
+
+
+def reads_model_files(fn: F) -> F:
+    """For a function that reads a model's files (a path among its arguments): any failure that is not
+    already a kvserve error (a damaged config.json, a truncated safetensors file, a tokenizer file that
+    does not parse, GGUF metadata that lacks a key) becomes an UnsupportedModelError naming the path
+    and the cause, never a traceback from inside a library."""
+
+    @functools.wraps(fn)
+    def reading(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (KVServeError, MemoryError):
+            raise
+        except Exception as exc:
+            path = next((a for a in (*args, *kwargs.values()) if isinstance(a, str | os.PathLike)), "The model")
+            cause = (str(exc).strip().split("\n", 1)[0] or "no detail")[:300]
+            raise UnsupportedModelError(
+                f"{path} cannot be loaded ({type(exc).__name__}: {cause}); its files are damaged, incomplete, or "
+                "disagree with its config.json or GGUF metadata. Fetch the model again, or fix those files."
+            ) from exc
+
+    return reading  # type: ignore[return-value]

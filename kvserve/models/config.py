@@ -28,6 +28,18 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -66,6 +78,13 @@ class ModelConfig:
                 f"Architecture {self.architecture!r} is not supported yet; kvserve runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}. Pick a model of a supported family."
             )
+        for name in _SIZES:
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:  # missing, zero, or a string where a number belongs
+                raise UnsupportedModelError(
+                    f"The model's {name} is {value!r}, where a positive whole number belongs: its config.json or "
+                    "GGUF metadata is incomplete or damaged. Fetch the model again, or fix that file."
+                )
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "

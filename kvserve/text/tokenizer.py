@@ -15,7 +15,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from kvserve.errors import UnsupportedModelError, check_text
+from kvserve.errors import UnsupportedModelError, check_text, reads_model_files
 from kvserve.text.chat_template import ChatTemplate
 from kvserve.text.sentencepiece import sentencepiece_backend
 from kvserve.weights.gguf_file import GGUFFile, open_gguf
@@ -143,6 +143,7 @@ class Tokenizer:
         )
 
     @classmethod
+    @reads_model_files
     def from_model_path(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         return cls.from_folder(path) if path.is_dir() else cls.from_gguf(path)

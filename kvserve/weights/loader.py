@@ -16,7 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
-from kvserve.errors import UnsupportedModelError
+from kvserve.errors import UnsupportedModelError, reads_model_files
 from kvserve.layers.gpu import (
     GpuInt4Linear,
     GpuInt8GroupLinear,
@@ -107,6 +107,7 @@ class _PendingLinear(nn.Module):
 
 
 @torch.inference_mode()
+@reads_model_files
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -174,6 +175,7 @@ def load_model(
     if f"{EMBEDDING}.weight" not in loaded and model.reads_embedding:
         missing.append(f"{EMBEDDING}.weight")
     if missing:
+        missing = [_numbered_in_the_model(model, name) for name in missing]  # a stage's layers from its first
         raise UnsupportedModelError(f"The checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}.")
     model.rotary.build(torch.device(device), checkpoint.rope_freq_factors())
     if uses_triton(device):
@@ -187,12 +189,25 @@ def load_model(
     return model
 
 
+def _numbered_in_the_model(model: nn.Module, name: str) -> str:
+    """A stage's tensor name with its layer numbered as in the whole model (stage_name's inverse)."""
+    if not name.startswith("layers."):
+        return name
+    _, index, rest = name.split(".", 2)
+    return f"layers.{int(index) + model.first_layer}.{rest}"
+
+
 def stage_name(model: nn.Module, name: str) -> str | None:
     """A checkpoint tensor's name in `model` (a pipeline stage numbers its layers from 0), or None
     where it belongs to another stage."""
     if name.startswith("layers."):
         _, index, rest = name.split(".", 2)
         layer = int(index)
+        if layer >= model.config.num_hidden_layers:  # never dropped unsaid: the model would be another
+            raise UnsupportedModelError(
+                f"The checkpoint has a layer {layer}, but its model has {model.config.num_hidden_layers} layers "
+                "(config.json's num_hidden_layers, GGUF's block_count); fix that, or fetch the model again."
+            )
         if not model.first_layer <= layer < model.end_layer:
             return None
         return f"layers.{layer - model.first_layer}.{rest}"
@@ -460,10 +475,12 @@ def weight_summary(model: nn.Module) -> dict[str, object]:
     return {"layers": forms, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
+@reads_model_files
 def load_config(path: str | Path) -> ModelConfig:
     return open_checkpoint(path).model_config()
 
 
+@reads_model_files
 def recommended_sampling(path: str | Path) -> dict[str, float]:
     """The sampling values a model file recommends (temperature, top_k, top_p, min_p), if any; for a
     registered model's file that recommends none, its model card's (registry.card_sampling)."""

@@ -35,6 +35,25 @@ _SANDWICH_NORMS = {
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
+def _checkpoint_files(path: Path) -> list[Path]:
+    """The checkpoint's files as transformers finds them: the shards its index names, else
+    model.safetensors, else every *.safetensors (a folder may also hold another format's copy of the
+    weights, Mistral's consolidated.safetensors, or a stale single file beside newer shards)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise UnsupportedModelError(f"{index} has no weight_map of tensor names to files; fix or remove it.")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise UnsupportedModelError(f"{index} names shards that are not in {path}: {missing[:3]}; fetch them.")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    return sorted(path.glob("*.safetensors"))
+
+
 class SafetensorsFolder:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -42,7 +61,7 @@ class SafetensorsFolder:
         if not config_path.is_file():
             raise UnsupportedModelError(f"{self.path} has no config.json; it is not a Hugging Face model folder.")
         self.hf_config = json.loads(config_path.read_text())
-        self.files = sorted(self.path.glob("*.safetensors"))
+        self.files = _checkpoint_files(self.path)
         if not self.files:
             raise UnsupportedModelError(
                 f"{self.path} has no *.safetensors files; save the model with safe_serialization=True."

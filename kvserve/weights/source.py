@@ -16,7 +16,7 @@ import torch
 
 from kvserve.layers.quantized import Int4Groups, int8_groups_from_float
 
-FLOAT_KINDS = ("F32", "F16", "BF16", "float32", "float16", "bfloat16")
+FLOAT_KINDS = ("F32", "F16", "BF16", "F64", "float32", "float16", "bfloat16", "float64")
 INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")
 
 

@@ -1,0 +1,108 @@
+"""Model folders as users have them: damaged ones are one UnsupportedModelError naming the file's
+problem (never a library's traceback: JSONDecodeError, KeyError, SafetensorError), and folders that
+hold more than one copy of the weights load the copy transformers would, giving the same tokens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import UnsupportedModelError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+PROMPT = [5, 6, 7, 8]
+
+
+def _edit_config(**changes) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        for name, value in changes.items():
+            if value is None:
+                config.pop(name)
+            else:
+                config[name] = value
+        (folder / "config.json").write_text(json.dumps(config))
+
+    return edit
+
+
+def _write(name: str, text: str) -> Callable[[Path], None]:
+    return lambda folder: (folder / name).write_text(text)
+
+
+def _truncate(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+
+DAMAGED = {
+    "config.json not JSON": (_write("config.json", "{not json"), "JSONDecodeError"),
+    "config.json a list": (_write("config.json", "[1, 2]"), "AttributeError"),
+    "no hidden_size": (_edit_config(hidden_size=None), "KeyError: 'hidden_size'"),
+    "zero heads": (_edit_config(num_attention_heads=0), "num_attention_heads is 0"),
+    "no context": (_edit_config(max_position_embeddings=0), "max_position_embeddings is 0"),
+    "fewer layers than the checkpoint": (_edit_config(num_hidden_layers=1), "has a layer 1, but its model has 1"),
+    "truncated safetensors": (_truncate, "SafetensorError"),
+    "tokenizer.json not JSON": (_write("tokenizer.json", "{1: 2}"), "key must be a string"),
+    "tokenizer_config.json not JSON": (_write("tokenizer_config.json", "{"), "JSONDecodeError"),
+}
+
+
+def _variant(tiny_model_dir: Path, tmp_path: Path, change: Callable[[Path], None]) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    change(folder)
+    return folder
+
+
+def _tokens(folder: Path) -> list[int]:
+    with LLM(str(folder), dtype="float32", kv_cache_tokens=1024, session_db=False, progress=False) as llm:
+        return llm.generate(PROMPT, GREEDY).token_ids
+
+
+@pytest.mark.parametrize("name", DAMAGED)
+def test_a_damaged_model_folder_is_one_typed_error_naming_its_problem(tiny_model_dir, tmp_path, name):
+    change, says = DAMAGED[name]
+    with pytest.raises(UnsupportedModelError, match=says) as refused:
+        _tokens(_variant(tiny_model_dir, tmp_path, change))
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 600
+
+
+def test_the_copy_of_the_weights_transformers_reads_is_the_one_loaded(tiny_model_dir, tmp_path):
+    """Mistral's repositories hold consolidated.safetensors beside model.safetensors; a folder resharded
+    in place keeps a stale model.safetensors beside the shards its index names. Both loaded every file
+    and were refused for tensors that have no place, or that come twice."""
+    expected = _tokens(tiny_model_dir)
+    weights = load_file(tiny_model_dir / "model.safetensors")
+
+    def consolidated(folder: Path) -> None:
+        save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, folder / "consolidated.safetensors")
+
+    def resharded(folder: Path) -> None:
+        names = sorted(weights)
+        halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for file, part in halves.items():
+            save_file({n: weights[n] for n in part}, folder / file, metadata={"format": "pt"})
+        weight_map = {n: file for file, part in halves.items() for n in part}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        save_file({"lm_head.weight": torch.zeros(3, 3)}, folder / "model.safetensors")  # stale, unlisted
+
+    for name, change in (("consolidated", consolidated), ("resharded", resharded)):
+        assert _tokens(_variant(tiny_model_dir, tmp_path / name, change)) == expected, name
+
+
+def test_float64_weights_are_float_weights(tiny_model_dir, tmp_path):
+    """float64 safetensors were taken for a quantized kind and rounded to int8 groups."""
+
+    def widen(folder: Path) -> None:
+        wide = {n: t.double() for n, t in load_file(folder / "model.safetensors").items()}
+        save_file(wide, folder / "model.safetensors", metadata={"format": "pt"})
+
+    assert _tokens(_variant(tiny_model_dir, tmp_path, widen)) == _tokens(tiny_model_dir)
