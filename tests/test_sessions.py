@@ -97,6 +97,38 @@ def test_r1_appends_during_a_turn_queue_behind_it_in_order(llm):
     close_all_and_check(llm, [s])
 
 
+def test_a_turn_aborted_while_queued_behind_another_ends_with_abort(llm):
+    """Aborted by id from elsewhere (the server's DELETE /v1/requests/{id}) while it waits behind the
+    running turn, a queued turn was dropped with nothing put in its stream: its caller waited for good."""
+    s = llm.session(system="sys")
+    s.add_message("user", "first")
+    with StepGate(llm) as gate:
+        running = s.stream(SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        first = []
+        runner = threading.Thread(target=lambda: first.extend(running))
+        runner.start()
+        assert gate.entered.wait(30)  # the first turn runs, held at a step
+        request_id, start = s.start_turn(GREEDY, False, "queued-turn")
+        posted = threading.Event()
+
+        def start_and_tell(sink) -> None:
+            start(sink)
+            posted.set()
+
+        queued = llm.client.stream_with(request_id, start_and_tell)
+        second = []
+        waiter = threading.Thread(target=lambda: second.extend(queued))
+        waiter.start()
+        assert posted.wait(30)  # queued behind the first turn once the engine reads its inbox, then:
+        llm.abort("queued-turn")
+        gate.open()
+    waiter.join(60)
+    runner.join(60)
+    assert not waiter.is_alive() and second[-1].finish_reason == "abort", second
+    assert first[-1].finish_reason == "length"
+    close_all_and_check(llm, [s])
+
+
 def test_a_fork_during_a_turn_is_refused_and_after_it_holds_the_turn(llm):
     """A fork copies the session, so it needs one that is not changing: during a turn (with a message
     queued behind it) it is refused with SessionBusyError, rather than copy a history that lacks what

@@ -29,7 +29,7 @@ from typing import Any
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.request import Request
 from kvserve.errors import EngineClosedError, InvalidRequestError, KVServeError
-from kvserve.outputs import StreamChunk
+from kvserve.outputs import StreamChunk, Usage
 from kvserve.sampling_params import SamplingParams
 from kvserve.sessions.limits import BYTES_PER_TOKEN, check_ttl
 from kvserve.sessions.store import SessionStore, SessionStoreError
@@ -337,13 +337,16 @@ class SessionManager:
         self._drain(state)
 
     def drop_pending(self, request_ids: set[str]) -> None:
-        """Forget turns that were aborted before they started (their caller has gone)."""
+        """Forget turns aborted before they started. Each ends as any aborted request does, with a last
+        chunk of finish_reason "abort": its caller may still wait (another connection's DELETE aborted it)."""
         if not request_ids:
             return
         for state in self.sessions.values():
-            kept = [op for op in state.pending if not (isinstance(op, Turn) and op.request_id in request_ids)]
-            if len(kept) != len(state.pending):
-                state.pending = deque(kept)
+            dropped = [op for op in state.pending if isinstance(op, Turn) and op.request_id in request_ids]
+            if dropped:
+                state.pending = deque(op for op in state.pending if all(op is not d for d in dropped))
+            for turn in dropped:
+                turn.sink.put(StreamChunk(turn.request_id, "", [], "abort", usage=Usage(0, 0)))
 
     def reclaim(self, num_blocks: int) -> None:
         """Memory pressure: unpin sessions, least recently used first, until enough is free. Idle ones
