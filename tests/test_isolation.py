@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -295,6 +296,26 @@ def test_a_version_1_store_is_migrated_and_its_owners_hashed(tmp_path):
     assert store.load("s1") == (owner, None, [("user", "hello", False)])
     store.close()
     assert SessionStore(path).load("s1")[0] == owner  # migrated once, then read as is
+
+
+def test_a_version_4_store_gains_each_sessions_last_write(tmp_path):
+    """Version 5 keeps when a session was last written (its TTL holds across restarts); a version 4
+    store's sessions count from the migration, so none expires at once."""
+    path = tmp_path / "v4.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(
+            "CREATE TABLE sessions (id TEXT PRIMARY KEY, owner TEXT, created REAL NOT NULL, ttl REAL);"
+            "CREATE TABLE messages (session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,"
+            " seq INTEGER NOT NULL, role TEXT NOT NULL, content TEXT NOT NULL, is_open INTEGER NOT NULL DEFAULT 0,"
+            " PRIMARY KEY (session_id, seq));"
+            "CREATE TABLE kvserve_schema (version INTEGER NOT NULL); INSERT INTO kvserve_schema VALUES (4);"
+            "INSERT INTO sessions VALUES ('s1', NULL, 0, 60);"
+            "INSERT INTO messages VALUES ('s1', 0, 'user', 'hello', 0);"
+        )
+    store = SessionStore(path)
+    assert store.load("s1") == (None, 60, [("user", "hello", False)])
+    assert store.expired(time.time()) == [] and store.expired(time.time() + 61) == ["s1"]
+    store.close()
 
 
 # ----- 8. keys: hashed owners, sessions per key bounded ---------------------------------------------

@@ -555,3 +555,32 @@ def test_a_session_is_live_in_one_llm_of_a_process_at_a_time(tiny_model_dir, tmp
         again.add_message("user", "and again")
         assert again.generate(GREEDY).finish_reason == "length"
         close_all_and_check(b, [again])
+
+
+def test_limits_and_ttls_hold_for_the_sessions_of_an_earlier_run(tiny_model_dir, tmp_path):
+    """Stored sessions count toward the limits after a restart (a key held twice its limit, and was
+    then refused even the close of a stored session), and one idle past its TTL while nobody had it
+    open is gone: when asked for, and from the store (it grew for good)."""
+    import sqlite3
+
+    db = tmp_path / "s.db"
+
+    def reopened(**options) -> LLM:
+        return LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=1024, session_db=db, progress=False, **options)
+
+    with reopened() as first:
+        kept = first.session(owner="alice").id
+        stale = first.session(owner="bob", ttl=60.0).id
+    with reopened(max_sessions_per_owner=1) as llm:
+        with pytest.raises(SessionLimitError):
+            llm.session(owner="alice")  # her stored session counts
+        llm.session(id=kept, owner="alice").close()  # opened and closed at the limit
+        llm.session(owner="alice").close()  # room again
+    with sqlite3.connect(db) as raw:
+        raw.execute("UPDATE sessions SET used = used - 61 WHERE id = ?", (stale,))  # its last write, 61 s ago
+    with reopened() as llm:
+        llm.engine.call(lambda: llm.sessions.tick(time.monotonic()))  # the store's sweep, at the latest now
+        with sqlite3.connect(db) as raw:
+            assert raw.execute("SELECT COUNT(*) FROM sessions WHERE id = ?", (stale,)).fetchone() == (0,)
+        with pytest.raises(SessionNotFoundError):
+            llm.session(id=stale, owner="bob")

@@ -35,6 +35,7 @@ from kvserve.sessions.limits import BYTES_PER_TOKEN, check_ttl
 from kvserve.sessions.store import SessionStore, SessionStoreError
 from kvserve.text.tokenizer import Tokenizer
 
+SWEEP_SECONDS = 60.0  # how often tick deletes the stored sessions past their TTL
 EAGER_HOLDBACK_TOKENS = 3  # tokens at the open end of streamed input that may still re-tokenize
 _SENTINEL = "\u2063kvserve-open-end\u2063"
 logger = logging.getLogger("kvserve.sessions.manager")
@@ -142,6 +143,7 @@ class SessionManager:
         self.sessions: dict[str, SessionState] = {}
         self.by_request: dict[str, str] = {}  # turn or prefill request id -> session id
         self._num_pinned: int | None = None  # num_pinned_blocks, until pins change
+        self._next_sweep = 0.0  # when tick next deletes the stored sessions past their TTL (monotonic)
 
     # ----- lifecycle ------------------------------------------------------------------------
     def create(
@@ -165,11 +167,12 @@ class SessionManager:
     def get(self, session_id: str, owner: str | None) -> SessionState:
         state = self.sessions.get(session_id)
         if state is None and self.store is not None:
+            if self.store.expired(time.time(), session_id):  # idle past its TTL while nobody had it open
+                self._delete_stored(session_id)
             loaded = self.store.load(session_id)
             if loaded is not None:
                 stored_owner, ttl, rows = loaded
-                if stored_owner == owner:
-                    self._check_room(owner)
+                if stored_owner == owner:  # already counted by the limits, as every stored session is
                     if not self.store.claim(session_id):  # else two live copies would write one history
                         raise SessionBusyError(
                             f"Session {session_id!r} is open in another LLM of this process, on the same session "
@@ -186,13 +189,19 @@ class SessionManager:
         return state
 
     def _check_room(self, owner: str | None) -> None:
-        if len(self.sessions) >= self.max_sessions:
+        """Room for one more session: the stored ones count (those of earlier runs too), else those here."""
+        total = self.store.count(everyone=True) if self.store is not None else len(self.sessions)
+        if total >= self.max_sessions:
             raise SessionLimitError(
-                f"There are already {self.max_sessions} sessions; close some (or raise max_sessions) first."
+                f"There are already {self.max_sessions} sessions; close some (or raise --max-sessions) first."
             )
         # Without API keys every caller is the one owner None, and the limit holds for it as for a key.
         limit = self.max_sessions_per_owner
-        if limit is not None and sum(s.owner == owner for s in self.sessions.values()) >= limit:
+        if self.store is not None:
+            held = self.store.count(owner) if limit is not None else 0
+        else:
+            held = sum(s.owner == owner for s in self.sessions.values())
+        if limit is not None and held >= limit:
             who = "This API key holds" if owner is not None else "Callers without an API key (no --api-key) hold"
             raise SessionLimitError(
                 f"{who} {limit} open sessions already, the most one key may hold; close some first."
@@ -363,16 +372,34 @@ class SessionManager:
             self._unpin(state)
 
     def wants_ticks(self) -> bool:
-        return bool(self.sessions)  # sessions alive: expire them even while the engine is idle
+        # sessions alive: expire them even while the engine is idle; and once, the store's from before
+        return bool(self.sessions) or (self.store is not None and self._next_sweep == 0.0)
 
     def tick(self, now: float) -> None:
-        """Close the sessions idle for longer than their TTL."""
+        """Close the sessions idle for longer than their TTL; every SWEEP_SECONDS, delete the stored
+        ones nobody has open whose last write is older than their TTL (those of earlier runs)."""
         for state in list(self.sessions.values()):
             if state.ttl is not None and not state.is_generating and now - state.last_used > state.ttl:
                 try:
                     self.close(state)
                 except SessionStoreError as exc:  # kept, and tried again next tick; /health reports the store
                     logger.debug("session %s expired but %s", state.session_id, exc)
+        if self.store is not None and now >= self._next_sweep:
+            self._next_sweep = now + SWEEP_SECONDS
+            try:
+                for session_id in self.store.expired(time.time() + now - time.monotonic()):
+                    if session_id not in self.sessions:
+                        self._delete_stored(session_id)
+            except SessionStoreError as exc:
+                logger.debug("stored sessions past their TTL stay: %s", exc)
+
+    def _delete_stored(self, session_id: str) -> None:
+        """Delete a stored session that is not open here, unless another LLM of this process has it."""
+        if self.store.claim(session_id):
+            try:
+                self.store.delete(session_id)
+            finally:
+                self.store.unclaim(session_id)
 
     # ----- queries --------------------------------------------------------------------------
     def info(self, state: SessionState) -> dict[str, Any]:

@@ -35,15 +35,16 @@ from kvserve.errors import KVServeError
 from kvserve.sessions import lock
 
 # 1: before the version table (owners stored as given); 2: owners are "sha256:" + the key's sha256;
-# 3: owners are key_owner's HMAC of that hash under the owner secret; 4: messages.is_open
-SCHEMA_VERSION = 4
+# 3: owners are key_owner's HMAC of that hash under the owner secret; 4: messages.is_open; 5: sessions.used
+SCHEMA_VERSION = 5
 OWNER_SECRET_BYTES = 32
 TABLES = """
 CREATE TABLE sessions (
     id TEXT PRIMARY KEY,
     owner TEXT,
     created REAL NOT NULL,
-    ttl REAL
+    ttl REAL,
+    used REAL
 );
 CREATE TABLE messages (
     session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
@@ -55,10 +56,11 @@ CREATE TABLE messages (
 );
 """
 COLUMNS = {
-    "sessions": ["id", "owner", "created", "ttl"],
+    "sessions": ["id", "owner", "created", "ttl", "used"],  # used: its last write (Unix time), for its TTL
     "messages": ["session_id", "seq", "role", "content", "is_open"],
 }
-COLUMNS_BEFORE_4 = {**COLUMNS, "messages": COLUMNS["messages"][:-1]}
+COLUMNS_BEFORE_5 = {**COLUMNS, "sessions": COLUMNS["sessions"][:-1]}
+COLUMNS_BEFORE_4 = {**COLUMNS_BEFORE_5, "messages": COLUMNS["messages"][:-1]}
 PROBE_BYTES = 8192  # the health probe's row: more than a page, so that it needs space the disk must have
 FILE_LIMIT_HEADROOM_PAGES = 4  # pages kept free below a file-size limit, for the log's frames to fit
 
@@ -175,7 +177,7 @@ class SessionStore:
             row = self._db.execute("SELECT version FROM kvserve_schema").fetchone()
             version = row[0] if row else 1
         layout = {name: [c[1] for c in self._db.execute(f"PRAGMA table_info({name})")] for name in COLUMNS}
-        expected = COLUMNS if version >= 4 else COLUMNS_BEFORE_4
+        expected = COLUMNS if version >= 5 else COLUMNS_BEFORE_5 if version == 4 else COLUMNS_BEFORE_4
         if layout != expected or not tables <= {*COLUMNS, "kvserve_schema"}:
             raise SessionStoreError(
                 f"{self.path} is an SQLite database but not a kvserve session store (tables: "
@@ -200,7 +202,8 @@ class SessionStore:
     def _migrate(self, version: int) -> None:
         """Version 1 stored the API key itself as a session's owner, version 2 its sha256; version 3
         stores key_owner's HMAC of that hash. Owners a Python caller gave (not hashes) stay as they are.
-        Version 4 marks a streamed user message that is still open (none in an older store)."""
+        Version 4 marks a streamed user message that is still open (none in an older store); version 5
+        keeps when each session was last written (an older store's count from the migration)."""
         with self._db:
             self._db.execute("BEGIN")
             owners = self._db.execute("SELECT id, owner FROM sessions WHERE owner IS NOT NULL").fetchall()
@@ -215,7 +218,10 @@ class SessionStore:
             else:
                 rehashed = []
             self._db.executemany("UPDATE sessions SET owner = ? WHERE id = ?", rehashed)
-            self._db.execute("ALTER TABLE messages ADD COLUMN is_open INTEGER NOT NULL DEFAULT 0")
+            if version < 4:
+                self._db.execute("ALTER TABLE messages ADD COLUMN is_open INTEGER NOT NULL DEFAULT 0")
+            self._db.execute("ALTER TABLE sessions ADD COLUMN used REAL")
+            self._db.execute("UPDATE sessions SET used = ?", (time.time(),))
             self._db.execute("CREATE TABLE IF NOT EXISTS kvserve_schema (version INTEGER NOT NULL)")
             self._db.execute("DELETE FROM kvserve_schema")
             self._db.execute("INSERT INTO kvserve_schema VALUES (?)", (SCHEMA_VERSION,))
@@ -230,9 +236,10 @@ class SessionStore:
             rows.append(("user", open_user, True))
 
         def write() -> None:
+            now = time.time()
             self._db.execute(
-                "INSERT INTO sessions (id, owner, created, ttl) VALUES (?, ?, ?, ?)",
-                (session_id, owner, time.time(), ttl),
+                "INSERT INTO sessions (id, owner, created, ttl, used) VALUES (?, ?, ?, ?, ?)",
+                (session_id, owner, now, ttl, now),
             )
             self._insert(session_id, 0, rows)
 
@@ -245,6 +252,7 @@ class SessionStore:
         def write() -> None:
             self._db.execute("DELETE FROM messages WHERE session_id = ? AND seq >= ?", (session_id, first_seq))
             self._insert(session_id, first_seq, rows)
+            self._db.execute("UPDATE sessions SET used = ? WHERE id = ?", (time.time(), session_id))
 
         self._write("store the session's messages", write)
 
@@ -276,6 +284,28 @@ class SessionStore:
                 ).fetchall()
         except sqlite3.Error as exc:
             raise self._failed("list the sessions", exc) from exc
+
+    def count(self, owner: str | None = None, everyone: bool = False) -> int:
+        """How many sessions are stored: `owner`'s, or with `everyone` all of them (the limits count
+        these, so that they hold across restarts)."""
+        where, args = ("", ()) if everyone else (" WHERE owner IS ?", (owner,))
+        try:
+            with self._lock:
+                return self._db.execute(f"SELECT COUNT(*) FROM sessions{where}", args).fetchone()[0]
+        except sqlite3.Error as exc:
+            raise self._failed("count the sessions", exc) from exc
+
+    def expired(self, now: float, session_id: str | None = None) -> list[str]:
+        """The sessions (or this one) idle past their TTL at Unix time `now`, by their last write."""
+        query = "SELECT id FROM sessions WHERE ttl IS NOT NULL AND COALESCE(used, created) + ttl < ?"
+        args: tuple = (now,)
+        if session_id is not None:
+            query, args = query + " AND id = ?", (now, session_id)
+        try:
+            with self._lock:
+                return [row[0] for row in self._db.execute(query, args)]
+        except sqlite3.Error as exc:
+            raise self._failed("find expired sessions", exc) from exc
 
     def delete(self, session_id: str) -> None:
         delete = lambda: self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))  # noqa: E731
