@@ -267,7 +267,7 @@ def test_a_live_request_id_is_refused_and_a_delete_aborts_once(keyed, llm):
 
 
 # ----- 14. session TTLs have a minimum and a maximum ------------------------------------------------
-@pytest.mark.parametrize("ttl", [5e-324, 1e-9, 0.5, MAX_SESSION_TTL * 2, 1e308])
+@pytest.mark.parametrize("ttl", [0, -5, 5e-324, 1e-9, 0.5, MAX_SESSION_TTL * 2, 1e308])
 def test_a_session_ttl_out_of_bounds_is_400_saying_the_bounds(keyed, ttl):
     error = assert_openai_error(post(keyed, "sessions", {"ttl": ttl}), 400, "ttl")
     assert "1 s" in error["message"] and "30 days" in error["message"]

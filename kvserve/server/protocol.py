@@ -343,7 +343,7 @@ class SessionCreateRequest(BaseModel):
     model: str | None = None
     system: str | None = None
     messages: list[ChatMessage] = Field(default_factory=list)
-    ttl: float | None = Field(default=None, gt=0)
+    ttl: float | None = None  # its bounds, 1 s to 30 days, checked (and said) by the session manager
 
     def conversation(self) -> list[dict[str, str]]:
         for i, m in enumerate(self.messages):
