@@ -261,6 +261,16 @@ def test_a_second_key_sees_no_text_of_the_firsts(page: Page, browser, process_se
     finally:
         context.close()
     wait_idle_and_check(llm, pinned=held_on_map(page))  # alice's sessions, as her map shows them
+    # The same page given the second key: the first key's event lines (its request ids) go too.
+    seen = set(page.locator("#events li").all_inner_texts())
+    page.click("#key-button")
+    page.fill("#api-key", "bob")
+    page.click("#key-submit")
+    expect(page.locator("#session-list li")).to_have_count(0)
+    expect(page.locator("#block-map .b[data-kind=other]").first).to_be_visible()  # the second key's view
+    assert not seen & set(page.locator("#events li").all_inner_texts())
+    html = page.content()
+    assert alice_session not in html, html[max(0, html.index(alice_session) - 300) : html.index(alice_session) + 100]
 
 
 def test_a_reply_stays_in_its_session_when_another_is_opened_while_it_streams(page: Page, thread_server):

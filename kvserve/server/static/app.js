@@ -94,6 +94,7 @@ $("#key-form").addEventListener("submit", (event) => {
   event.preventDefault();
   const key = $("#api-key").value.trim();
   if (key !== state.key && state.sessionId) showNoSession(); // another caller: the last key's conversation goes
+  if (key !== state.key) $("#events").replaceChildren(); // and the events its view named
   state.key = key;
   sessionStorage.setItem(KEY_STORAGE, state.key);
   $("#key-dialog").close();
