@@ -145,6 +145,11 @@ def _grammar_problem(grammar: str) -> str:
     if not is_error:
         return ""
     message = messages[0].strip() if messages else "the grammar is invalid"
+    if "coerce_one_of" in message:  # llguidance's advice names an option of its own, not the client's
+        return (
+            "oneOf is supported only where its alternatives cannot both match (llguidance cannot check that "
+            "one and only one does); use anyOf, or make the alternatives exclusive (a const or enum property each)."
+        )
     if "Unimplemented keys" in message or "Unknown format" in message:
         return f"this schema uses what kvserve's grammar engine does not support ({message}); remove it."
     if "limit" in message.lower() or "too" in message.lower():

@@ -360,6 +360,12 @@ BAD = [
         "response_format.json_schema",
     ),
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("chat", {"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),  # unknown
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "stric": True}}},
+        "response_format.json_schema.stric",
+    ),
     ("chat", {"response_format": {"type": "json_object"}, "stop": ["}"]}, "stop"),
     ("chat", {"tools": [WEATHER], "stop": ["}"]}, "stop"),  # auto, but the generic format's calls are a grammar's
     ("chat", {"response_format": {"type": "json_object"}, "tools": [WEATHER]}, "response_format"),

@@ -293,6 +293,7 @@ DEEP = _deep(3000)
         ({"$ref": "#/$defs/missing"}, "invalid"),
         (False, "no output matches"),
         ("{not json", "not valid JSON"),
+        ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "use anyOf"),  # not llguidance's option
         ({"enum": ["x" * 1000] * 100}, "more than"),
         (DEEP, "too deeply"),  # deeper than Python's stack: never a RecursionError
         ('{"a":' * 2000 + "1" + "}" * 2000, "too deeply"),  # as text: deeper than json.loads goes
@@ -312,6 +313,7 @@ DEEP = _deep(3000)
         "dangling-ref",
         "false",
         "not-json",
+        "one-of",
         "too-large",
         "deep",
         "deep-text",

@@ -111,6 +111,9 @@ class _Base(BaseModel):
     def structured_output(self) -> StructuredOutput | None:
         """The grammar response_format asks for (400 for a schema the grammar engine refuses)."""
         format_ = self.response_format or {"type": "text"}
+        _refuse_unknown(
+            format_, {"type", "json_schema"} if format_["type"] == "json_schema" else {"type"}, "response_format"
+        )
         if format_["type"] == "json_object":
             return StructuredOutput.json_object()
         if format_["type"] != "json_schema":
@@ -121,6 +124,7 @@ class _Base(BaseModel):
                 'response_format.json_schema must be {"name": ..., "schema": {...}, "strict": true}.',
                 "response_format.json_schema",
             )
+        _refuse_unknown(spec, {"name", "schema", "strict", "description"}, "response_format.json_schema")
         if not _FORMAT_NAME.match(spec["name"]):
             raise InvalidRequestError(
                 "response_format.json_schema.name must be 1-64 letters, digits, underscores or dashes.",
@@ -217,6 +221,16 @@ class CompletionRequest(_Base):
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
+
+
+def _refuse_unknown(fields: dict[str, Any], known: set[str], where: str) -> None:
+    """A field this object does not have is refused by name, as the body's own unknown fields are."""
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise InvalidRequestError(
+            f"{where}.{unknown[0]} is not a field of {where} here; it takes {', '.join(sorted(known))}.",
+            f"{where}.{unknown[0]}",
+        )
 
 
 def _is_token_id(value: Any) -> bool:
