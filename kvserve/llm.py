@@ -130,7 +130,7 @@ def _engine_config(
     max_model_len: int | None,
     max_num_batched_tokens: int | None,
     enable_prefix_caching: bool,
-    in_this_memory: bool = True,
+    num_stages: int | None = 1,
 ) -> EngineConfig:
     """The engine's sizes: the KV pool (1 GiB worth of tokens unless told) and the limits."""
     per_token = kv_cache_bytes_per_token(model_config, kv_cache_dtype)
@@ -142,11 +142,13 @@ def _engine_config(
                 "lower it (16 is usual), or set kv_cache_tokens.",
                 "block_size",
             )
-    memory = _memory_bytes() if in_this_memory else None
-    if memory is not None and kv_cache_tokens * per_token > memory:  # refused now, not as a MemoryError
+    memory = _memory_bytes() if num_stages else None
+    share = kv_cache_tokens * per_token / (num_stages or 1)  # a pipeline's stages hold a part each, at least
+    if memory is not None and share > memory:  # refused now, not as a MemoryError
+        where = f" per stage of {num_stages}" if num_stages and num_stages > 1 else ""
         raise InvalidRequestError(
-            f"kv_cache_tokens={kv_cache_tokens} needs {kv_cache_tokens * per_token / 2**30:.1f} GiB of KV cache, more "
-            f"than this machine's {memory / 2**30:.1f} GiB of memory; lower it.",
+            f"kv_cache_tokens={kv_cache_tokens} needs {share / 2**30:.1f} GiB of KV cache{where}, more than this "
+            f"machine's {memory / 2**30:.1f} GiB of memory; lower it.",
             "kv_cache_tokens",
         )
     num_blocks = max(1, kv_cache_tokens // block_size)
@@ -357,7 +359,8 @@ class LLM:
             max_model_len,
             max_num_batched_tokens,
             enable_prefix_caching,
-            self.device.type == "cpu" and topology is None,  # a pipeline's pool is split over its stages
+            # a pipeline's pool is split over its stages (on the CPU: a GPU's memory is not the machine's)
+            (topology.stages if topology is not None else 1) if self.device.type == "cpu" else None,
         )
         pool = BlockPool(self.config.num_kv_blocks, block_size, enable_prefix_caching)
         scheduler = Scheduler(

@@ -374,6 +374,7 @@ def test_every_mistake_in_the_python_api_is_a_typed_error_naming_its_argument(ll
         ({"session_ttl": "x"}, "session_ttl"),
         ({"session_db": 123}, "session_db"),
         ({"kv_cache_tokens": 10**13}, "kv_cache_tokens"),  # more than any machine's memory: not a MemoryError
+        ({"kv_cache_tokens": 10**13, "pipeline_parallel": 2}, "kv_cache_tokens"),  # nor split over two stages
         ({"max_num_seqs": 10**9}, "max_num_seqs"),  # its block table alone: 3.7 TiB at the first request
         ({"dtype": torch.int8}, "dtype"),
         ({"dtype": 5}, "dtype"),
