@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import pickle
 import signal
 import subprocess
@@ -509,3 +510,34 @@ def test_serve_with_its_engine_in_process_exits_1_when_a_stage_dies(tiny_model_d
         assert "pipeline stage 1" in log and "the server exits with status 1" in log, log
     finally:
         server.kill()
+
+
+def test_a_stage_whose_rank_0_is_stopped_exits(tiny_model_dir, tmp_path):
+    """Rank 0's process stopped (SIGSTOP) keeps the store the stages' watchdogs ask: each call waited
+    ten minutes (the store's meeting timeout), so a stage outlived its engine. Now a store that does
+    not answer within the stage timeout counts as rank 0 gone, and the stage exits."""
+    script = (
+        "import sys, time\n"
+        "from kvserve import LLM\n"
+        f"llm = LLM({str(tiny_model_dir)!r}, pipeline_parallel=2, session_db=False, **{OPTIONS!r})\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank0.stdout.readline().strip() == "ready"
+        (stage,) = descendants(rank0.pid, b"pipeline.worker")
+        os.kill(rank0.pid, signal.SIGSTOP)
+        wait_for(lambda: not _running(stage))  # within the stage timeout (5 s), not the store's 10 minutes
+    finally:
+        rank0.kill()
+        rank0.wait(30)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a stopped parent does not reap its exited child)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

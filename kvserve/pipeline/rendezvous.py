@@ -184,6 +184,7 @@ class Heartbeats:
     def __init__(self, topology: Topology, rank: int) -> None:
         self.rank = rank
         self.store = dist.PrefixStore("kvserve", _connect(topology, is_master=False))
+        self._rank0 = (-1, time.monotonic())  # rank 0's counter as this thread last saw it move, and when
         self._seen: dict[int, tuple[int, float]] = {}
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, name=f"kvserve-beat-{rank}", daemon=True)
@@ -193,8 +194,17 @@ class Heartbeats:
         while not self._stop.wait(BEAT_INTERVAL):
             try:
                 self.store.add(f"beat/{self.rank}", 1)
-            except Exception:  # the store is gone: stalled() says so to whoever watches
+                if self.rank != 0:  # read here: a store call can block for good (rank 0's process stopped)
+                    count = self.store.add("beat/0", 0)
+                    if count != self._rank0[0]:
+                        self._rank0 = (count, time.monotonic())
+            except Exception:  # the store is gone: stalled() and rank0_silence() say so to whoever watches
                 return
+
+    def rank0_silence(self) -> float:
+        """Seconds since this rank's beat thread last saw rank 0's counter move (its process gone,
+        stopped, or not beating), without a store call of the caller's own."""
+        return time.monotonic() - self._rank0[1]
 
     def stalled(self, ranks: list[int], timeout: float) -> tuple[int, float] | None:
         now = time.monotonic()

@@ -18,11 +18,11 @@ import time
 
 import torch
 
+from kvserve.errors import KVServeError
 from kvserve.pipeline import wire
 from kvserve.pipeline.deltas import Mirror
 from kvserve.pipeline.rendezvous import (
     Heartbeats,
-    PipelineError,
     identity,
     introduce,
     open_store,
@@ -60,7 +60,10 @@ def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = Fa
     last = rank == topology.stages - 1
     copies = Mirror(histories=last)  # each request's block table, and at the last stage its sampler's lists
     while True:
-        kind, plan, hidden = wire.recv(group, rank - 1, wire.TAG_DOWN)
+        try:
+            kind, plan, hidden = wire.recv(group, rank - 1, wire.TAG_DOWN)
+        except RuntimeError as exc:  # gloo's: the rank before is gone (rank 0 killed, say)
+            _gone(rank, exc)
         if kind == wire.Kind.SHUTDOWN:
             if last:
                 wire.send(group, 0, wire.TAG_BACK, wire.Kind.CLOSED)
@@ -93,14 +96,24 @@ def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = Fa
             wire.send(group, rank + 1, wire.TAG_DOWN, wire.Kind.STEP, plan, hidden if plan.error is None else None)
 
 
+def _gone(rank: int, exc: Exception) -> None:
+    """The pipeline's connections closed under this stage: one line, and out at once (the interpreter's
+    teardown under a thread still in gloo's C++ can abort the process)."""
+    cause = str(exc).strip().split("\n", 1)[0][:200]
+    logger.error("pipeline stage %d lost its connection to the rank before (%s); this stage exits", rank, cause)
+    logging.shutdown()
+    os._exit(1)
+
+
 def _watch_rank0(beats: Heartbeats, topology: Topology) -> None:
-    """Exit when rank 0 is gone (its store closes) or has not beaten for stage_timeout: a stage
-    without its engine must not linger. Ends once this stage stops beating: after the shutdown,
+    """Exit when rank 0 is gone (its store closes), stopped, or has not beaten for stage_timeout: a stage
+    without its engine must not linger. It reads what the beat thread saw, never the store itself, whose
+    calls wait for good on a stopped process. Ends once this stage stops beating: after the shutdown,
     rank 0 stops too, and this stage's own exit must not be taken for an orphan's."""
     while not beats.stopped(1.0):
-        stalled = beats.stalled([0], topology.stage_timeout)
-        if stalled is not None:
-            logger.error("rank 0 stopped answering (%.0f s); this pipeline stage exits", stalled[1])
+        silence = beats.rank0_silence()
+        if silence > topology.stage_timeout:
+            logger.error("rank 0 stopped answering (%.0f s); this pipeline stage exits", silence)
             os._exit(1)
 
 
@@ -124,7 +137,7 @@ def local_main() -> None:
     logging.basicConfig(level=log_level, format=f"%(levelname)s:     stage {rank}: %(message)s")
     try:
         run_rank(topology, rank, spec)
-    except PipelineError as exc:
+    except KVServeError as exc:  # refused, or its model's files (rank 0 says so too): one line, no traceback
         logger.error("%s", exc)
         raise SystemExit(2) from None
 
@@ -135,7 +148,7 @@ def run_node(topology: Topology, spec: StageSpec) -> int:
     if topology.torchrun_rank is not None:
         try:
             run_rank(topology, topology.torchrun_rank, spec, progress=True)
-        except PipelineError as exc:
+        except KVServeError as exc:
             logger.error("%s", exc)
             return 2
         return 0
