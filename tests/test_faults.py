@@ -248,9 +248,13 @@ def test_a_session_is_bounded_and_what_would_exceed_it_is_refused_and_not_applie
     r = httpx.post(f"{base}/v1/sessions", json={"system": "f" * 300})  # few bytes, too many tokens
     assert r.status_code == 400 and "max-session-tokens" in r.json()["error"]["message"]
     # A turn whose reply could take the session past its bound is refused too.
-    with pytest.raises(InvalidRequestError) as refused:
+    with pytest.raises(InvalidRequestError, match=r"lower max_tokens to at most \d+,") as refused:
         s.generate(SamplingParams(max_tokens=150, temperature=0))
     assert refused.value.param == "max_tokens"
+    room = int(str(refused.value).split("at most ")[1].split(",")[0])
+    s.append("g" * room)  # the conversation takes the whole bound
+    with pytest.raises(InvalidRequestError, match="no reply fits: start a new session"):  # max_tokens cannot help
+        s.generate(SamplingParams(max_tokens=2, temperature=0))
     s.close()
     wait_idle_and_check(llm)
 

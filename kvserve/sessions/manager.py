@@ -293,10 +293,16 @@ class SessionManager:
                 if self.max_session_tokens == self.max_model_len
                 else f"the session's limit of {self.max_session_tokens} (--max-session-tokens)"
             )
+            room = self.max_session_tokens - len(prompt_ids)  # what a reply may still take
+            advice = (
+                f"lower max_tokens to at most {room}, or start a new session"
+                if room > 0
+                else "no reply fits: start a new session"
+            )
             turn.sink.put(
                 InvalidRequestError(
                     f"The conversation has {len(prompt_ids)} tokens; with max_tokens={turn.params.max_tokens} it "
-                    f"exceeds {limit}. Start a new session or lower max_tokens.",
+                    f"exceeds {limit}: {advice}.",
                     "max_tokens",
                 )
             )
