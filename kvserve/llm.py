@@ -492,7 +492,8 @@ class LLM:
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> Iterator[StreamChunk]:
-        """Yield chunks as tokens are generated. Leaving the loop early aborts the request."""
+        """Yield chunks as tokens are generated. Leaving the loop early aborts the request (a stream
+        still held in a variable once left: when it is closed, `stream.close()`, or collected)."""
         return self.client.stream(self._make_request(prompt, params, request_id))
 
     def chat(self, messages: Messages, params: SamplingParams | None = None) -> RequestOutput:
@@ -504,7 +505,8 @@ class LLM:
     def astream(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> AsyncIterator[StreamChunk]:
-        """asyncio stream; cancelling the task or leaving the loop aborts the request.
+        """asyncio stream; cancelling the task or leaving the loop aborts the request (a stream still
+        held in a variable once left: when it is closed, `await stream.aclose()`, or collected).
 
         The prompt is validated now (raising InvalidRequestError); the request starts on first iteration.
         """
