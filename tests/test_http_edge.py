@@ -483,6 +483,8 @@ def test_errors_outside_the_fields_say_what_to_do(keyless):
     assert "POST /v1/embeddings" in missing["message"] and "/v1/models" in missing["message"]
     wrong = httpx.get(f"{keyless}/v1/chat/completions")
     assert "takes POST" in assert_openai_error(wrong, 405)["message"] and wrong.headers["allow"] == "POST"
+    wrong = httpx.put(f"{keyless}/v1/sessions/sess-x")  # two routes of this path: both named
+    assert "takes DELETE, GET" in assert_openai_error(wrong, 405)["message"] and wrong.headers["allow"] == "DELETE, GET"
     too_big = post(keyless, "completions", {"model": MODEL, "prompt": "x" * (5 << 20)}, key=None)
     assert "--max-body-bytes" in assert_openai_error(too_big, 413)["message"]
     for body in ([{"model": MODEL, "prompt": "x"}], '"just text"', "5"):

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, KVServeError
 from kvserve.server.protocol import error_body
@@ -79,11 +80,19 @@ def install_error_handlers(app: FastAPI) -> None:
                 f"There is no route {route}. kvserve serves GET /v1/models, POST /v1/completions, "
                 "POST /v1/chat/completions, /v1/sessions, /v1/requests, /health and /metrics."
             )
-        elif exc.status_code == 405 and message == "Method Not Allowed":
-            allowed = (exc.headers or {}).get("Allow", "another method")
+        headers = exc.headers
+        if exc.status_code == 405 and message == "Method Not Allowed":
+            # every route of this path, where Starlette's Allow names the first one's methods only
+            methods = [
+                method
+                for method in ("DELETE", "GET", "PATCH", "POST", "PUT")
+                if any(r.matches({**request.scope, "method": method})[0] == Match.FULL for r in request.app.routes)
+            ]
+            allowed = ", ".join(methods) or (exc.headers or {}).get("Allow", "another method")
+            headers = {**(exc.headers or {}), "Allow": allowed}
             message = f"{route} is not a route; {request.url.path} takes {allowed}."
         code = _HTTP_CODES.get(exc.status_code)
-        return respond(exc.status_code, error_body(message, kind, code=code), exc.headers)  # 405's Allow
+        return respond(exc.status_code, error_body(message, kind, code=code), headers)
 
 
 async def unexpected(request: Request, exc: Exception) -> JSONResponse:
