@@ -586,11 +586,11 @@ def build_parser() -> argparse.ArgumentParser:
         60.0,
         _above(0, float),
     )
-    _flag(p, "--max-sessions", "most open sessions; more get 429", 1024, _at_least(0, int))
+    _flag(p, "--max-sessions", "most sessions, stored ones included; more get 429", 1024, _at_least(0, int))
     _flag(
         p,
         "--max-sessions-per-key",
-        "most open sessions one API key may hold, more get 429; without --api-key all callers are one key "
+        "most sessions one API key may hold, stored ones included; more get 429; without --api-key all callers are one key "
         "and share this limit (0: no limit)",
         256,
         _at_least(0, int),

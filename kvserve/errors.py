@@ -74,9 +74,11 @@ def reads_model_files(fn: F) -> F:
     def reading(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (KVServeError, MemoryError):
+        except KVServeError:
             raise
         except Exception as exc:
+            if not _a_files_fault(exc):  # out of memory, a device's or compiler's error, a file not readable
+                raise
             path = next((a for a in (*args, *kwargs.values()) if isinstance(a, str | os.PathLike)), "The model")
             cause = (str(exc).strip().split("\n", 1)[0] or "no detail")[:300]
             raise UnsupportedModelError(
@@ -85,3 +87,16 @@ def reads_model_files(fn: F) -> F:
             ) from exc
 
     return reading  # type: ignore[return-value]
+
+
+# What a damaged or incomplete file raises while it is parsed: a JSON or struct decoder's error, a missing
+# key or a None where a number belongs, a view of the wrong size, safetensors' or tokenizers' own errors.
+_PARSING = (ValueError, KeyError, TypeError, AttributeError, IndexError, EOFError)
+
+
+def _a_files_fault(exc: Exception) -> bool:
+    if isinstance(exc, _PARSING) or type(exc).__name__ in ("SafetensorError", "error"):  # struct.error
+        return True
+    if type(exc) is Exception:  # tokenizers' parse errors are plain Exceptions
+        return True
+    return type(exc) is RuntimeError and str(exc).startswith("shape '")  # a tensor of the wrong size

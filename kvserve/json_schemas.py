@@ -195,9 +195,9 @@ def inexact_number_bound(schema: Any) -> str | None:
         high, high_excluded = _bound(node, "maximum", "exclusiveMaximum", min)
         if low is None or high is None:
             return node
-        if low_excluded and float(low).is_integer() and low >= 0 and high < low + 1:
+        if low_excluded and _is_whole(low) and low >= 0 and high < low + 1:
             found.append((f"{path}: exclusiveMinimum {low:g} with a maximum below {low + 1:g}", f"{low:g}"))
-        elif high_excluded and float(high).is_integer() and high <= 0 and low > high - 1:
+        elif high_excluded and _is_whole(high) and high <= 0 and low > high - 1:
             excluded = f"{high:g}" if high else "-0"
             found.append((f"{path}: exclusiveMaximum {high:g} with a minimum above {high - 1:g}", excluded))
         return node
@@ -210,6 +210,11 @@ def inexact_number_bound(schema: Any) -> str | None:
         f"{where} cannot be held exactly: kvserve's grammar engine would let {excluded} itself through; use "
         "minimum or maximum a little inside the bound instead (0.000001 inside it, say)."
     )
+
+
+def _is_whole(value: float) -> bool:
+    """Whether a bound is a whole number, without float() (a JSON integer may exceed a float's range)."""
+    return isinstance(value, int) or value.is_integer()
 
 
 def _bound(node: dict[str, Any], inclusive: str, exclusive: str, stricter: Callable) -> tuple[float | None, bool]:

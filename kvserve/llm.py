@@ -130,7 +130,7 @@ def _engine_config(
     max_model_len: int | None,
     max_num_batched_tokens: int | None,
     enable_prefix_caching: bool,
-    num_stages: int | None = 1,
+    host_share: float | None = 1.0,
 ) -> EngineConfig:
     """The engine's sizes: the KV pool (1 GiB worth of tokens unless told) and the limits."""
     per_token = kv_cache_bytes_per_token(model_config, kv_cache_dtype)
@@ -142,10 +142,10 @@ def _engine_config(
                 "lower it (16 is usual), or set kv_cache_tokens.",
                 "block_size",
             )
-    memory = _memory_bytes() if num_stages else None
-    share = kv_cache_tokens * per_token / (num_stages or 1)  # a pipeline's stages hold a part each, at least
+    memory = _memory_bytes() if host_share else None
+    share = kv_cache_tokens * per_token * (host_share or 1.0)  # a pipeline's: its stages on this host
     if memory is not None and share > memory:  # refused now, not as a MemoryError
-        where = f" per stage of {num_stages}" if num_stages and num_stages > 1 else ""
+        where = " on this host" if host_share != 1.0 else ""
         raise InvalidRequestError(
             f"kv_cache_tokens={kv_cache_tokens} needs {share / 2**30:.1f} GiB of KV cache{where}, more than this "
             f"machine's {memory / 2**30:.1f} GiB of memory; lower it.",
@@ -359,8 +359,10 @@ class LLM:
             max_model_len,
             max_num_batched_tokens,
             enable_prefix_caching,
-            # a pipeline's pool is split over its stages (on the CPU: a GPU's memory is not the machine's)
-            (topology.stages if topology is not None else 1) if self.device.type == "cpu" else None,
+            # a pipeline's pool is split over its stages, some on this host (on the CPU: a GPU's is not its memory)
+            (len(topology.local_ranks) / topology.stages if topology is not None else 1.0)
+            if self.device.type == "cpu"
+            else None,
         )
         pool = BlockPool(self.config.num_kv_blocks, block_size, enable_prefix_caching)
         scheduler = Scheduler(

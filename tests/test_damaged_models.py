@@ -106,3 +106,16 @@ def test_float64_weights_are_float_weights(tiny_model_dir, tmp_path):
         save_file(wide, folder / "model.safetensors", metadata={"format": "pt"})
 
     assert _tokens(_variant(tiny_model_dir, tmp_path, widen)) == _tokens(tiny_model_dir)
+
+
+def test_a_failure_that_is_not_the_files_is_not_called_damage(tiny_model_dir, monkeypatch):
+    """Out of memory (on a GPU, torch's OutOfMemoryError), a file that cannot be opened, a compiler's
+    error: raised as they are, never "its files are damaged, fetch the model again"."""
+    from kvserve.weights import loader
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(loader, "_materialize", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        loader.load_model(tiny_model_dir)

@@ -316,6 +316,19 @@ def test_a_version_4_store_gains_each_sessions_last_write(tmp_path):
     assert store.load("s1") == (None, 60, [("user", "hello", False)])
     assert store.expired(time.time()) == [] and store.expired(time.time() + 61) == ["s1"]
     store.close()
+    # A version 4 store whose keys' sessions lost their owner secret is refused, migration or not.
+    keyed = tmp_path / "v4-keyed.db"
+    with sqlite3.connect(keyed) as db:
+        db.executescript(
+            "CREATE TABLE sessions (id TEXT PRIMARY KEY, owner TEXT, created REAL NOT NULL, ttl REAL);"
+            "CREATE TABLE messages (session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,"
+            " seq INTEGER NOT NULL, role TEXT NOT NULL, content TEXT NOT NULL, is_open INTEGER NOT NULL DEFAULT 0,"
+            " PRIMARY KEY (session_id, seq));"
+            "CREATE TABLE kvserve_schema (version INTEGER NOT NULL); INSERT INTO kvserve_schema VALUES (4);"
+            "INSERT INTO sessions VALUES ('s1', 'hmac-sha256:abc', 0, NULL);"
+        )
+    with pytest.raises(SessionStoreError, match="owner secret"):
+        SessionStore(keyed)
 
 
 # ----- 8. keys: hashed owners, sessions per key bounded ---------------------------------------------

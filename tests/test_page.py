@@ -263,6 +263,7 @@ def test_a_second_key_sees_no_text_of_the_firsts(page: Page, browser, process_se
     wait_idle_and_check(llm, pinned=held_on_map(page))  # alice's sessions, as her map shows them
     # The same page given the second key: the first key's event lines (its request ids) go too.
     seen = set(page.locator("#events li").all_inner_texts())
+    assert seen  # the first key's lines, there to be dropped
     page.click("#key-button")
     page.fill("#api-key", "bob")
     page.click("#key-submit")

@@ -97,9 +97,12 @@ def test_r1_appends_during_a_turn_queue_behind_it_in_order(llm):
     close_all_and_check(llm, [s])
 
 
-def test_a_turn_aborted_while_queued_behind_another_ends_with_abort(llm):
+@pytest.mark.parametrize("announce", [False, True], ids=["library", "server"])
+def test_a_turn_aborted_while_queued_behind_another_ends_with_abort(llm, announce):
     """Aborted by id from elsewhere (the server's DELETE /v1/requests/{id}) while it waits behind the
-    running turn, a queued turn was dropped with nothing put in its stream: its caller waited for good."""
+    running turn, a queued turn was dropped with nothing put in its stream: its caller waited for good.
+    The server's turns announce their start with an empty first chunk, which the server takes for the
+    start: the abort must come after one there, or the stream had no end still."""
     s = llm.session(system="sys")
     s.add_message("user", "first")
     with StepGate(llm) as gate:
@@ -108,7 +111,7 @@ def test_a_turn_aborted_while_queued_behind_another_ends_with_abort(llm):
         runner = threading.Thread(target=lambda: first.extend(running))
         runner.start()
         assert gate.entered.wait(30)  # the first turn runs, held at a step
-        request_id, start = s.start_turn(GREEDY, False, "queued-turn")
+        request_id, start = s.start_turn(GREEDY, False, "queued-turn", announce)
         posted = threading.Event()
 
         def start_and_tell(sink) -> None:
@@ -125,6 +128,7 @@ def test_a_turn_aborted_while_queued_behind_another_ends_with_abort(llm):
     waiter.join(60)
     runner.join(60)
     assert not waiter.is_alive() and second[-1].finish_reason == "abort", second
+    assert [c.finish_reason for c in second] == ([None, "abort"] if announce else ["abort"]), second
     assert first[-1].finish_reason == "length"
     close_all_and_check(llm, [s])
 

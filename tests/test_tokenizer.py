@@ -207,3 +207,14 @@ def test_model_without_template_says_so(bundled_gguf):
     plain.chat_template = None
     with pytest.raises(UnsupportedModelError, match="no chat template"):
         plain.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_a_long_text_encodes_as_a_short_one_would(tokenizer):
+    """From LONG_TEXT characters a text is encoded in a batch of one, which lets go of the interpreter
+    lock (the server's event loop runs meanwhile): the same ids as encoding it whole."""
+    from kvserve.text.tokenizer import LONG_TEXT
+
+    text = "Ünïcode ✓ 日本語, and plain words with  spaces.\n" * (LONG_TEXT // 40 + 1)
+    assert len(text) >= LONG_TEXT
+    for special in (True, False):
+        assert tokenizer.encode(text, special) == tokenizer.backend.encode(text, add_special_tokens=special).ids

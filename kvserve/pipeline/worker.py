@@ -89,18 +89,21 @@ def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = Fa
                 logger.exception("pipeline stage %d failed on a step", rank)
                 plan.error = f"pipeline stage {rank} failed: {exc!r}"
         plan.stage_seconds.append(time.perf_counter() - started)
-        if last:
-            result = wire.StepResult(plan.ticket, output, plan.error, plan.stage_seconds)
-            wire.send(group, 0, wire.TAG_BACK, wire.Kind.RESULT, result)
-        else:
-            wire.send(group, rank + 1, wire.TAG_DOWN, wire.Kind.STEP, plan, hidden if plan.error is None else None)
+        try:
+            if last:
+                result = wire.StepResult(plan.ticket, output, plan.error, plan.stage_seconds)
+                wire.send(group, 0, wire.TAG_BACK, wire.Kind.RESULT, result)
+            else:
+                wire.send(group, rank + 1, wire.TAG_DOWN, wire.Kind.STEP, plan, hidden if plan.error is None else None)
+        except RuntimeError as exc:  # the rank it sends to is gone
+            _gone(rank, exc)
 
 
 def _gone(rank: int, exc: Exception) -> None:
     """The pipeline's connections closed under this stage: one line, and out at once (the interpreter's
     teardown under a thread still in gloo's C++ can abort the process)."""
     cause = str(exc).strip().split("\n", 1)[0][:200]
-    logger.error("pipeline stage %d lost its connection to the rank before (%s); this stage exits", rank, cause)
+    logger.error("pipeline stage %d lost its connection to another rank (%s); this stage exits", rank, cause)
     logging.shutdown()
     os._exit(1)
 

@@ -97,6 +97,8 @@ async def _load(state: ServerState) -> None:
             loaded = await asyncio.to_thread(build_llm, settings)
             # its engine stops for good (a lost pipeline stage, the engine thread's bug): as a dead process
             loaded.engine.on_death = lambda reason: state.on_fatal(reason) if state.on_fatal is not None else None
+            if loaded.engine.death is not None and state.on_fatal is not None:  # it died before being told
+                state.on_fatal(loaded.engine.death)
             if state.on_loaded is not None:
                 try:
                     await asyncio.to_thread(state.on_loaded)

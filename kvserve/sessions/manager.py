@@ -204,7 +204,7 @@ class SessionManager:
         if limit is not None and held >= limit:
             who = "This API key holds" if owner is not None else "Callers without an API key (no --api-key) hold"
             raise SessionLimitError(
-                f"{who} {limit} open sessions already, the most one key may hold; close some first."
+                f"{who} {limit} sessions already (stored ones included), the most one key may hold; close some first."
             )
 
     def close(self, state: SessionState) -> None:
@@ -361,6 +361,8 @@ class SessionManager:
             if dropped:
                 state.pending = deque(op for op in state.pending if all(op is not d for d in dropped))
             for turn in dropped:
+                if turn.announce:  # the server reads its first chunk as "started": the end must come after
+                    turn.sink.put(StreamChunk(turn.request_id, "", []))
                 turn.sink.put(StreamChunk(turn.request_id, "", [], "abort", usage=Usage(0, 0)))
 
     def reclaim(self, num_blocks: int) -> None:

@@ -190,14 +190,16 @@ class SessionStore:
                 f"{SCHEMA_VERSION}); upgrade kvserve or use another --session-db."
             )
         self.owner_secret, secret_created = owner_secret(self.secret_path)
-        if version < SCHEMA_VERSION:
-            self._migrate(version)
-        elif secret_created and self._db.execute("SELECT 1 FROM sessions WHERE owner LIKE 'hmac-sha256:%'").fetchone():
+        # From version 3 owners are keyed with the secret (1 and 2 are re-keyed by the migration below).
+        keyed = version >= 3 and self._db.execute("SELECT 1 FROM sessions WHERE owner LIKE 'hmac-sha256:%'").fetchone()
+        if secret_created and keyed:
             self.secret_path.unlink()  # a new secret would orphan every key's sessions: keep none
             raise SessionStoreError(
                 f"{self.path} holds sessions owned through API keys, but the owner secret beside it "
                 f"({self.secret_path}) is missing; restore it, or move the store away to start afresh."
             )
+        if version < SCHEMA_VERSION:
+            self._migrate(version)
 
     def _migrate(self, version: int) -> None:
         """Version 1 stored the API key itself as a session's owner, version 2 its sha256; version 3

@@ -61,6 +61,9 @@ def _byte_alphabet() -> dict[int, str]:
     return mapping
 
 
+LONG_TEXT = 16 << 10  # characters from which a text is encoded in a batch of one (see encode)
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -150,7 +153,12 @@ class Tokenizer:
 
     # ----- use ----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(check_text(text, "prompt"), add_special_tokens=add_special_tokens).ids
+        text = check_text(text, "prompt")
+        if len(text) < LONG_TEXT:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the interpreter lock while it works (encode holds it): a long prompt,
+        # tokenized on the server's worker thread, then does not stall the event loop's streams
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
