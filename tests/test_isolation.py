@@ -298,10 +298,7 @@ def test_a_version_1_store_is_migrated_and_its_owners_hashed(tmp_path):
     assert SessionStore(path).load("s1")[0] == owner  # migrated once, then read as is
 
 
-def test_a_version_4_store_gains_each_sessions_last_write(tmp_path):
-    """Version 5 keeps when a session was last written (its TTL holds across restarts); a version 4
-    store's sessions count from the migration, so none expires at once."""
-    path = tmp_path / "v4.db"
+def _version_4_store(path, owner: str | None) -> None:
     with sqlite3.connect(path) as db:
         db.executescript(
             "CREATE TABLE sessions (id TEXT PRIMARY KEY, owner TEXT, created REAL NOT NULL, ttl REAL);"
@@ -309,24 +306,23 @@ def test_a_version_4_store_gains_each_sessions_last_write(tmp_path):
             " seq INTEGER NOT NULL, role TEXT NOT NULL, content TEXT NOT NULL, is_open INTEGER NOT NULL DEFAULT 0,"
             " PRIMARY KEY (session_id, seq));"
             "CREATE TABLE kvserve_schema (version INTEGER NOT NULL); INSERT INTO kvserve_schema VALUES (4);"
-            "INSERT INTO sessions VALUES ('s1', NULL, 0, 60);"
             "INSERT INTO messages VALUES ('s1', 0, 'user', 'hello', 0);"
         )
+        db.execute("INSERT INTO sessions VALUES ('s1', ?, 0, 60)", (owner,))
+
+
+def test_a_version_4_store_gains_each_sessions_last_write(tmp_path):
+    """Version 5 keeps when a session was last written (its TTL holds across restarts); a version 4
+    store's sessions count from the migration, so none expires at once."""
+    path = tmp_path / "v4.db"
+    _version_4_store(path, None)
     store = SessionStore(path)
     assert store.load("s1") == (None, 60, [("user", "hello", False)])
     assert store.expired(time.time()) == [] and store.expired(time.time() + 61) == ["s1"]
     store.close()
     # A version 4 store whose keys' sessions lost their owner secret is refused, migration or not.
     keyed = tmp_path / "v4-keyed.db"
-    with sqlite3.connect(keyed) as db:
-        db.executescript(
-            "CREATE TABLE sessions (id TEXT PRIMARY KEY, owner TEXT, created REAL NOT NULL, ttl REAL);"
-            "CREATE TABLE messages (session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,"
-            " seq INTEGER NOT NULL, role TEXT NOT NULL, content TEXT NOT NULL, is_open INTEGER NOT NULL DEFAULT 0,"
-            " PRIMARY KEY (session_id, seq));"
-            "CREATE TABLE kvserve_schema (version INTEGER NOT NULL); INSERT INTO kvserve_schema VALUES (4);"
-            "INSERT INTO sessions VALUES ('s1', 'hmac-sha256:abc', 0, NULL);"
-        )
+    _version_4_store(keyed, "hmac-sha256:abc")
     with pytest.raises(SessionStoreError, match="owner secret"):
         SessionStore(keyed)
 
