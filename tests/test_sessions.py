@@ -575,16 +575,19 @@ def test_limits_and_ttls_hold_for_the_sessions_of_an_earlier_run(tiny_model_dir,
     with reopened() as first:
         kept = first.session(owner="alice").id
         stale = first.session(owner="bob", ttl=60.0).id
+        also_stale, fresh = first.session(owner="bob", ttl=60.0).id, first.session(owner="bob", ttl=60.0).id
     with reopened(max_sessions_per_owner=1) as llm:
         with pytest.raises(SessionLimitError):
             llm.session(owner="alice")  # her stored session counts
         llm.session(id=kept, owner="alice").close()  # opened and closed at the limit
         llm.session(owner="alice").close()  # room again
     with sqlite3.connect(db) as raw:
-        raw.execute("UPDATE sessions SET used = used - 61 WHERE id = ?", (stale,))  # its last write, 61 s ago
+        for old in (stale, also_stale):  # their last writes, 61 s ago: deleted together
+            raw.execute("UPDATE sessions SET used = used - 61 WHERE id = ?", (old,))
     with reopened() as llm:
         llm.engine.call(lambda: llm.sessions.tick(time.monotonic()))  # the store's sweep, at the latest now
         with sqlite3.connect(db) as raw:
-            assert raw.execute("SELECT COUNT(*) FROM sessions WHERE id = ?", (stale,)).fetchone() == (0,)
+            left = {row[0] for row in raw.execute("SELECT id FROM sessions WHERE owner = 'bob'")}
+            assert left == {fresh}, left
         with pytest.raises(SessionNotFoundError):
             llm.session(id=stale, owner="bob")

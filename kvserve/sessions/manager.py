@@ -168,7 +168,7 @@ class SessionManager:
         state = self.sessions.get(session_id)
         if state is None and self.store is not None:
             if self.store.expired(time.time(), session_id):  # idle past its TTL while nobody had it open
-                self._delete_stored(session_id)
+                self._delete_stored([session_id])
             loaded = self.store.load(session_id)
             if loaded is not None:
                 stored_owner, ttl, rows = loaded
@@ -395,18 +395,20 @@ class SessionManager:
         if self.store is not None and now >= self._next_sweep:
             self._next_sweep = now + SWEEP_SECONDS
             try:
-                for session_id in self.store.expired(time.time() + now - time.monotonic()):
-                    if session_id not in self.sessions:
-                        self._delete_stored(session_id)
+                expired = self.store.expired(time.time() + now - time.monotonic())
+                self._delete_stored([i for i in expired if i not in self.sessions])
             except SessionStoreError as exc:
                 logger.debug("stored sessions past their TTL stay: %s", exc)
 
-    def _delete_stored(self, session_id: str) -> None:
-        """Delete a stored session that is not open here, unless another LLM of this process has it."""
-        if self.store.claim(session_id):
-            try:
-                self.store.delete(session_id)
-            finally:
+    def _delete_stored(self, session_ids: list[str]) -> None:
+        """Delete stored sessions that are not open here, in one transaction, but for those another LLM
+        of this process has open."""
+        claimed = [i for i in session_ids if self.store.claim(i)]
+        try:
+            if claimed:
+                self.store.delete_many(claimed)
+        finally:
+            for session_id in claimed:
                 self.store.unclaim(session_id)
 
     # ----- queries --------------------------------------------------------------------------
