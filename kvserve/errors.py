@@ -64,6 +64,13 @@ def check_text(text: str, param: str | None = None) -> str:
     return text
 
 
+def first_line(message: str, empty: str, limit: int = 300) -> str:
+    """A library's error message cut to its first line and `limit` characters (`empty` when it has none):
+    the part a client can read, without the state some libraries append (tens of KB)."""
+    line = message.strip().split("\n", 1)[0] or empty
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def reads_model_files(fn: F) -> F:
     """For a function that reads a model's files (a path among its arguments): any failure that is not
     already a kvserve error (a damaged config.json, a truncated safetensors file, a tokenizer file that
@@ -80,7 +87,7 @@ def reads_model_files(fn: F) -> F:
             if not _a_files_fault(exc):  # out of memory, a device's or compiler's error, a file not readable
                 raise
             path = next((a for a in (*args, *kwargs.values()) if isinstance(a, str | os.PathLike)), "The model")
-            cause = (str(exc).strip().split("\n", 1)[0] or "no detail")[:300]
+            cause = first_line(str(exc), "no detail")
             raise UnsupportedModelError(
                 f"{path} cannot be loaded ({type(exc).__name__}: {cause}); its files are damaged, incomplete, or "
                 "disagree with its config.json or GGUF metadata. Fetch the model again, or fix those files."

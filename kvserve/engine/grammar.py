@@ -26,7 +26,7 @@ import llguidance
 import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.errors import EngineError, InvalidRequestError, KVServeError
+from kvserve.errors import EngineError, InvalidRequestError, KVServeError, first_line
 from kvserve.structured_output import StructuredOutput, parser_limits
 from kvserve.text.tokenizer import Tokenizer
 
@@ -37,12 +37,6 @@ class GrammarRefused(Exception):
     """The grammar engine refuses a request's grammar before its first token (the message says why)."""
 
 
-def first_line(message: str, limit: int = 300) -> str:
-    """llguidance's error without the parser state it appends (tens of KB for a large grammar)."""
-    line = message.strip().split("\n", 1)[0] or "the grammar failed"
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
 _LIMITS = re.compile(r"limit|max is|too many|fuel", re.IGNORECASE)
 
 
@@ -50,7 +44,7 @@ def grammar_failure(why: str, param: str) -> KVServeError:
     """The error a request ends with when its grammar fails mid-answer: the request's own where its
     grammar needs more than the grammar engine's limits (a 400's kind: the schema must be simpler),
     else the engine's."""
-    line = first_line(why)
+    line = first_line(why, "the grammar failed")  # without the parser state llguidance appends
     if _LIMITS.search(line):
         return InvalidRequestError(
             f"The output's grammar needs more work per token than the grammar engine allows ({line}); simplify "
@@ -149,7 +143,7 @@ class Grammars:
             if problem:
                 with self._lock:  # not cached: the same text fails the same way, cheaply
                     self._cache.pop(grammar, None)
-                raise GrammarRefused(first_line(problem))
+                raise GrammarRefused(first_line(problem, "the grammar failed"))
             return matcher
         finally:
             self.num_compiled += 1

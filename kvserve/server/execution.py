@@ -45,7 +45,7 @@ async def handle(request: Request, owner, body_type, prepare, id_prefix: str, ki
     release = admit(state, body.num_requests())
     try:
         # Schemas, tools, the chat template and the prompts' tokens, off the event loop: a 4 MiB body's
-        # take seconds, in which every other stream would stand still.
+        # take seconds. Tokenizing a long prompt lets go of the interpreter lock; validating a schema does not.
         jobs = await asyncio.to_thread(prepare, llm, body)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         return await run(state, llm, request, owner, response_id, kind, body, jobs, chat, release)
