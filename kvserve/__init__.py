@@ -29,7 +29,7 @@ from kvserve.errors import (
 from kvserve.llm import LLM
 from kvserve.outputs import RequestOutput, StreamChunk, Usage
 from kvserve.sampling_params import SamplingParams
-from kvserve.sessions.manager import SessionBusyError, SessionLimitError, SessionNotFoundError
+from kvserve.sessions.manager import SessionBusyError, SessionLimitError, SessionNotFoundError, SessionsOffError
 from kvserve.sessions.session import Session
 from kvserve.sessions.store import SessionStoreError
 from kvserve.structured_output import StructuredOutput
@@ -54,6 +54,7 @@ __all__ = [
     "SessionLimitError",
     "SessionNotFoundError",
     "SessionStoreError",
+    "SessionsOffError",
     "StreamChunk",
     "StructuredOutput",
     "Tokenizer",

@@ -586,7 +586,13 @@ def build_parser() -> argparse.ArgumentParser:
         60.0,
         _above(0, float),
     )
-    _flag(p, "--max-sessions", "most sessions, stored ones included; more get 429", 1024, _at_least(0, int))
+    _flag(
+        p,
+        "--max-sessions",
+        "most sessions, stored ones included; more get 429 (0: sessions off, opening one gets 403)",
+        1024,
+        _at_least(0, int),
+    )
     _flag(
         p,
         "--max-sessions-per-key",

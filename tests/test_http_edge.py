@@ -560,3 +560,15 @@ def test_a_bodys_schemas_and_tokens_are_worked_out_off_the_event_loop(llm, keyle
         release.set()
         worker.join(60)
     assert answers and answers[0].status_code == 200, answers
+
+
+def test_sessions_off_is_a_403_that_says_so(tiny_model_dir):
+    """--max-sessions 0 keeps no sessions: opening one is refused for good (403, no Retry-After), in a
+    sentence that names the flag, not "there are already 0 sessions" with a 429 to retry forever."""
+    with LLM(str(tiny_model_dir), dtype="float32", session_db=False, max_sessions=0, progress=False) as off:
+        with running_server(ServerSettings(served_model_name=MODEL), off) as base:
+            r = post(base, "sessions", {"system": "hi"}, key=None)
+            error = assert_openai_error(r, 403)
+            assert error["code"] == "sessions_off" and "--max-sessions 0" in error["message"]
+            assert "Retry-After" not in r.headers
+        wait_idle_and_check(off)

@@ -18,7 +18,7 @@ from starlette.routing import Match
 from kvserve.errors import EngineClosedError, EngineError, InvalidRequestError, KVServeError
 from kvserve.server.protocol import error_body
 from kvserve.server.state import APIError
-from kvserve.sessions.manager import SessionBusyError, SessionLimitError, SessionNotFoundError
+from kvserve.sessions.manager import SessionBusyError, SessionLimitError, SessionNotFoundError, SessionsOffError
 from kvserve.sessions.store import SessionStoreError
 
 logger = logging.getLogger("kvserve.server")
@@ -47,6 +47,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SessionLimitError)
     async def session_limit(_: Request, exc: SessionLimitError) -> JSONResponse:
         return respond(429, error_body(str(exc), "rate_limit_error", code="too_many_sessions"), {"Retry-After": "10"})
+
+    @app.exception_handler(SessionsOffError)
+    async def sessions_off(_: Request, exc: SessionsOffError) -> JSONResponse:
+        return respond(403, error_body(str(exc), "permission_error", code="sessions_off"))
 
     @app.exception_handler(KVServeError)
     async def kvserve_error(_: Request, exc: KVServeError) -> JSONResponse:

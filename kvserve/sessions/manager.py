@@ -53,6 +53,10 @@ class SessionLimitError(KVServeError):
     """The maximum number of sessions is reached; close or let some expire first."""
 
 
+class SessionsOffError(KVServeError):
+    """The engine was made to keep no sessions (max_sessions=0): no new one opens, whatever is closed."""
+
+
 @dataclass
 class Turn:
     request_id: str
@@ -190,6 +194,11 @@ class SessionManager:
 
     def _check_room(self, owner: str | None) -> None:
         """Room for one more session: the stored ones count (those of earlier runs too), else those here."""
+        if self.max_sessions == 0:
+            raise SessionsOffError(
+                "Sessions are off here (--max-sessions 0, or LLM(max_sessions=0)); send the whole conversation "
+                "to /v1/chat/completions (LLM.chat) instead, or start it with a --max-sessions above 0."
+            )
         total = self.store.count(everyone=True) if self.store is not None else len(self.sessions)
         if total >= self.max_sessions:
             raise SessionLimitError(
