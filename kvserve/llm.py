@@ -113,6 +113,17 @@ def _check_size(name: str, value: object, low: int, kind: type | tuple = int) ->
         raise InvalidRequestError(f"{name} must be {what} of at least {low}, got {value!r:.40}.", name)
 
 
+def _check_vocabularies(path: Path, tokenizer: Tokenizer, model_vocab: int) -> None:
+    """A tokenizer that gives ids the model has no row for (its chat template's tokens, say) would fail
+    every request that meets them, blamed on the request: refused at load, as llama.cpp refuses a GGUF
+    whose token list and embedding disagree. A tokenizer smaller than the model (padded rows) is fine."""
+    if tokenizer.vocab_size > model_vocab:
+        raise UnsupportedModelError(
+            f"{path}'s tokenizer has {tokenizer.vocab_size} tokens, but its model only {model_vocab} (vocab_size): "
+            "they do not belong together. Use the tokenizer files that came with these weights."
+        )
+
+
 def _memory_bytes() -> int | None:
     """The machine's memory (the KV pool lives in it on the CPU; a GPU's pool is checked as it is made)."""
     try:
@@ -349,6 +360,7 @@ class LLM:
         self.model_path: Path = Path(spec.model)
         model_config = load_config(self.model_path)
         self.tokenizer = Tokenizer.from_model_path(self.model_path)
+        _check_vocabularies(self.model_path, self.tokenizer, model_config.vocab_size)
         _ = self.tokenizer.token_bytes  # the detokenizer's table, built at load rather than on the first request
         self.config = _engine_config(
             model_config,

@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -52,6 +53,11 @@ DAMAGED = {
     "truncated safetensors": (_truncate, "SafetensorError"),
     "tokenizer.json not JSON": (_write("tokenizer.json", "{1: 2}"), "key must be a string"),
     "tokenizer_config.json not JSON": (_write("tokenizer_config.json", "{"), "JSONDecodeError"),
+    # every chat failed, its template's tokens blamed on the request: "Token id 257 is outside the vocabulary"
+    "tokenizer larger than the model": (
+        _edit_config(vocab_size=100),
+        r"tokenizer has \d+ tokens, but its model only 100",
+    ),
 }
 
 
@@ -119,3 +125,19 @@ def test_a_failure_that_is_not_the_files_is_not_called_damage(tiny_model_dir, mo
     monkeypatch.setattr(loader, "_materialize", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         loader.load_model(tiny_model_dir)
+
+
+def test_one_part_of_a_split_gguf_says_to_merge_the_parts(tmp_path):
+    """llama.cpp's gguf-split writes a model as several files; the first part said only that it lacked
+    tensors."""
+    path = tmp_path / "model-00001-of-00002.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint16("split.no", 0)
+    writer.add_uint16("split.count", 2)
+    writer.add_int32("split.tensors.count", 12)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=r"split into 2 files .* `llama-gguf-split --merge"):
+        LLM(str(path), session_db=False, progress=False)

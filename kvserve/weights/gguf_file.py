@@ -158,6 +158,12 @@ class GGUFFile:
         except (ValueError, KeyError, IndexError, struct.error, OSError) as exc:
             raise UnsupportedModelError(f"{self.path} is not a readable GGUF file: {exc}") from exc
         self._identity = (stat.st_mtime_ns, stat.st_size)
+        parts = self.get("split.count", 1)
+        if isinstance(parts, int) and parts > 1:  # llama.cpp's gguf-split: each file holds some tensors
+            raise UnsupportedModelError(
+                f"{self.path} is one part of a GGUF split into {parts} files (split.count), and kvserve "
+                "reads one file: merge them first (llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`)."
+            )
 
     def _parse(self, buf: mmap.mmap) -> None:
         if struct.unpack_from("<I", buf)[0] != GGUF_MAGIC:
