@@ -82,6 +82,9 @@ def test_session_turns_over_http_equal_stateless_chat(served, llm):
     assert info["messages"][-1] == {"role": "assistant", "content": text} and info["kv_blocks"] > 0
     metrics = httpx.get(f"{base}/metrics").text
     assert "kvserve_sessions_active" in metrics and "kvserve_session_kv_blocks" in metrics
+    # A fork takes no settings: a field it would ignore is refused by name (a ttl there silently did nothing).
+    refused = httpx.post(f"{base}/v1/sessions/{sid}/fork", json={"ttl": 5}, headers=h)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "ttl"
     fork = httpx.post(f"{base}/v1/sessions/{sid}/fork", headers=h).json()
     assert fork["id"] != sid and fork["messages"] == info["messages"]
     for session_id in (sid, fork["id"]):

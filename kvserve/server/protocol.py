@@ -373,6 +373,13 @@ class SessionCreateRequest(BaseModel):
         ]
 
 
+class SessionForkRequest(BaseModel):
+    """A fork's body, which may be empty: nothing to set but the model's name, checked as elsewhere."""
+
+    model_config = STRICT
+    model: str | None = None
+
+
 class SessionMessageRequest(BaseModel):
     model_config = STRICT
     role: Literal["system", "user", "assistant"]

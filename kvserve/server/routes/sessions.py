@@ -15,6 +15,7 @@ from kvserve.server.protocol import (
     SessionAppendRequest,
     SessionCompletionRequest,
     SessionCreateRequest,
+    SessionForkRequest,
     SessionMessageRequest,
 )
 from kvserve.server.state import authorize, check_model, read_json, server_state
@@ -65,6 +66,8 @@ async def append_to_session(session_id: str, request: Request, owner: str | None
 
 @router.post("/{session_id}/fork")
 async def fork_session(session_id: str, request: Request, owner: str | None = Depends(authorize)) -> dict:
+    if (await request.body()).strip():  # no body, or one whose fields are known (a field it ignored misled)
+        check_model(server_state(request), SessionForkRequest.model_validate(await read_json(request)).model)
     session = await _session(request, session_id, owner)
     child = await asyncio.to_thread(session.fork)
     return _session_object(await asyncio.to_thread(child.info))
