@@ -339,7 +339,11 @@ def _request_object(request_id: str, statuses: dict[str, dict[str, Any]], engine
     choices = [{"index": i, **statuses[eid]} for i, eid in enumerate(engine_ids) if eid in statuses]
     if not choices:
         raise APIError(
-            404, f"The request {request_id!r} ended too long ago to be known.", "not_found_error", "request_id"
+            404,
+            f"The engine does not know the request {request_id!r}: it ended too long ago, or was refused before it "
+            "started (its response was an error).",
+            "not_found_error",
+            "request_id",
         )
     first = choices[0]
     return {
