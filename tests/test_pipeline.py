@@ -493,21 +493,24 @@ def _healthy(base: str) -> bool:
         return False
 
 
-def test_serve_with_its_engine_in_process_exits_1_when_a_stage_dies(tiny_model_dir, tmp_path):
-    """`--engine-process off`: the engine runs in the server's process; a lost stage stops it for good,
-    and the server exits with status 1 for a supervisor, as with the engine in a process of its own."""
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_serve_exits_1_when_a_stage_dies_and_says_which(tiny_model_dir, tmp_path, engine_process):
+    """A lost stage stops the engine for good, and the server exits with status 1 for a supervisor,
+    saying why: with `--engine-process off` it did not exit at all, and with the engine in a process of
+    its own its reason was "the engine process exited with code 0"."""
     port = free_port()
     env = {**os.environ, "KVSERVE_SESSION_DB": str(tmp_path / "sessions.db")}
     command = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir), "--dtype", "float32"]
-    command += ["--port", str(port), "--pipeline-parallel", "2", "--engine-process", "off", "--log-level", "warning"]
+    command += ["--port", str(port), "--pipeline-parallel", "2", "--engine-process", engine_process]
+    command += ["--log-level", "warning"]
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"))
         (stage,) = wait_for(lambda: descendants(server.pid, b"pipeline.worker"))
         os.kill(stage, signal.SIGKILL)
         assert server.wait(60) == 1
-        log = server.stderr.read()
-        assert "pipeline stage 1" in log and "the server exits with status 1" in log, log
+        (fatal,) = [line for line in server.stderr.read().splitlines() if "the server exits with status 1" in line]
+        assert "pipeline stage 1" in fatal, fatal
     finally:
         server.kill()
 

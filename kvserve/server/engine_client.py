@@ -77,6 +77,9 @@ class RemoteLLM:
         self._call_ids = itertools.count()
         self._stats: dict[str, Any] = {}
         self.death: str | None = None
+        self._why_stopped: str | None = None  # what the engine process said before it exited
+        self._said_closed: asyncio.Event | None = None  # set when its last message ("closed") arrives
+        self._last_words: asyncio.Future | None = None  # waits for that message once the process has exited
         self.silence: str | None = None  # why the engine process counts as not answering, while it does
         self.on_death: Callable[[str], None] | None = None  # called once the process has died unasked
         self._timeout = settings.engine_timeout
@@ -116,7 +119,8 @@ class RemoteLLM:
             loop.remove_reader(self.process.sentinel)
             await asyncio.to_thread(self.close)
             raise
-        died.add_done_callback(lambda _: self._on_death())
+        self._said_closed = asyncio.Event()
+        died.add_done_callback(lambda _: self._exited())
         self._heard = time.monotonic()
         self._reader = asyncio.ensure_future(self._read())
         self._watcher = asyncio.ensure_future(self._watch())
@@ -261,6 +265,10 @@ class RemoteLLM:
                     queue.put_nowait(item)
             if stats is not None:
                 self._stats = stats
+        elif kind == "died":
+            self._why_stopped = message[1]
+        elif kind == "closed" and self._said_closed is not None:
+            self._said_closed.set()
         elif kind == "result":
             _, call_id, ok, value = message
             future = self._calls.get(call_id)
@@ -300,11 +308,28 @@ class RemoteLLM:
             if not future.done():
                 future.set_exception(EngineClosedError(f"The engine is not answering ({self.silence})."))
 
+    def _exited(self) -> None:
+        """The engine process exited. One that returned (code 0) sent its last messages first, a reason
+        among them: they are read (a second at most) before its death is declared with that reason."""
+        self.process.join(1)
+        if self.process.exitcode != 0 or self._closing or self._said_closed is None:
+            self._on_death()
+            return
+
+        async def after_its_last_message() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._said_closed.wait(), 1.0)
+            self._on_death()
+
+        self._last_words = asyncio.ensure_future(after_its_last_message())
+
     def _on_death(self) -> None:
         """The engine process exited: fail everything in flight now, and everything later."""
         self.process.join(1)
         code = self.process.exitcode
         self.death = f"the engine process exited with code {code}"
+        if self._why_stopped is not None:
+            self.death = f"the engine stopped ({self._why_stopped}) and its process exited"
         if not self._closing:
             logger.error("%s; every request in flight fails and /health answers 503", self.death)
         error = EngineError(f"The engine process died ({self.death}); this request was lost.")

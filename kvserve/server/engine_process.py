@@ -216,6 +216,7 @@ def _serve(llm: LLM, inbox: zmq.Socket, outbox: Outbox) -> None:
         while True:
             if engine.death is not None:  # a lost pipeline stage: for good; the front end exits too
                 logger.error("the engine stopped (%s); the engine process exits", engine.death)
+                outbox.send(("died", engine.death))  # the front end's requests and log say why, not "code 0"
                 return
             if not inbox.poll(1000):
                 if parent is not None and not parent.is_alive():
