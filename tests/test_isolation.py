@@ -281,6 +281,19 @@ def test_a_foreign_sqlite_file_is_refused_at_start_up(tmp_path, tiny_model_dir):
     assert serve.returncode == 2 and "not a kvserve session store" in serve.stderr
 
 
+def test_a_store_of_a_newer_kvserve_is_called_newer_whatever_its_tables(tmp_path):
+    """A later schema may add columns and tables: it was called "not a kvserve session store"."""
+    path = tmp_path / "newer.db"
+    SessionStore(path).close()
+    with sqlite3.connect(path) as db:
+        db.executescript(
+            "ALTER TABLE sessions ADD COLUMN title TEXT; CREATE TABLE attachments (id TEXT);"
+            "UPDATE kvserve_schema SET version = 6;"
+        )
+    with pytest.raises(SessionStoreError, match="written by a newer kvserve \\(schema 6, this one reads up to 5\\)"):
+        SessionStore(path)
+
+
 def test_a_version_1_store_is_migrated_and_its_owners_hashed(tmp_path):
     path = tmp_path / "v1.db"
     with sqlite3.connect(path) as db:  # the layout before the schema version existed

@@ -176,6 +176,11 @@ class SessionStore:
         ]:
             row = self._db.execute("SELECT version FROM kvserve_schema").fetchone()
             version = row[0] if row else 1
+        if version > SCHEMA_VERSION:
+            raise SessionStoreError(
+                f"{self.path} was written by a newer kvserve (schema {version}, this one reads up to "
+                f"{SCHEMA_VERSION}); upgrade kvserve or use another --session-db."
+            )
         layout = {name: [c[1] for c in self._db.execute(f"PRAGMA table_info({name})")] for name in COLUMNS}
         expected = COLUMNS if version >= 5 else COLUMNS_BEFORE_5 if version == 4 else COLUMNS_BEFORE_4
         if layout != expected or not tables <= {*COLUMNS, "kvserve_schema"}:
@@ -183,11 +188,6 @@ class SessionStore:
                 f"{self.path} is an SQLite database but not a kvserve session store (tables: "
                 f"{', '.join(sorted(tables))}); point --session-db (KVSERVE_SESSION_DB) at another file or move "
                 "this one away."
-            )
-        if version > SCHEMA_VERSION:
-            raise SessionStoreError(
-                f"{self.path} was written by a newer kvserve (schema {version}, this one reads up to "
-                f"{SCHEMA_VERSION}); upgrade kvserve or use another --session-db."
             )
         self.owner_secret, secret_created = owner_secret(self.secret_path)
         # From version 3 owners are keyed with the secret (1 and 2 are re-keyed by the migration below).
