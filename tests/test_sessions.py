@@ -3,6 +3,7 @@ persistence. Every test ends with the pool's integrity check and, once sessions 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
@@ -316,6 +317,57 @@ def test_text_that_is_not_a_string_is_refused_not_stored_as_its_repr(llm):
     assert err.value.param == "system"
     assert s.info()["messages"] == []  # nothing was stored
     s.close()
+
+
+def test_leaving_a_turn_aborts_that_turn_only(llm):
+    """A turn's stream left early (a cancelled task, a break) aborts that turn, found by its stream, not
+    by its id: a turn refused for an id another request holds, left before the refusal arrived, aborted
+    that request. A turn queued behind another in its session is still dropped by its stream."""
+    long = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    s = llm.session()
+    s.add_message("user", "hello")
+
+    async def left_before_its_refusal():
+        with StepGate(llm) as gate:
+            first = asyncio.create_task(llm.agenerate("a request that holds its id", long, request_id="taken"))
+            await asyncio.to_thread(gate.entered.wait, 30)
+            llm.pause("taken")  # applied after that step: it stays, unfinished, while the engine goes on
+            gate.open()
+        turn = asyncio.create_task(anext(s.astream(long, request_id="taken")))
+        await asyncio.sleep(0)  # it has posted its turn, and waits for its first chunk
+        turn.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await turn
+        with pytest.raises(InvalidRequestError, match="already in use"):  # what the turn was refused with
+            list(s.stream(long, request_id="taken"))
+        llm.pause("taken", paused=False)
+        return await first
+
+    assert asyncio.run(left_before_its_refusal()).finish_reason == "length"
+
+    async def left_while_queued():
+        async def whole(stream):
+            return [chunk async for chunk in stream]
+
+        with StepGate(llm) as gate:
+            first = asyncio.create_task(whole(s.astream(SamplingParams(max_tokens=60, ignore_eos=True))))
+            await asyncio.to_thread(gate.entered.wait, 30)  # the first turn runs, held at a step
+            message = asyncio.create_task(asyncio.to_thread(s.add_message, "user", "and then?"))
+            while not message.done():  # the engine takes calls between steps: a step at a time until it has
+                gate.allow(1)
+                await asyncio.sleep(0.05)
+            queued = asyncio.create_task(anext(s.astream(long)))  # it would answer "and then?" after the first
+            await asyncio.sleep(0)  # it has posted its turn, which the engine queues behind the first
+            queued.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            gate.open()
+        return await first
+
+    assert asyncio.run(left_while_queued())[-1].finish_reason == "length"
+    # the queued turn never ran: the message queued before it is the last
+    assert [m["role"] for m in s.info()["messages"]] == ["user", "assistant", "user"]
+    close_all_and_check(llm, [s])
 
 
 def test_limits_owner_and_ttl(tiny_model_dir):

@@ -101,7 +101,8 @@ class EngineClient:
 
     def stream_with(self, request_id: str, start: Start, own: bool = False) -> Iterator[StreamChunk]:
         """Yield a request's chunks; `start(sink)` submits it. Leaving early aborts `request_id`; with
-        `own` (the request streams into this sink from its admission), only if it is this stream's."""
+        `own` (the request, or the session turn waiting for its place, streams into this sink), only if
+        it is this stream's."""
         sink = ThreadSink()
         start(sink)
         finished = False

@@ -80,6 +80,11 @@ class _Abort:
     sink: Sink | None = None  # only a request streaming into this sink (not another's of the same id)
 
 
+def _streams_into(held: Sink, sink: Sink) -> bool:
+    """Whether a request's sink is `sink`, or wraps it (a session turn's reply sink)."""
+    return held is sink or getattr(held, "wraps", None) is sink
+
+
 @dataclass
 class _Pause:
     request_ids: list[str]
@@ -313,10 +318,12 @@ class EngineCore:
         elif isinstance(message, _Add):
             self.admit(message.request, message.sink)
         elif isinstance(message, _Abort):
-            ids = message.request_ids
-            if message.sink is not None:
-                ids = [i for i in ids if (entry := self.states.get(i)) is not None and entry[1] is message.sink]
-            self._abort(ids, RequestStatus.FINISHED_ABORTED)
+            ids, sink = message.request_ids, message.sink
+            if sink is not None:
+                ids = [i for i in ids if (entry := self.states.get(i)) is not None and _streams_into(entry[1], sink)]
+                if self.hooks is not None:  # a session turn still queued, streaming into it
+                    self.hooks.drop_pending(set(message.request_ids) - set(ids), sink)
+            self._abort(ids, RequestStatus.FINISHED_ABORTED, sink)
         elif isinstance(message, _Pause):
             self.scheduler.pause(message.request_ids, message.paused)
         elif isinstance(message, _GrammarReady):
@@ -495,7 +502,7 @@ class EngineCore:
         """Abort on the engine thread (the hooks' owner uses it: session interrupts and closes)."""
         self._abort(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def _abort(self, request_ids: list[str], status: RequestStatus) -> None:
+    def _abort(self, request_ids: list[str], status: RequestStatus, sink: Sink | None = None) -> None:
         finished = self.scheduler.finish_requests(request_ids, status)
         for request in finished:
             entry = self.states.get(request.request_id)
@@ -504,7 +511,7 @@ class EngineCore:
             self._on_finished(request)
         self.num_aborted_total += sum(1 for r in finished if not r.prefill_only)
         if self.hooks is not None:  # e.g. a session turn still waiting behind another one
-            self.hooks.drop_pending(set(request_ids) - {r.request_id for r in finished})
+            self.hooks.drop_pending(set(request_ids) - {r.request_id for r in finished}, sink)
         self._forget([r.request_id for r in finished])
 
     def _on_finished(self, request: Request, text: str = "") -> None:

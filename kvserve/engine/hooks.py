@@ -23,8 +23,9 @@ class EngineHooks(Protocol):
     def on_finished(self, request: Request, text: str = "") -> None:
         """A request left the scheduler (any reason); `text` is its output text when it completed."""
 
-    def drop_pending(self, request_ids: set[str]) -> None:
-        """These ids were aborted before reaching the scheduler: forget any that wait with the hooks."""
+    def drop_pending(self, request_ids: set[str], sink: Any = None) -> None:
+        """These ids were aborted before reaching the scheduler: forget any that wait with the hooks
+        (with `sink`, only one streaming into it)."""
 
     def shutdown(self) -> None:
         """The engine is stopping: tell whatever waits with the hooks; start nothing new."""

@@ -75,6 +75,10 @@ class _ReplySink:
     def __init__(self, sink: Any) -> None:
         self.sink, self.failed = sink, None
 
+    @property
+    def wraps(self) -> Any:  # an abort scoped to the caller's sink finds the turn through this
+        return self.sink
+
     def put(self, item: Any) -> None:
         if self.failed is not None and isinstance(item, StreamChunk) and item.finish_reason is not None:
             item = self.failed
@@ -360,13 +364,18 @@ class SessionManager:
                 )
         self._drain(state)
 
-    def drop_pending(self, request_ids: set[str]) -> None:
-        """Forget turns aborted before they started. Each ends as any aborted request does, with a last
-        chunk of finish_reason "abort": its caller may still wait (another connection's DELETE aborted it)."""
+    def drop_pending(self, request_ids: set[str], sink: Any = None) -> None:
+        """Forget turns aborted before they started (with `sink`, only one streaming into it). Each ends
+        as any aborted request does, with a last chunk of finish_reason "abort": its caller may still
+        wait (another connection's DELETE aborted it)."""
         if not request_ids:
             return
         for state in self.sessions.values():
-            dropped = [op for op in state.pending if isinstance(op, Turn) and op.request_id in request_ids]
+            dropped = [
+                op
+                for op in state.pending
+                if isinstance(op, Turn) and op.request_id in request_ids and (sink is None or op.sink is sink)
+            ]
             if dropped:
                 state.pending = deque(op for op in state.pending if all(op is not d for d in dropped))
             for turn in dropped:

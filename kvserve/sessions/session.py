@@ -68,7 +68,7 @@ class Session:
         self, params: SamplingParams | None = None, *, interrupt: bool = False, request_id: str | None = None
     ) -> Iterator[StreamChunk]:
         """The assistant's turn, streamed; kept in the history when it completes. Leaving early aborts it."""
-        return self.client.stream_with(*self.start_turn(params, interrupt, request_id))
+        return self.client.stream_with(*self.start_turn(params, interrupt, request_id), own=True)
 
     def astream(
         self,
@@ -80,7 +80,7 @@ class Session:
     ) -> AsyncIterator[StreamChunk]:
         """asyncio twin of `stream`. With `announce`, an empty chunk comes first once the turn has
         started, or the reason it cannot start is raised (the server answers before the first token)."""
-        return self.client.astream_with(*self.start_turn(params, interrupt, request_id, announce))
+        return self.client.astream_with(*self.start_turn(params, interrupt, request_id, announce), own=True)
 
     def generate(self, params: SamplingParams | None = None, *, interrupt: bool = False) -> RequestOutput:
         return RequestOutput.from_chunks(list(self.stream(params, interrupt=interrupt)))
