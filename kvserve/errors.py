@@ -64,6 +64,15 @@ def check_text(text: str, param: str | None = None) -> str:
     return text
 
 
+def check_name(value: object, name: str) -> None:
+    """A caller's name for something (a request id, a session id, an owner): None (one is chosen, or
+    none is needed) or a non-empty string. An empty one was replaced by a generated id, which the
+    caller could then not abort."""
+    if value is not None and (not isinstance(value, str) or not value):
+        got = "an empty string" if value == "" else f"{type(value).__name__} {value!r:.40}"
+        raise InvalidRequestError(f"{name} must be a string of one character or more (or None), got {got}.", name)
+
+
 def first_line(message: str, empty: str, limit: int = 300) -> str:
     """A library's error message cut to its first line and `limit` characters (`empty` when it has none):
     the part a client can read, without the state some libraries append (tens of KB)."""

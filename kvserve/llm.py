@@ -28,7 +28,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.monitor import EngineMonitor
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
-from kvserve.errors import InvalidRequestError, UnsupportedModelError, check_text
+from kvserve.errors import InvalidRequestError, UnsupportedModelError, check_name, check_text
 from kvserve.models.config import ModelConfig
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.pipeline.rendezvous import EngineSizes
@@ -554,6 +554,8 @@ class LLM:
         sessions = self.sessions
         if sessions is None:
             raise InvalidRequestError("Sessions need the prefix cache; create the LLM with enable_prefix_caching=True.")
+        check_name(id, "id")
+        check_name(owner, "owner")
         if id is not None:
             self.client.call(lambda: sessions.get(id, owner))
             return Session(self.client, sessions, id, owner)

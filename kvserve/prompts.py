@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvserve.engine.request import Request
-from kvserve.errors import InvalidRequestError, check_text
+from kvserve.errors import InvalidRequestError, check_name, check_text
 from kvserve.sampling_params import SamplingParams, checked_params
 from kvserve.text.tokenizer import Tokenizer
 
@@ -48,8 +48,7 @@ class RequestBuilder:
     def build(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Request:
         """A Request for `prompt`, or InvalidRequestError naming the field that is wrong."""
         params = checked_params(params)
-        if request_id is not None and not isinstance(request_id, str):
-            raise InvalidRequestError(f"request_id must be a string, got {type(request_id).__name__}.", "request_id")
+        check_name(request_id, "request_id")
         prompt_ids = self.encode_prompt(prompt)
         if not prompt_ids:
             raise InvalidRequestError("The prompt is empty; send at least one token of text.", "prompt")

@@ -355,6 +355,13 @@ def test_every_mistake_in_the_python_api_is_a_typed_error_naming_its_argument(ll
     llm.abort({"gone": 1}.keys())  # any iterable of ids, as before
     with pytest.raises(InvalidRequestError, match="request_id must be a string"):
         llm.stream("x", one, request_id=5)
+    # An empty id was replaced by a generated one, which its caller could then not abort.
+    with pytest.raises(InvalidRequestError, match="request_id must be a string of one character or more"):
+        llm.stream("x", one, request_id="")
+    for name, value in (("id", 5), ("owner", 5), ("id", "")):  # "No session 5." and an owner of 5, before
+        with pytest.raises(InvalidRequestError) as err:
+            llm.session(**{name: value})
+        assert err.value.param == name
     parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
     assert llm.chat(parts, one).token_ids == llm.chat([{"role": "user", "content": "Hi"}], one).token_ids
     with pytest.raises(InvalidRequestError) as err:
@@ -460,6 +467,75 @@ def test_no_engine_thread_left_after_close(tiny_model_dir):
         thread = tmp.engine.thread
         assert thread.is_alive()
     assert not thread.is_alive()
+
+
+def test_a_request_queued_while_the_engine_closes_is_refused_not_left_waiting(tiny_model_dir):
+    """`add` checked that the engine was open, then queued its request: an engine that closed in
+    between (its inbox emptied for the last time) left the request where nobody answers it, and its
+    caller waited for good. The put is held here until the engine thread has ended, or 2 s: it cannot
+    end while a request is on its way in, and the request is refused."""
+    from kvserve.engine import core
+
+    closing = LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=512, session_db=False, progress=False)
+    engine = closing.engine
+
+    class HeldPut:  # the engine's inbox, whose next request's put waits for the engine to close first
+        def __init__(self, inbox) -> None:
+            self.inbox, self.reached = inbox, threading.Event()
+
+        def put(self, message) -> None:
+            if isinstance(message, core._Add) and not self.reached.is_set():
+                self.reached.set()
+                engine.thread.join(2)  # the engine closes meanwhile, if anything lets it
+            self.inbox.put(message)
+
+        def __getattr__(self, name):
+            return getattr(self.inbox, name)
+
+    engine.inbox = HeldPut(engine.inbox)
+    outcome = []
+
+    def submit() -> None:
+        try:
+            outcome.append(closing.generate("x", GREEDY))
+        except EngineClosedError as exc:
+            outcome.append(exc)
+
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    assert engine.inbox.reached.wait(30)
+    closing.close()
+    submitter.join(60)
+    assert not submitter.is_alive(), "a request queued as the engine closed waits for good"
+    assert isinstance(outcome[0], EngineClosedError), outcome
+
+
+def test_an_llm_used_in_a_forked_child_says_so_at_once(llm):
+    """fork() copies the LLM but not its engine thread: a request in the child waited for good."""
+    import os
+    import signal
+
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer through the pipe, whatever happens
+        signal.alarm(60)  # a child that hangs dies, and says nothing
+        try:
+            try:
+                llm.generate("x", GREEDY)
+                said = "no error"
+            except EngineClosedError as exc:
+                said = str(exc)
+            except BaseException as exc:
+                said = repr(exc)
+            os.write(writer, said.encode()[:4000])
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as pipe:
+        said = pipe.read().decode()
+    os.waitpid(pid, 0)
+    assert "forked" in said and "create the LLM in this process" in said, said
+    assert llm.generate("x", GREEDY).finish_reason == "length"  # the parent's goes on
 
 
 def test_stats_fields(llm):

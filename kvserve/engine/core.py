@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
+from weakref import WeakSet
 
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.burst import BurstGate
@@ -117,6 +119,25 @@ class _GrammarReady:
     request: Request  # its grammar compiled (or failed to): it may be scheduled now
 
 
+# Every engine of this process: a child forked from it has none of their threads (see _forked).
+_ENGINES: WeakSet[EngineCore] = WeakSet()
+
+
+def _forked() -> None:
+    """In a child made by fork(): an engine's thread did not come along, and a request queued for it
+    would wait forever. Each is marked stopped, so that every call says so at once."""
+    for engine in list(_ENGINES):
+        engine._door = threading.Lock()  # another thread may have held it at the fork
+        engine.death = (
+            "this process was forked from the one whose LLM this is, and its engine thread runs only there; "
+            "create the LLM in this process"
+        )
+        engine.is_closed = True
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class EngineCore:
     def __init__(
         self,
@@ -144,6 +165,10 @@ class EngineCore:
         self.steps_total = 0
         self.is_closed = False
         self.death: str | None = None  # why the engine thread stopped, if it did not stop on request
+        # Held to check `is_closed` and queue a message, and to close: nothing is queued after the engine
+        # thread's last look at its inbox, where nobody would answer it.
+        self._door = threading.Lock()
+        _ENGINES.add(self)
         self.on_death: Callable[[str], None] | None = None  # told why, on the engine thread (serve exits 1)
         # Called on the engine thread after every loop turn, once that turn's outputs are in their sinks
         # (the engine process sends one message per turn from here: outputs batched per step).
@@ -168,11 +193,15 @@ class EngineCore:
 
     # ----- called from any thread ---------------------------------------------------------
     def add(self, request: Request, sink: Sink) -> None:
+        with self._door:
+            self._check_open()
+            self.inbox.put(_Add(request, sink))
+
+    def _check_open(self) -> None:
         if self.death is not None:
             raise EngineClosedError(f"The engine stopped ({self.death}); it cannot serve requests.")
         if self.is_closed:
             raise EngineClosedError("The engine is closed; create a new LLM to submit requests.")
-        self.inbox.put(_Add(request, sink))
 
     def abort(self, request_ids: list[str], sink: Sink | None = None) -> None:
         """Abort these requests; with `sink`, only where it is the request's own (a stream left before
@@ -192,10 +221,10 @@ class EngineCore:
 
     def post(self, fn: Callable[[], Any]) -> Future:
         """Queue `fn` for the engine thread; its result or exception arrives in the Future."""
-        if self.is_closed:
-            raise EngineClosedError("The engine is closed.")
         future: Future = Future()
-        self.inbox.put(_Call(fn, future))
+        with self._door:
+            self._check_open()
+            self.inbox.put(_Call(fn, future))
         return future
 
     def stats(self) -> dict[str, Any]:
@@ -284,7 +313,8 @@ class EngineCore:
             self._tell_death()
             raise
         finally:
-            self.is_closed = True
+            with self._door:
+                self.is_closed = True
             self._publish_stats()
             self._drain_inbox_after_close()
             self._end_turn()

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from kvserve.engine.client import EngineClient
-from kvserve.errors import InvalidRequestError, check_text
+from kvserve.errors import InvalidRequestError, check_name, check_text
 from kvserve.outputs import RequestOutput, StreamChunk
 from kvserve.sampling_params import SamplingParams, checked_params
 from kvserve.sessions.limits import check_text_bytes
@@ -55,6 +55,7 @@ class Session:
         and `astream` read the sink here; the engine process sends it to its front end. With
         `announce`, an empty chunk comes first, once the turn has started (its checks passed)."""
         params = checked_params(params, SamplingParams(max_tokens=256))
+        check_name(request_id, "request_id")
         request_id = request_id or f"{self.id}-turn-{uuid.uuid4().hex[:8]}"
         manager, owner, sid = self._manager, self.owner, self.id
 
