@@ -142,9 +142,9 @@ def _api_keys(flags: list[str] | None) -> tuple[str, ...]:
     dropped); an empty flag is refused (a request without a key would match it), and so is a variable
     that is set but names no key (it would turn auth off without a word)."""
     if flags is None:
-        value = _env("API_KEY") or ""
-        keys = tuple(k.strip() for k in value.split(",") if k.strip())
-        if value and not keys:
+        value = _env("API_KEY")
+        keys = tuple(k.strip() for k in (value or "").split(",") if k.strip())
+        if value is not None and not keys:  # also set but empty: `KVSERVE_API_KEY=$UNSET kvserve serve`
             raise InvalidRequestError(
                 f"KVSERVE_API_KEY={value!r} names no key; give comma-separated keys, or unset it to serve without auth."
             )
@@ -224,6 +224,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         stall_timeout=args.stall_timeout,
         body_timeout=args.body_timeout,
         pipeline=topology,
+        log_level=args.log_level,
     )
     # A session store that is not kvserve's (or cannot be opened) stops the server before it starts.
     from kvserve.sessions.store import SessionStore

@@ -153,13 +153,18 @@ def _healthy(base: str) -> bool:
         return False
 
 
-def test_serve_with_the_engine_in_process_freezes_the_heap_once_the_engine_has_loaded(tiny_model_dir):
+@pytest.mark.parametrize(
+    ("engine_process", "freezes"), [("off", {"front end", "front end and engine"}), ("on", {"front end", "engine"})]
+)
+def test_serve_freezes_the_heap_once_the_engine_has_loaded_and_logs_it(tiny_model_dir, engine_process, freezes):
     """--engine-process off: the front end's heap is frozen at start, the engine loads later in the same
     process, and its objects (the model's modules, torch's) are frozen too before it serves: no full
-    collection walks them while streams wait."""
+    collection walks them while streams wait. On, the engine process freezes its own, and logs at
+    --log-level: it logged nothing below WARNING, not even how the weights are held."""
     port = free_port()
     env = {**os.environ, "KVSERVE_PORT": str(port), "KVSERVE_DTYPE": "float32"}
-    command = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir), "--engine-process", "off"]
+    command = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir)]
+    command += ["--engine-process", engine_process]
     proc = subprocess.Popen([*command, "--log-level", "info"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -180,8 +185,10 @@ def test_serve_with_the_engine_in_process_freezes_the_heap_once_the_engine_has_l
         if "start-up objects left out of garbage collection" in line:
             process, _, rest = line.partition(" process: ")
             frozen[process.rsplit(": ", 1)[-1]] = int(rest.split()[0])
-    assert set(frozen) == {"front end", "front end and engine"}, stderr[-3000:]
-    assert frozen["front end and engine"] > frozen["front end"]  # the engine's objects came after
+    assert set(frozen) == freezes, stderr[-3000:]
+    if engine_process == "off":
+        assert frozen["front end and engine"] > frozen["front end"]  # the engine's objects came after
+    assert "kvserve.weights: weights=" in stderr, stderr[-3000:]  # as --weights' help promises
 
 
 def test_chat_loop_with_reset_and_exit(tiny_model_dir):
@@ -323,9 +330,10 @@ def test_the_api_key_flag_replaces_the_variable_and_an_empty_key_never_matches(m
     monkeypatch.setenv("KVSERVE_API_KEY", "old, older,")  # spaces after commas are not part of a key
     assert cli._api_keys(None) == ("old", "older")
     assert cli._api_keys(["new"]) == ("new",)  # a rotated key: the variable's stop working
-    monkeypatch.setenv("KVSERVE_API_KEY", " , ")  # set, but no key: refused, never auth off without a word
-    with pytest.raises(InvalidRequestError, match="names no key"):
-        cli._api_keys(None)
+    for unset in (" , ", ""):  # set, but no key (an empty one too): refused, never auth off without a word
+        monkeypatch.setenv("KVSERVE_API_KEY", unset)
+        with pytest.raises(InvalidRequestError, match="names no key"):
+            cli._api_keys(None)
 
 
 def test_allowed_origins_are_read_as_a_comma_separated_list():

@@ -176,6 +176,7 @@ def main(settings: ServerSettings, to_engine: str, from_engine: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("kvserve").setLevel(settings.log_level.upper())  # a spawned process starts at WARNING
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(to_engine)

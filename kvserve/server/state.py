@@ -55,6 +55,7 @@ class ServerSettings:
     stall_timeout: float = 60.0  # seconds a stream may stay paused for a client that does not read, then aborted
     body_timeout: float = 30.0  # seconds a request's body may take to arrive, else 408
     pipeline: Topology | None = None  # the model's layers over several processes or hosts (kvserve/pipeline)
+    log_level: str = "info"  # kvserve's loggers, in the engine process too (--log-level)
 
 
 class APIError(Exception):
