@@ -288,9 +288,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         while True:
             try:
                 line = input(">>> ")
-            except (EOFError, KeyboardInterrupt):
+            except EOFError:
                 print()
                 return 0
+            except KeyboardInterrupt:  # as at any other moment: the shell's status for Ctrl-C
+                print()
+                return 130
             if line.strip() == "/exit":
                 return 0
             if line.strip() == "/reset":

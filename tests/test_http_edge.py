@@ -517,7 +517,7 @@ def test_other_sites_pages_may_call_the_api_only_when_allowed(llm, keyless, monk
         unauthorized = post(base, "completions", body, key=None, headers={"Origin": site})  # errors are readable too
         assert unauthorized.status_code == 401 and unauthorized.headers["access-control-allow-origin"] == site
 
-        def bug(name: str) -> dict:
+        def bug(*args) -> dict:
             raise RuntimeError("injected bug")
 
         monkeypatch.setattr(openai_routes, "_model_object", bug)

@@ -67,6 +67,42 @@ def test_a_model_is_retrieved_by_its_name(client):
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
 
 
+def test_a_field_left_out_samples_with_the_models_recommended_value(tiny_model_dir, tmp_path):
+    """As vLLM takes a model's generation_config.json: a request without temperature, top_p, top_k or
+    min_p samples with the model's recommended value (it sampled at OpenAI's temperature 1, which made a
+    small model ramble to the end of its context); a value sent wins. /v1/models' `created` is the
+    model file's time, and /health answers HEAD (load balancers probe with it)."""
+    import shutil
+
+    from kvserve import SamplingParams
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    recommended = {"do_sample": True, "temperature": 0.5, "top_k": 3, "min_p": 0.1}
+    (folder / "generation_config.json").write_text(json.dumps(recommended))
+    with LLM(str(folder), dtype="float32", kv_cache_tokens=1024, session_db=False, progress=False) as own:
+        with running_server(ServerSettings(served_model_name=MODEL), own) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+            def sent(extra: dict | None = None, **fields) -> str:
+                body = {"ignore_eos": True, **(extra or {})}
+                answer = client.completions.create(
+                    model=MODEL, prompt="a b c", max_tokens=12, seed=7, extra_body=body, **fields
+                )
+                return answer.choices[0].text
+
+            def alone(**fields) -> str:
+                values = {"temperature": 0.5, "top_k": 3, "min_p": 0.1, "top_p": 1.0, **fields}
+                return own.generate("a b c", SamplingParams(max_tokens=12, seed=7, ignore_eos=True, **values)).text
+
+            assert sent() == alone()
+            assert sent({"top_k": 0}, temperature=1.5) == alone(temperature=1.5, top_k=0)
+            assert alone() != alone(temperature=1.5, top_k=0)  # the two differ: the test can tell them apart
+            assert client.models.list().data[0].created == int(folder.stat().st_mtime)  # the path it was given
+            assert httpx.head(f"{base}/health").status_code == 200
+        wait_idle_and_check(own)
+
+
 def test_a_null_field_is_the_field_unset_as_openai_takes_it(client, base_url):
     """Clients that send every field send null for those they leave unset: each is its default (a
     null for a field kvserve lacks asks for nothing), where a value is still checked."""

@@ -46,7 +46,7 @@ async def handle(request: Request, owner, body_type, prepare, id_prefix: str, ki
     try:
         # Schemas, tools, the chat template and the prompts' tokens, off the event loop: a 4 MiB body's
         # take seconds. Tokenizing a long prompt lets go of the interpreter lock; validating a schema does not.
-        jobs = await asyncio.to_thread(prepare, llm, body)
+        jobs = await asyncio.to_thread(prepare, llm, body, state.sampling_defaults)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         return await run(state, llm, request, owner, response_id, kind, body, jobs, chat, release)
     except InvalidRequestError as exc:

@@ -50,8 +50,8 @@ class _Base(BaseModel):
     frequency_penalty: float = 0.0
     user: str | None = None
     # kvserve (and vLLM) extras
-    top_k: int = 0
-    min_p: float = 0.0
+    top_k: int | None = None  # left out (None): the model's recommended value, else no limit
+    min_p: float | None = None
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -146,14 +146,18 @@ class _Base(BaseModel):
             bias[int(key)] = value
         return bias
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int, defaults: dict[str, float]
+    ) -> SamplingParams:
+        """The request's values; where it leaves one out, the model's recommended one (`defaults`: its
+        file's or model card's, as vLLM takes a model's generation_config.json), else OpenAI's."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p")}
+        sampling = {**{"temperature": 1.0, "top_p": 1.0}, **defaults}
+        sampling.update({name: value for name, value in given.items() if value is not None})
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            **sampling,
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,

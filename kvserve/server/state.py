@@ -4,8 +4,10 @@ once loaded, the body as checked JSON."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from kvserve.errors import InvalidRequestError, check_text
+from kvserve.errors import InvalidRequestError, KVServeError, check_text
 from kvserve.llm import LLM
 from kvserve.pipeline.topology import Topology
 from kvserve.server.metrics import ServerMetrics
@@ -71,6 +73,10 @@ class ServerState:
     llm: LLM | RemoteLLM | None = None
     load_error: str | None = None
     model_name: str = "kvserve"
+    # The model's recommended sampling values (its file's or model card's): a request that leaves one out
+    # samples with it, as vLLM does with a model's generation_config.json; OpenAI's defaults otherwise.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+    model_created: int = 0  # /v1/models' `created`: the model file's time
     num_inflight: int = 0  # engine requests (prompts x n of every admitted body) not yet over
     # (owner, response id or client X-Request-Id) -> the response in flight (execution.Running): only
     # its owner may abort it, and one live request per (owner, id)
@@ -103,6 +109,9 @@ class ServerState:
         store = getattr(llm, "session_store", None)  # an LLM; a RemoteLLM has its engine process's secret
         secret = store.owner_secret if store is not None else getattr(llm, "owner_secret", None)
         self.owner_secret = secret or secrets.token_bytes(OWNER_SECRET_BYTES)
+        self.sampling_defaults = _model_sampling(llm.model_path)
+        with contextlib.suppress(OSError):
+            self.model_created = int(llm.model_path.stat().st_mtime)
         self.llm = llm
 
     def ready_llm(self) -> LLM | RemoteLLM:
@@ -110,6 +119,16 @@ class ServerState:
             detail = f": {self.load_error}" if self.load_error else "; retry shortly"
             raise APIError(503, f"The model is still loading{detail}.", "service_unavailable", code="model_loading")
         return self.llm
+
+
+def _model_sampling(model_path) -> dict[str, float]:
+    from kvserve.weights.loader import recommended_sampling
+
+    try:
+        return recommended_sampling(model_path)
+    except KVServeError as exc:  # a damaged generation_config.json: the model serves, with OpenAI's defaults
+        logging.getLogger("kvserve.server").warning("the model's recommended sampling is not read: %s", exc)
+        return {}
 
 
 def server_state(request: Request) -> ServerState:

@@ -12,7 +12,7 @@ from kvserve.server.state import server_state
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and uptime checks' probe
 async def health(request: Request) -> JSONResponse:
     state = server_state(request)
     if state.llm is None:

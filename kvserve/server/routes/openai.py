@@ -21,7 +21,7 @@ router = APIRouter(prefix="/v1")
 async def models(request: Request) -> dict:
     state = server_state(request)
     state.ready_llm()
-    return {"object": "list", "data": [_model_object(state.model_name)]}
+    return {"object": "list", "data": [_model_object(state.model_name, state.model_created)]}
 
 
 @router.get("/models/{model:path}", dependencies=[Depends(authorize)])
@@ -30,11 +30,11 @@ async def model(model: str, request: Request) -> dict:
     state = server_state(request)
     state.ready_llm()
     check_model(state, model)
-    return _model_object(model)
+    return _model_object(model, state.model_created)
 
 
-def _model_object(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "kvserve"}
+def _model_object(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "kvserve"}
 
 
 @router.delete("/requests/{request_id}")
@@ -60,10 +60,10 @@ async def chat_completions(request: Request, owner: str | None = Depends(authori
     return await handle(request, owner, ChatCompletionRequest, _chat_jobs, "chatcmpl", "chat.completion", chat=True)
 
 
-def _completion_jobs(llm: LLM, body: CompletionRequest) -> list[Job]:
+def _completion_jobs(llm: LLM, body: CompletionRequest, defaults: dict[str, float]) -> list[Job]:
     if body.echo and body.logprobs is not None:
         raise InvalidRequestError("echo with logprobs is not supported (no prompt logprobs).", "echo")
-    params = body.sampling_params(body.max_tokens, body.logprobs, 16)
+    params = body.sampling_params(body.max_tokens, body.logprobs, 16, defaults)
     jobs = []
     for p_index, prompt in enumerate(body.prompts()):
         echo = None
@@ -75,7 +75,7 @@ def _completion_jobs(llm: LLM, body: CompletionRequest) -> list[Job]:
     return jobs
 
 
-def _chat_jobs(llm: LLM, body: ChatCompletionRequest) -> list[Job]:
+def _chat_jobs(llm: LLM, body: ChatCompletionRequest, defaults: dict[str, float]) -> list[Job]:
     """Tools go through the chat template (text/tool_calls.py); a required or named call is
     constrained by the functions' grammar, and the answer is parsed back into tool_calls."""
     tokenizer = llm.tokenizer
@@ -92,7 +92,7 @@ def _chat_jobs(llm: LLM, body: ChatCompletionRequest) -> list[Job]:
         )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     default_max = max(1, llm.config.max_model_len - len(prompt_ids))  # as OpenAI: up to the context
-    params = body.sampling_params(max_tokens, body.chat_logprobs(), default_max)
+    params = body.sampling_params(max_tokens, body.chat_logprobs(), default_max, defaults)
     calls = choice is not None and choice.choice != "none"
     if calls:
         grammar = tool_calls.grammar(choice, fmt, tokenizer)

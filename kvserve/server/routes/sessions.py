@@ -84,11 +84,11 @@ async def delete_session(session_id: str, request: Request, owner: str | None = 
 async def session_completion(session_id: str, request: Request, owner: str | None = Depends(authorize)) -> Response:
     session = await _session(request, session_id, owner)
 
-    def jobs(llm: LLM, body: SessionCompletionRequest) -> list[Job]:
+    def jobs(llm: LLM, body: SessionCompletionRequest, defaults: dict[str, float]) -> list[Job]:
         if body.n != 1:
             raise InvalidRequestError("A session turn has one choice; n must be 1.", "n")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.sampling_params(max_tokens, body.chat_logprobs(), 512)
+        params = body.sampling_params(max_tokens, body.chat_logprobs(), 512, defaults)
         llm.request_builder.check_params(params)  # a turn's request is built on the engine's side
 
         def stream(rid: str):  # announces its start: a refusal is a status, before the first byte
