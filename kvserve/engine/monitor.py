@@ -319,12 +319,15 @@ class EngineMonitor:
         the end of a turn that logged an event, and at most every CAPTURE_INTERVAL_S otherwise (list
         copies, no per-block Python); an idle engine is asked for a fresh copy at once. So what a
         read costs the engine follows the readers' rate and not their number, and a read never waits
-        for a step in progress (the state it returns is the one that step started from)."""
+        for a step in progress (the state it returns is the one that step started from), except the
+        first after nobody watched, which waits for the step boundary rather than return a stale copy."""
+        watched = time.monotonic() < self._watched_until  # else the last copy is as old as the last read
         self._watched_until = max(self._watched_until, time.monotonic() + watch_s)
         if since_seq > self.last_seq:  # a reader of an earlier engine
             since_seq = 0
         capture = self._capture_taken
-        if capture is None or not self._had_work:  # idle: nothing will end a turn soon, so ask for one
+        # Idle, nothing will end a turn soon; unwatched, the engine copied nothing since: ask for a copy.
+        if capture is None or not self._had_work or not watched:
             capture = self.engine.call(self._capture, timeout)
         offset = time.time() - time.monotonic()
         now = capture["now"]
