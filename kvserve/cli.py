@@ -711,6 +711,21 @@ def _reopen_closed_std_streams() -> list[str]:
     return closed
 
 
+def _import_torch_keeping_ctrl_c() -> None:
+    """torch's import (a second or two) runs C++ that a KeyboardInterrupt raised inside aborts (pybind11's
+    "terminate called"): a Ctrl-C meanwhile is kept, and acted on once the import is over."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+        return
+    pressed: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _: pressed.append(signum))
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     closed = _reopen_closed_std_streams()
     parser = build_parser()
@@ -727,6 +742,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
         logging.getLogger("kvserve").setLevel(getattr(logging, args.log_level.upper()))
     try:
+        if args.command in ("generate", "chat", "serve"):
+            _import_torch_keeping_ctrl_c()
         return args.func(args)
     except KVServeError as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)

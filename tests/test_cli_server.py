@@ -272,7 +272,8 @@ def test_two_ctrl_c_at_the_chat_prompt_end_it_cleanly(tiny_model_dir):
     finally:
         chat.kill()
         chat.wait()
-    assert chat.returncode == 0 and "terminate called" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+    # 130, the shell's status for Ctrl-C, as generate's and llama.cpp's llama-cli at its prompt (EOF and /exit: 0)
+    assert chat.returncode == 130 and "terminate called" not in stderr and "Traceback" not in stderr, stderr[-2000:]
 
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -343,3 +344,29 @@ def test_allowed_origins_are_read_as_a_comma_separated_list():
     assert parser.parse_args(["serve"]).allowed_origins == ()
     flags = ["serve", "--allowed-origins", "https://a.example, http://localhost:5173,*"]
     assert parser.parse_args(flags).allowed_origins == ("https://a.example", "http://localhost:5173", "*")
+
+
+def test_the_cli_starts_without_torch_and_keeps_a_ctrl_c_during_its_import(tmp_path):
+    """`import kvserve` imported torch (a second or two) before main() could catch a Ctrl-C: a traceback,
+    or pybind11's abort when the interrupt landed inside torch's C++. The command's own code imports
+    torch now, a Ctrl-C meanwhile kept until the import is over. A stand-in torch sends itself SIGINT
+    halfway through its import."""
+    light = subprocess.run(
+        [sys.executable, "-c", "import sys, kvserve.cli, kvserve; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert light.stdout.strip() == "False", light.stderr
+    (tmp_path / "torch.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nimported = True\n")
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from kvserve import cli\n"
+        "try:\n"
+        "    cli._import_torch_keeping_ctrl_c()\n"
+        "except KeyboardInterrupt:\n"
+        "    import torch\n"
+        "    print('kept until imported:', torch.imported)\n"
+    )
+    kept = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert kept.stdout.strip() == "kept until imported: True", kept.stderr[-2000:]
