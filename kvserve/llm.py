@@ -114,14 +114,31 @@ def _check_size(name: str, value: object, low: int, kind: type | tuple = int) ->
 
 
 def _check_vocabularies(path: Path, tokenizer: Tokenizer, model_vocab: int) -> None:
-    """A tokenizer that gives ids the model has no row for (its chat template's tokens, say) would fail
-    every request that meets them, blamed on the request: refused at load, as llama.cpp refuses a GGUF
-    whose token list and embedding disagree. A tokenizer smaller than the model (padded rows) is fine."""
-    if tokenizer.vocab_size > model_vocab:
+    """A tokenizer that gives ids the model has no row for would fail every request that meets them,
+    blamed on the request: refused at load when its own tokens (BOS, EOS, stop tokens, what its chat
+    template writes around a message) are past the model's rows, as llama.cpp refuses a GGUF whose token
+    list and embedding disagree. A few added tokens past them (CodeLlama's 32004 over 32000) are only
+    warned about: a prompt that spells one out gets a 400; a tokenizer smaller than the model is fine."""
+    if tokenizer.vocab_size <= model_vocab:
+        return
+    own = [("BOS", tokenizer.bos_token_id), ("EOS", tokenizer.eos_token_id)]
+    own += [("stop token", i) for i in tokenizer.stop_token_ids]
+    if tokenizer.chat_template is not None:
+        try:
+            templated = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+        except Exception:  # a template that refuses this conversation: the other ids are still checked
+            templated = []
+        own += [("chat template's token", i) for i in templated]
+    past = [(i, name) for name, i in own if i is not None and i >= model_vocab]
+    size = f"{path}'s tokenizer has {tokenizer.vocab_size} tokens, but its model only {model_vocab} (vocab_size)"
+    if past:
+        i, name = min(past)
         raise UnsupportedModelError(
-            f"{path}'s tokenizer has {tokenizer.vocab_size} tokens, but its model only {model_vocab} (vocab_size): "
-            "they do not belong together. Use the tokenizer files that came with these weights."
+            f"{size}, and its {name} {i} is past them: they do not belong together. "
+            "Use the tokenizer files that came with these weights."
         )
+    logger.warning("%s; a prompt that spells out one of the tokens past them is refused", size)
+    tokenizer.keep_below(model_vocab)
 
 
 def _memory_bytes() -> int | None:

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams
-from kvserve.errors import UnsupportedModelError
+from kvserve.errors import InvalidRequestError, UnsupportedModelError
+from tests.conftest import wait_idle_and_check
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 PROMPT = [5, 6, 7, 8]
@@ -79,6 +80,43 @@ def test_a_damaged_model_folder_is_one_typed_error_naming_its_problem(tiny_model
     with pytest.raises(UnsupportedModelError, match=says) as refused:
         _tokens(_variant(tiny_model_dir, tmp_path, change))
     assert "\n" not in str(refused.value) and len(str(refused.value)) < 600
+
+
+def test_added_tokens_past_the_models_rows_load_with_a_warning_when_its_own_tokens_fit(
+    tiny_model_dir, tmp_path, caplog
+):
+    """CodeLlama's tokenizer has 32004 tokens over 32000 rows, some Gemma folders one more than the
+    model: refused, they could not be served at all. Only a tokenizer whose own tokens (EOS, what its
+    chat template writes) are past the rows is refused; a prompt that spells out one that is past them
+    gets a 400 (it failed in the model step)."""
+    from tokenizers import Tokenizer
+
+    def add_tokens(folder: Path) -> None:  # 259 tokens become 301, over the model's 300 rows
+        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        backend.add_tokens([f"<extra_{i}>" for i in range(42)])
+        backend.save(str(folder / "tokenizer.json"))
+
+    folder = _variant(tiny_model_dir, tmp_path, add_tokens)
+    with caplog.at_level("WARNING", logger="kvserve.weights"):
+        assert _tokens(folder) == _tokens(tiny_model_dir)
+    assert "tokenizer has 301 tokens, but its model only 300" in caplog.text
+    with LLM(str(folder), dtype="float32", kv_cache_tokens=1024, session_db=False, progress=False) as llm:
+        assert llm.generate("<extra_40>", GREEDY).token_ids  # id 299: a row
+        for prompt in ("<extra_41>", [5, 300]):  # id 300: none
+            with pytest.raises(InvalidRequestError, match=r"[tT]oken id 300"):
+                llm.generate(prompt, GREEDY)
+        with pytest.raises(InvalidRequestError, match="<extra_41>"):
+            llm.chat([{"role": "user", "content": "say <extra_41>"}], GREEDY)
+        with llm.session() as session:  # refused before it is recorded: the session goes on
+            with pytest.raises(InvalidRequestError, match="<extra_41>"):
+                session.add_message("user", "say <extra_41>")
+            session.add_message("user", "say <extra_40>")
+            assert session.generate(GREEDY).token_ids
+        wait_idle_and_check(llm)
+
+    # its EOS (<|im_end|>, id 258) past the rows: every reply would fail
+    with pytest.raises(UnsupportedModelError, match="and its EOS 258 is past them"):
+        _tokens(_variant(tiny_model_dir, tmp_path / "eos", _edit_config(vocab_size=258)))
 
 
 def test_the_copy_of_the_weights_transformers_reads_is_the_one_loaded(tiny_model_dir, tmp_path):

@@ -110,6 +110,7 @@ class RemoteLLM:
             info = message[1]
             self.model_path = Path(info["model_path"])
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, self.model_path)
+            self.tokenizer.keep_below(info["vocab_size"])  # as the engine process's (llm._check_vocabularies)
             await asyncio.to_thread(getattr, self.tokenizer, "token_bytes")  # logprobs' bytes: built once, here
             self.config = SimpleNamespace(max_model_len=info["max_model_len"])
             self._stats = info["stats"]

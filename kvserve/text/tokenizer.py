@@ -15,7 +15,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from kvserve.errors import UnsupportedModelError, check_text, reads_model_files
+from kvserve.errors import InvalidRequestError, UnsupportedModelError, check_text, reads_model_files
 from kvserve.text.chat_template import ChatTemplate
 from kvserve.text.sentencepiece import sentencepiece_backend
 from kvserve.weights.gguf_file import GGUFFile, open_gguf
@@ -78,6 +78,13 @@ class Tokenizer:
         self.chat_template = ChatTemplate(chat_template, special_tokens) if chat_template else None
         eos = self.eos_token_id
         self.stop_token_ids = tuple(dict.fromkeys([*([eos] if eos is not None else []), *stop_token_ids]))
+        self.model_rows: int | None = None  # see keep_below
+
+    def keep_below(self, model_rows: int) -> None:
+        """Refuse text that encodes to an id the model has no row for: a tokenizer may have a few more
+        added tokens than its model (CodeLlama's 32004 over 32000), and only a text that spells one out
+        meets them."""
+        self.model_rows = model_rows if self.vocab_size > model_rows else None
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -155,10 +162,20 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         text = check_text(text, "prompt")
         if len(text) < LONG_TEXT:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        # encode_batch lets go of the interpreter lock while it works (encode holds it): a long prompt,
-        # tokenized on the server's worker thread, then does not stall the event loop's streams
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        else:
+            # encode_batch lets go of the interpreter lock while it works (encode holds it): a long prompt,
+            # tokenized on the server's worker thread, then does not stall the event loop's streams
+            ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        rows = self.model_rows
+        past = None if rows is None else next((i for i in ids if i >= rows), None)
+        if past is not None:
+            raise InvalidRequestError(
+                f"The text holds {self.backend.id_to_token(past)!r:.60} (token id {past}), which this model has no "
+                f"row for: its tokenizer has {self.vocab_size} tokens, the model {rows}. Leave that token out.",
+                "prompt",
+            )
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
