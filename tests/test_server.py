@@ -103,6 +103,26 @@ def test_a_field_left_out_samples_with_the_models_recommended_value(tiny_model_d
         wait_idle_and_check(own)
 
 
+def test_recommended_values_no_request_could_send_are_left_out(tiny_model_dir, tmp_path, caplog):
+    """A generation_config.json with a negative temperature, or not JSON, made every request that left
+    the field out a 400 it could not fix, or stopped the server's start."""
+    import shutil
+
+    from kvserve.server.state import _model_sampling
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = folder / "generation_config.json"
+    config.write_text(json.dumps({"temperature": -1, "top_p": 2, "top_k": 3, "min_p": 0.1}))
+    with caplog.at_level("WARNING", logger="kvserve.server"):
+        assert _model_sampling(folder) == {"top_k": 3, "min_p": 0.1}
+        assert "recommended temperature is left out" in caplog.text and "recommended top_p" in caplog.text
+        for damaged in ("{", "[1, 2]"):
+            config.write_text(damaged)
+            assert _model_sampling(folder) == {}
+    assert caplog.text.count("recommended sampling is not read") == 2
+
+
 def test_a_null_field_is_the_field_unset_as_openai_takes_it(client, base_url):
     """Clients that send every field send null for those they leave unset: each is its default (a
     null for a field kvserve lacks asks for nothing), where a value is still checked."""

@@ -122,13 +122,26 @@ class ServerState:
 
 
 def _model_sampling(model_path) -> dict[str, float]:
+    """The model's recommended values, each one checked as a request's would be: a value no request
+    could send (a negative temperature in generation_config.json) is left out, with a warning."""
+    from kvserve.sampling_params import SamplingParams
     from kvserve.weights.loader import recommended_sampling
 
+    log = logging.getLogger("kvserve.server")
     try:
-        return recommended_sampling(model_path)
-    except KVServeError as exc:  # a damaged generation_config.json: the model serves, with OpenAI's defaults
-        logging.getLogger("kvserve.server").warning("the model's recommended sampling is not read: %s", exc)
+        found = recommended_sampling(model_path)
+    except (KVServeError, OSError, ValueError, AttributeError) as exc:  # a damaged generation_config.json
+        log.warning("the model's recommended sampling is not read (OpenAI's defaults instead): %s", exc)
         return {}
+    kept = {}
+    for name, value in found.items():
+        try:
+            SamplingParams(**{name: value})
+        except (KVServeError, TypeError, ValueError) as exc:
+            log.warning("the model's recommended %s is left out (OpenAI's default instead): %s", name, exc)
+        else:
+            kept[name] = value
+    return kept
 
 
 def server_state(request: Request) -> ServerState:
