@@ -159,35 +159,46 @@ def test_preemptions_and_evictions_are_events(tiny_model_dir):
 def test_the_first_read_after_nobody_watched_shows_now_not_the_last_watch(tiny_model_dir):
     """While nobody watches, a busy engine copies nothing; the copy a new reader got was the one of
     the last watch (a viewer of /v1/engine/events saw a request that had ended minutes before, and
-    not the one running). That first read now waits for the step boundary and shows this moment."""
+    not the one running). That first read now waits for the step boundary and shows this moment, and
+    so does a second reader arriving with it."""
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=64 * BLOCK, session_db=False, progress=False) as own:
+        inbox = own.engine.inbox
 
-        def read_between_steps(gate: StepGate) -> dict:
+        def read_between_steps(gate: StepGate, readers: int = 1) -> list[dict]:
             reads: list[dict] = []
-            reader = threading.Thread(target=lambda: reads.append(own.monitor.read(watch_s=600)))
-            reader.start()
-            while reader.is_alive():  # a read that needs the engine is answered at a step boundary
+            threads = [
+                threading.Thread(target=lambda: reads.append(own.monitor.read(watch_s=600))) for _ in range(readers)
+            ]
+            for reader in threads:  # each reader in turn has asked the engine, or has its answer
+                queued = inbox.qsize()
+                reader.start()
+                while reader.is_alive() and inbox.qsize() == queued:
+                    reader.join(0.001)
+            while any(reader.is_alive() for reader in threads):  # answered at a step boundary
                 gate.step()
-                reader.join(0.01)
-            return reads[0]
+                threads[0].join(0.01)
+            return reads
 
-        streams = [
-            threading.Thread(target=lambda i=i: list(own.stream([5, 6, 7], params, request_id=i)))
-            for i in ("earlier", "now")
-        ]
+        def switch_unwatched(gate: StepGate, stream: threading.Thread, request_id: str, earlier: str) -> None:
+            gate.step()  # watched: the engine copies its state at the end of this turn
+            own.monitor._watched_until = 0.0  # the watch is over (as 8 s without a reader would end it)
+            own.abort(earlier)
+            stream.start()
+            while request_id not in own.engine.scheduler.requests:  # read while the gate holds the engine
+                gate.step()
+
+        ids = ("earlier", "now", "later")
+        streams = [threading.Thread(target=lambda i=i: list(own.stream([5, 6, 7], params, request_id=i))) for i in ids]
         with StepGate(own) as gate:
             streams[0].start()
             assert gate.entered.wait(30)
-            assert read_between_steps(gate)["running"] == ["earlier"]
-            gate.step()  # watched: the engine copies its state at the end of this turn
-            own.monitor._watched_until = 0.0  # the watch is over (as 8 s without a reader would end it)
-            own.abort("earlier")
-            streams[1].start()
-            while "now" not in own.engine.scheduler.requests:  # read while the gate holds the engine
-                gate.step()
-            assert read_between_steps(gate)["running"] == ["now"]
-            own.abort("now")
+            assert [read["running"] for read in read_between_steps(gate)] == [["earlier"]]
+            switch_unwatched(gate, streams[1], "now", "earlier")
+            assert [read["running"] for read in read_between_steps(gate)] == [["now"]]
+            switch_unwatched(gate, streams[2], "later", "now")
+            assert [read["running"] for read in read_between_steps(gate, readers=2)] == [["later"], ["later"]]
+            own.abort("later")
             gate.open()
         for stream in streams:
             stream.join(60)

@@ -170,6 +170,7 @@ class EngineMonitor:
         self._last_turn_at = time.monotonic()
         self._had_work = False  # at the end of the last turn: another turn comes without a message
         self._watched_until = 0.0
+        self._watch_started = 0.0  # when readers last came back after nobody watched
         self._capture_taken: dict[str, Any] | None = None
         self._captured_at, self._captured_seq = 0.0, 0
         reclaim = engine.scheduler.reclaim
@@ -321,13 +322,16 @@ class EngineMonitor:
         read costs the engine follows the readers' rate and not their number, and a read never waits
         for a step in progress (the state it returns is the one that step started from), except the
         first after nobody watched, which waits for the step boundary rather than return a stale copy."""
-        watched = time.monotonic() < self._watched_until  # else the last copy is as old as the last read
-        self._watched_until = max(self._watched_until, time.monotonic() + watch_s)
+        started = time.monotonic()
+        if started >= self._watched_until:  # nobody watched: the engine copied nothing since the last read
+            self._watch_started = started
+        self._watched_until = max(self._watched_until, started + watch_s)
         if since_seq > self.last_seq:  # a reader of an earlier engine
             since_seq = 0
         capture = self._capture_taken
-        # Idle, nothing will end a turn soon; unwatched, the engine copied nothing since: ask for a copy.
-        if capture is None or not self._had_work or not watched:
+        # Idle, nothing will end a turn soon; a copy from before this watch began (this reader's, or
+        # another's arriving with it) is as old as the last watch: ask for a copy.
+        if capture is None or not self._had_work or capture["now"] < self._watch_started:
             capture = self.engine.call(self._capture, timeout)
         offset = time.time() - time.monotonic()
         now = capture["now"]
