@@ -330,7 +330,7 @@ def test_leaving_a_turn_aborts_that_turn_only(llm):
     async def left_before_its_refusal():
         with StepGate(llm) as gate:
             first = asyncio.create_task(llm.agenerate("a request that holds its id", long, request_id="taken"))
-            await asyncio.to_thread(gate.entered.wait, 30)
+            assert await asyncio.to_thread(gate.entered.wait, 30)
             llm.pause("taken")  # applied after that step: it stays, unfinished, while the engine goes on
             gate.open()
         turn = asyncio.create_task(anext(s.astream(long, request_id="taken")))
@@ -351,13 +351,20 @@ def test_leaving_a_turn_aborts_that_turn_only(llm):
 
         with StepGate(llm) as gate:
             first = asyncio.create_task(whole(s.astream(SamplingParams(max_tokens=60, ignore_eos=True))))
-            await asyncio.to_thread(gate.entered.wait, 30)  # the first turn runs, held at a step
-            message = asyncio.create_task(asyncio.to_thread(s.add_message, "user", "and then?"))
-            while not message.done():  # the engine takes calls between steps: a step at a time until it has
-                gate.allow(1)
-                await asyncio.sleep(0.05)
+            assert await asyncio.to_thread(gate.entered.wait, 30)  # the first turn runs, held at a step
+
+            async def between_steps(fn, *args):  # the engine takes calls between steps: a step at a time
+                call = asyncio.create_task(asyncio.to_thread(fn, *args))
+                while not call.done():
+                    gate.allow(1)
+                    await asyncio.sleep(0.05)
+                return call.result()
+
+            await between_steps(s.add_message, "user", "and then?")
             queued = asyncio.create_task(anext(s.astream(long)))  # it would answer "and then?" after the first
-            await asyncio.sleep(0)  # it has posted its turn, which the engine queues behind the first
+            await asyncio.sleep(0)  # it has posted its turn (posting is the stream's first, synchronous, act)
+            waiting = await between_steps(s._call, lambda manager, state: [type(op).__name__ for op in state.pending])
+            assert waiting[-1] == "Turn"  # queued in its session behind the first turn (and the message)
             queued.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await queued
