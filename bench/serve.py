@@ -162,6 +162,11 @@ async def one_stream(
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": temperature,
+        # every filter off, sent: each server would otherwise fill them in its own way (kvserve and vLLM
+        # with the model's recommended values, llama.cpp with its defaults: min_p 0.05, top_k 40)
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
         "stream": True,
         "ignore_eos": True,
     }
@@ -350,7 +355,10 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per stream")
     parser.add_argument(
-        "--temperature", type=float, default=0.0, help="every request's temperature (0: greedy; OpenAI's default is 1)"
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's temperature (0: greedy), sampled with top_p, top_k and min_p off",
     )
     parser.add_argument("--rounds", type=int, default=1, help="runs of each level per server; medians reported")
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
