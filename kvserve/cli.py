@@ -529,7 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* and /openapi.json (never as ?api_key=, which would "
         "be logged); repeat for several keys (env KVSERVE_API_KEY, comma-separated; default: no auth). "
-        "/health and /metrics stay open; /docs and /redoc are off, as a browser cannot send the key.",
+        "/health and /metrics stay open; /docs and /redoc are off, as a browser cannot send the key. An empty key "
+        "(also KVSERVE_API_KEY set but empty) is refused at start.",
     )
     _flag(
         p,
@@ -593,7 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(
         p,
         "--max-sessions",
-        "most sessions, stored ones included; more get 429 (0: sessions off, opening one gets 403)",
+        "most sessions, stored ones included; more get 429 (0: sessions off: opening one gets 403, while those an "
+        "earlier run stored can still be used and closed)",
         1024,
         _at_least(0, int),
     )

@@ -69,7 +69,7 @@ def check_name(value: object, name: str) -> None:
     none is needed) or a non-empty string. An empty one was replaced by a generated id, which the
     caller could then not abort."""
     if value is not None and (not isinstance(value, str) or not value):
-        got = "an empty string" if value == "" else f"{type(value).__name__} {value!r:.40}"
+        got = "an empty string" if isinstance(value, str) else f"{type(value).__name__} {value!r:.40}"
         raise InvalidRequestError(f"{name} must be a string of one character or more (or None), got {got}.", name)
 
 

@@ -240,7 +240,7 @@ def _serve(llm: LLM, inbox: zmq.Socket, outbox: Outbox) -> None:
                     start(sink)
                 except Exception as exc:
                     outbox.send(("out", [(request_id, exc)], None))
-            elif kind == "abort":
+            elif kind == "abort":  # by id: a session turn's stream lives here only as a RemoteSink
                 engine.abort(message[1])
             elif kind == "pause":
                 engine.pause(message[1], message[2])

@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvserve.engine.monitor import HOLDER_BASE, IN_USE, SERIES_SECONDS, build_view
+from kvserve.engine.monitor import HOLDER_BASE, IN_USE, MAX_FINISHED, SERIES_SECONDS, build_view
 from kvserve.errors import KVServeError
 from kvserve.server.engine_client import RemoteLLM
 from kvserve.server.state import APIError, ServerState, authorize, server_state
@@ -340,8 +340,9 @@ def _request_object(request_id: str, statuses: dict[str, dict[str, Any]], engine
     if not choices:
         raise APIError(
             404,
-            f"The engine does not know the request {request_id!r}: it ended too long ago, or was refused before it "
-            "started (its response was an error).",
+            f"The engine does not know the request {request_id!r}: it ended too long ago (the engine keeps the last "
+            f"{MAX_FINISHED} finished), or was refused before it started (its response was an error). Read a "
+            "request's status while it runs, or soon after.",
             "not_found_error",
             "request_id",
         )
