@@ -389,6 +389,22 @@ def test_q8_0_and_q5_0_are_held_at_the_files_width_where_their_inputs_are_int8(t
     assert np.array_equal(got.numpy(), dequantized(theirs.weight))
 
 
+def _smollm2_tokenizer_fields() -> dict:
+    """SmolLM2's tokenizer as GGUF metadata, for an engine on a tiny model whose prompts are token ids:
+    without its chat template, whose tokens are past the tiny model's 320 rows (the engine refuses a
+    tokenizer whose own tokens the model has no row for; its BOS and EOS, ids 1 and 2, have one)."""
+    from gguf import GGUFReader
+
+    from kvserve.weights.registry import DEFAULT_MODEL, pull
+
+    reader = GGUFReader(pull(DEFAULT_MODEL, progress=False))
+    return {
+        name: (field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+        for name, field in reader.fields.items()
+        if name.startswith("tokenizer.") and name != "tokenizer.chat_template"
+    }
+
+
 def test_q6_k_layers_are_held_as_stored_where_their_inputs_are_int8(tmp_path, monkeypatch):
     """A Q6_K file with int8 inputs (AVX2 and up): every matrix, the lm_head too, is an Int6Linear in
     the file's own bytes whose weight is the gguf package's dequantization bit for bit; the fused layer
@@ -404,17 +420,9 @@ def test_q6_k_layers_are_held_as_stored_where_their_inputs_are_int8(tmp_path, mo
         pytest.skip("Q6_K is held as stored where the quads kernel serves (int8 inputs, AVX2 and up)")
     hf_model = make_tiny_llama(tmp_path / "hf", seed=28, hidden_size=256, intermediate_size=256, vocab_size=320)
     path = tmp_path / "tiny-q6_k.gguf"
-    from gguf import GGUFReader
-
     from kvserve.llm import default_dtype
-    from kvserve.weights.registry import DEFAULT_MODEL, pull
 
-    reader = GGUFReader(pull(DEFAULT_MODEL, progress=False))  # SmolLM2's tokenizer, for the engine
-    fields = {
-        name: (field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
-        for name, field in reader.fields.items()
-        if name.startswith("tokenizer.")
-    }
+    fields = _smollm2_tokenizer_fields()
     write_llama_gguf(path, hf_model, qtype=T.Q6_K, fields=fields)
 
     dtype = default_dtype(torch.device("cpu"))  # the engine's below
@@ -468,25 +476,18 @@ def test_q5_layers_are_held_at_their_width_where_their_inputs_are_int8(tmp_path,
     package's dequantization bit for bit; the fused layer loop takes them, and an engine serves greedy
     tokens the module path agrees with."""
     pytest.importorskip("transformers")
-    from gguf import GGUFReader
 
     from kvserve.layers import quads
     from kvserve.layers.fused_decode import FusedDecoder
     from kvserve.layers.quantized import Int5Linear
     from kvserve.llm import default_dtype
-    from kvserve.weights.registry import DEFAULT_MODEL, pull
     from tests.test_gguf import quantize_q5_k
 
     if not quads.quads_cpu():
         pytest.skip("Q5_1 and Q5_K are held as stored where the quads kernel serves (int8 inputs, AVX2 and up)")
     hf_model = make_tiny_llama(tmp_path / "hf", seed=29, hidden_size=256, intermediate_size=256, vocab_size=320)
     path = tmp_path / f"tiny-{qtype.name}.gguf"
-    reader = GGUFReader(pull(DEFAULT_MODEL, progress=False))  # SmolLM2's tokenizer, for the engine
-    fields = {
-        name: (field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
-        for name, field in reader.fields.items()
-        if name.startswith("tokenizer.")
-    }
+    fields = _smollm2_tokenizer_fields()
     write_llama_gguf(path, hf_model, qtype=qtype, fields=fields)
 
     model = load_model(path, default_dtype(torch.device("cpu")), progress=False, weights="auto", activations="int8")
