@@ -162,6 +162,33 @@ def test_a_stopped_engine_process_fails_requests_fast_and_recovers_on_sigcont(ti
         wait_idle_and_check(engine)
 
 
+def test_a_store_write_that_does_not_return_fails_requests_as_a_stopped_engine_does(tiny_model_dir, tmp_path):
+    """A frozen disk under the session store held the engine thread in a write: every request waited
+    (19 s in an outside test, as long as the disk stayed frozen) while /health said ok. The engine
+    process answers no ping while a store write is in progress: past the timeout, requests fail with
+    503 and /health says why, and once the write returns it serves again. Here another connection
+    holds the database's write lock, so the store's write waits (SQLite's 5 s busy timeout), as it
+    would on a frozen disk; the engine's timeout is a tenth of that."""
+    app = create_app(settings(tiny_model_dir, tmp_path, engine_timeout=0.5))
+    with serving(app) as base:
+        sid = httpx.post(f"{base}/v1/sessions", json={}).json()["id"]
+        message = {"role": "user", "content": "x"}
+        holder = sqlite3.connect(tmp_path / "sessions.db", isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            waited = httpx.post(f"{base}/v1/sessions/{sid}/messages", json=message, timeout=60)
+            assert waited.status_code == 503 and "not answered" in waited.json()["error"]["message"], waited.text
+            health = httpx.get(f"{base}/health")
+            assert health.status_code == 503 and "not answered" in health.json()["detail"]
+        finally:
+            holder.rollback()
+            holder.close()
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200)
+        assert httpx.post(f"{base}/v1/sessions/{sid}/messages", json=message).status_code == 200
+        assert httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).is_success
+        wait_idle_and_check(app.state.kvserve.llm)
+
+
 def test_serve_exits_non_zero_when_its_engine_process_is_killed(tiny_model_dir, tmp_path):
     """A supervisor restarts what exits: a front end without its engine must not answer 503 forever."""
     port = free_port()
@@ -265,13 +292,15 @@ def _error(r: httpx.Response, status: int) -> dict:
     return r.json()["error"]
 
 
-def test_a_removed_store_turns_writes_into_errors_and_health_says_so(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("removed", ["sessions.db", "sessions.db-wal"])
+def test_a_removed_store_turns_writes_into_errors_and_health_says_so(tiny_model_dir, tmp_path, removed):
     """SQLite would go on writing into the unlinked file: every write acknowledged and lost. The store
-    checks that its file is the one it opened (device and inode) around every write."""
+    checks that its file and its write-ahead log are the ones it opened (device and inode) around every
+    write: with the log removed, the commits not yet copied into the file were acknowledged and lost."""
     db = tmp_path / "sessions.db"
     with _llm(tiny_model_dir, db) as llm, running_server(ServerSettings(served_model_name=MODEL), llm) as base:
         sid = httpx.post(f"{base}/v1/sessions", json={"system": "here"}).json()["id"]
-        db.unlink()
+        (tmp_path / removed).unlink()
         for method, path, body in (
             ("POST", "", {"system": "new"}),
             ("POST", f"/{sid}/messages", {"role": "user", "content": "x"}),

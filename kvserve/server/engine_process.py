@@ -12,7 +12,8 @@ ZeroMQ PUSH/PULL pipes on Unix sockets, one each way, in pickled tuples:
     ("abort", [request ids])
     ("pause", [request ids], paused)  a stream's client is not reading (or is again)
     ("call", call id, op, args)  sessions, health     ("result", call id, ok, value)
-    ("ping",)               when it heard nothing     ("pong",)  from the main thread, at once
+    ("ping",)               when it heard nothing     ("pong",)  from the main thread, at once (none
+                                                          while a session store write is in progress)
     ("shutdown",)
 
 A request's chunks are still made on the engine thread (detokenized, cut at stop strings, so a stop
@@ -27,6 +28,7 @@ import multiprocessing
 import pickle
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -209,10 +211,17 @@ def main(settings: ServerSettings, to_engine: str, from_engine: str) -> None:
         context.term()
 
 
+def _store_write_since(llm: LLM) -> float | None:
+    """When the session store's write in progress began (time.monotonic()), or None."""
+    store = llm.session_store
+    return store.writing_since if store is not None else None
+
+
 def _serve(llm: LLM, inbox: zmq.Socket, outbox: Outbox) -> None:
     parent = multiprocessing.parent_process()
     workers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvserve-call")
     engine = llm.engine
+    warned_for = None  # the store write last warned about
     try:
         while True:
             if engine.death is not None:  # a lost pipeline stage: for good; the front end exits too
@@ -247,7 +256,15 @@ def _serve(llm: LLM, inbox: zmq.Socket, outbox: Outbox) -> None:
             elif kind == "call":
                 workers.submit(_call, llm, outbox, *message[1:])
             elif kind == "ping":
-                outbox.send(("pong",))
+                # The engine thread in a store write (its disk frozen, or slow) serves nobody meanwhile: no
+                # pong, so that past --stage-timeout the front end fails its requests and answers 503, as
+                # for an engine that stopped. A write takes milliseconds: a ping missed then costs nothing.
+                since = _store_write_since(llm)
+                if since is None:
+                    outbox.send(("pong",))
+                elif since != warned_for and time.monotonic() - since > 1.0:
+                    warned_for = since
+                    logger.warning("a session store write has taken over 1 s (is its disk answering?)")
             elif kind == "shutdown":
                 return
     finally:

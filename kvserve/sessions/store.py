@@ -120,6 +120,7 @@ class SessionStore:
         self.broken: str | None = None  # a failure no write mends (removed or corrupt), until a restart
         self._lock = threading.Lock()
         self._claimed: set[str] = set()  # the sessions live here (lock.claim)
+        self.writing_since: float | None = None  # time.monotonic() when a write in progress began
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._owner_lock = lock.acquire(self.path)
@@ -139,10 +140,14 @@ class SessionStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on the disk before it is acknowledged
             self._db.execute("PRAGMA foreign_keys=ON")
-            self._file = self._identity()
+            self._file = self._identity(self.path)
             self._bound_by_file_limit()
             self._check_pages()
             self._open_schema()
+            # the write-ahead log, where a commit lies until it is copied into the file: it lives as long as
+            # this connection (SQLite empties it, never deletes it, while the store is open)
+            self._wal_path = self.path.with_name(self.path.name + "-wal")
+            self._wal = self._identity(self._wal_path)
         except SessionStoreError:
             self._db.close()
             lock.release(self._owner_lock)
@@ -358,6 +363,7 @@ class SessionStore:
         full disk). A full disk gets one more try after the WAL gives its space back. The file is
         checked before and after: a commit into a removed file would be acknowledged and lost."""
         self._check_file()
+        self.writing_since = time.monotonic()
         try:
             try:
                 self._transaction(write)
@@ -369,6 +375,8 @@ class SessionStore:
                 self._transaction(write)
         except (sqlite3.Error, OSError) as exc:
             raise self._failed(what, exc) from exc
+        finally:
+            self.writing_since = None
         self._check_file()
         if adds:
             self.error = None
@@ -387,22 +395,29 @@ class SessionStore:
             page_size = self._db.execute("PRAGMA page_size").fetchone()[0]
             self._db.execute(f"PRAGMA max_page_count = {max(8, limit // page_size - FILE_LIMIT_HEADROOM_PAGES)}")
 
-    def _identity(self) -> tuple[int, int] | None:
+    @staticmethod
+    def _identity(path: Path) -> tuple[int, int] | None:
         try:
-            info = os.stat(self.path)
+            info = os.stat(path)
         except FileNotFoundError:
             return None
         return info.st_dev, info.st_ino
 
     def _check_file(self) -> None:
-        """SessionStoreError (for good) once the file this store opened was removed or replaced:
-        SQLite would go on writing into the unlinked file, and every write would be lost."""
-        if self.broken is None and self._identity() != self._file:
-            what = "removed" if self._identity() is None else "replaced by another file"
-            self.broken = (
-                f"the session store {self.path} was {what} while the server ran; nothing can be stored. Restart "
-                "the server (it starts a new store there, or opens the one put back)"
-            )
+        """SessionStoreError (for good) once the file this store opened, or its write-ahead log, was
+        removed or replaced: SQLite would go on writing into the unlinked file, and every write would be
+        lost (a removed log takes with it the commits not yet copied into the file)."""
+        if self.broken is None:
+            for path, opened in ((self.path, self._file), (self._wal_path, self._wal)):
+                now = self._identity(path)
+                if now != opened and opened is not None:
+                    what = "removed" if now is None else "replaced by another file"
+                    self.broken = (
+                        f"the session store's {path} was {what} while the server ran; nothing can be stored, and "
+                        "what was stored since the last checkpoint may be lost. Restart the server (it starts a new "
+                        "store there, or opens the one put back)"
+                    )
+                    break
         if self.broken is not None:
             raise SessionStoreError(f"The session store cannot be used: {self.broken}.")
 
