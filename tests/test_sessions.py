@@ -12,6 +12,7 @@ import pytest
 
 from kvserve import LLM, InvalidRequestError, SamplingParams
 from kvserve.sessions.manager import SessionBusyError, SessionLimitError, SessionNotFoundError
+from kvserve.sessions.status import owner_sessions
 from tests.conftest import StepGate, wait_idle, wait_idle_and_check
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -635,6 +636,7 @@ def test_limits_and_ttls_hold_for_the_sessions_of_an_earlier_run(tiny_model_dir,
         kept = first.session(owner="alice").id
         stale = first.session(owner="bob", ttl=60.0).id
         also_stale, fresh = first.session(owner="bob", ttl=60.0).id, first.session(owner="bob", ttl=60.0).id
+        listed_until_stale = first.session(owner="carol", ttl=60.0).id
     with reopened(max_sessions_per_owner=1) as llm:
         with pytest.raises(SessionLimitError):
             llm.session(owner="alice")  # her stored session counts
@@ -650,3 +652,17 @@ def test_limits_and_ttls_hold_for_the_sessions_of_an_earlier_run(tiny_model_dir,
             assert left == {fresh}, left
         with pytest.raises(SessionNotFoundError):
             llm.session(id=stale, owner="bob")
+
+    # Past its TTL between two sweeps (a minute apart), a stored session held its owner's place and was
+    # listed, though opening it answered 404.
+    def listed(llm: LLM, owner: str) -> list[str]:
+        return [s["id"] for s in llm.engine.call(lambda: owner_sessions(llm.sessions, llm.session_store, owner))]
+
+    with reopened(max_sessions_per_owner=1) as llm:
+        llm.engine.call(lambda: llm.sessions.tick(time.monotonic()))  # the start's sweep: the next is a minute away
+        assert listed(llm, "bob") == [fresh] and listed(llm, "carol") == [listed_until_stale]
+        with sqlite3.connect(db) as raw:
+            for old in (fresh, listed_until_stale):
+                raw.execute("UPDATE sessions SET used = used - 61 WHERE id = ?", (old,))
+        llm.session(owner="bob").close()  # bob's one place is free
+        assert listed(llm, "carol") == []

@@ -203,6 +203,7 @@ class SessionManager:
                 "Sessions are off here (--max-sessions 0, or LLM(max_sessions=0)); send the whole conversation "
                 "to /v1/chat/completions (LLM.chat) instead, or start it with a --max-sessions above 0."
             )
+        self.drop_expired_stored()  # an expired session holds no place, also before the next sweep
         total = self.store.count(everyone=True) if self.store is not None else len(self.sessions)
         if total >= self.max_sessions:
             raise SessionLimitError(
@@ -412,11 +413,18 @@ class SessionManager:
                     logger.debug("session %s expired but %s", state.session_id, exc)
         if self.store is not None and now >= self._next_sweep:
             self._next_sweep = now + SWEEP_SECONDS
-            try:
-                expired = self.store.expired(time.time() + now - time.monotonic())
-                self._delete_stored([i for i in expired if i not in self.sessions])
-            except SessionStoreError as exc:
-                logger.debug("stored sessions past their TTL stay: %s", exc)
+            self.drop_expired_stored()
+
+    def drop_expired_stored(self) -> None:
+        """Delete the stored sessions nobody has open whose last write is older than their TTL: every
+        SWEEP_SECONDS, and before the stored sessions are counted or listed (one query when none is)."""
+        if self.store is None:
+            return
+        try:
+            expired = self.store.expired(time.time())
+            self._delete_stored([i for i in expired if i not in self.sessions])
+        except SessionStoreError as exc:
+            logger.debug("stored sessions past their TTL stay: %s", exc)
 
     def _delete_stored(self, session_ids: list[str]) -> None:
         """Delete stored sessions that are not open here, in one transaction, but for those another LLM

@@ -34,6 +34,7 @@ def owner_sessions(
     start of its first user message), num_messages, is_live, kv_blocks, state."""
     if manager is None:
         return []
+    manager.drop_expired_stored()  # listed, a session past its TTL would answer 404 when opened
     listed: dict[str, dict[str, Any]] = {}
     for session_id, created, title, num_messages in store.list_sessions(owner, limit) if store is not None else []:
         listed[session_id] = {
