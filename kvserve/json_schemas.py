@@ -90,6 +90,12 @@ _ANNOTATIONS = frozenset(
 )
 
 
+def is_reference(schema: Any) -> bool:
+    """Whether `schema` is a `$ref` and nothing more (annotations and definitions beside it): what it
+    refers to says all of what it allows."""
+    return isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and all(k in _ANNOTATIONS for k in schema)
+
+
 def _close(node: dict[str, Any], is_part: bool, _: str) -> dict[str, Any]:
     properties = node.get("properties")
     if is_part or not isinstance(properties, dict):
@@ -164,7 +170,33 @@ def has_ref(schema: Any) -> bool:
     return bool(found)
 
 
+def reference_loop(schema: Any) -> str | None:
+    """A sentence on the first definition that is only a reference leading back to itself (`"A": {"$ref":
+    "#/$defs/A"}`, or A to B to A): it allows no value at all, and the grammar engine failed on reaching
+    it, mid-answer (a 500). None where there is none; a recursion through properties or items is fine."""
+    refers: dict[str, str] = {}  # a schema's path -> the reference it is, for those that are nothing more
+
+    def note(node: dict[str, Any], _: bool, path: str) -> dict[str, Any]:
+        if is_reference(node):
+            refers[path] = unquote(node["$ref"])
+        return node
+
+    _walk(schema, note)
+    for start in refers:
+        chain = [start]
+        while (at := refers.get(chain[-1])) is not None and at not in chain:
+            chain.append(at)
+        if at is not None:  # back at a reference of the chain
+            loop = " -> ".join([*chain[chain.index(at) :], at])
+            return (
+                f"{loop} is a loop of references with nothing else in it: no value matches it. Give the "
+                "definition a type, properties or items of its own."
+            )
+    return None
+
+
 MAX_DEPTH = 128  # a schema's JSON nesting the grammar engine reads (its JSON parser's recursion limit)
+LARGEST_BOUND = 2**63 - 1  # the grammar engine holds integer bounds as 64-bit integers
 
 
 def depth(value: Any) -> int:
@@ -181,13 +213,18 @@ def depth(value: Any) -> int:
 
 
 def inexact_number_bound(schema: Any) -> str | None:
-    """A sentence on the first number bound the grammar engine would not hold, or None. llguidance 1.9
-    lets through the excluded integer N of a range with no integer in it: `exclusiveMinimum` N >= 0
-    with every value below N + 1 allows "N" itself (and `exclusiveMaximum` N <= 0 with every value
-    above N - 1, "N", or "-0" for 0)."""
+    """A sentence on the first number bound the grammar engine would not hold, or None: one beyond
+    64-bit integers, and, as llguidance 1.9 lets through the excluded integer N of a range with no
+    integer in it, `exclusiveMinimum` N >= 0 with every value below N + 1 (it allows "N" itself; and
+    `exclusiveMaximum` N <= 0 with every value above N - 1, "N", or "-0" for 0)."""
     found: list[tuple[str, str]] = []  # (where, the excluded value it lets through)
+    beyond: list[str] = []
 
     def note(node: dict[str, Any], _: bool, path: str) -> dict[str, Any]:
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            value = node.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > LARGEST_BOUND:
+                beyond.append(f"{path}: {key} {value}")
         kind = node.get("type")
         if kind == "integer" or (isinstance(kind, list) and "number" not in kind):
             return node  # integers are held exactly
@@ -203,6 +240,11 @@ def inexact_number_bound(schema: Any) -> str | None:
         return node
 
     _walk(schema, note)
+    if beyond:  # it was held at 2**63 - 1 (an output outside the schema's range), or refused as "unsatisfiable"
+        return (
+            f"{beyond[0]} is beyond the bounds kvserve's grammar engine holds (-{LARGEST_BOUND} to {LARGEST_BOUND}); "
+            "leave the bound out, or send such numbers as strings with a pattern."
+        )
     if not found:
         return None
     where, excluded = found[0]

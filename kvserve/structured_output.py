@@ -20,7 +20,7 @@ from typing import Any
 import llguidance
 
 from kvserve.errors import InvalidRequestError
-from kvserve.json_schemas import MAX_DEPTH, closed, depth, inexact_number_bound
+from kvserve.json_schemas import MAX_DEPTH, closed, depth, inexact_number_bound, reference_loop
 
 MAX_SCHEMA_BYTES = 64 << 10  # a schema's JSON text; bounds compile time (bench/results/structured.json)
 MAX_GRAMMAR_BYTES = 512 << 10  # a whole grammar (a tool list embeds each function's schema)
@@ -109,7 +109,7 @@ def json_schema_grammar(
     text = json.dumps(schema, separators=(",", ":"))
     if len(text) > max_bytes:  # the client's schema, as sent
         raise _too_large(len(text), param, max_bytes)
-    problem = inexact_number_bound(schema)
+    problem = inexact_number_bound(schema) or reference_loop(schema)
     if problem:
         raise InvalidRequestError(f"{param}: {problem}", param)
     text = json.dumps(closed(schema), separators=(",", ":"))
@@ -152,6 +152,8 @@ def _grammar_problem(grammar: str) -> str:
         )
     if "Unimplemented keys" in message or "Unknown format" in message:
         return f"this schema uses what kvserve's grammar engine does not support ({message}); remove it."
+    if "Failed to generate regex for" in message:  # llguidance's, for a number bound it cannot express
+        return f"the grammar engine cannot hold a number bound of this schema ({message}); leave it out, or use a smaller one."
     if "limit" in message.lower() or "too" in message.lower():
         return f"the schema is too large or too deeply nested to compile ({message}); simplify it."
     return f"the schema is invalid or unsatisfiable ({message}); fix it."

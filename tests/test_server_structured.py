@@ -455,3 +455,22 @@ def test_bad_input_is_a_400_naming_the_field(smol, route, extra, param, stream):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert len(error["message"]) > 20
+
+
+def test_a_grammar_the_engine_refuses_names_its_field_streamed_too(smol):
+    """Refused by the grammar engine, not by the edge (past its limits at the first token): the same
+    error unstreamed and as a stream's error event, which said `param: null`."""
+    _, base = smol
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(700)}}
+    body = {
+        "model": "smol",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": wide}},
+    }
+    whole = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+    assert whole.status_code == 400, whole.text
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as streamed:
+        events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+    error = json.loads(events[-2])["error"] if streamed.status_code == 200 else streamed.json()["error"]
+    assert error == whole.json()["error"], (error, whole.json())

@@ -185,7 +185,6 @@ def test_a_grammar_that_fails_to_compile_fails_only_its_request(llm, monkeypatch
 
 
 PAST_THE_LIMITS = {  # each compiles, then passes the grammar engine's limits at its first token or "{"
-    "self-reference": {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"},
     "700 optional properties": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(700)}},
     "required recursion": {
         "$defs": {"N": {"type": "object", "properties": {"c": {"$ref": "#/$defs/N"}}, "required": ["c"]}},
@@ -218,6 +217,8 @@ def test_a_grammar_failing_mid_answer_names_its_cause_in_one_line():
     assert "2799 items" in str(limit) and len(str(limit)) < 500
     other = grammar_failure("token not allowed" + state, "response_format")
     assert type(other) is EngineError and len(str(other)) < 500
+    unmatched = grammar_failure("Parser Error: NoExtensionBias" + state, "response_format")  # the schema's part
+    assert isinstance(unmatched, InvalidRequestError) and "no value matches" in str(unmatched)
 
 
 def test_preempted_constrained_requests_give_their_solo_outputs(tiny_model_dir, llm):
@@ -306,6 +307,25 @@ DEEP = _deep(3000)
             {"properties": {"x": {"exclusiveMinimum": -0.5, "exclusiveMaximum": 0}}},
             "#/properties/x: exclusiveMaximum 0 .* let -0 itself",
         ),
+        # references that only lead back to themselves: at the start they passed the engine's limits; reached
+        # mid-answer (after another property), the grammar engine failed there, a 500
+        (
+            {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"},
+            "loop of references",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "a": {"$ref": "#/$defs/A"}},
+                "required": ["x", "a"],
+                "$defs": {"A": {"$ref": "#/$defs/A"}},
+            },
+            "#/[$]defs/A -> #/[$]defs/A is a loop",
+        ),
+        # held at 2**63 - 1, the output fell outside the range; or refused as "invalid or unsatisfiable"
+        ({"type": "integer", "minimum": 10**30, "maximum": 10**30 + 5}, "#: minimum 1000.* beyond the bounds"),
+        ({"type": "integer", "minimum": -(2**63)}, "beyond the bounds"),
+        ({"type": "number", "minimum": 1e18}, "cannot hold a number bound"),
     ],
     ids=[
         "bad-type",
@@ -320,6 +340,11 @@ DEEP = _deep(3000)
         "deep-text",
         "excluded-integer",
         "excluded-minus-zero",
+        "reference-loop",
+        "reference-loop-mid-answer",
+        "integer-beyond-64-bits",
+        "minimum-of-int64",
+        "float-bound",
     ],
 )
 def test_bad_schemas_are_refused_when_made(schema, match):

@@ -51,6 +51,12 @@ def grammar_failure(why: str, param: str) -> KVServeError:
             "it: fewer optional properties, less nesting or recursion.",
             param,
         )
+    if "NoExtensionBias" in line:  # llguidance's, on reaching a rule that no text can extend
+        return InvalidRequestError(
+            f"The output reached a part of the schema that no value matches ({line}); fix that part of the "
+            "schema (a definition that is only references, say).",
+            param,
+        )
     return EngineError(f"The request's grammar failed ({line}); the request cannot continue.")
 
 

@@ -333,4 +333,6 @@ def _stream_error(exc: KVServeError) -> dict:
         return error_body(str(exc), "service_unavailable", code="server_shutting_down")
     if isinstance(exc, EngineClosedError):
         return error_body(str(exc), "service_unavailable", code="engine_unavailable")
-    return error_body(str(exc), "server_error" if isinstance(exc, EngineError) else "invalid_request_error")
+    if isinstance(exc, EngineError):
+        return error_body(str(exc), "server_error")
+    return error_body(str(exc), "invalid_request_error", getattr(exc, "param", None))  # as unstreamed, the field
