@@ -272,6 +272,17 @@ def test_grammars_accept_exactly_calls_of_the_named_functions(qwen_tokenizer, bu
     assert not _accepts(smol, auto, '{"tool_calls": []}')
 
 
+def test_parameters_that_are_only_a_reference_are_closed_as_their_definition(bundled_gguf):
+    """pydantic writes a model with a recursive part as a root `$ref`: the type kvserve put beside it made
+    the definition a part, left open, and the model wrote `{"a": 1, "type": "integer"}`."""
+    smol = Tokenizer.from_gguf(bundled_gguf)
+    definition = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    f = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/P", "$defs": {"P": definition}}}}
+    required = tool_calls.grammar(ToolChoice.from_request([f], "required", None), ToolFormat.GENERIC, smol)
+    assert _accepts(smol, required, '{"tool_calls": [{"name": "f", "arguments": {"a": 1}}]}')
+    assert not _accepts(smol, required, '{"tool_calls": [{"name": "f", "arguments": {"a": 1, "type": "integer"}}]}')
+
+
 # As openai.pydantic_function_tool writes a model with a nested one: its parameters refer to their own
 # $defs (and here to `definitions` and to their root too), which hold wherever the grammar embeds them.
 ORDER = {
@@ -431,6 +442,16 @@ def test_answers_parse_the_same_whole_and_in_any_pieces(fmt, text, content, call
         ([WEATHER], "sometimes", "tool_choice must be"),
         (None, "required", "needs tools"),
         ([WEATHER] * 129, None, "at most 128"),
+        # a misspelt key was ignored (the function called without its parameters); OpenAI refuses it
+        ([{"type": "function", "function": {"name": "f", "paramters": {}}}], None, "'paramters', which is not"),
+        ([{"type": "function", "function": {"name": "f", "strict": "yes"}}], None, "strict must be true or false"),
+        ([WEATHER], {"type": "function", "function": {"name": "get_weather"}, "x": 1}, "tool_choice has the key 'x'"),
+        ([{"type": "function", "function": {"name": "get_weather\n"}}], None, "letters, digits"),  # $ took the \n
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#", "description": "me"}}}],
+            None,
+            "loop of references",
+        ),
     ],
     ids=[
         "name",
@@ -443,6 +464,11 @@ def test_answers_parse_the_same_whole_and_in_any_pieces(fmt, text, content, call
         "bad-choice",
         "no-tools",
         "too-many",
+        "misspelt-key",
+        "strict-not-bool",
+        "choice-extra-key",
+        "name-newline",
+        "reference-loop",
     ],
 )
 def test_bad_tools_are_refused_by_name(tools, choice, match):
@@ -467,6 +493,11 @@ def test_a_history_is_checked_as_openai_checks_it(bundled_gguf):
     for arguments in ("[1, 2]", "[]", "null", "{oops", None):
         with pytest.raises(InvalidRequestError, match="JSON object") as err:
             tool_calls.conversation([user, call(arguments)], ToolFormat.GENERIC, tokenizer)
+        assert err.value.param == "messages[1].tool_calls[0].function.arguments"
+    # deeper than Python's stack (a RecursionError, a 500), or than the template's rendering takes
+    for deep in ('{"a": ' + "[" * 3000 + "]" * 3000 + "}", '{"a": ' + "[" * 200 + "]" * 200 + "}"):
+        with pytest.raises(InvalidRequestError, match="levels deep") as err:
+            tool_calls.conversation([user, call(deep)], ToolFormat.GENERIC, tokenizer)
         assert err.value.param == "messages[1].tool_calls[0].function.arguments"
     for history in ([user, result], [user, call("{}"), {**result, "tool_call_id": "other"}]):
         with pytest.raises(InvalidRequestError, match="no earlier assistant message") as err:

@@ -171,7 +171,7 @@ class _Base(BaseModel):
         )
 
 
-_FORMAT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # \Z: $ also matches before a last newline
 _LENGTH_PARAMS = ("max_tokens", "min_tokens")  # the errors `as_sent` renames in: their text is the engine's
 # OpenAI fields kvserve does not implement, and the values of each that ask for nothing it lacks
 _NOTHING_ASKED: dict[str, tuple[Any, ...]] = {

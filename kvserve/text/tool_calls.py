@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
-from kvserve.json_schemas import closed, has_ref, rebased
+from kvserve.json_schemas import MAX_DEPTH, closed, depth, has_ref, is_reference, rebased
 from kvserve.structured_output import JSON_OPTIONS, StructuredOutput
 from kvserve.text.chat_template import ChatTemplateError
 from kvserve.text.tokenizer import Tokenizer
 
 MAX_TOOLS = 128  # OpenAI's limit
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # used with match: \Z, as $ also matches before a last newline
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 _FIRST_KEY = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*(?:"([^"]*)("?))?')  # an object's first key, closed or not
 _CALL_KEYS = ("name", "parameters", "arguments")
@@ -106,6 +106,8 @@ class ToolChoice:
                     'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.',
                     "tool_choice",
                 )
+            _known_keys(choice, ("type", "function"), "tool_choice")
+            _known_keys(function, ("name",), "tool_choice.function")
             if name not in names:
                 raise InvalidRequestError(
                     f"tool_choice names the function {name!r}, which is not in tools ({', '.join(names)}).",
@@ -127,11 +129,26 @@ class ToolChoice:
         return self.choice in ("required", "function")
 
 
+def _known_keys(value: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    """A misspelt key (`paramters`) was ignored, and the function called without the arguments it
+    meant; refused, as OpenAI refuses it and as response_format's unknown keys are."""
+    unknown = next((key for key in value if key not in known), None)
+    if unknown is not None:
+        raise InvalidRequestError(
+            f"{where} has the key {unknown!r:.80}, which is not one of {', '.join(known)}; check its spelling.",
+            f"{where}.{unknown:.80}",
+        )
+
+
 def _function(tool: Any, index: int) -> Function:
     where = f"tools[{index}]"
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
         raise InvalidRequestError(f'{where} must be {{"type": "function", "function": {{...}}}}.', where)
+    _known_keys(tool, ("type", "function"), where)
     spec = tool["function"]
+    _known_keys(spec, ("name", "description", "parameters", "strict"), f"{where}.function")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise InvalidRequestError(f"{where}.function.strict must be true or false.", f"{where}.function.strict")
     name = spec.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise InvalidRequestError(
@@ -206,6 +223,13 @@ def conversation(messages: list[dict[str, Any]], fmt: ToolFormat, tokenizer: Tok
     return out
 
 
+def _too_deep(where: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{where}.function.arguments nests objects and arrays more than {MAX_DEPTH} levels deep; flatten them.",
+        f"{where}.function.arguments",
+    )
+
+
 def _parse_call(call: Any, where: str) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -220,6 +244,10 @@ def _parse_call(call: Any, where: str) -> dict[str, Any]:
             arguments = json.loads(arguments)
         except ValueError:
             arguments = None
+        except RecursionError:  # deeper than Python's stack (it was a 500)
+            raise _too_deep(where) from None
+    if isinstance(arguments, dict) and depth(arguments) > MAX_DEPTH:  # the chat template's rendering recurses
+        raise _too_deep(where)
     if not isinstance(arguments, dict):  # a function's arguments are an object, as its parameters say
         raise InvalidRequestError(
             f'{where}.function.arguments must be a JSON object\'s text, such as \'{{"city": "Paris"}}\'.',
@@ -298,8 +326,10 @@ def _call_schema(function: Function, arguments_key: str, defs: dict[str, Any]) -
 def _arguments(parameters: dict[str, Any]) -> dict[str, Any]:
     """What a call's arguments must be: an object even where the schema does not say so (`{}`
     included). Its keys are closed with the whole grammar's schema, as a response_format schema's are
-    (StructuredOutput.json_schema; the hermes format's, embedded in Lark, here)."""
-    return {"type": "object", **parameters}
+    (StructuredOutput.json_schema; the hermes format's, embedded in Lark, here). A schema that is only
+    a `$ref` (pydantic's for a model with a recursive part) is its definition: a type beside the
+    reference made that definition a part of an object, left open to other keys."""
+    return parameters if is_reference(parameters) else {"type": "object", **parameters}
 
 
 def _calls(choice: ToolChoice, arguments_key: str, defs: dict[str, Any]) -> dict[str, Any]:
