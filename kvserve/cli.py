@@ -213,6 +213,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         async_scheduling=_on_off_auto(args.async_scheduling),
         max_body_bytes=args.max_body_bytes,
         allowed_origins=args.allowed_origins,
+        host=args.host,
         max_sessions=args.max_sessions,
         max_sessions_per_key=args.max_sessions_per_key or None,
         session_ttl=args.session_ttl,
@@ -521,7 +522,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_model_flags(p)
-    _flag(p, "--host", "address to bind", "127.0.0.1")
+    _flag(
+        p,
+        "--host",
+        "address to bind; on a loopback one (the default) requests must name this machine in their Host header "
+        "(localhost, an IP address, its hostname), so that a page whose name was pointed at 127.0.0.1 cannot use it",
+        "127.0.0.1",
+    )
     _flag(p, "--port", "port (0: any free port)", 8000, _port)
     p.add_argument(
         "--api-key",
@@ -536,8 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
         p,
         "--allowed-origins",
         "other sites whose pages may call the API from a browser (CORS), comma-separated, such as "
-        "'https://chat.example.com', or '*' for any; none: only the server's own page (a page of any site "
-        "could otherwise use the model and, without --api-key, its sessions)",
+        "'https://chat.example.com', or '*' for any; none: only the server's own page. A request from another "
+        "site's page gets 403 (it could otherwise use the model and, without --api-key, its sessions)",
         "",
         _origins,
         shown_default="none",

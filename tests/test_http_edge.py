@@ -19,6 +19,7 @@ import sqlite3
 import stat
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -262,6 +263,9 @@ def test_a_live_request_id_is_refused_and_a_delete_aborts_once(keyed, llm):
         events = [json.loads(line[6:]) for line in older.iter_lines() if line.startswith("data: {")]
     assert events[-1]["choices"][0]["finish_reason"] == "abort"  # the older one was the one aborted
     assert_openai_error(delete(keyed, "requests/dup"), 404, "request_id")  # finished
+    # an id with a '/' ran, and no /v1/requests/{id} path could name it to abort it
+    slashed = post(keyed, "completions", {**body, "stream": False}, headers={"X-Request-Id": "team/42"})
+    assert assert_openai_error(slashed, 400, "X-Request-Id")["message"].startswith("X-Request-Id 'team/42' has a '/'")
     reused = post(keyed, "completions", {**body, "stream": False, "max_tokens": 2}, headers={"X-Request-Id": "dup"})
     assert reused.status_code == 200  # over, so free again
 
@@ -490,6 +494,33 @@ def test_errors_outside_the_fields_say_what_to_do(keyless):
     for body in ([{"model": MODEL, "prompt": "x"}], '"just text"', "5"):
         error = assert_openai_error(post(keyless, "completions", body, key=None), 400)
         assert error["message"] == "The request body must be a JSON object of the request's fields.", error
+
+
+def test_a_request_from_another_sites_page_is_refused_even_a_simple_one(keyless):
+    """A browser sends a POST with a text/plain body from any page without a preflight, and the server
+    read the body as JSON: any site the user opened could use a server without --api-key, and fill its
+    sessions. A foreign Origin is a 403, as is (on a loopback address) a Host that does not name this
+    machine: a page whose name was rebound to 127.0.0.1 sends its own, and could read the answers."""
+    body = json.dumps({"system": "planted"})
+    sessions = lambda: {s["id"] for s in httpx.get(f"{keyless}/v1/sessions").json()["data"]}  # noqa: E731
+    before = sessions()
+    for headers in (
+        {"Origin": "https://evil.example", "content-type": "text/plain"},
+        {"Origin": "null"},  # a sandboxed frame, a file opened in the browser
+        {"Host": "evil.example"},
+        {"Host": "evil.example", "Origin": "http://evil.example"},  # the rebound page, "same-origin"
+    ):
+        r = httpx.post(f"{keyless}/v1/sessions", content=body, headers=headers)
+        error = assert_openai_error(r, 403)
+        assert error["code"] == "cross_site_request" and (
+            "allowed-origins" in error["message"] or "localhost" in error["message"]
+        )
+    assert sessions() == before
+    port = urlsplit(keyless).port
+    for headers in ({"Origin": keyless}, {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"}):
+        r = httpx.post(f"{keyless}/v1/sessions", content=body, headers={"content-type": "application/json", **headers})
+        assert r.status_code == 200, r.text  # the server's own page
+        assert delete(keyless, f"sessions/{r.json()['id']}", key=None).status_code == 200
 
 
 def test_other_sites_pages_may_call_the_api_only_when_allowed(llm, keyless, monkeypatch):

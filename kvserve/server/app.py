@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from kvserve.llm import LLM
 from kvserve.server.body_deadline import BodyDeadlineMiddleware
-from kvserve.server.edge import HTTPVersionMiddleware, redact_access_log
+from kvserve.server.edge import CrossSiteMiddleware, HTTPVersionMiddleware, redact_access_log
 from kvserve.server.engine_client import RemoteLLM
 from kvserve.server.engine_process import build_llm
 from kvserve.server.errors import BodyLimitMiddleware, BugMiddleware, install_error_handlers
@@ -69,6 +69,7 @@ def create_app(settings: ServerSettings, llm: LLM | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(BodyDeadlineMiddleware, timeout=settings.body_timeout)
+    app.add_middleware(CrossSiteMiddleware, allowed_origins=settings.allowed_origins, bind_host=settings.host)
     app.add_middleware(HTTPVersionMiddleware)
     app.add_middleware(BugMiddleware)
     if settings.allowed_origins:  # outermost: every answer, an error or a refusal too, says who may read it

@@ -1,13 +1,16 @@
 """What the HTTP edge refuses or hides before any route runs: request lines of an HTTP version the
-server does not speak (505), and API keys a client put in a URL's query string (never written to
-the access log)."""
+server does not speak (505), requests another site's page made (403), and API keys a client put in a
+URL's query string (never written to the access log)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import re
+import socket
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from kvserve.server.protocol import error_body
 
@@ -38,6 +41,62 @@ class HTTPVersionMiddleware:
                 send, 505, error_body(message, "invalid_request_error", code="http_version_not_supported")
             )
         return await self.app(scope, receive, send)
+
+
+class CrossSiteMiddleware:
+    """403 for a request another site's page made. A browser sends a simple POST (a `text/plain` body,
+    which the server reads as JSON) from any page without asking first, so CORS alone let every site
+    the user opened use a server without --api-key: its model, and its sessions (filling the key's
+    limit). Refused: an `Origin` that is neither the server's own (its `Host`) nor in
+    --allowed-origins; and, on a server bound to a loopback address, a `Host` that is not a name of
+    this machine (a page whose name was rebound to 127.0.0.1 sends its own), as Ollama refuses it."""
+
+    def __init__(self, app: Callable, allowed_origins: tuple[str, ...], bind_host: str) -> None:
+        self.app = app
+        self.allowed = frozenset(allowed_origins)
+        self.loopback = _is_loopback(bind_host)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or "*" in self.allowed:
+            return await self.app(scope, receive, send)
+        headers = {name: value.decode("latin-1") for name, value in scope["headers"] if name in (b"host", b"origin")}
+        host, origin = headers.get(b"host", ""), headers.get(b"origin")
+        refusal = None
+        if self.loopback and not _names_this_machine(host):
+            refusal = (
+                f"Host {host!r:.100} is not a name of this machine, and the server listens on a loopback address "
+                "(a page whose name was pointed at it sends its own); use localhost, or have a proxy in front send "
+                "'Host: localhost'."
+            )
+        elif origin is not None and origin not in self.allowed and urlsplit(origin).netloc != host:
+            refusal = (
+                f"A page of {origin!r:.100} may not call this server from a browser; start it with "
+                "--allowed-origins naming that site (KVSERVE_ALLOWED_ORIGINS) to let it."
+            )
+        if refusal is not None and scope["method"] != "OPTIONS":  # a preflight is CORS's to answer
+            return await send_error(send, 403, error_body(refusal, "permission_error", code="cross_site_request"))
+        return await self.app(scope, receive, send)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _names_this_machine(host: str) -> bool:
+    """An IP address (a page cannot rebind one), localhost and its subdomains, or this machine's name."""
+    name = urlsplit(f"//{host}").hostname or ""
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    machine = socket.gethostname().lower()
+    return name == "localhost" or name.endswith(".localhost") or name in (machine, machine.split(".")[0])
 
 
 class QueryKeyRedactor(logging.Filter):

@@ -136,6 +136,13 @@ async def run(state, llm, request, owner, response_id, kind, body, jobs: list[Jo
     aliases = [(owner, response_id)]
     client_id = request.headers.get("x-request-id")
     if client_id:
+        if "/" in client_id:  # the request would run, and /v1/requests/{id} could never name it (%2F is "/" there)
+            raise APIError(
+                400,
+                f"X-Request-Id {client_id!r:.100} has a '/', which no /v1/requests/{{id}} path can hold; use another id.",
+                "invalid_request_error",
+                "X-Request-Id",
+            )
         if (owner, client_id) in state.requests:  # the older one stays what DELETE aborts
             raise APIError(
                 409,

@@ -46,6 +46,7 @@ class ServerSettings:
     async_scheduling: bool | None = None  # None: on a GPU
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allowed_origins: tuple[str, ...] = ()  # other sites' pages that may call the API from a browser (CORS); "*": any
+    host: str = "127.0.0.1"  # the address it is bound to: on a loopback one, only this machine's names are served
     max_sessions: int = 1024
     max_sessions_per_key: int | None = 256
     session_ttl: float | None = 3600.0
