@@ -150,6 +150,7 @@ def test_a_stopped_engine_process_fails_requests_fast_and_recovers_on_sigcont(ti
             assert error["type"] == "service_unavailable" and "not answered" in error["message"], error
             later = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
             assert later.status_code == 503 and "not answered" in later.json()["error"]["message"]
+            assert later.headers["retry-after"] == "5"  # every 503 says when to come back (R4)
             assert httpx.post(f"{base}/v1/sessions", json={}).status_code == 503
             health = httpx.get(f"{base}/health")
             assert health.status_code == 503 and "not answered" in health.json()["detail"]
@@ -178,6 +179,7 @@ def test_a_store_write_that_does_not_return_fails_requests_as_a_stopped_engine_d
         try:
             waited = httpx.post(f"{base}/v1/sessions/{sid}/messages", json=message, timeout=60)
             assert waited.status_code == 503 and "not answered" in waited.json()["error"]["message"], waited.text
+            assert waited.headers["retry-after"] == "5"
             health = httpx.get(f"{base}/health")
             assert health.status_code == 503 and "not answered" in health.json()["detail"]
         finally:

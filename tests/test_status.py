@@ -91,6 +91,27 @@ def test_a_requests_status_shows_its_tokens_blocks_and_timings_to_its_key_only(b
     assert httpx.get(f"{base}/v1/requests/nope", headers=auth("alice")).status_code == 404
 
 
+def test_delete_takes_one_choices_engine_id_while_it_runs(base, llm):
+    """GET took an engine request's id (`<response id>-<choice>`), DELETE answered 404 for it: it looked
+    among the ids clients named only. Now it aborts that choice, and only it, for its key only."""
+    body = {"model": "tiny", "prompt": "two", "max_tokens": 12, "n": 2, **GREEDY}
+    answers = []
+    with StepGate(llm) as gate:
+        headers = auth("alice", **{"X-Request-Id": "job-n"})
+        done = in_thread(lambda: answers.append(httpx.post(f"{base}/v1/completions", json=body, headers=headers)))
+        assert gate.entered.wait(30)
+        gate.step()
+        first = httpx.get(f"{base}/v1/requests/job-n", headers=auth("alice")).json()["choices"][0]["id"]
+        assert httpx.delete(f"{base}/v1/requests/{first}", headers=auth("bob")).status_code == 404
+        aborted = httpx.delete(f"{base}/v1/requests/{first}", headers=auth("alice"))
+        assert aborted.status_code == 200 and aborted.json()["aborted"] is True
+        gate.open()
+        done.join(30)
+    reasons = [c["finish_reason"] for c in sorted(answers[0].json()["choices"], key=lambda c: c["index"])]
+    assert reasons == ["abort", "length"]
+    assert httpx.delete(f"{base}/v1/requests/{first}", headers=auth("alice")).status_code == 404  # it has ended
+
+
 def test_a_requests_events_follow_its_lifecycle_to_the_freed_blocks(base, llm):
     body = {"model": "tiny", "prompt": "stream me", "max_tokens": 8, "stream": True, **GREEDY}
     names: list[str] = []

@@ -24,8 +24,13 @@ from kvserve.sessions.store import SessionStoreError
 logger = logging.getLogger("kvserve.server")
 
 
+RETRY_AFTER_503_S = 5  # a model's load, an engine's silence (--stage-timeout, 5 s): a few seconds
+
+
 def install_error_handlers(app: FastAPI) -> None:
     def respond(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+        if status == 503:  # loading, stopping, an engine or store not answering: each passes (R4)
+            headers = {"Retry-After": str(RETRY_AFTER_503_S), **(headers or {})}
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)

@@ -41,6 +41,13 @@ def _model_object(name: str, created: int) -> dict:
 async def abort(request_id: str, request: Request, owner: str | None = Depends(authorize)) -> dict:
     state = server_state(request)
     running = state.requests.get((owner, request_id))
+    if (  # an engine request's id (`<response id>-<choice>`), still running: that choice alone
+        running is None
+        and state.requests.owner_of(request_id) == owner
+        and any(request_id in live.engine_ids for live in state.requests.values())
+    ):
+        state.ready_llm().abort([request_id])
+        return {"id": request_id, "object": "request.abort", "aborted": True}
     if running is None:  # also another key's request: it is not this caller's to see
         raise APIError(404, f"No running request with id {request_id!r}.", "not_found_error", "request_id")
     state.ready_llm().abort(running.engine_ids)
