@@ -179,3 +179,19 @@ def test_one_part_of_a_split_gguf_says_to_merge_the_parts(tmp_path):
     writer.close()
     with pytest.raises(UnsupportedModelError, match=r"split into 2 files .* `llama-gguf-split --merge"):
         LLM(str(path), session_db=False, progress=False)
+
+
+def test_a_folder_without_generation_config_stops_at_the_end_tokens_of_its_config(tiny_model_dir, tmp_path):
+    """Llama 3 lists <|eot_id|> in config.json's eos_token_id; without a generation_config.json kvserve
+    read none of them and chatted past the end of the turn, where transformers and vLLM stop."""
+    free = SamplingParams(max_tokens=8, temperature=0)  # stops at a stop token
+    expected = _tokens(tiny_model_dir)
+    end = expected[2]  # the third greedy token, made an end token
+    folder = _variant(tiny_model_dir, tmp_path, _edit_config(eos_token_id=[258, end]))
+    (folder / "generation_config.json").unlink()  # transformers' save_pretrained wrote one
+    with LLM(str(folder), dtype="float32", kv_cache_tokens=1024, session_db=False, progress=False) as llm:
+        out = llm.generate(PROMPT, free)
+        assert (out.token_ids, out.finish_reason) == (expected[:3], "stop")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 258}))  # its list wins
+    with LLM(str(folder), dtype="float32", kv_cache_tokens=1024, session_db=False, progress=False) as llm:
+        assert llm.generate(PROMPT, free).token_ids == expected

@@ -143,13 +143,18 @@ class Tokenizer:
             template = template_file.read_text()
         elif isinstance(template, list):  # named templates: use the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        # The model's end tokens as transformers and vLLM read them: generation_config.json's, else (no
+        # such file, or no eos_token_id in it) config.json's, where Llama 3 lists <|eot_id|> beside EOS.
         generation = _read_json(path / "generation_config.json")
-        stops = generation.get("eos_token_id") or []
+        stops = generation.get("eos_token_id")
+        if stops is None:
+            stops = _read_json(path / "config.json").get("eos_token_id")
+        stops = [stops] if isinstance(stops, int) else stops if isinstance(stops, list) else []
         return cls(
             backend,
             special_tokens=special,
             chat_template=template,
-            stop_token_ids=[stops] if isinstance(stops, int) else stops,
+            stop_token_ids=[i for i in stops if isinstance(i, int) and not isinstance(i, bool)],
         )
 
     @classmethod
