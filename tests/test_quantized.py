@@ -219,6 +219,19 @@ def test_a_q8_0_or_q5_0_gguf_keeps_its_codes_exact(tmp_path, qtype):
         assert np.array_equal(got.numpy(), dequantized(theirs.weight))
 
 
+def test_a_q4_0_embedding_is_held_exactly(tmp_path):
+    """Q4_0 is int8 codes (-8..7) times a scale per 32, as Q5_0 is: its embedding (and a tied head's
+    codes) was rounded to int8 from the float values instead, up to a 32nd of a step off each (0.5 nats
+    in the logits of a tied tiny model, in an outside test)."""
+    pytest.importorskip("transformers")
+    hf_model = make_tiny_llama(tmp_path / "hf", seed=26, **INT4_FRIENDLY)
+    write_llama_gguf(tmp_path / "tiny-q4_0.gguf", hf_model, qtype=T.Q4_0)
+    model = load_model(tmp_path / "tiny-q4_0.gguf", progress=False, weights="auto")
+    embedding = hf_model.model.embed_tokens.weight.detach().numpy()
+    stored = quants.dequantize(quants.quantize(embedding, T.Q4_0), T.Q4_0)
+    assert np.array_equal(model.embed_tokens(torch.arange(320)).numpy(), stored)
+
+
 def test_other_quantized_types_are_rounded_to_int8_groups(tmp_path):
     """Q5_1 (an offset per block: not int8 codes times a scale) is rounded to nearest, per group of 32,
     from its exact dequantization."""

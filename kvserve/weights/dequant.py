@@ -239,6 +239,16 @@ def q5_0_groups(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (q.to(torch.int8) - 16).reshape(rows, -1), _f16(blocks[:, :2]).reshape(rows, -1)
 
 
+def q4_0_groups(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw Q4_0 rows -> (codes [rows, K] int8 in -8..7, scales [rows, K/32] float32); w = scale * code,
+    the same float32 product as `_q4_0`, so exact (an embedding or lm_head stored so was rounded to
+    int8 from its float values, up to a 32nd of a step off)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q4_0][1])
+    q = _nibbles(blocks[:, None, 2:])[:, 0].to(torch.int8) - 8
+    return q.reshape(rows, -1), _f16(blocks[:, :2]).reshape(rows, -1)
+
+
 def q6_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw Q6_K rows -> (codes [rows, K] uint8 in 0..63, scales [rows, K/16] int8, d [rows, K/256]
     float16): w = (d * scale) * (code - 32) in float32, as `_q6_k` computes it (Int6Linear)."""
@@ -316,6 +326,7 @@ INT5_READERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Te
 INT8_GROUP_READERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
     GGMLQuantizationType.Q8_0: q8_0_groups,
     GGMLQuantizationType.Q5_0: q5_0_groups,
+    GGMLQuantizationType.Q4_0: q4_0_groups,
 }
 
 
