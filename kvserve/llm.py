@@ -183,7 +183,9 @@ def _engine_config(
     if max_num_seqs > num_blocks * block_size:  # each running sequence holds a token of the cache at least
         raise InvalidRequestError(
             f"max_num_seqs={max_num_seqs} is more sequences than the KV cache holds tokens "
-            f"({num_blocks * block_size}), so most could never run; lower it (64 is usual).",
+            f"({num_blocks * block_size}, kv_cache_tokens={kv_cache_tokens}), so most could never run; raise "
+            f"kv_cache_tokens (a few thousand tokens at least), or lower max_num_seqs to {num_blocks * block_size} "
+            "or fewer.",
             "max_num_seqs",
         )
     # A request must fit in the pool on its own, or preemption could never make room for it.

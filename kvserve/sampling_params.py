@@ -46,6 +46,10 @@ class SamplingParams:
         # Accept a single string / any iterable for the tuple fields.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        for name in ("max_tokens", "top_k", "seed", "min_tokens", "logprobs"):  # numpy's integers are integers
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool | int):
+                object.__setattr__(self, name, int(value))
         bias = self.logit_bias
         for name, value, what in (
             ("stop", self.stop, "a string or a list of strings"),

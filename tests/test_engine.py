@@ -284,6 +284,9 @@ def test_a_max_model_len_that_cannot_be_served_is_refused_not_lowered(tiny_model
         with pytest.raises(InvalidRequestError, match=match) as err:
             LLM(str(tiny_model_dir), dtype="float32", session_db=False, progress=False, **settings)
         assert err.value.param == "max_model_len"
+    # A small kv_cache_tokens was answered "lower max_num_seqs (64 is usual)", the default it had
+    with pytest.raises(InvalidRequestError, match=r"raise kv_cache_tokens .* or lower max_num_seqs to 48 or fewer"):
+        LLM(str(tiny_model_dir), dtype="float32", session_db=False, progress=False, kv_cache_tokens=48)
     with LLM(str(tiny_model_dir), dtype="float32", kv_cache_tokens=256, session_db=False, progress=False) as small:
         assert small.config.max_model_len == 256  # unasked, the pool's
 
@@ -349,6 +352,9 @@ def test_every_mistake_in_the_python_api_is_a_typed_error_naming_its_argument(ll
     one, two = SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=2, temperature=0)
     assert [len(r.token_ids) for r in llm.generate(["a", "b"], [one, two])] == [1, 2]  # as vLLM takes them
     assert llm.generate([np.int64(1), np.int64(2)], one).prompt_token_ids == [1, 2]  # one prompt, not two
+    numpy_ints = SamplingParams(max_tokens=np.int64(2), seed=np.int32(3), top_k=np.int64(5), temperature=np.float32(0))
+    assert (numpy_ints.max_tokens, numpy_ints.seed, numpy_ints.top_k) == (2, 3, 5)  # refused, as floats were not
+    assert type(numpy_ints.max_tokens) is int and len(llm.generate("a", numpy_ints).token_ids) == 2
     for request_id in (None, 5, [5], b"id"):
         with pytest.raises(InvalidRequestError, match="request_id must be a string"):
             llm.abort(request_id)
