@@ -494,6 +494,18 @@ def test_errors_outside_the_fields_say_what_to_do(keyless):
     for body in ([{"model": MODEL, "prompt": "x"}], '"just text"', "5"):
         error = assert_openai_error(post(keyless, "completions", body, key=None), 400)
         assert error["message"] == "The request body must be a JSON object of the request's fields.", error
+    # a nested unknown or missing field: pydantic's "Extra inputs are not permitted", "Field required"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x", "foo": 1}], "max_tokens": 1}
+    error = assert_openai_error(post(keyless, "chat/completions", chat, key=None), 400, "messages[0].foo")
+    assert (
+        error["message"]
+        == "messages[0].foo: kvserve does not know this field; remove it from the request (or check its spelling)."
+    )
+    error = assert_openai_error(post(keyless, "chat/completions", {"model": MODEL}, key=None), 400, "messages")
+    assert error["message"] == "messages: this field is required; send it."
+    current = {**chat, "messages": [{"role": "user", "content": "x"}], "stream": True}
+    current["stream_options"] = {"include_usage": True, "include_obfuscation": False}  # OpenAI's, since 2025
+    assert post(keyless, "chat/completions", current, key=None).status_code == 200
 
 
 def test_a_request_from_another_sites_page_is_refused_even_a_simple_one(keyless):

@@ -146,6 +146,11 @@ def _validation_body(errors: list[dict]) -> dict:
         return error_body("The request body must be a JSON object of the request's fields.", "invalid_request_error")
     param = _param(first.get("loc", ()))
     msg = str(first.get("msg"))
+    # pydantic's wording says what is wrong; these say what to do about it too
+    msg = {
+        "extra_forbidden": "kvserve does not know this field; remove it from the request (or check its spelling).",
+        "missing": "this field is required; send it.",
+    }.get(str(first.get("type")), msg)
     message = f"{param}: {msg}" if param and not msg.startswith(param) else msg
     return error_body(message, "invalid_request_error", param)
 

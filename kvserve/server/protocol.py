@@ -31,6 +31,7 @@ STRICT = ConfigDict(extra="forbid", strict=True)  # strict: no "3" for 3, no 0 f
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+    include_obfuscation: bool = True  # OpenAI pads its stream's events against length analysis; kvserve sends none
 
 
 class _Base(BaseModel):
