@@ -525,8 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(
         p,
         "--host",
-        "address to bind; on a loopback one (the default) requests must name this machine in their Host header "
-        "(localhost, an IP address, its hostname), so that a page whose name was pointed at 127.0.0.1 cannot use it",
+        "address to bind; on a loopback one (the default) a browser's requests must name this machine in their Host "
+        "header (localhost, an IP address, its hostname), so that a page whose name was pointed at 127.0.0.1 cannot "
+        "use it (other clients are not checked)",
         "127.0.0.1",
     )
     _flag(p, "--port", "port (0: any free port)", 8000, _port)

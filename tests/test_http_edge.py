@@ -519,7 +519,7 @@ def test_a_request_from_another_sites_page_is_refused_even_a_simple_one(keyless)
     for headers in (
         {"Origin": "https://evil.example", "content-type": "text/plain"},
         {"Origin": "null"},  # a sandboxed frame, a file opened in the browser
-        {"Host": "evil.example"},
+        {"Host": "evil.example", "Sec-Fetch-Site": "same-origin"},  # the rebound page's own GET-like request
         {"Host": "evil.example", "Origin": "http://evil.example"},  # the rebound page, "same-origin"
     ):
         r = httpx.post(f"{keyless}/v1/sessions", content=body, headers=headers)
@@ -529,9 +529,14 @@ def test_a_request_from_another_sites_page_is_refused_even_a_simple_one(keyless)
         )
     assert sessions() == before
     port = urlsplit(keyless).port
-    for headers in ({"Origin": keyless}, {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"}):
+    for headers in (
+        {"Origin": keyless},  # the server's own page
+        {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"},
+        {"Host": "localhost", "X-Forwarded-Host": "chat.example.com", "Origin": "https://chat.example.com"},  # proxied
+        {"Host": "gateway.internal"},  # not a browser (an SDK, a proxy's own call): any Host
+    ):
         r = httpx.post(f"{keyless}/v1/sessions", content=body, headers={"content-type": "application/json", **headers})
-        assert r.status_code == 200, r.text  # the server's own page
+        assert r.status_code == 200, (headers, r.text)
         assert delete(keyless, f"sessions/{r.json()['id']}", key=None).status_code == 200
 
 

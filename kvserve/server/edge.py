@@ -47,9 +47,11 @@ class CrossSiteMiddleware:
     """403 for a request another site's page made. A browser sends a simple POST (a `text/plain` body,
     which the server reads as JSON) from any page without asking first, so CORS alone let every site
     the user opened use a server without --api-key: its model, and its sessions (filling the key's
-    limit). Refused: an `Origin` that is neither the server's own (its `Host`) nor in
-    --allowed-origins; and, on a server bound to a loopback address, a `Host` that is not a name of
-    this machine (a page whose name was rebound to 127.0.0.1 sends its own), as Ollama refuses it."""
+    limit). Refused: an `Origin` that is neither the server's own (its `Host`, or the `X-Forwarded-Host`
+    a proxy sets) nor in --allowed-origins; and, on a server bound to a loopback address, a browser's
+    request (one with `Origin` or `Sec-Fetch-Site`) whose `Host` is not a name of this machine: a page
+    whose name was rebound to 127.0.0.1 sends its own, as Ollama checks it. Other clients (SDKs, curl,
+    a proxy's own calls) send neither header and pass whatever their Host."""
 
     def __init__(self, app: Callable, allowed_origins: tuple[str, ...], bind_host: str) -> None:
         self.app = app
@@ -59,16 +61,22 @@ class CrossSiteMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or "*" in self.allowed:
             return await self.app(scope, receive, send)
-        headers = {name: value.decode("latin-1") for name, value in scope["headers"] if name in (b"host", b"origin")}
+        wanted = (b"host", b"origin", b"sec-fetch-site", b"x-forwarded-host")
+        headers = {name: value.decode("latin-1") for name, value in scope["headers"] if name in wanted}
         host, origin = headers.get(b"host", ""), headers.get(b"origin")
+        browser = origin is not None or b"sec-fetch-site" in headers
         refusal = None
-        if self.loopback and not _names_this_machine(host):
+        if self.loopback and browser and host and not _names_this_machine(host):
             refusal = (
                 f"Host {host!r:.100} is not a name of this machine, and the server listens on a loopback address "
-                "(a page whose name was pointed at it sends its own); use localhost, or have a proxy in front send "
-                "'Host: localhost'."
+                "(a page whose name was pointed at it sends its own); open it as localhost, or have a proxy in front "
+                "send 'Host: localhost' and 'X-Forwarded-Host' with its own name."
             )
-        elif origin is not None and origin not in self.allowed and urlsplit(origin).netloc != host:
+        elif (
+            origin is not None
+            and origin not in self.allowed
+            and urlsplit(origin).netloc not in (host, headers.get(b"x-forwarded-host"))
+        ):
             refusal = (
                 f"A page of {origin!r:.100} may not call this server from a browser; start it with "
                 "--allowed-origins naming that site (KVSERVE_ALLOWED_ORIGINS) to let it."
