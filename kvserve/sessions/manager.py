@@ -413,15 +413,16 @@ class SessionManager:
                     logger.debug("session %s expired but %s", state.session_id, exc)
         if self.store is not None and now >= self._next_sweep:
             self._next_sweep = now + SWEEP_SECONDS
-            self.drop_expired_stored()
+            self.drop_expired_stored(time.time() + now - time.monotonic())  # `now` on the wall clock
 
-    def drop_expired_stored(self) -> None:
-        """Delete the stored sessions nobody has open whose last write is older than their TTL: every
-        SWEEP_SECONDS, and before the stored sessions are counted or listed (one query when none is)."""
+    def drop_expired_stored(self, wall_now: float | None = None) -> None:
+        """Delete the stored sessions nobody has open whose last write is older than their TTL at Unix
+        time `wall_now` (default: now): every SWEEP_SECONDS, and before the stored sessions are counted
+        or listed (one query when none is)."""
         if self.store is None:
             return
         try:
-            expired = self.store.expired(time.time())
+            expired = self.store.expired(time.time() if wall_now is None else wall_now)
             self._delete_stored([i for i in expired if i not in self.sessions])
         except SessionStoreError as exc:
             logger.debug("stored sessions past their TTL stay: %s", exc)
