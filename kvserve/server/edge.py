@@ -57,6 +57,8 @@ class CrossSiteMiddleware:
         self.app = app
         self.allowed = frozenset(allowed_origins)
         self.loopback = _is_loopback(bind_host)
+        machine = socket.gethostname().lower()
+        self.machine_names = {"localhost", machine, machine.split(".")[0]}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or "*" in self.allowed:
@@ -66,7 +68,7 @@ class CrossSiteMiddleware:
         host, origin = headers.get(b"host", ""), headers.get(b"origin")
         browser = origin is not None or b"sec-fetch-site" in headers
         refusal = None
-        if self.loopback and browser and host and not _names_this_machine(host):
+        if self.loopback and browser and host and not _names_this_machine(host, self.machine_names):
             refusal = (
                 f"Host {host!r:.100} is not a name of this machine, and the server listens on a loopback address "
                 "(a page whose name was pointed at it sends its own); open it as localhost, or have a proxy in front "
@@ -95,16 +97,15 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _names_this_machine(host: str) -> bool:
-    """An IP address (a page cannot rebind one), localhost and its subdomains, or this machine's name."""
+def _names_this_machine(host: str, names: set[str]) -> bool:
+    """An IP address (a page cannot rebind one), a subdomain of localhost, or one of `names`."""
     name = urlsplit(f"//{host}").hostname or ""
     try:
         ipaddress.ip_address(name)
         return True
     except ValueError:
         pass
-    machine = socket.gethostname().lower()
-    return name == "localhost" or name.endswith(".localhost") or name in (machine, machine.split(".")[0])
+    return name in names or name.endswith(".localhost")
 
 
 class QueryKeyRedactor(logging.Filter):
