@@ -18,7 +18,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.prompts import joined_text_parts
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvserve.structured_output import StructuredOutput
-from kvserve.text.tool_calls import ToolChoice
+from kvserve.text.tool_calls import OPENAI_NAME, ToolChoice
 
 
 class UnsupportedFieldError(InvalidRequestError):
@@ -126,7 +126,7 @@ class _Base(BaseModel):
                 "response_format.json_schema",
             )
         _refuse_unknown(spec, {"name", "schema", "strict", "description"}, "response_format.json_schema")
-        if not _FORMAT_NAME.match(spec["name"]):
+        if not OPENAI_NAME.match(spec["name"]):
             raise InvalidRequestError(
                 "response_format.json_schema.name must be 1-64 letters, digits, underscores or dashes.",
                 "response_format.json_schema.name",
@@ -172,7 +172,6 @@ class _Base(BaseModel):
         )
 
 
-_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # \Z: $ also matches before a last newline
 _LENGTH_PARAMS = ("max_tokens", "min_tokens")  # the errors `as_sent` renames in: their text is the engine's
 # OpenAI fields kvserve does not implement, and the values of each that ask for nothing it lacks
 _NOTHING_ASKED: dict[str, tuple[Any, ...]] = {

@@ -35,7 +35,9 @@ from kvserve.text.chat_template import ChatTemplateError
 from kvserve.text.tokenizer import Tokenizer
 
 MAX_TOOLS = 128  # OpenAI's limit
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # used with match: \Z, as $ also matches before a last newline
+# OpenAI's rule for a function's or a response format's name; used with match: \Z, as $ also matches
+# before a last newline
+OPENAI_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 _FIRST_KEY = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*(?:"([^"]*)("?))?')  # an object's first key, closed or not
 _CALL_KEYS = ("name", "parameters", "arguments")
@@ -150,7 +152,7 @@ def _function(tool: Any, index: int) -> Function:
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise InvalidRequestError(f"{where}.function.strict must be true or false.", f"{where}.function.strict")
     name = spec.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not OPENAI_NAME.match(name):
         raise InvalidRequestError(
             f"{where}.function.name must be 1-64 letters, digits, underscores or dashes, got {name!r:.80}.",
             f"{where}.function.name",
