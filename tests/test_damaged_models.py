@@ -192,6 +192,8 @@ def test_a_folder_without_generation_config_stops_at_the_end_tokens_of_its_confi
     with LLM(str(folder), dtype="float32", kv_cache_tokens=1024, session_db=False, progress=False) as llm:
         out = llm.generate(PROMPT, free)
         assert (out.token_ids, out.finish_reason) == (expected[:3], "stop")
+        wait_idle_and_check(llm)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 258}))  # its list wins
     with LLM(str(folder), dtype="float32", kv_cache_tokens=1024, session_db=False, progress=False) as llm:
         assert llm.generate(PROMPT, free).token_ids == expected
+        wait_idle_and_check(llm)

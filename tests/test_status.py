@@ -110,6 +110,7 @@ def test_delete_takes_one_choices_engine_id_while_it_runs(base, llm):
     reasons = [c["finish_reason"] for c in sorted(answers[0].json()["choices"], key=lambda c: c["index"])]
     assert reasons == ["abort", "length"]
     assert httpx.delete(f"{base}/v1/requests/{first}", headers=auth("alice")).status_code == 404  # it has ended
+    wait_idle_and_check(llm)
 
 
 def test_a_requests_events_follow_its_lifecycle_to_the_freed_blocks(base, llm):
