@@ -24,7 +24,8 @@ and each figure as a fraction of the bandwidth limit (streams x bandwidth / weig
 reads the weights once). Engines: kvserve (bf16 batch-invariant; the same with --async-scheduling off
 as `bf16-sync`; bf16 with --batch-invariant off; 4-bit; 4-bit with int8 inputs (`--activations int8`:
 dp4a) as `q4-int8`; 4-bit through PyTorch's own int4 kernel (`_weight_int4pack_mm`, "tinygemm": bfloat16
-scales and zeros) as `q4-tinygemm`; 4-bit with the int4 kernel's packed-bfloat16 candidate as `q4-bf16x2`; bf16 and
+scales and zeros) as `q4-tinygemm`; 4-bit with float16 scales and two roundings a weight (the int4 kernel before its
+packed-bfloat16 FMAs became the default for bfloat16 models) as `q4-fp16`; bf16 and
 q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl` and `q4-int8-pdl`, and with the
 matmuls' weights prefetched into L2 before its wait too (KVSERVE_PDL=prefetch) as `bf16-pdl-prefetch` and
 `q4-int8-pdl-prefetch`),
@@ -253,16 +254,16 @@ def _free(device: str) -> None:
 
 @contextlib.contextmanager
 def int4_candidate(weights: str):
-    """GpuInt4Linear's candidate that `weights` names on for the layers loaded inside: the packed-bfloat16
-    one (`q4-bf16x2`) or PyTorch's int4 kernel (`q4-tinygemm`)."""
+    """GpuInt4Linear's form that `weights` names for the layers loaded inside: without packed bfloat16
+    FMAs (`q4-fp16`, float16 scales) or PyTorch's int4 kernel (`q4-tinygemm`)."""
     from kvserve.layers.gpu import GpuInt4Linear
 
-    GpuInt4Linear.packed_bf16 = weights == "q4-bf16x2"
+    GpuInt4Linear.packed_bf16 = False if weights == "q4-fp16" else None
     GpuInt4Linear.tinygemm = weights == "q4-tinygemm"
     try:
         yield
     finally:
-        GpuInt4Linear.packed_bf16 = GpuInt4Linear.tinygemm = False
+        GpuInt4Linear.packed_bf16, GpuInt4Linear.tinygemm = None, False
 
 
 def run_kvserve(
@@ -583,7 +584,7 @@ def main() -> None:
         default="",
         help="comma-separated: only these runs, by engine (kvserve, transformers-eager, transformers-compiled) or"
         " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, bf16-pdl-prefetch, q4,"
-        " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-tinygemm, q4-bf16x2)",
+        " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-tinygemm, q4-fp16)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run not done by then is stopped")
     parser.add_argument("--skip-tests", action="store_true")
@@ -646,8 +647,8 @@ def main() -> None:
         if not args.skip_compiled and shape in args.compiled_shapes.split(","):
             plan.append(("transformers-compiled", shape, "bf16", False))
         plan.append(("kvserve", shape, "bf16", False))
-        if "q4" in models[shape]:  # the int4 kernel's packed-bfloat16 candidate, on the same file
-            plan.append(("kvserve", shape, "q4-bf16x2", True))
+        if "q4" in models[shape]:  # the int4 kernel without its packed-bfloat16 FMAs, on the same file
+            plan.append(("kvserve", shape, "q4-fp16", True))
     if args.runs:
         wanted = set(args.runs.split(","))
         plan = [run for run in plan if run[0] in wanted or (run[0] == "kvserve" and run[2] in wanted)]
@@ -758,13 +759,12 @@ def targets(runs: list[dict]) -> list[dict]:
             ("q4", "bf16"),
             ("q4-int8", "bf16"),
             ("q4-tinygemm", "bf16"),
-            ("q4-bf16x2", "bf16"),
             ("q4-int8-pdl", "bf16-pdl"),
             ("q4-int8-pdl-prefetch", "bf16-pdl-prefetch"),
         ]:
             value = ratio(tok_s(shape, "kvserve", weights, one), tok_s(shape, "kvserve", base, one))
             add(shape, f"{weights} / {base}, {one} stream", value, 1.5)
-        for weights in ("q4-int8", "q4-tinygemm", "q4-bf16x2"):  # each candidate against today's 4-bit kernel
+        for weights in ("q4-int8", "q4-tinygemm", "q4-fp16"):  # each candidate against today's 4-bit kernel
             value = ratio(tok_s(shape, "kvserve", weights, one), tok_s(shape, "kvserve", "q4", one))
             add(shape, f"{weights} / q4, {one} stream", value, None)
         add(shape, "bf16 ready, s", bf16 and bf16["ready_s"], 30, True)

@@ -282,11 +282,10 @@ def test_every_int4_layers_int8_inputs_come_from_the_kernel_before_it(tmp_path, 
         wait_idle_and_check(q4)
 
 
-def test_four_bit_packed_bfloat16_candidate_batched_like_solo(tiny_model_dir, triton_kernels, monkeypatch):
-    """The int4 kernel's packed-bfloat16 candidate through the engine: the layers keep bfloat16 scales
-    and mins, and each request's tokens batched are those of its solo run (its numerics against a
-    reference: test_triton_kernels.py)."""
-    monkeypatch.setattr(GpuInt4Linear, "packed_bf16", True)
+def test_four_bit_bfloat16_models_take_packed_bfloat16_fmas_batched_like_solo(tiny_model_dir, triton_kernels):
+    """The int4 kernel's packed bfloat16 FMAs, the default for a bfloat16 model: the layers keep
+    bfloat16 scales and mins, and each request's tokens batched are those of its solo run (its numerics
+    against a reference: test_triton_kernels.py). A float32 model keeps its scales as stored."""
     with _llm(tiny_model_dir, weights="q4", dtype="bfloat16") as q4:
         layer = q4.model.layers[0].self_attn.qkv_proj
         assert layer.packed_bf16 and layer.scales.dtype == layer.mins.dtype == torch.bfloat16
@@ -294,4 +293,8 @@ def test_four_bit_packed_bfloat16_candidate_batched_like_solo(tiny_model_dir, tr
         solo = [q4.generate(p, params) for p in PROMPTS[:2]]
         batched = q4.generate(PROMPTS[:2], params)
         assert [r.token_ids for r in batched] == [r.token_ids for r in solo]
+        wait_idle_and_check(q4)
+    with _llm(tiny_model_dir, weights="q4") as q4:  # float32
+        layer = q4.model.layers[0].self_attn.qkv_proj
+        assert not layer.packed_bf16 and layer.scales.dtype != torch.bfloat16
         wait_idle_and_check(q4)

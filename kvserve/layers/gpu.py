@@ -92,9 +92,11 @@ class GpuInt4Linear(nn.Module):
     CPU's int4 x int8 arithmetic, with no float weight ever made; its kernel follows the row count, the
     bits do not."""
 
-    # The kernel's packed-bfloat16 candidate (int4_matmul's packed_bf16: scales and mins kept as
-    # bfloat16), off until a GPU measures it faster; bench/gpu.py's `q4-bf16x2` run turns it on.
-    packed_bf16 = False
+    # int4_matmul's packed_bf16 (scales and mins kept as bfloat16, each weight their fma rounded once):
+    # None, on for a bfloat16 model (the H200 at aead1aa: 4.5% more tokens a second for one stream of
+    # the 1B shapes, batched = solo 16 of 16), off for float16 and float32 ones, whose inputs it does not
+    # take; bench/gpu.py's `q4-fp16` run sets it False (float16 scales, the kernel before).
+    packed_bf16: bool | None = None
     # PyTorch's own int4 kernel instead of kvserve's (kernels/gpu/tinygemm.py: bfloat16 scales and zeros,
     # float inputs only), off until a GPU measures it faster; bench/gpu.py's `q4-tinygemm` turns it on.
     tinygemm = False
@@ -105,7 +107,9 @@ class GpuInt4Linear(nn.Module):
         device: torch.device | str,
         bias: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
+        """`dtype`: the model's compute dtype (its inputs'), which decides `packed_bf16` where unset."""
         super().__init__()
         from kvserve.kernels.gpu.matmul import pack_int4
 
@@ -132,7 +136,8 @@ class GpuInt4Linear(nn.Module):
             self.packed_bf16 = False
             return
         self.register_buffer("packed", pack_int4(weight.codes.to(device)))
-        self.packed_bf16 = type(self).packed_bf16  # fixed at load, with the scales' dtype
+        chosen = type(self).packed_bf16  # fixed at load, with the scales' dtype
+        self.packed_bf16 = dtype == torch.bfloat16 if chosen is None else chosen
         group_values = (lambda v: v.to(torch.bfloat16)) if self.packed_bf16 else _group_values
         self.register_buffer("scales", group_values(weight.scales).to(device))  # [N, K / 32]
         self.register_buffer("mins", group_values(weight.mins).to(device))  # [N, K / 32]

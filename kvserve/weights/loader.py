@@ -333,7 +333,7 @@ def _build_linear(
             _check_shape(name, i, tuple(g.codes.shape), (n, layer.in_features))
         weight = type(groups[0]).cat(groups)
         if gpu:  # the lm_head's logits in float32, as every other form gives them
-            return GpuInt4Linear(weight, device, bias, torch.float32 if name == LM_HEAD else None)
+            return GpuInt4Linear(weight, device, bias, torch.float32 if name == LM_HEAD else None, dtype)
         if _int4_quads_planned(name, plan, gpu) and Int4QuadsLinear.holds(weight):
             # Q4_0 / Q4_1 with int8 inputs: the same bits as Int4Linear's int8 kernel, its codes arranged once
             return Int4QuadsLinear(weight, dtype, bias)
