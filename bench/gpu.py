@@ -24,7 +24,8 @@ and each figure as a fraction of the bandwidth limit (streams x bandwidth / weig
 reads the weights once). Engines: kvserve (bf16 batch-invariant; the same with --async-scheduling off
 as `bf16-sync`; bf16 with --batch-invariant off; 4-bit; 4-bit with int8 inputs (`--activations int8`:
 dp4a) as `q4-int8`; 4-bit through PyTorch's own int4 kernel (`_weight_int4pack_mm`, "tinygemm": bfloat16
-scales and zeros) as `q4-tinygemm`; 4-bit with float16 scales and two roundings a weight (the int4 kernel before its
+scales and zeros) as `q4-tinygemm`; 4-bit and 4-bit with int8 inputs with the codes group major (the same
+bits, `matmul.to_group_major`) as `q4-gm` and `q4-int8-gm`; 4-bit with float16 scales and two roundings a weight (the int4 kernel before its
 packed-bfloat16 FMAs became the default for bfloat16 models) as `q4-fp16`; bf16 and
 q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl` and `q4-int8-pdl`, and with the
 matmuls' weights prefetched into L2 before its wait too (KVSERVE_PDL=prefetch) as `bf16-pdl-prefetch` and
@@ -255,15 +256,16 @@ def _free(device: str) -> None:
 @contextlib.contextmanager
 def int4_candidate(weights: str):
     """GpuInt4Linear's form that `weights` names for the layers loaded inside: without packed bfloat16
-    FMAs (`q4-fp16`, float16 scales) or PyTorch's int4 kernel (`q4-tinygemm`)."""
+    FMAs (`q4-fp16`, float16 scales), PyTorch's int4 kernel (`q4-tinygemm`), or group major (`-gm`)."""
     from kvserve.layers.gpu import GpuInt4Linear
 
     GpuInt4Linear.packed_bf16 = False if weights == "q4-fp16" else None
     GpuInt4Linear.tinygemm = weights == "q4-tinygemm"
+    GpuInt4Linear.group_major = weights.endswith("-gm")
     try:
         yield
     finally:
-        GpuInt4Linear.packed_bf16, GpuInt4Linear.tinygemm = None, False
+        GpuInt4Linear.packed_bf16, GpuInt4Linear.tinygemm, GpuInt4Linear.group_major = None, False, False
 
 
 def run_kvserve(
@@ -584,7 +586,7 @@ def main() -> None:
         default="",
         help="comma-separated: only these runs, by engine (kvserve, transformers-eager, transformers-compiled) or"
         " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, bf16-pdl-prefetch, q4,"
-        " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-tinygemm, q4-fp16)",
+        " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-tinygemm, q4-gm, q4-int8-gm, q4-fp16)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run not done by then is stopped")
     parser.add_argument("--skip-tests", action="store_true")
@@ -635,8 +637,8 @@ def main() -> None:
         if "q4" in models[shape]:  # and with int8 inputs (dp4a), on the same file
             plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
         plan.append(("transformers-eager", shape, "bf16", False))
-        if "q4" in models[shape]:  # PyTorch's own int4 kernel, on the same file
-            plan.append(("kvserve", shape, "q4-tinygemm", True))
+        if "q4" in models[shape]:  # PyTorch's own int4 kernel; the codes group major, both inputs
+            plan += [("kvserve", shape, w, True) for w in ("q4-tinygemm", "q4-gm", "q4-int8-gm")]
         plan.append(("kvserve", shape, "bf16-sync", True))  # without async scheduling: what it gains
         plan.append(("kvserve", shape, "bf16-pdl", True))  # programmatic dependent launch: what it gains
         if "q4" in models[shape]:
@@ -759,6 +761,8 @@ def targets(runs: list[dict]) -> list[dict]:
             ("q4", "bf16"),
             ("q4-int8", "bf16"),
             ("q4-tinygemm", "bf16"),
+            ("q4-gm", "bf16"),
+            ("q4-int8-gm", "bf16"),
             ("q4-int8-pdl", "bf16-pdl"),
             ("q4-int8-pdl-prefetch", "bf16-pdl-prefetch"),
         ]:
@@ -767,6 +771,10 @@ def targets(runs: list[dict]) -> list[dict]:
         for weights in ("q4-int8", "q4-tinygemm", "q4-fp16"):  # each candidate against today's 4-bit kernel
             value = ratio(tok_s(shape, "kvserve", weights, one), tok_s(shape, "kvserve", "q4", one))
             add(shape, f"{weights} / q4, {one} stream", value, None)
+        for weights, base in [("q4-gm", "q4"), ("q4-int8-gm", "q4-int8")]:  # the same bits: any gain decides
+            for n in counts:
+                value = ratio(tok_s(shape, "kvserve", weights, n), tok_s(shape, "kvserve", base, n))
+                add(shape, f"{n} stream{'s' * (n > 1)}: {weights} / {base}", value, None)
         add(shape, "bf16 ready, s", bf16 and bf16["ready_s"], 30, True)
         for n in counts:
             streams = f"{n} stream{'s' * (n > 1)}"

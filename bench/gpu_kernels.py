@@ -11,7 +11,10 @@ row tile following M), at its candidate configs, and from 16 rows `int4-int8-mma
 kernel's tiles (the same bits); `int4-tinygemm`, PyTorch's own int4 kernel (`_weight_int4pack_mm`, one
 configuration, bfloat16 scales and zeros: other bits by design; kernels/gpu/tinygemm.py), on a CUDA GPU
 only; and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding),
-with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`).
+with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`). Candidates with the same bits
+(`same_bits`): `int4-bf16x2-gm` and `int4-int8-gm`, the codes, scales and mins group major
+(`matmul.to_group_major`: a warp's outputs read one block); `int4-int8-unrolled` and
+`int4-int8-gm-unrolled`, the dp4a kernel's K loop unrolled (`matmul.UNROLL_DP4A`).
 Each layer has its own tile counters, as in the engine, so that a K split's last program adds the
 splits; `float-sum-kernel`, `int4-sum-kernel` and `int4-int8-sum-kernel` time kvserve's configs with
 `_sum_splits_kernel` launched instead, as before 2026-11-29 (the same bits, `same_bits`).
@@ -111,9 +114,9 @@ def timed(fn, device: str, replays: int = 20) -> float:
     return begin.elapsed_time(end) / 1000 / replays
 
 
-def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, result, kinds=None) -> None:
+def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, result, kinds=None, own=False) -> None:
     """Time cuBLAS and each candidate on `count` layers of n x k weights at each row count, into
-    result["records"] (or result["errors"]); `kinds`: only those."""
+    result["records"] (or result["errors"]); `kinds`: only those; `own`: kvserve's configs only."""
     from kvserve.kernels.gpu import matmul as mm
 
     floats, int4s, int4_int8s = candidates()
@@ -150,20 +153,23 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             mm._launch(mm._float_kernel, cfg, x, n, (w, w.stride(0)), None, out_dtype, counters=c) for w, c in layers
         ]
 
-    def int4_calls(x, cfg, permute=True, packed_bf16=False, tile_sums=True):
+    def int4_calls(x, cfg, permute=True, packed_bf16=False, tile_sums=True, group_major=False):
         cfg = cfg or mm.config_for(mm.INT4_CONFIG, n, k)
         groups = zip(packed, scales16, mins16, strict=True) if packed_bf16 else zip(packed, scales, mins, strict=True)
+        if group_major:
+            groups = [mm.to_group_major(*g) for g in groups]
         layers = [(p, s, mn, p.stride(0), s.stride(0), mn.stride(0)) for p, s, mn in groups]
         layers = list(zip(layers, counters if tile_sums else [None] * count, strict=True))
-        switches = {"PERMUTE": permute, "PACKED_BF16": packed_bf16}
+        switches = {"PERMUTE": permute, "PACKED_BF16": packed_bf16, **({"GROUP_MAJOR": True} if group_major else {})}
         return lambda: [
             mm._launch(mm._int4_kernel, cfg, x, n, a, None, out_dtype, counters=c, **switches) for a, c in layers
         ]
 
-    def int4_int8_calls(x, cfg, kernel=mm._int4_int8_kernel, tile_sums=True):
+    def int4_int8_calls(x, cfg, kernel=mm._int4_int8_kernel, tile_sums=True, group_major=False):
         if cfg is None:  # kvserve's: int4_int8_matmul's choice of kernel and tiles
-            layers = list(zip(packed, scales, mins, counters if tile_sums else [None] * count, strict=True))
-            return lambda: [mm.int4_int8_matmul(x, p, s, mn, out_dtype, counters=c) for p, s, mn, c in layers]
+            weights4 = [mm.to_group_major(*w) if group_major else w for w in zip(packed, scales, mins, strict=True)]
+            layers = list(zip(weights4, counters if tile_sums else [None] * count, strict=True))
+            return lambda: [mm.int4_int8_matmul(x, *w, out_dtype, counters=c) for w, c in layers]
         if kernel is mm._int4_int8_kernel:
             cfg = dataclasses.replace(cfg, block_m=mm._row_tile(x.shape[0]))
         layers = [(p.view(torch.int32), s, mn, c) for p, s, mn, c in zip(packed, scales, mins, counters, strict=True)]
@@ -175,6 +181,16 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
                 weight = (d, sums, words, s, mn, words.stride(0), s.stride(0), mn.stride(0))
                 outs.append(mm._launch(kernel, cfg, q, n, weight, None, out_dtype, k=k, counters=c))
             return outs
+
+        return calls
+
+    def unrolled(fn):  # matmul.UNROLL_DP4A on while fn launches (a graph replays what was captured)
+        def calls():
+            mm.UNROLL_DP4A = True
+            try:
+                return fn()
+            finally:
+                mm.UNROLL_DP4A = False
 
         return calls
 
@@ -213,6 +229,12 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         if device == "cuda":  # PyTorch has no CPU kernel for this layout
             runs += [("int4-tinygemm", None, tinygemm_calls(x))]
         runs += [("int4-bf16x2", cfg, int4_calls(x, cfg, packed_bf16=True)) for cfg in int4s + int4_wide]
+        runs += [  # the codes, scales and mins group major (matmul.to_group_major): the same bits
+            ("int4-bf16x2-gm", None, int4_calls(x, None, packed_bf16=True, group_major=True)),
+            ("int4-int8-gm", None, int4_int8_calls(x, None, group_major=True)),
+            ("int4-int8-unrolled", None, unrolled(int4_int8_calls(x, None))),  # the dp4a loop unrolled: the same bits
+            ("int4-int8-gm-unrolled", None, unrolled(int4_int8_calls(x, None, group_major=True))),
+        ]
         runs += [  # kvserve's configs with the sum kernel launched after each split call
             ("float-sum-kernel", None, float_calls(x, None, tile_sums=False)),
             ("int4-sum-kernel", None, int4_calls(x, None, tile_sums=False)),
@@ -220,7 +242,9 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         ]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
             runs += [("int8", None, int8_calls(x)), ("int8-int8", None, int8_calls(x, int8_inputs=True))]
-        runs = [run for run in runs if kinds is None or run[0] in kinds]
+        runs = [
+            run for run in runs if (kinds is None or run[0] in kinds) and not (own and run[1] not in (None, "cublas"))
+        ]
         outputs = {}  # kind -> the first layer's output with kvserve's config: the same bits every way
         for kind, cfg, fn in runs:
             try:
@@ -233,7 +257,12 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             base = kind.split("-")[0]
             # int4-bf16x2 rounds scales and mins to bfloat16 first, int4-int8 the inputs: other bits by design
             same_as = kind.removesuffix("-sum-kernel") if kind.endswith("-sum-kernel") else base
-            compared = cfg is None and kind in ("int4-convert", *SUM_KERNEL_KINDS) and same_as in outputs
+            same_as = (
+                kind.removesuffix("-unrolled").removesuffix("-gm") if kind.endswith(("-gm", "-unrolled")) else same_as
+            )
+            checked = ("int4-convert", "int4-bf16x2-gm", "int4-int8-gm", "int4-int8-unrolled", "int4-int8-gm-unrolled")
+            checked += SUM_KERNEL_KINDS
+            compared = cfg is None and kind in checked and same_as in outputs
             same_bits = torch.equal(outputs[kind], outputs[same_as]) if compared else None
             weight_bytes = n * k * {"int4": 0.5 + 4 / 32, "int8": 1 + 4 / 32}.get(base, 2)  # int4-*: int4's
             result["records"].append(
@@ -260,6 +289,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64,1024")
     parser.add_argument("--budget-s", type=float, default=150.0, help="start no timing after this many seconds")
     parser.add_argument("--kinds", default=None, help="comma-separated kinds to time (default: all)")
+    parser.add_argument("--own-configs", action="store_true", help="kvserve's configs only, no candidate tiles")
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_kernels.json"))
     args = parser.parse_args()
     started = time.perf_counter()
@@ -277,7 +307,9 @@ def main() -> None:
         for name, (n, k) in SHAPES[shape].items():
             count = 2 if name == "lm_head" else LAYERS[shape]
             kinds = None if args.kinds is None else set(args.kinds.split(","))
-            time_layer(shape, name, n, k, count, rows, device, gen, started, args.budget_s, result, kinds)
+            time_layer(
+                shape, name, n, k, count, rows, device, gen, started, args.budget_s, result, kinds, args.own_configs
+            )
             if device == "cuda":
                 torch.cuda.empty_cache()
     result["seconds"] = round(time.perf_counter() - started, 1)

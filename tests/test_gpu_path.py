@@ -298,3 +298,21 @@ def test_four_bit_bfloat16_models_take_packed_bfloat16_fmas_batched_like_solo(ti
         layer = q4.model.layers[0].self_attn.qkv_proj
         assert not layer.packed_bf16 and layer.scales.dtype != torch.bfloat16
         wait_idle_and_check(q4)
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_four_bit_codes_group_major_give_the_same_tokens_and_logprobs(
+    tiny_model_dir, triton_kernels, monkeypatch, activations
+):
+    """GpuInt4Linear.group_major (the codes, scales and mins in matmul.to_group_major's layout, a candidate
+    for the GPU's loads) through the engine: the tokens and logprobs of the row-major layout, batched."""
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+    results = []
+    for group_major in (False, True):
+        monkeypatch.setattr(GpuInt4Linear, "group_major", group_major)
+        with _llm(tiny_model_dir, weights="q4", dtype="bfloat16", activations=activations) as q4:
+            layer = q4.model.layers[0].mlp.gate_up_proj
+            assert layer.group_major == group_major and layer.packed.dim() == (3 if group_major else 2)
+            results.append([(r.token_ids, r.logprobs) for r in q4.generate(PROMPTS[:3], params)])
+            wait_idle_and_check(q4)
+    assert results[1] == results[0]

@@ -446,6 +446,62 @@ def test_int4_int8_matmul_on_the_tensor_cores_gives_the_bits_of_dp4a():
         assert torch.equal(run(x[row : row + 1])[0], out[row]), row
 
 
+def test_group_major_int4_weights_give_the_row_major_bits():
+    """`to_group_major` puts each group's outputs one after another (codes [K / 32, N, 16], scales and
+    mins [K / 32, N]); every int4 kernel reads it with the row-major bits: float inputs (float32, and
+    bfloat16 with and without packed bfloat16 FMAs), int8 inputs through dp4a and on the tensor cores,
+    with K splits (the last not a whole step) summed by the sum kernel and by each tile's last split,
+    a bias, N not a multiple of the tile."""
+    m, k, n = 13, 1024 + 160, 80
+    codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=71)
+    packed = matmul.pack_int4(codes)
+    gm_packed, gm_scales, gm_mins = matmul.to_group_major(packed, scales, mins)
+    # the layout itself: byte j of output o's group g, and its scale and min
+    assert gm_packed.shape == (k // 32, n, 16) and gm_scales.shape == gm_mins.shape == (k // 32, n)
+    for o, g in ((0, 0), (n - 1, 3), (37, k // 32 - 1)):
+        assert torch.equal(gm_packed[g, o], packed[o, 16 * g : 16 * g + 16]), (o, g)
+        assert gm_scales[g, o] == scales[o, g] and gm_mins[g, o] == mins[o, g], (o, g)
+    x = _randn(m, k, seed=72)
+    bias = _randn(n, seed=73)
+    bf16 = (scales.to(torch.bfloat16), mins.to(torch.bfloat16))
+    gm_bf16 = matmul.to_group_major(packed, *bf16)
+    for rows in (x[:1], x[:3], x):  # dp4a for up to 8 rows, the tensor cores from 9
+        for counters in (None, matmul.split_counters(DEVICE)):
+            for dtype in (torch.float32, torch.bfloat16):
+                row_major = matmul.int4_matmul(rows.to(dtype), packed, scales, mins, None, bias, counters=counters)
+                group_major = matmul.int4_matmul(
+                    rows.to(dtype), gm_packed, gm_scales, gm_mins, None, bias, counters=counters
+                )
+                assert torch.equal(group_major, row_major), (len(rows), dtype)
+            x16 = rows.to(torch.bfloat16)
+            group_major = matmul.int4_matmul(x16, *gm_bf16, packed_bf16=True, counters=counters)
+            assert torch.equal(group_major, matmul.int4_matmul(x16, packed, *bf16, packed_bf16=True, counters=counters))
+            group_major = matmul.int4_int8_matmul(
+                rows, gm_packed, gm_scales, gm_mins, torch.float32, bias, counters=counters
+            )
+            row_major = matmul.int4_int8_matmul(rows, packed, scales, mins, torch.float32, bias, counters=counters)
+            assert torch.equal(group_major, row_major), len(rows)
+
+
+def test_the_dp4a_kernels_loop_unrolled_gives_its_bits(monkeypatch):
+    """matmul.UNROLL_DP4A, a candidate: the dp4a kernel's K loop unrolled where every split has the same
+    number of steps, in either layout: the same arithmetic in the same order, so the same bits."""
+    m, k, n = 5, 2048, 80  # K splits of 256: two steps each
+    codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=74)
+    packed = matmul.pack_int4(codes)
+    gm = matmul.to_group_major(packed, scales, mins)
+    x = _randn(m, k, seed=75)
+    expected = [matmul.int4_int8_matmul(rows, packed, scales, mins, torch.float32) for rows in (x[:1], x)]
+    launches = []
+    launch = matmul._launch
+    monkeypatch.setattr(matmul, "UNROLL_DP4A", True)
+    monkeypatch.setattr(matmul, "_launch", lambda *a, **kw: launches.append(kw.get("STEPS")) or launch(*a, **kw))
+    for rows, out in zip((x[:1], x), expected, strict=True):
+        assert torch.equal(matmul.int4_int8_matmul(rows, packed, scales, mins, torch.float32), out)
+        assert torch.equal(matmul.int4_int8_matmul(rows, *gm, torch.float32), out)
+    assert launches == [2, 2, 2, 2]
+
+
 def _int8_weight(n: int, k: int, seed: int):
     g = _generator(seed)
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
@@ -1147,6 +1203,13 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"int8-tiles-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), counters=counters)
     call = f"int4-int8-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
     call = f"matmul-tiles-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters)
+    gm = matmul.to_group_major(matmul.pack_int4(codes), scales.to(bf16), scales.to(bf16))
+    call = f"int4-gm-tiles-{m}"; matmul.int4_matmul(x, *gm, packed_bf16=True, counters=counters)
+    gm = matmul.to_group_major(matmul.pack_int4(codes), scales, scales)
+    call = f"int4-int8-gm-tiles-{m}"; matmul.int4_int8_matmul(x, *gm, counters=counters)
+    matmul.UNROLL_DP4A = True
+    call = f"int4-int8-unrolled-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
+    matmul.UNROLL_DP4A = False
     call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
     call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
     call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
@@ -1315,6 +1378,13 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int4-int8-tiles", "_int4_int8_kernel"),
         ("int4-int8-tiles", "_int4_int8_mma_kernel"),
         ("matmul-tiles", "_float_kernel"),  # K = 4096: two splits of 2048
+        ("int4-gm-tiles", "_int4_kernel"),  # the codes group major (matmul.to_group_major)
+        ("int4-int8-gm-tiles", "_quantize_int8_kernel"),
+        ("int4-int8-gm-tiles", "_int4_int8_kernel"),
+        ("int4-int8-gm-tiles", "_int4_int8_mma_kernel"),
+        ("int4-int8-unrolled-tiles", "_quantize_int8_kernel"),
+        ("int4-int8-unrolled-tiles", "_int4_int8_kernel"),  # its K loop unrolled (matmul.UNROLL_DP4A)
+        ("int4-int8-unrolled-tiles", "_int4_int8_mma_kernel"),
         ("store_kv", "_store_kv_kernel"),
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),

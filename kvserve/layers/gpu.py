@@ -100,6 +100,10 @@ class GpuInt4Linear(nn.Module):
     # PyTorch's own int4 kernel instead of kvserve's (kernels/gpu/tinygemm.py: bfloat16 scales and zeros,
     # float inputs only), off until a GPU measures it faster; bench/gpu.py's `q4-tinygemm` turns it on.
     tinygemm = False
+    # Codes, scales and mins group major (matmul.to_group_major: each group's outputs one after another,
+    # so that a warp's threads, an output each, read one block): the same bits, a candidate until a GPU
+    # measures it faster; bench/gpu.py's `q4-gm` and `q4-int8-gm` runs turn it on.
+    group_major = False
 
     def __init__(
         self,
@@ -111,7 +115,7 @@ class GpuInt4Linear(nn.Module):
     ) -> None:
         """`dtype`: the model's compute dtype (its inputs'), which decides `packed_bf16` where unset."""
         super().__init__()
-        from kvserve.kernels.gpu.matmul import pack_int4
+        from kvserve.kernels.gpu.matmul import pack_int4, to_group_major
 
         if weight.group_size != GROUP_SIZE:
             raise ValueError(f"the GPU's int4 kernel takes groups of {GROUP_SIZE}, got {weight.group_size}")
@@ -133,14 +137,20 @@ class GpuInt4Linear(nn.Module):
             packed, scales_zeros = tinygemm.pack(codes, weight.scales.to(device), weight.mins.to(device))
             self.register_buffer("packed", packed)
             self.register_buffer("scales_zeros", scales_zeros)  # [K / 32, N, 2] bfloat16
-            self.packed_bf16 = False
+            self.packed_bf16 = self.group_major = False
             return
-        self.register_buffer("packed", pack_int4(weight.codes.to(device)))
         chosen = type(self).packed_bf16  # fixed at load, with the scales' dtype
         self.packed_bf16 = dtype == torch.bfloat16 if chosen is None else chosen
         group_values = (lambda v: v.to(torch.bfloat16)) if self.packed_bf16 else _group_values
-        self.register_buffer("scales", group_values(weight.scales).to(device))  # [N, K / 32]
-        self.register_buffer("mins", group_values(weight.mins).to(device))  # [N, K / 32]
+        packed = pack_int4(weight.codes.to(device))  # [N, K / 2]
+        scales = group_values(weight.scales).to(device)  # [N, K / 32]
+        mins = group_values(weight.mins).to(device)
+        self.group_major = type(self).group_major  # fixed at load, with the layout
+        if self.group_major:  # [K / 32, N, 16] and [K / 32, N]
+            packed, scales, mins = to_group_major(packed, scales, mins)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
         self.register_buffer("split_counters", _split_counters(device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,7 +176,7 @@ class GpuInt4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         inputs = ", int8 inputs" if self.int8_activations else ""
-        kernel = ", PyTorch's int4 kernel" if self.tinygemm else ""
+        kernel = ", PyTorch's int4 kernel" if self.tinygemm else ", group major" if self.group_major else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}{inputs}{kernel}"
         )

@@ -79,6 +79,11 @@ INT4_INT8_CONFIG = TileConfig(block_m=8, block_n=128, block_k=128, k_per_split=5
 # row; 64 x 64 on 4 warps spilled. Every kernel pays four float operations per group, row and output
 # (a conversion, the scale's product, two FMAs): 0.125 per weight and row.
 INT4_INT8_MMA_ROWS = 9
+# A candidate, read at each launch: the dp4a kernel's K loop unrolled where every split has the same
+# number of steps (STEPS), so that the compiler may issue a split's loads before the sums that wait on
+# them. The same arithmetic in the same order: the same bits. bench/gpu_kernels.py's `-unrolled` kinds
+# time it; off until a GPU measures it faster.
+UNROLL_DP4A = False
 INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
     (32, {"block_m": 32, "block_n": 128, "num_warps": 8}),
@@ -314,6 +319,7 @@ def _int4_kernel(
     PACKED_BF16: tl.constexpr = False,  # bfloat16 x: weights by packed bfloat16 FMAs (nibble_fma_bf16)
     PDL: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 0,
+    GROUP_MAJOR: tl.constexpr = False,  # codes [K / 32, N, 16], scales and mins [K / 32, N] (to_group_major)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -334,11 +340,17 @@ def _int4_kernel(
         k_lo = k0 + (i // 16) * 32 + i % 16  # [BK/2]
         w_mask = _below(k_lo, k_end, EVEN_K)[:, None] & (cols < N)[None, :]
         x_mask = (rows < M)[:, None] & _below(k_lo, k_end, EVEN_K)[None, :]
-        byte = tl.load(packed_ptr + cols64 * stride_pn + (k0 // 2 + i)[:, None], mask=w_mask, other=0)  # [BK/2, BN]
         groups = k0 // 32 + g
         g_mask = _below(groups, k_end // 32, EVEN_K)[:, None] & (cols < N)[None, :]
-        scale = tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0)
-        low = tl.load(mins_ptr + cols64 * stride_mn + groups[:, None], mask=g_mask, other=0.0)
+        if GROUP_MAJOR:  # a group's bytes of consecutive outputs are consecutive
+            byte_at = ((k0 // 32 + i // 16).to(tl.int64) * N)[:, None] * 16 + cols64 * 16 + (i % 16)[:, None]
+            byte = tl.load(packed_ptr + byte_at, mask=w_mask, other=0)  # [BK/2, BN]
+            scale = tl.load(scales_ptr + (groups.to(tl.int64) * N)[:, None] + cols64, mask=g_mask, other=0.0)
+            low = tl.load(mins_ptr + (groups.to(tl.int64) * N)[:, None] + cols64, mask=g_mask, other=0.0)
+        else:
+            byte = tl.load(packed_ptr + cols64 * stride_pn + (k0 // 2 + i)[:, None], mask=w_mask, other=0)  # [BK/2, BN]
+            scale = tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0)
+            low = tl.load(mins_ptr + cols64 * stride_mn + groups[:, None], mask=g_mask, other=0.0)
         if PACKED_BF16 and x_ptr.dtype.element_ty == tl.bfloat16:
             if scales_ptr.dtype.element_ty != tl.bfloat16:  # stored as bfloat16, they need no conversion
                 scale = cast(scale.to(tl.float32), tl.bfloat16, INTERPRET)
@@ -440,6 +452,19 @@ def _int8_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def _int8_tile_strides(N, stride_wn, stride_sn, stride_mn, WORDS: tl.constexpr, GROUP_MAJOR: tl.constexpr):
+    """Where an int4 (or int8) x int8 program finds output n's group g: its code words at n * w_col +
+    g * w_group, its scale at n * s_col + g * sm_group, its min at n * m_col + g * sm_group. Row major
+    (as GGUF stores them): each output's groups one after another; group major (`to_group_major`): each
+    group's outputs one after another, so that a warp's threads, one output each, read one block."""
+    if GROUP_MAJOR:
+        n64 = N.to(tl.int64)
+        return WORDS, n64 * WORDS, 1, 1, n64
+    else:
+        return stride_wn, WORDS, stride_sn, stride_mn, 1
+
+
+@triton.jit
 def _prefetch_int8_tile(
     words_ptr,
     scales_ptr,
@@ -463,6 +488,50 @@ def _prefetch_int8_tile(
         prefetch_rows(scales_ptr, cols, N, stride_sn, g_begin, groups, 2)
         if CODE_BITS == 4:
             prefetch_rows(mins_ptr, cols, N, stride_mn, g_begin, groups, 2)
+
+
+@triton.jit
+def _int8_inputs_step(
+    acc,
+    k0,
+    k_end,
+    w_step,
+    scales_step,
+    mins_step,
+    x_step,
+    d_step,
+    s_step,
+    w_group,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    CODE_BITS: tl.constexpr,
+):
+    """One step (four groups from input k0) of `_int4_int8_kernel`: acc [BN, BM] with each group's sums
+    and float steps added, group after group."""
+    four = tl.arange(0, 4)[None, :]
+    if EVEN_K:
+        scales = split4(tl.load(scales_step))  # [BN] each
+        if CODE_BITS == 4:
+            lows = split4(tl.load(mins_step))
+    else:  # a split that ends within the step: past its end the scale and min are 0, so those
+        # groups add nothing, and their loads stay in the split
+        g_ok = k0 // 32 + four < k_end // 32
+        scales = split4(tl.load(scales_step, mask=g_ok, other=0.0))
+        if CODE_BITS == 4:
+            lows = split4(tl.load(mins_step, mask=g_ok, other=0.0))
+    for gi in tl.static_range(4):
+        g = gi if EVEN_K else tl.minimum(gi, (k_end - k0) // 32 - 1)
+        if CODE_BITS == 4:
+            isum = group_dot(tl.load(w_step + g * w_group), x_step + g * 8, INTERPRET)  # [BN, BM]
+        else:
+            w_at = w_step + g * w_group
+            isum = int8_group_dot(tl.load(w_at), tl.load(w_at + 4), x_step + g * 8, INTERPRET)
+        d = tl.load(d_step + g)
+        acc = tl.fma(scales[gi].to(tl.float32)[:, None] * d[None, :], isum.to(tl.float32), acc)
+        if CODE_BITS == 4:
+            s = tl.load(s_step + g)
+            acc = tl.fma(s[None, :], lows[gi].to(tl.float32)[:, None], acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -498,6 +567,8 @@ def _int4_int8_kernel(
     CODE_BITS: tl.constexpr = 4,
     PDL: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 0,
+    GROUP_MAJOR: tl.constexpr = False,  # words [K / 32, N, WORDS], scales and mins [K / 32, N] (to_group_major)
+    STEPS: tl.constexpr = 0,  # k_per_split // 128 where every split has that many steps: the loop unrolled
 ):
     """int4 weights times int8 inputs (x: `quantize_int8`'s words, d and s; BLOCK_K 128: four groups
     a step), as int4_int8.cpp on the CPU: per group of 32 and output the exact integer sum over
@@ -524,46 +595,58 @@ def _int4_int8_kernel(
     )
     wait_for_prior(PDL)
     WORDS: tl.constexpr = CODE_BITS  # int32 words of codes per group of 32
+    w_col, w_group, s_col, m_col, sm_group = _int8_tile_strides(N, stride_wn, stride_sn, stride_mn, WORDS, GROUP_MAJOR)
     # pointers at the split's first group, advanced a step (four groups) at a time
     four = tl.arange(0, 4)[None, :]
     # 4-bit: word t (of 4) of a group holds the codes of inputs 4t..4t+3 in its low nibbles, +16 in its
     # high ones; 8-bit: word t (of 8) those of inputs 4t..4t+3
-    w_step = words_ptr + cols64[:, None] * stride_wn + g_begin * WORDS + four  # [BN, 4]
-    scales_step = scales_ptr + cols64[:, None] * stride_sn + g_begin + four  # [BN, 4]: four groups'
-    mins_step = mins_ptr + cols64[:, None] * stride_mn + g_begin + four
+    w_step = words_ptr + cols64[:, None] * w_col + g_begin * w_group + four  # [BN, 4]
+    scales_step = scales_ptr + cols64[:, None] * s_col + (g_begin + four) * sm_group  # [BN, 4]: four groups'
+    mins_step = mins_ptr + cols64[:, None] * m_col + (g_begin + four) * sm_group
     x_step = x_ptr + rows64 * stride_xm + g_begin * 8  # [BM]: eight words of int8 codes per group
     d_step = d_ptr + rows64 * (K // 32) + g_begin
     s_step = s_ptr + rows64 * (K // 32) + g_begin
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # outputs first, as group_dot gives them
-    for k0 in range(k_begin, k_end, 128):
-        if EVEN_K:
-            scales = split4(tl.load(scales_step))  # [BN] each
-            if CODE_BITS == 4:
-                lows = split4(tl.load(mins_step))
-        else:  # a split that ends within the step: past its end the scale and min are 0, so those
-            # groups add nothing, and their loads stay in the split
-            g_ok = k0 // 32 + four < k_end // 32
-            scales = split4(tl.load(scales_step, mask=g_ok, other=0.0))
-            if CODE_BITS == 4:
-                lows = split4(tl.load(mins_step, mask=g_ok, other=0.0))
-        for gi in tl.static_range(4):
-            g = gi if EVEN_K else tl.minimum(gi, (k_end - k0) // 32 - 1)
-            if CODE_BITS == 4:
-                isum = group_dot(tl.load(w_step + g * 4), x_step + g * 8, INTERPRET)  # [BN, BM]
-            else:
-                w_group = w_step + g * 8
-                isum = int8_group_dot(tl.load(w_group), tl.load(w_group + 4), x_step + g * 8, INTERPRET)
-            d = tl.load(d_step + g)
-            acc = tl.fma(scales[gi].to(tl.float32)[:, None] * d[None, :], isum.to(tl.float32), acc)
-            if CODE_BITS == 4:
-                s = tl.load(s_step + g)
-                acc = tl.fma(s[None, :], lows[gi].to(tl.float32)[:, None], acc)
-        w_step += 4 * WORDS
-        scales_step += 4
-        mins_step += 4
-        x_step += 32
-        d_step += 4
-        s_step += 4
+    if STEPS > 0:  # the split's steps unrolled: each step's loads free to go before the sums before them
+        for step in tl.static_range(STEPS):
+            acc = _int8_inputs_step(
+                acc,
+                k_begin + step * 128,
+                k_end,
+                w_step + step * (4 * w_group),
+                scales_step + step * (4 * sm_group),
+                mins_step + step * (4 * sm_group),
+                x_step + step * 32,
+                d_step + step * 4,
+                s_step + step * 4,
+                w_group,
+                EVEN_K,
+                INTERPRET,
+                CODE_BITS,
+            )
+    else:
+        for k0 in range(k_begin, k_end, 128):
+            acc = _int8_inputs_step(
+                acc,
+                k0,
+                k_end,
+                w_step,
+                scales_step,
+                mins_step,
+                x_step,
+                d_step,
+                s_step,
+                w_group,
+                EVEN_K,
+                INTERPRET,
+                CODE_BITS,
+            )
+            w_step += 4 * w_group
+            scales_step += 4 * sm_group
+            mins_step += 4 * sm_group
+            x_step += 32
+            d_step += 4
+            s_step += 4
     acc = tl.trans(acc)
     _finish_tile(
         acc,
@@ -617,6 +700,7 @@ def _int4_int8_mma_kernel(
     CODE_BITS: tl.constexpr = 4,
     PDL: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 0,
+    GROUP_MAJOR: tl.constexpr = False,  # as `_int4_int8_kernel`'s
 ):
     """`_int4_int8_kernel`'s arithmetic for many rows, each group's integer sums on the tensor cores
     (an int8 dot of K = 32, exact in int32 whatever its order) and the same float steps per row and
@@ -642,19 +726,24 @@ def _int4_int8_mma_kernel(
         PREFETCH_LINES,
     )
     wait_for_prior(PDL)
+    w_col, w_group, s_col, m_col, sm_group = _int8_tile_strides(
+        N, stride_wn, stride_sn, stride_mn, CODE_BITS, GROUP_MAJOR
+    )
     half = tl.arange(0, 16)
     x_bytes = x_ptr.to(tl.pointer_type(tl.int8))  # the int8 codes, M x K
     x_step = x_bytes + rows64[:, None] * (stride_xm * 4) + g_begin * 32 + half[None, :]  # [BM, 16]
     if CODE_BITS == 4:
         w_bytes = words_ptr.to(tl.pointer_type(tl.uint8))  # byte j of a group: inputs j and j + 16
-        w_step = w_bytes + cols64[None, :] * (stride_wn * 4) + g_begin * 16 + half[:, None]  # [16, BN]
+        w_step = w_bytes + cols64[None, :] * (w_col * 4) + g_begin * (w_group * 4) + half[:, None]  # [16, BN]
     else:
         w_bytes = words_ptr.to(tl.pointer_type(tl.int8))  # byte j of a group: input j
-        w_step = w_bytes + cols64[None, :] * (stride_wn * 4) + g_begin * 32 + tl.arange(0, 32)[:, None]  # [32, BN]
+        w_step = (
+            w_bytes + cols64[None, :] * (w_col * 4) + g_begin * (w_group * 4) + tl.arange(0, 32)[:, None]
+        )  # [32, BN]
     d_step = d_ptr + rows64 * (K // 32) + g_begin
     s_step = s_ptr + rows64 * (K // 32) + g_begin
-    scales_step = scales_ptr + cols64 * stride_sn + g_begin
-    mins_step = mins_ptr + cols64 * stride_mn + g_begin
+    scales_step = scales_ptr + cols64 * s_col + g_begin * sm_group
+    mins_step = mins_ptr + cols64 * m_col + g_begin * sm_group
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_begin, k_end, 128):
         for gi in tl.static_range(4):
@@ -668,32 +757,32 @@ def _int4_int8_mma_kernel(
             high = tl.load(x_step + (g * 32 + 16))
             if CODE_BITS == 4:
                 inputs = tl.reshape(tl.join(low, high), (BLOCK_M, 32))  # input j, then j + 16, ...
-                packed = tl.load(w_step + g * 16)  # [16, BN]
+                packed = tl.load(w_step + g * (w_group * 4))  # [16, BN]
                 codes = tl.join((packed & 15).to(tl.int8), (packed >> 4).to(tl.int8))  # [16, BN, 2]
                 codes = tl.reshape(tl.permute(codes, (0, 2, 1)), (32, BLOCK_N))  # the same order along K
             else:
                 inputs = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_M, 32))  # inputs 0..31
-                codes = tl.load(w_step + g * 32)  # [32, BN]
+                codes = tl.load(w_step + g * (w_group * 4))  # [32, BN]
             isum = tl.dot(inputs, codes, out_dtype=tl.int32)  # [BM, BN]
             d = tl.load(d_step + g)
             if EVEN_K:
-                scale = tl.load(scales_step + g).to(tl.float32)
+                scale = tl.load(scales_step + g * sm_group).to(tl.float32)
             else:
-                scale = tl.where(g_ok, tl.load(scales_step + g).to(tl.float32), 0.0)
+                scale = tl.where(g_ok, tl.load(scales_step + g * sm_group).to(tl.float32), 0.0)
             acc = tl.fma(scale[None, :] * d[:, None], isum.to(tl.float32), acc)
             if CODE_BITS == 4:
                 s = tl.load(s_step + g)
                 if EVEN_K:
-                    low_value = tl.load(mins_step + g).to(tl.float32)
+                    low_value = tl.load(mins_step + g * sm_group).to(tl.float32)
                 else:
-                    low_value = tl.where(g_ok, tl.load(mins_step + g).to(tl.float32), 0.0)
+                    low_value = tl.where(g_ok, tl.load(mins_step + g * sm_group).to(tl.float32), 0.0)
                 acc = tl.fma(s[:, None], low_value[None, :], acc)
         x_step += 128
-        w_step += 16 * CODE_BITS
+        w_step += 4 * (w_group * 4)
         d_step += 4
         s_step += 4
-        scales_step += 4
-        mins_step += 4
+        scales_step += 4 * sm_group
+        mins_step += 4 * sm_group
     _finish_tile(
         acc,
         out_ptr,
@@ -912,6 +1001,36 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
+def to_group_major(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_int4`'s codes [N, K // 2] with their scales and mins [N, K // 32] -> codes [K // 32, N, 16],
+    scales and mins [K // 32, N]: each group's outputs one after another, so that threads holding
+    consecutive outputs read consecutive bytes. The int4 kernels take either layout with the same bits
+    (`int4_matmul`, `int4_int8_matmul`: only their addresses differ)."""
+    n, half_k = packed.shape
+    codes = packed.reshape(n, half_k // 16, 16).transpose(0, 1).contiguous()
+    return codes, scales.t().contiguous(), mins.t().contiguous()
+
+
+def _int4_layout(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[int, bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """An int4 weight's outputs N, whether it is group major (`to_group_major`), and its tensors made
+    row major where they are not, after checking their shapes against x [M, K]."""
+    k = x.shape[1]
+    group_major = packed.dim() == 3
+    n = packed.shape[1] if group_major else packed.shape[0]
+    groups = (k // GROUP_SIZE, n) if group_major else (n, k // GROUP_SIZE)
+    codes = (k // GROUP_SIZE, n, 16) if group_major else (n, k // 2)
+    assert packed.shape == codes and k % GROUP_SIZE == 0, (x.shape, packed.shape)
+    assert scales.shape == mins.shape == groups, (scales.shape, mins.shape)
+    if group_major:
+        assert packed.is_contiguous() and scales.is_contiguous() and mins.is_contiguous()
+        return n, True, (packed, scales, mins)
+    return n, False, (_row_major(packed), _row_major(scales), _row_major(mins))
+
+
 def int4_matmul(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -933,17 +1052,15 @@ def int4_matmul(
     packed_bf16 (for bfloat16 x; GpuInt4Linear's default for bfloat16 models since the H200 measured it
     4.5% faster for one stream, bench/gpu_kernels.py's `int4-bf16x2`): scale and min are first rounded
     to bfloat16, and each weight is their fma rounded once to bfloat16, computed two at a time by packed
-    bfloat16 FMAs. Scales and mins stored as bfloat16 save the kernel their conversion."""
-    n = packed.shape[0]
-    k = x.shape[1]
-    assert packed.shape == (n, k // 2) and k % GROUP_SIZE == 0, (x.shape, packed.shape)
-    assert scales.shape == mins.shape == (n, k // GROUP_SIZE), (scales.shape, mins.shape)
-    packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
+    bfloat16 FMAs. Scales and mins stored as bfloat16 save the kernel their conversion.
+
+    The weight may be given group major (`to_group_major`): the same bits."""
+    n, group_major, (packed, scales, mins) = _int4_layout(x, packed, scales, mins)
     args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
-    config = config_for(INT4_CONFIG, n, k)
-    return _launch(
-        _int4_kernel, config, x, n, args, bias, out_dtype, counters=counters, weight=packed, PACKED_BF16=packed_bf16
-    )
+    config = config_for(INT4_CONFIG, n, x.shape[1])
+    switches = {"PACKED_BF16": packed_bf16, **({"GROUP_MAJOR": True} if group_major else {})}
+    weight = None if group_major else packed  # the prefetch into L2 reads row-major splits
+    return _launch(_int4_kernel, config, x, n, args, bias, out_dtype, counters=counters, weight=weight, **switches)
 
 
 def int4_int8_matmul(
@@ -964,14 +1081,12 @@ def int4_int8_matmul(
     Every row's arithmetic is its own and its sums exact, so the kernel may follow M without changing a
     bit: below INT4_INT8_MMA_ROWS rows dp4a (`_int4_int8_kernel`, its row tile M rounded up), from
     there the tensor cores (`_int4_int8_mma_kernel`, in INT4_INT8_MMA_TILES); all with the layer's K
-    splits."""
-    n = packed.shape[0]
-    k = x.shape[1]
-    assert packed.shape == (n, k // 2) and k % GROUP_SIZE == 0, (x.shape, packed.shape)
-    assert scales.shape == mins.shape == (n, k // GROUP_SIZE), (scales.shape, mins.shape)
-    packed, scales, mins = _row_major(packed), _row_major(scales), _row_major(mins)
-    words = packed.view(torch.int32)  # [N, K / 8]: four per group of 32
-    return _int8_inputs_launch(x, n, words, scales, mins, out_dtype, bias, quantized, counters, code_bits=4)
+    splits. The weight may be given group major (`to_group_major`): the same bits."""
+    n, group_major, (packed, scales, mins) = _int4_layout(x, packed, scales, mins)
+    words = packed.view(torch.int32)  # [N, K / 8] (or [K / 32, N, 4]): four per group of 32
+    return _int8_inputs_launch(
+        x, n, words, scales, mins, out_dtype, bias, quantized, counters, code_bits=4, group_major=group_major
+    )
 
 
 def int8_int8_matmul(
@@ -1007,16 +1122,20 @@ def _int8_inputs_launch(
     quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     counters: torch.Tensor | None,
     code_bits: int,
+    group_major: bool = False,
 ) -> torch.Tensor:
     """The int4 x int8 or int8 x int8 kernel for x's row count: dp4a below INT4_INT8_MMA_ROWS rows (its
     row tile M rounded up), the tensor cores from there (in INT4_INT8_MMA_TILES); the layer's K splits."""
     k = x.shape[1]
     config = config_for(INT4_INT8_CONFIG, n, k)  # its K splits, whichever kernel runs: the same sums
+    constexprs = {"GROUP_MAJOR": True} if group_major else {}
     if x.shape[0] >= INT4_INT8_MMA_ROWS:
         tile = next(t for rows, t in INT4_INT8_MMA_TILES if rows is None or x.shape[0] <= rows)
         kernel, config = _int4_int8_mma_kernel, dataclasses.replace(config, **tile)
     else:
         kernel, config = _int4_int8_kernel, dataclasses.replace(config, block_m=_row_tile(x.shape[0]))
+        if UNROLL_DP4A and k % config.k_per_split == 0:
+            constexprs["STEPS"] = config.k_per_split // config.block_k
     quantized = quantize_int8(x) if quantized is None else quantized
     q = quantized[0]  # a group's eight words are two 128-bit loads on a GPU (common._load4): 16-byte aligned
     assert q.stride(1) == 1 and q.stride(0) % 4 == 0 and q.data_ptr() % 16 == 0, (q.stride(), q.data_ptr() % 16)
@@ -1032,8 +1151,9 @@ def _int8_inputs_launch(
         out_dtype,
         k=k,
         counters=counters,
-        weight=words,
+        weight=None if group_major else words,  # the prefetch into L2 reads row-major splits
         CODE_BITS=code_bits,
+        **constexprs,
     )
 
 
