@@ -14,7 +14,9 @@ only; and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding),
 with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`). Candidates with the same bits
 (`same_bits`): `int4-bf16x2-gm` and `int4-int8-gm`, the codes, scales and mins group major
 (`matmul.to_group_major`: a warp's outputs read one block); `int4-int8-unrolled` and
-`int4-int8-gm-unrolled`, the dp4a kernel's K loop unrolled (`matmul.UNROLL_DP4A`).
+`int4-int8-gm-unrolled`, the dp4a kernel's K loop unrolled (`matmul.UNROLL_DP4A`); `int4-int8-ip`,
+`int4-int8-gm-ip` (`-ip256`) and `int8-int8-ip`, a layer's K splits in one program of 128 (256)
+(split, output) pairs, added in order in registers (`matmul.SPLITS_IN_PROGRAM`).
 Each layer has its own tile counters, as in the engine, so that a K split's last program adds the
 splits; `float-sum-kernel`, `int4-sum-kernel` and `int4-int8-sum-kernel` time kvserve's configs with
 `_sum_splits_kernel` launched instead, as before 2026-11-29 (the same bits, `same_bits`).
@@ -165,7 +167,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             mm._launch(mm._int4_kernel, cfg, x, n, a, None, out_dtype, counters=c, **switches) for a, c in layers
         ]
 
-    def int4_int8_calls(x, cfg, kernel=mm._int4_int8_kernel, tile_sums=True, group_major=False):
+    def int4_int8_calls(x, cfg, group_major=False, kernel=mm._int4_int8_kernel, tile_sums=True):
         if cfg is None:  # kvserve's: int4_int8_matmul's choice of kernel and tiles
             weights4 = [mm.to_group_major(*w) if group_major else w for w in zip(packed, scales, mins, strict=True)]
             layers = list(zip(weights4, counters if tile_sums else [None] * count, strict=True))
@@ -184,13 +186,14 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
 
         return calls
 
-    def unrolled(fn):  # matmul.UNROLL_DP4A on while fn launches (a graph replays what was captured)
+    def switched(fn, name, value):  # matmul's switch `name` set while fn launches (a graph replays them)
         def calls():
-            mm.UNROLL_DP4A = True
+            before = getattr(mm, name)
+            setattr(mm, name, value)
             try:
                 return fn()
             finally:
-                mm.UNROLL_DP4A = False
+                setattr(mm, name, before)
 
         return calls
 
@@ -222,7 +225,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
                 mm.TileConfig(b_m, b_n, 128, mm.config_for(mm.INT4_INT8_CONFIG, n, k).k_per_split, w, 3)
                 for b_m, b_n, w in int4_int8_mma_tiles
             ]
-            runs += [("int4-int8-mma", cfg, int4_int8_calls(x, cfg, mm._int4_int8_mma_kernel)) for cfg in mma]
+            runs += [("int4-int8-mma", cfg, int4_int8_calls(x, cfg, kernel=mm._int4_int8_mma_kernel)) for cfg in mma]
         runs += [("float", cfg, float_calls(x, cfg)) for cfg in floats]
         runs += [("int4", cfg, int4_calls(x, cfg)) for cfg in int4s]
         runs += [("int4-convert", None, int4_calls(x, None, permute=False))]
@@ -232,8 +235,12 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         runs += [  # the codes, scales and mins group major (matmul.to_group_major): the same bits
             ("int4-bf16x2-gm", None, int4_calls(x, None, packed_bf16=True, group_major=True)),
             ("int4-int8-gm", None, int4_int8_calls(x, None, group_major=True)),
-            ("int4-int8-unrolled", None, unrolled(int4_int8_calls(x, None))),  # the dp4a loop unrolled: the same bits
-            ("int4-int8-gm-unrolled", None, unrolled(int4_int8_calls(x, None, group_major=True))),
+            ("int4-int8-unrolled", None, switched(int4_int8_calls(x, None), "UNROLL_DP4A", True)),
+            ("int4-int8-gm-unrolled", None, switched(int4_int8_calls(x, None, True), "UNROLL_DP4A", True)),
+            # a layer's K splits in one program, 128 or 256 (split, output) pairs a program
+            ("int4-int8-ip", None, switched(int4_int8_calls(x, None), "SPLITS_IN_PROGRAM", 128)),
+            ("int4-int8-gm-ip", None, switched(int4_int8_calls(x, None, True), "SPLITS_IN_PROGRAM", 128)),
+            ("int4-int8-gm-ip256", None, switched(int4_int8_calls(x, None, True), "SPLITS_IN_PROGRAM", 256)),
         ]
         runs += [  # kvserve's configs with the sum kernel launched after each split call
             ("float-sum-kernel", None, float_calls(x, None, tile_sums=False)),
@@ -242,6 +249,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         ]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
             runs += [("int8", None, int8_calls(x)), ("int8-int8", None, int8_calls(x, int8_inputs=True))]
+            runs += [("int8-int8-ip", None, switched(int8_calls(x, int8_inputs=True), "SPLITS_IN_PROGRAM", 128))]
         runs = [
             run for run in runs if (kinds is None or run[0] in kinds) and not (own and run[1] not in (None, "cublas"))
         ]
@@ -257,12 +265,13 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             base = kind.split("-")[0]
             # int4-bf16x2 rounds scales and mins to bfloat16 first, int4-int8 the inputs: other bits by design
             same_as = kind.removesuffix("-sum-kernel") if kind.endswith("-sum-kernel") else base
-            same_as = (
-                kind.removesuffix("-unrolled").removesuffix("-gm") if kind.endswith(("-gm", "-unrolled")) else same_as
-            )
-            checked = ("int4-convert", "int4-bf16x2-gm", "int4-int8-gm", "int4-int8-unrolled", "int4-int8-gm-unrolled")
-            checked += SUM_KERNEL_KINDS
-            compared = cfg is None and kind in checked and same_as in outputs
+            same_bits_as = ("-gm", "-unrolled", "-ip", "-ip256")  # the same bits as the kind without them
+            if kind.endswith(same_bits_as):
+                same_as = kind
+                while same_as.endswith(same_bits_as):
+                    same_as = same_as.rpartition("-")[0]
+            compared = cfg is None and (kind.endswith(same_bits_as) or kind in ("int4-convert", *SUM_KERNEL_KINDS))
+            compared = compared and same_as in outputs
             same_bits = torch.equal(outputs[kind], outputs[same_as]) if compared else None
             weight_bytes = n * k * {"int4": 0.5 + 4 / 32, "int8": 1 + 4 / 32}.get(base, 2)  # int4-*: int4's
             result["records"].append(

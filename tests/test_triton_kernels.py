@@ -483,6 +483,54 @@ def test_group_major_int4_weights_give_the_row_major_bits():
             assert torch.equal(group_major, row_major), len(rows)
 
 
+def _int8_input_calls(x, packed, scales, mins, codes8, scales8, bias):
+    """int4 and int8 codes times x's int8 form, as calls of (out_dtype, counters)."""
+
+    def int4(out_dtype, counters):
+        return matmul.int4_int8_matmul(x, packed, scales, mins, out_dtype, bias, counters=counters)
+
+    def int8(out_dtype, counters):
+        return matmul.int8_int8_matmul(x, codes8, scales8, out_dtype, bias, counters=counters)
+
+    return int4, int8
+
+
+@pytest.mark.parametrize("pairs", [128, 256])
+def test_a_layers_k_splits_in_one_program_give_the_bits_of_their_partial_sums(monkeypatch, pairs):
+    """matmul.SPLITS_IN_PROGRAM, a candidate: up to 8 rows, each (split, output) pair on a thread of its
+    own in one program and each output's splits added there in split order, for int4 codes in either
+    layout and int8 codes: the bits of the splits' partial sums added by the sum kernel and by each
+    tile's last split, with a bias, in float32 and bfloat16; 32 splits of a long K among them."""
+    cases = [(13, 2048, 80, 3), (8, 1024, 40, 8), (1, 8192, 24, 1)]  # m, k, n, rows; N <= 4096: splits of 256
+    launches = []
+    launch = matmul._launch
+    for m, k, n, rows in cases:
+        codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=76)
+        packed = matmul.pack_int4(codes)
+        codes8, scales8, _ = _int8_weight(n, k, seed=77)
+        x = _randn(m, k, seed=78)[:rows]
+        bias = _randn(n, seed=79)
+        runs = _int8_input_calls(x, packed, scales, mins, codes8, scales8, bias)
+        gm = matmul.to_group_major(packed, scales, mins)
+        expected = []
+        for out_dtype in (torch.float32, torch.bfloat16):
+            for run in runs:
+                expected.append(run(out_dtype, None))
+                assert torch.equal(run(out_dtype, matmul.split_counters(DEVICE)), expected[-1])
+            expected.append(expected[-2])  # the group-major layout: the row-major bits
+        monkeypatch.setattr(matmul, "SPLITS_IN_PROGRAM", pairs)
+        monkeypatch.setattr(
+            matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel) or launch(kernel, *a, **kw)
+        )
+        got = []
+        for out_dtype in (torch.float32, torch.bfloat16):
+            got += [run(out_dtype, None) for run in runs]
+            got.append(matmul.int4_int8_matmul(x, *gm, out_dtype, bias))
+        monkeypatch.undo()
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), (m, k, n)
+    assert launches == [matmul._int4_int8_splits_kernel] * 6 * len(cases)
+
+
 def test_the_dp4a_kernels_loop_unrolled_gives_its_bits(monkeypatch):
     """matmul.UNROLL_DP4A, a candidate: the dp4a kernel's K loop unrolled where every split has the same
     number of steps, in either layout: the same arithmetic in the same order, so the same bits."""
@@ -1210,6 +1258,9 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     matmul.UNROLL_DP4A = True
     call = f"int4-int8-unrolled-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
     matmul.UNROLL_DP4A = False
+    matmul.SPLITS_IN_PROGRAM = 128
+    call = f"int4-int8-inprogram-{m}"; matmul.int4_int8_matmul(x, *gm)
+    matmul.SPLITS_IN_PROGRAM = 0
     call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
     call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
     call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
@@ -1247,6 +1298,9 @@ def matmuls(tag):  # every matmul kernel, each tile of int4 x int8
     # _load4's asm reads the activations and is pure (free to move): no tile of rows may put it above the wait
     call = f"{tag}-8"; matmul.int4_int8_matmul(torch.randn(8, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
     call = f"{tag}-1"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
+    matmul.SPLITS_IN_PROGRAM = 128  # a layer's K splits in one program, group major
+    call = f"{tag}-1"; matmul.int4_int8_matmul(x, *matmul.to_group_major(matmul.pack_int4(codes), scales, scales))
+    matmul.SPLITS_IN_PROGRAM = 0
 
 call = "pdl-1"; norm.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, [])
 call = "pdl-1"; elementwise.gated_activation(x, False, [])
@@ -1385,6 +1439,10 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int4-int8-unrolled-tiles", "_quantize_int8_kernel"),
         ("int4-int8-unrolled-tiles", "_int4_int8_kernel"),  # its K loop unrolled (matmul.UNROLL_DP4A)
         ("int4-int8-unrolled-tiles", "_int4_int8_mma_kernel"),
+        ("int4-int8-inprogram", "_quantize_int8_kernel"),
+        ("int4-int8-inprogram", "_int4_int8_splits_kernel"),  # K's splits in one program (SPLITS_IN_PROGRAM)
+        ("int4-int8-inprogram", "_int4_int8_mma_kernel"),
+        ("int4-int8-inprogram", "_sum_splits_kernel"),  # 37 rows: the tensor cores' splits, summed after
         ("store_kv", "_store_kv_kernel"),
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),

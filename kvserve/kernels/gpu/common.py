@@ -166,20 +166,29 @@ def _signed_bytes(words):
 
 
 @triton.jit
+def _input_bytes(q):
+    """The int8 inputs of a group at pointers q [R, M] (eight int32 words each) as signed integers
+    [R, M, 32] (the interpreter's way to what dp4a reads)."""
+    words = tl.load(q[:, :, None] + tl.arange(0, 8)[None, None, :])  # [R, M, 8]
+    flat = _signed_bytes(tl.reshape(words, (q.shape[0] * q.shape[1], 8)))
+    return tl.reshape(flat, (q.shape[0], q.shape[1], 32))
+
+
+@triton.jit
 def group_dot(w, q, INTERPRET: tl.constexpr):
     """The exact integer sums over a group of 32 of code * q: w [N, 4] int32, a GGML Q4 group's 16 bytes
     per output (word t: the codes of inputs 4t..4t+3 in its low nibbles, 16+4t..16+4t+3 in its high
-    ones); q [M], pointers to each row's eight int32 words of the group's int8 inputs (word t: inputs
-    4t..4t+3) -> [N, M] (outputs first: the layout the weights are loaded in, so no data moves between
-    threads). On a GPU per output and row: four ANDs keep the low nibbles and four the high ones in
+    ones); q [1, M] (or [N, M]: an output's own inputs), pointers to each row's eight int32 words of the
+    group's int8 inputs (word t: inputs 4t..4t+3) -> [N, M] (outputs first: the layout the weights are
+    loaded in, so no data moves between threads). On a GPU per output and row: four ANDs keep the low nibbles and four the high ones in
     place (16 x the code), eight dp4a sum the products, and the high sum is shifted back by 4 (exact: a
     multiple of 16); no float and no conversion."""
     if INTERPRET:  # the same sums from every byte at once
         shifts = tl.arange(0, 4) * 8
-        inputs = _signed_bytes(tl.load(q[:, None] + tl.arange(0, 8)[None, :]))  # [M, 32]
+        inputs = _input_bytes(q)  # [1 or N, M, 32]
         codes = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 255, (w.shape[0], 16))  # byte 4t + j
         codes = tl.reshape(tl.permute(tl.join(codes & 15, codes >> 4), (0, 2, 1)), (w.shape[0], 32))
-        return tl.sum(codes[:, None, :] * inputs[None, :, :], axis=2)
+        return tl.sum(codes[:, None, :] * inputs, axis=2)
     else:
         w0, w1, w2, w3 = split4(w)
         x0, x1, x2, x3 = _load4(q)
@@ -197,14 +206,14 @@ def group_dot(w, q, INTERPRET: tl.constexpr):
                 w1[:, None],
                 w2[:, None],
                 w3[:, None],
-                x0[None, :],
-                x1[None, :],
-                x2[None, :],
-                x3[None, :],
-                x4[None, :],
-                x5[None, :],
-                x6[None, :],
-                x7[None, :],
+                x0,
+                x1,
+                x2,
+                x3,
+                x4,
+                x5,
+                x6,
+                x7,
             ],
             dtype=tl.int32,
             is_pure=True,
@@ -218,10 +227,10 @@ def int8_group_dot(w_low, w_high, q, INTERPRET: tl.constexpr):
     [N, 4] int32, words 0..3 and 4..7 of each output's 32 code bytes (word t: inputs 4t..4t+3); q as
     `group_dot`'s -> [N, M]. On a GPU eight dp4a per output and row."""
     if INTERPRET:
-        inputs = _signed_bytes(tl.load(q[:, None] + tl.arange(0, 8)[None, :]))  # [M, 32]
+        inputs = _input_bytes(q)  # [1 or N, M, 32]
         words = tl.reshape(tl.join(w_low, w_high), (w_low.shape[0], 4, 2))  # [N, 4, 2]: word t and 4 + t
         codes = _signed_bytes(tl.reshape(tl.permute(words, (0, 2, 1)), (w_low.shape[0], 8)))  # words 0..7
-        return tl.sum(codes[:, None, :] * inputs[None, :, :], axis=2)
+        return tl.sum(codes[:, None, :] * inputs, axis=2)
     else:
         w0, w1, w2, w3 = split4(w_low)
         w4, w5, w6, w7 = split4(w_high)
@@ -241,14 +250,14 @@ def int8_group_dot(w_low, w_high, q, INTERPRET: tl.constexpr):
                 w5[:, None],
                 w6[:, None],
                 w7[:, None],
-                x0[None, :],
-                x1[None, :],
-                x2[None, :],
-                x3[None, :],
-                x4[None, :],
-                x5[None, :],
-                x6[None, :],
-                x7[None, :],
+                x0,
+                x1,
+                x2,
+                x3,
+                x4,
+                x5,
+                x6,
+                x7,
             ],
             dtype=tl.int32,
             is_pure=True,

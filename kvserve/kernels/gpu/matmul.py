@@ -84,6 +84,11 @@ INT4_INT8_MMA_ROWS = 9
 # them. The same arithmetic in the same order: the same bits. bench/gpu_kernels.py's `-unrolled` kinds
 # time it; off until a GPU measures it faster.
 UNROLL_DP4A = False
+# A candidate, read at each launch: for up to 8 rows, a layer's K splits in one program
+# (`_int4_int8_splits_kernel`, this many (split, output) pairs a program; 0: off), added in order in
+# registers instead of through partial sums in memory and the last split's second pass: the same bits.
+# bench/gpu_kernels.py's `-inprogram` kinds and bench/gpu.py's `q4-int8-ip` runs time it.
+SPLITS_IN_PROGRAM = 0
 INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
     (32, {"block_m": 32, "block_n": 128, "num_warps": 8}),
@@ -502,35 +507,53 @@ def _int8_inputs_step(
     d_step,
     s_step,
     w_group,
+    sm_group,
     EVEN_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     CODE_BITS: tl.constexpr,
+    GROUP_MAJOR: tl.constexpr,
 ):
     """One step (four groups from input k0) of `_int4_int8_kernel`: acc [BN, BM] with each group's sums
-    and float steps added, group after group."""
+    and float steps added, group after group. Row major, scales_step and mins_step are [BN, 4], the four
+    groups' (one 64-bit load an output); group major, [BN, 1], the first group's (a group's outputs'
+    scales one after another: a load a group)."""
     four = tl.arange(0, 4)[None, :]
-    if EVEN_K:
-        scales = split4(tl.load(scales_step))  # [BN] each
-        if CODE_BITS == 4:
-            lows = split4(tl.load(mins_step))
-    else:  # a split that ends within the step: past its end the scale and min are 0, so those
-        # groups add nothing, and their loads stay in the split
-        g_ok = k0 // 32 + four < k_end // 32
-        scales = split4(tl.load(scales_step, mask=g_ok, other=0.0))
-        if CODE_BITS == 4:
-            lows = split4(tl.load(mins_step, mask=g_ok, other=0.0))
+    if not GROUP_MAJOR:
+        if EVEN_K:
+            scales = split4(tl.load(scales_step))  # [BN] each
+            if CODE_BITS == 4:
+                lows = split4(tl.load(mins_step))
+        else:  # a split that ends within the step: past its end the scale and min are 0, so those
+            # groups add nothing, and their loads stay in the split
+            g_ok = k0 // 32 + four < k_end // 32
+            scales = split4(tl.load(scales_step, mask=g_ok, other=0.0))
+            if CODE_BITS == 4:
+                lows = split4(tl.load(mins_step, mask=g_ok, other=0.0))
     for gi in tl.static_range(4):
         g = gi if EVEN_K else tl.minimum(gi, (k_end - k0) // 32 - 1)
+        if GROUP_MAJOR and EVEN_K:  # [BN, 1]
+            scale = tl.load(scales_step + gi * sm_group)
+            if CODE_BITS == 4:
+                low = tl.load(mins_step + gi * sm_group)
+        elif GROUP_MAJOR:  # past the split's end 0, as above (g stays in the split: its loads too)
+            g_ok_here = k0 // 32 + gi < k_end // 32
+            scale = tl.where(g_ok_here, tl.load(scales_step + g * sm_group), 0.0)
+            if CODE_BITS == 4:
+                low = tl.where(g_ok_here, tl.load(mins_step + g * sm_group), 0.0)
+        else:
+            scale = scales[gi][:, None]
+            if CODE_BITS == 4:
+                low = lows[gi][:, None]
         if CODE_BITS == 4:
             isum = group_dot(tl.load(w_step + g * w_group), x_step + g * 8, INTERPRET)  # [BN, BM]
         else:
             w_at = w_step + g * w_group
             isum = int8_group_dot(tl.load(w_at), tl.load(w_at + 4), x_step + g * 8, INTERPRET)
-        d = tl.load(d_step + g)
-        acc = tl.fma(scales[gi].to(tl.float32)[:, None] * d[None, :], isum.to(tl.float32), acc)
+        d = tl.load(d_step + g)  # [1, BM] (or [BN, BM]: each output's own rows)
+        acc = tl.fma(scale.to(tl.float32) * d, isum.to(tl.float32), acc)
         if CODE_BITS == 4:
             s = tl.load(s_step + g)
-            acc = tl.fma(s[None, :], lows[gi].to(tl.float32)[:, None], acc)
+            acc = tl.fma(s, low.to(tl.float32), acc)
     return acc
 
 
@@ -601,11 +624,12 @@ def _int4_int8_kernel(
     # 4-bit: word t (of 4) of a group holds the codes of inputs 4t..4t+3 in its low nibbles, +16 in its
     # high ones; 8-bit: word t (of 8) those of inputs 4t..4t+3
     w_step = words_ptr + cols64[:, None] * w_col + g_begin * w_group + four  # [BN, 4]
-    scales_step = scales_ptr + cols64[:, None] * s_col + (g_begin + four) * sm_group  # [BN, 4]: four groups'
-    mins_step = mins_ptr + cols64[:, None] * m_col + (g_begin + four) * sm_group
-    x_step = x_ptr + rows64 * stride_xm + g_begin * 8  # [BM]: eight words of int8 codes per group
-    d_step = d_ptr + rows64 * (K // 32) + g_begin
-    s_step = s_ptr + rows64 * (K // 32) + g_begin
+    groups = g_begin if GROUP_MAJOR else g_begin + four  # [BN, 1] the step's first group's, or [BN, 4]
+    scales_step = scales_ptr + cols64[:, None] * s_col + groups * sm_group
+    mins_step = mins_ptr + cols64[:, None] * m_col + groups * sm_group
+    x_step = x_ptr + (rows64 * stride_xm)[None, :] + g_begin * 8  # [1, BM]: eight words of int8 codes a group
+    d_step = d_ptr + (rows64 * (K // 32))[None, :] + g_begin
+    s_step = s_ptr + (rows64 * (K // 32))[None, :] + g_begin
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # outputs first, as group_dot gives them
     if STEPS > 0:  # the split's steps unrolled: each step's loads free to go before the sums before them
         for step in tl.static_range(STEPS):
@@ -620,9 +644,11 @@ def _int4_int8_kernel(
                 d_step + step * 4,
                 s_step + step * 4,
                 w_group,
+                sm_group,
                 EVEN_K,
                 INTERPRET,
                 CODE_BITS,
+                GROUP_MAJOR,
             )
     else:
         for k0 in range(k_begin, k_end, 128):
@@ -637,9 +663,11 @@ def _int4_int8_kernel(
                 d_step,
                 s_step,
                 w_group,
+                sm_group,
                 EVEN_K,
                 INTERPRET,
                 CODE_BITS,
+                GROUP_MAJOR,
             )
             w_step += 4 * w_group
             scales_step += 4 * sm_group
@@ -663,6 +691,111 @@ def _int4_int8_kernel(
         HAS_BIAS,
         IS_SPLIT,
         SUM_IN_TILE,
+        INTERPRET,
+    )
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_int8_splits_kernel(
+    x_ptr,
+    out_ptr,
+    partial_ptr,
+    counters_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_os,
+    k_per_split,
+    d_ptr,
+    s_ptr,
+    words_ptr,
+    scales_ptr,
+    mins_ptr,
+    stride_wn,
+    stride_sn,
+    stride_mn,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    SUM_IN_TILE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    STEPS: tl.constexpr,
+    CODE_BITS: tl.constexpr = 4,
+    PDL: tl.constexpr = False,
+    GROUP_MAJOR: tl.constexpr = False,
+):
+    """`_int4_int8_kernel` with all of a layer's K splits (SPLITS of STEPS steps of four groups: K =
+    SPLITS * STEPS * 128) in one program: each (split, output) pair on a thread of its own, as one
+    column of `_int4_int8_kernel`'s split, then each output's splits added in split order in registers
+    (where `_finish_tile` adds their partial sums from memory). The same arithmetic in the same order,
+    so its bits, without the partial sums' stores, the count and the last program's second pass."""
+    tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
+    PAIRS: tl.constexpr = SPLITS * BLOCK_N
+    pair = tl.arange(0, PAIRS)  # split-major: a warp's threads hold consecutive outputs of one split
+    split = pair // BLOCK_N
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows64 = tl.minimum(rows, M - 1).to(tl.int64)
+    pair_cols64 = tl.minimum(tl.program_id(1) * BLOCK_N + pair % BLOCK_N, N - 1).to(tl.int64)
+    g_begin = (split * (STEPS * 4))[:, None]  # [PAIRS, 1]: the split's first group
+    wait_for_prior(PDL)
+    WORDS: tl.constexpr = CODE_BITS
+    w_col, w_group, s_col, m_col, sm_group = _int8_tile_strides(N, stride_wn, stride_sn, stride_mn, WORDS, GROUP_MAJOR)
+    four = tl.arange(0, 4)[None, :]
+    w_step = words_ptr + pair_cols64[:, None] * w_col + g_begin * w_group + four  # [PAIRS, 4]
+    groups = g_begin if GROUP_MAJOR else g_begin + four  # as `_int4_int8_kernel`'s
+    scales_step = scales_ptr + pair_cols64[:, None] * s_col + groups * sm_group
+    mins_step = mins_ptr + pair_cols64[:, None] * m_col + groups * sm_group
+    x_step = x_ptr + (rows64 * stride_xm)[None, :] + g_begin * 8  # [PAIRS, BM]: each split's inputs
+    d_step = d_ptr + (rows64 * (K // 32))[None, :] + g_begin
+    s_step = s_ptr + (rows64 * (K // 32))[None, :] + g_begin
+    acc = tl.zeros((PAIRS, BLOCK_M), tl.float32)
+    for step in tl.static_range(STEPS):
+        acc = _int8_inputs_step(
+            acc,
+            0,
+            K,
+            w_step + step * (4 * w_group),
+            scales_step + step * (4 * sm_group),
+            mins_step + step * (4 * sm_group),
+            x_step + step * 32,
+            d_step + step * 4,
+            s_step + step * 4,
+            w_group,
+            sm_group,
+            True,
+            INTERPRET,
+            CODE_BITS,
+            GROUP_MAJOR,
+        )
+    # each output's splits in split order: ((split 0 + split 1) + split 2) + ..., as _finish_tile adds them
+    parts = tl.reshape(acc, (SPLITS, BLOCK_N, BLOCK_M))
+    which = tl.arange(0, SPLITS)[:, None, None]
+    total = tl.sum(tl.where(which == 0, parts, 0.0), axis=0)  # one part and zeros: exactly that part
+    for i in tl.static_range(1, SPLITS):
+        total += tl.sum(tl.where(which == i, parts, 0.0), axis=0)
+    _finish_tile(
+        tl.trans(total),
+        out_ptr,
+        partial_ptr,
+        counters_ptr,
+        bias_ptr,
+        rows,
+        cols,
+        M,
+        N,
+        stride_om,
+        stride_os,
+        HAS_BIAS,
+        False,
+        False,
         INTERPRET,
     )
 
@@ -1134,7 +1267,16 @@ def _int8_inputs_launch(
         kernel, config = _int4_int8_mma_kernel, dataclasses.replace(config, **tile)
     else:
         kernel, config = _int4_int8_kernel, dataclasses.replace(config, block_m=_row_tile(x.shape[0]))
-        if UNROLL_DP4A and k % config.k_per_split == 0:
+        splits = k // config.k_per_split
+        if SPLITS_IN_PROGRAM and k % config.k_per_split == 0 and splits > 1:
+            # one (split, output) pair a thread, SPLITS_IN_PROGRAM threads a program (at least an output)
+            block_n = max(1, SPLITS_IN_PROGRAM // splits)
+            constexprs.update(SPLITS=splits, STEPS=config.k_per_split // config.block_k)
+            kernel = _int4_int8_splits_kernel  # one program along K: no partial sums for _launch to make
+            config = dataclasses.replace(
+                config, block_n=block_n, k_per_split=0, num_warps=max(1, splits * block_n // 32)
+            )
+        elif UNROLL_DP4A and k % config.k_per_split == 0:
             constexprs["STEPS"] = config.k_per_split // config.block_k
     quantized = quantize_int8(x) if quantized is None else quantized
     q = quantized[0]  # a group's eight words are two 128-bit loads on a GPU (common._load4): 16-byte aligned
@@ -1151,7 +1293,9 @@ def _int8_inputs_launch(
         out_dtype,
         k=k,
         counters=counters,
-        weight=None if group_major else words,  # the prefetch into L2 reads row-major splits
+        weight=None
+        if group_major or kernel is _int4_int8_splits_kernel
+        else words,  # the L2 prefetch: row-major splits
         CODE_BITS=code_bits,
         **constexprs,
     )
