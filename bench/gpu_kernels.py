@@ -13,10 +13,9 @@ configuration, bfloat16 scales and zeros: other bits by design; kernels/gpu/tiny
 only; and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding),
 with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`). Candidates with the same bits
 (`same_bits`): `int4-bf16x2-gm` and `int4-int8-gm`, the codes, scales and mins group major
-(`matmul.to_group_major`: a warp's outputs read one block); `int4-int8-unrolled` and
-`int4-int8-gm-unrolled`, the dp4a kernel's K loop unrolled (`matmul.UNROLL_DP4A`); `int4-int8-ip`,
-`int4-int8-gm-ip` (`-ip256`) and `int8-int8-ip`, a layer's K splits in one program of 128 (256)
-(split, output) pairs, added in order in registers (`matmul.SPLITS_IN_PROGRAM`).
+(`matmul.to_group_major`: a warp's outputs read one block); `int4-int8-partials` and
+`int8-int8-partials`, up to 8 rows each K split a program of its own with its partial sums in memory
+(`matmul.SPLITS_IN_PROGRAM` 0, the kernel before a layer's splits went into one program).
 Each layer has its own tile counters, as in the engine, so that a K split's last program adds the
 splits; `float-sum-kernel`, `int4-sum-kernel` and `int4-int8-sum-kernel` time kvserve's configs with
 `_sum_splits_kernel` launched instead, as before 2026-11-29 (the same bits, `same_bits`).
@@ -235,12 +234,8 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         runs += [  # the codes, scales and mins group major (matmul.to_group_major): the same bits
             ("int4-bf16x2-gm", None, int4_calls(x, None, packed_bf16=True, group_major=True)),
             ("int4-int8-gm", None, int4_int8_calls(x, None, group_major=True)),
-            ("int4-int8-unrolled", None, switched(int4_int8_calls(x, None), "UNROLL_DP4A", True)),
-            ("int4-int8-gm-unrolled", None, switched(int4_int8_calls(x, None, True), "UNROLL_DP4A", True)),
-            # a layer's K splits in one program, 128 or 256 (split, output) pairs a program
-            ("int4-int8-ip", None, switched(int4_int8_calls(x, None), "SPLITS_IN_PROGRAM", 128)),
-            ("int4-int8-gm-ip", None, switched(int4_int8_calls(x, None, True), "SPLITS_IN_PROGRAM", 128)),
-            ("int4-int8-gm-ip256", None, switched(int4_int8_calls(x, None, True), "SPLITS_IN_PROGRAM", 256)),
+            # up to 8 rows, each K split a program of its own (the kernel before SPLITS_IN_PROGRAM)
+            ("int4-int8-partials", None, switched(int4_int8_calls(x, None), "SPLITS_IN_PROGRAM", 0)),
         ]
         runs += [  # kvserve's configs with the sum kernel launched after each split call
             ("float-sum-kernel", None, float_calls(x, None, tile_sums=False)),
@@ -249,7 +244,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         ]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
             runs += [("int8", None, int8_calls(x)), ("int8-int8", None, int8_calls(x, int8_inputs=True))]
-            runs += [("int8-int8-ip", None, switched(int8_calls(x, int8_inputs=True), "SPLITS_IN_PROGRAM", 128))]
+            runs += [("int8-int8-partials", None, switched(int8_calls(x, int8_inputs=True), "SPLITS_IN_PROGRAM", 0))]
         runs = [
             run for run in runs if (kinds is None or run[0] in kinds) and not (own and run[1] not in (None, "cublas"))
         ]
@@ -265,7 +260,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             base = kind.split("-")[0]
             # int4-bf16x2 rounds scales and mins to bfloat16 first, int4-int8 the inputs: other bits by design
             same_as = kind.removesuffix("-sum-kernel") if kind.endswith("-sum-kernel") else base
-            same_bits_as = ("-gm", "-unrolled", "-ip", "-ip256")  # the same bits as the kind without them
+            same_bits_as = ("-gm", "-partials")  # the same bits as the kind without them
             if kind.endswith(same_bits_as):
                 same_as = kind
                 while same_as.endswith(same_bits_as):

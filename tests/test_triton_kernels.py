@@ -497,7 +497,7 @@ def _int8_input_calls(x, packed, scales, mins, codes8, scales8, bias):
 
 @pytest.mark.parametrize("pairs", [128, 256])
 def test_a_layers_k_splits_in_one_program_give_the_bits_of_their_partial_sums(monkeypatch, pairs):
-    """matmul.SPLITS_IN_PROGRAM, a candidate: up to 8 rows, each (split, output) pair on a thread of its
+    """matmul.SPLITS_IN_PROGRAM (128 by default): up to 8 rows, each (split, output) pair on a thread of its
     own in one program and each output's splits added there in split order, for int4 codes in either
     layout and int8 codes: the bits of the splits' partial sums added by the sum kernel and by each
     tile's last split, with a bias, in float32 and bfloat16; 32 splits of a long K among them."""
@@ -512,6 +512,7 @@ def test_a_layers_k_splits_in_one_program_give_the_bits_of_their_partial_sums(mo
         bias = _randn(n, seed=79)
         runs = _int8_input_calls(x, packed, scales, mins, codes8, scales8, bias)
         gm = matmul.to_group_major(packed, scales, mins)
+        monkeypatch.setattr(matmul, "SPLITS_IN_PROGRAM", 0)  # each split a program, their partials in memory
         expected = []
         for out_dtype in (torch.float32, torch.bfloat16):
             for run in runs:
@@ -529,25 +530,6 @@ def test_a_layers_k_splits_in_one_program_give_the_bits_of_their_partial_sums(mo
         monkeypatch.undo()
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), (m, k, n)
     assert launches == [matmul._int4_int8_splits_kernel] * 6 * len(cases)
-
-
-def test_the_dp4a_kernels_loop_unrolled_gives_its_bits(monkeypatch):
-    """matmul.UNROLL_DP4A, a candidate: the dp4a kernel's K loop unrolled where every split has the same
-    number of steps, in either layout: the same arithmetic in the same order, so the same bits."""
-    m, k, n = 5, 2048, 80  # K splits of 256: two steps each
-    codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=74)
-    packed = matmul.pack_int4(codes)
-    gm = matmul.to_group_major(packed, scales, mins)
-    x = _randn(m, k, seed=75)
-    expected = [matmul.int4_int8_matmul(rows, packed, scales, mins, torch.float32) for rows in (x[:1], x)]
-    launches = []
-    launch = matmul._launch
-    monkeypatch.setattr(matmul, "UNROLL_DP4A", True)
-    monkeypatch.setattr(matmul, "_launch", lambda *a, **kw: launches.append(kw.get("STEPS")) or launch(*a, **kw))
-    for rows, out in zip((x[:1], x), expected, strict=True):
-        assert torch.equal(matmul.int4_int8_matmul(rows, packed, scales, mins, torch.float32), out)
-        assert torch.equal(matmul.int4_int8_matmul(rows, *gm, torch.float32), out)
-    assert launches == [2, 2, 2, 2]
 
 
 def _int8_weight(n: int, k: int, seed: int):
@@ -1255,12 +1237,9 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"int4-gm-tiles-{m}"; matmul.int4_matmul(x, *gm, packed_bf16=True, counters=counters)
     gm = matmul.to_group_major(matmul.pack_int4(codes), scales, scales)
     call = f"int4-int8-gm-tiles-{m}"; matmul.int4_int8_matmul(x, *gm, counters=counters)
-    matmul.UNROLL_DP4A = True
-    call = f"int4-int8-unrolled-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
-    matmul.UNROLL_DP4A = False
+    matmul.SPLITS_IN_PROGRAM = 0  # each K split a program of its own, added by the tile's last
+    call = f"int4-int8-partials-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
     matmul.SPLITS_IN_PROGRAM = 128
-    call = f"int4-int8-inprogram-{m}"; matmul.int4_int8_matmul(x, *gm)
-    matmul.SPLITS_IN_PROGRAM = 0
     call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
     call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
     call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
@@ -1298,9 +1277,10 @@ def matmuls(tag):  # every matmul kernel, each tile of int4 x int8
     # _load4's asm reads the activations and is pure (free to move): no tile of rows may put it above the wait
     call = f"{tag}-8"; matmul.int4_int8_matmul(torch.randn(8, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
     call = f"{tag}-1"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
-    matmul.SPLITS_IN_PROGRAM = 128  # a layer's K splits in one program, group major
     call = f"{tag}-1"; matmul.int4_int8_matmul(x, *matmul.to_group_major(matmul.pack_int4(codes), scales, scales))
-    matmul.SPLITS_IN_PROGRAM = 0
+    matmul.SPLITS_IN_PROGRAM = 0  # each K split a program of its own
+    call = f"{tag}-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
+    matmul.SPLITS_IN_PROGRAM = 128
 
 call = "pdl-1"; norm.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, [])
 call = "pdl-1"; elementwise.gated_activation(x, False, [])
@@ -1388,7 +1368,8 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         kernels.setdefault((call, kernel), set()).add(binary)
         assert tf32 == 0, (call, kernel)
         # a tile's splits counted by one atomic add, released and acquired across the GPU
-        matmul_kernel = kernel not in ("_quantize_int8_kernel", "_sum_splits_kernel")  # or the attention's
+        # (or the attention's; the splits kernel adds a layer's K splits in one program, uncounted)
+        matmul_kernel = kernel not in ("_quantize_int8_kernel", "_sum_splits_kernel", "_int4_int8_splits_kernel")
         counted = (call.endswith("-tiles") and matmul_kernel) or kernel == "_pick_kernel"  # a row's chunks, too
         assert counts == (1 if counted else 0), (call, kernel, counts)
         # the other programs' partials visible to the last: stores, barrier, count, barrier, reads from L2
@@ -1419,30 +1400,26 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int8", "_int8_kernel"),
         ("int8", "_sum_splits_kernel"),
         ("int4-int8", "_quantize_int8_kernel"),
-        ("int4-int8", "_int4_int8_kernel"),
+        ("int4-int8", "_int4_int8_splits_kernel"),  # 1 row: the layer's 8 K splits in one program
         ("int4-int8", "_int4_int8_mma_kernel"),
         ("int4-int8", "_sum_splits_kernel"),
         ("int8-int8", "_quantize_int8_kernel"),
-        ("int8-int8", "_int4_int8_kernel"),  # CODE_BITS 8
+        ("int8-int8", "_int4_int8_splits_kernel"),  # CODE_BITS 8
         ("int8-int8", "_int4_int8_mma_kernel"),
         ("int8-int8", "_sum_splits_kernel"),
         ("int4-tiles", "_int4_kernel"),  # no sum kernel: each tile's last split adds
         ("int8-tiles", "_int8_kernel"),
         ("int4-int8-tiles", "_quantize_int8_kernel"),
-        ("int4-int8-tiles", "_int4_int8_kernel"),
+        ("int4-int8-tiles", "_int4_int8_splits_kernel"),
         ("int4-int8-tiles", "_int4_int8_mma_kernel"),
         ("matmul-tiles", "_float_kernel"),  # K = 4096: two splits of 2048
         ("int4-gm-tiles", "_int4_kernel"),  # the codes group major (matmul.to_group_major)
         ("int4-int8-gm-tiles", "_quantize_int8_kernel"),
-        ("int4-int8-gm-tiles", "_int4_int8_kernel"),
+        ("int4-int8-gm-tiles", "_int4_int8_splits_kernel"),
         ("int4-int8-gm-tiles", "_int4_int8_mma_kernel"),
-        ("int4-int8-unrolled-tiles", "_quantize_int8_kernel"),
-        ("int4-int8-unrolled-tiles", "_int4_int8_kernel"),  # its K loop unrolled (matmul.UNROLL_DP4A)
-        ("int4-int8-unrolled-tiles", "_int4_int8_mma_kernel"),
-        ("int4-int8-inprogram", "_quantize_int8_kernel"),
-        ("int4-int8-inprogram", "_int4_int8_splits_kernel"),  # K's splits in one program (SPLITS_IN_PROGRAM)
-        ("int4-int8-inprogram", "_int4_int8_mma_kernel"),
-        ("int4-int8-inprogram", "_sum_splits_kernel"),  # 37 rows: the tensor cores' splits, summed after
+        ("int4-int8-partials-tiles", "_quantize_int8_kernel"),
+        ("int4-int8-partials-tiles", "_int4_int8_kernel"),  # SPLITS_IN_PROGRAM 0: a program a K split
+        ("int4-int8-partials-tiles", "_int4_int8_mma_kernel"),
         ("store_kv", "_store_kv_kernel"),
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),

@@ -79,16 +79,13 @@ INT4_INT8_CONFIG = TileConfig(block_m=8, block_n=128, block_k=128, k_per_split=5
 # row; 64 x 64 on 4 warps spilled. Every kernel pays four float operations per group, row and output
 # (a conversion, the scale's product, two FMAs): 0.125 per weight and row.
 INT4_INT8_MMA_ROWS = 9
-# A candidate, read at each launch: the dp4a kernel's K loop unrolled where every split has the same
-# number of steps (STEPS), so that the compiler may issue a split's loads before the sums that wait on
-# them. The same arithmetic in the same order: the same bits. bench/gpu_kernels.py's `-unrolled` kinds
-# time it; off until a GPU measures it faster.
-UNROLL_DP4A = False
-# A candidate, read at each launch: for up to 8 rows, a layer's K splits in one program
-# (`_int4_int8_splits_kernel`, this many (split, output) pairs a program; 0: off), added in order in
-# registers instead of through partial sums in memory and the last split's second pass: the same bits.
-# bench/gpu_kernels.py's `-inprogram` kinds and bench/gpu.py's `q4-int8-ip` runs time it.
-SPLITS_IN_PROGRAM = 0
+# Below INT4_INT8_MMA_ROWS rows, a layer's K splits in one program (`_int4_int8_splits_kernel`, this many
+# (split, output) pairs a program; 0: each split a program of its own, `_int4_int8_kernel`), added in
+# order in registers instead of through partial sums in memory and the last split's second pass: the
+# same bits. On the H200 (bench/gpu_kernels.py, results/gpu_kernels_candidates.json, one row) every 1B
+# layer took less time: qkv 7.24 -> 6.97 us, o 6.84 -> 6.12, gate_up 15.21 -> 14.65, down 11.92 -> 11.47,
+# the Q8_0 lm_head 62.2 -> 33.7; 256 pairs and the group-major layout with it were slower.
+SPLITS_IN_PROGRAM = 128
 INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
     (32, {"block_m": 32, "block_n": 128, "num_warps": 8}),
@@ -591,7 +588,6 @@ def _int4_int8_kernel(
     PDL: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 0,
     GROUP_MAJOR: tl.constexpr = False,  # words [K / 32, N, WORDS], scales and mins [K / 32, N] (to_group_major)
-    STEPS: tl.constexpr = 0,  # k_per_split // 128 where every split has that many steps: the loop unrolled
 ):
     """int4 weights times int8 inputs (x: `quantize_int8`'s words, d and s; BLOCK_K 128: four groups
     a step), as int4_int8.cpp on the CPU: per group of 32 and output the exact integer sum over
@@ -631,50 +627,30 @@ def _int4_int8_kernel(
     d_step = d_ptr + (rows64 * (K // 32))[None, :] + g_begin
     s_step = s_ptr + (rows64 * (K // 32))[None, :] + g_begin
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # outputs first, as group_dot gives them
-    if STEPS > 0:  # the split's steps unrolled: each step's loads free to go before the sums before them
-        for step in tl.static_range(STEPS):
-            acc = _int8_inputs_step(
-                acc,
-                k_begin + step * 128,
-                k_end,
-                w_step + step * (4 * w_group),
-                scales_step + step * (4 * sm_group),
-                mins_step + step * (4 * sm_group),
-                x_step + step * 32,
-                d_step + step * 4,
-                s_step + step * 4,
-                w_group,
-                sm_group,
-                EVEN_K,
-                INTERPRET,
-                CODE_BITS,
-                GROUP_MAJOR,
-            )
-    else:
-        for k0 in range(k_begin, k_end, 128):
-            acc = _int8_inputs_step(
-                acc,
-                k0,
-                k_end,
-                w_step,
-                scales_step,
-                mins_step,
-                x_step,
-                d_step,
-                s_step,
-                w_group,
-                sm_group,
-                EVEN_K,
-                INTERPRET,
-                CODE_BITS,
-                GROUP_MAJOR,
-            )
-            w_step += 4 * w_group
-            scales_step += 4 * sm_group
-            mins_step += 4 * sm_group
-            x_step += 32
-            d_step += 4
-            s_step += 4
+    for k0 in range(k_begin, k_end, 128):
+        acc = _int8_inputs_step(
+            acc,
+            k0,
+            k_end,
+            w_step,
+            scales_step,
+            mins_step,
+            x_step,
+            d_step,
+            s_step,
+            w_group,
+            sm_group,
+            EVEN_K,
+            INTERPRET,
+            CODE_BITS,
+            GROUP_MAJOR,
+        )
+        w_step += 4 * w_group
+        scales_step += 4 * sm_group
+        mins_step += 4 * sm_group
+        x_step += 32
+        d_step += 4
+        s_step += 4
     acc = tl.trans(acc)
     _finish_tile(
         acc,
@@ -1276,8 +1252,6 @@ def _int8_inputs_launch(
             config = dataclasses.replace(
                 config, block_n=block_n, k_per_split=0, num_warps=max(1, splits * block_n // 32)
             )
-        elif UNROLL_DP4A and k % config.k_per_split == 0:
-            constexprs["STEPS"] = config.k_per_split // config.block_k
     quantized = quantize_int8(x) if quantized is None else quantized
     q = quantized[0]  # a group's eight words are two 128-bit loads on a GPU (common._load4): 16-byte aligned
     assert q.stride(1) == 1 and q.stride(0) % 4 == 0 and q.data_ptr() % 16 == 0, (q.stride(), q.data_ptr() % 16)
