@@ -13,9 +13,9 @@ configuration, bfloat16 scales and zeros: other bits by design; kernels/gpu/tiny
 only; and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding),
 with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`). Candidates with the same bits
 (`same_bits`): `int4-bf16x2-gm` and `int4-int8-gm`, the codes, scales and mins group major
-(`matmul.to_group_major`: a warp's outputs read one block); `int4-int8-partials` and
-`int8-int8-partials`, up to 8 rows each K split a program of its own with its partial sums in memory
-(`matmul.SPLITS_IN_PROGRAM` 0, the kernel before a layer's splits went into one program).
+(`matmul.to_group_major`: a warp's outputs read one block); `int4-int8-partials`, up to 8 rows each K
+split a program of its own with its partial sums in memory (`matmul.SPLITS_IN_PROGRAM` 0, the kernel
+before an int4 layer's splits went into one program).
 Each layer has its own tile counters, as in the engine, so that a K split's last program adds the
 splits; `float-sum-kernel`, `int4-sum-kernel` and `int4-int8-sum-kernel` time kvserve's configs with
 `_sum_splits_kernel` launched instead, as before 2026-11-29 (the same bits, `same_bits`).
@@ -240,18 +240,18 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         runs += [  # kvserve's configs with the sum kernel launched after each split call
             ("float-sum-kernel", None, float_calls(x, None, tile_sums=False)),
             ("int4-sum-kernel", None, int4_calls(x, None, tile_sums=False)),
-            ("int4-int8-sum-kernel", None, int4_int8_calls(x, None, tile_sums=False)),
+            # (up to 8 rows each split a program of its own, as then)
+            ("int4-int8-sum-kernel", None, switched(int4_int8_calls(x, None, tile_sums=False), "SPLITS_IN_PROGRAM", 0)),
         ]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
             runs += [("int8", None, int8_calls(x)), ("int8-int8", None, int8_calls(x, int8_inputs=True))]
-            runs += [("int8-int8-partials", None, switched(int8_calls(x, int8_inputs=True), "SPLITS_IN_PROGRAM", 0))]
         runs = [
             run for run in runs if (kinds is None or run[0] in kinds) and not (own and run[1] not in (None, "cublas"))
         ]
         outputs = {}  # kind -> the first layer's output with kvserve's config: the same bits every way
         for kind, cfg, fn in runs:
             try:
-                seconds = timed(fn, device) / (len(codes8) if kind in ("int8", "int8-int8") else count)
+                seconds = timed(fn, device) / (len(codes8) if kind.startswith("int8") else count)
                 if cfg is None:
                     outputs[kind] = fn()[0]
             except Exception as e:  # a config that does not compile or launch is a finding

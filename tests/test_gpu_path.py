@@ -285,7 +285,8 @@ def test_every_int4_layers_int8_inputs_come_from_the_kernel_before_it(tmp_path, 
 def test_four_bit_bfloat16_models_take_packed_bfloat16_fmas_batched_like_solo(tiny_model_dir, triton_kernels):
     """The int4 kernel's packed bfloat16 FMAs, the default for a bfloat16 model: the layers keep
     bfloat16 scales and mins, and each request's tokens batched are those of its solo run (its numerics
-    against a reference: test_triton_kernels.py). A float32 model keeps its scales as stored."""
+    against a reference: test_triton_kernels.py). A float32 model keeps its scales as stored, and so does
+    a bfloat16 model with int8 inputs."""
     with _llm(tiny_model_dir, weights="q4", dtype="bfloat16") as q4:
         layer = q4.model.layers[0].self_attn.qkv_proj
         assert layer.packed_bf16 and layer.scales.dtype == layer.mins.dtype == torch.bfloat16
@@ -297,6 +298,11 @@ def test_four_bit_bfloat16_models_take_packed_bfloat16_fmas_batched_like_solo(ti
     with _llm(tiny_model_dir, weights="q4") as q4:  # float32
         layer = q4.model.layers[0].self_attn.qkv_proj
         assert not layer.packed_bf16 and layer.scales.dtype != torch.bfloat16
+        wait_idle_and_check(q4)
+    # int8 inputs take the CPU's int4 x int8 arithmetic, which reads the scales as stored
+    with _llm(tiny_model_dir, weights="q4", dtype="bfloat16", activations="int8") as q4:
+        layer = q4.model.layers[0].self_attn.qkv_proj
+        assert layer.int8_activations and not layer.packed_bf16 and layer.scales.dtype != torch.bfloat16
         wait_idle_and_check(q4)
 
 

@@ -129,12 +129,13 @@ def test_the_emulations_packed_fma_rounds_once():
     assert [int(r) for r in _fma_bf16x2(a, b, c)] == [bits(case[3]) for case in cases]
 
 
-@pytest.mark.parametrize("kind", ["int4-int8", "int8-int8"])
-def test_the_int8_input_matmuls_with_their_dp4a_assembly_give_the_interpreters_bits(monkeypatch, kind):
+@pytest.mark.parametrize("kind, k", [("int4-int8", 1024 + 160), ("int4-int8", 768), ("int8-int8", 1024 + 160)])
+def test_the_int8_input_matmuls_with_their_dp4a_assembly_give_the_interpreters_bits(monkeypatch, kind, k):
     """`_int4_int8_kernel` (and with int8 codes) through its GPU branches: the inputs quantized by
     cvt.rni, each group's sum by 128-bit loads and eight dp4a (every 128-bit load's address checked
-    16-byte aligned, as the hardware requires); 1, 3 and 8 rows, K splits with a short last one, a bias."""
-    m, k, n = 8, 1024 + 160, 80
+    16-byte aligned, as the hardware requires); 1, 3 and 8 rows, K splits with a short last one, a bias;
+    and K in three whole splits, which `_int4_int8_splits_kernel` takes in one program."""
+    m, n = 8, 80
     g = torch.Generator().manual_seed(7)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g)

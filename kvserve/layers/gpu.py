@@ -93,9 +93,10 @@ class GpuInt4Linear(nn.Module):
     bits do not."""
 
     # int4_matmul's packed_bf16 (scales and mins kept as bfloat16, each weight their fma rounded once):
-    # None, on for a bfloat16 model (the H200 at aead1aa: 4.5% more tokens a second for one stream of
-    # the 1B shapes, batched = solo 16 of 16), off for float16 and float32 ones, whose inputs it does not
-    # take; bench/gpu.py's `q4-fp16` run sets it False (float16 scales, the kernel before).
+    # None, on for a bfloat16 model with float inputs (the H200 at aead1aa: 4.5% more tokens a second
+    # for one stream of the 1B shapes, batched = solo 16 of 16), off for float16 and float32 ones, whose
+    # inputs it does not take, and with int8 inputs, whose arithmetic (the CPU's) reads the scales as
+    # stored; bench/gpu.py's `q4-fp16` run sets it False (float16 scales, the kernel before).
     packed_bf16: bool | None = None
     # PyTorch's own int4 kernel instead of kvserve's (kernels/gpu/tinygemm.py: bfloat16 scales and zeros,
     # float inputs only), off until a GPU measures it faster; bench/gpu.py's `q4-tinygemm` turns it on.
@@ -112,8 +113,11 @@ class GpuInt4Linear(nn.Module):
         bias: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
         dtype: torch.dtype | None = None,
+        int8_inputs: bool = False,
     ) -> None:
-        """`dtype`: the model's compute dtype (its inputs'), which decides `packed_bf16` where unset."""
+        """`dtype`: the model's compute dtype (its inputs'), and `int8_inputs`: whether the layer will take
+        int8 inputs (`--activations int8`, whose arithmetic reads the scales as stored), which decide
+        `packed_bf16` where unset."""
         super().__init__()
         from kvserve.kernels.gpu.matmul import pack_int4, to_group_major
 
@@ -140,7 +144,7 @@ class GpuInt4Linear(nn.Module):
             self.packed_bf16 = self.group_major = False
             return
         chosen = type(self).packed_bf16  # fixed at load, with the scales' dtype
-        self.packed_bf16 = dtype == torch.bfloat16 if chosen is None else chosen
+        self.packed_bf16 = dtype == torch.bfloat16 and not int8_inputs if chosen is None else chosen
         group_values = (lambda v: v.to(torch.bfloat16)) if self.packed_bf16 else _group_values
         packed = pack_int4(weight.codes.to(device))  # [N, K / 2]
         scales = group_values(weight.scales).to(device)  # [N, K / 32]

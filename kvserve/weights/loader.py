@@ -125,7 +125,8 @@ def load_model(
     UnsupportedModelError."""
     checkpoint = open_checkpoint(path)
     config = checkpoint.model_config()
-    plan = WeightPlan(weights, quads=activations == "int8" and not uses_triton(device) and quads_cpu())
+    int8_inputs = activations == "int8"
+    plan = WeightPlan(weights, quads=int8_inputs and not uses_triton(device) and quads_cpu(), int8_inputs=int8_inputs)
     with torch.device("meta"), _SkipMetaInit():
         model = MODEL_CLASSES[config.architecture](config, stage)
     pending: dict[str, _PendingLinear] = {}
@@ -333,7 +334,8 @@ def _build_linear(
             _check_shape(name, i, tuple(g.codes.shape), (n, layer.in_features))
         weight = type(groups[0]).cat(groups)
         if gpu:  # the lm_head's logits in float32, as every other form gives them
-            return GpuInt4Linear(weight, device, bias, torch.float32 if name == LM_HEAD else None, dtype)
+            out_dtype = torch.float32 if name == LM_HEAD else None
+            return GpuInt4Linear(weight, device, bias, out_dtype, dtype, int8_inputs=plan.int8_inputs)
         if _int4_quads_planned(name, plan, gpu) and Int4QuadsLinear.holds(weight):
             # Q4_0 / Q4_1 with int8 inputs: the same bits as Int4Linear's int8 kernel, its codes arranged once
             return Int4QuadsLinear(weight, dtype, bias)

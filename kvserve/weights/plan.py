@@ -78,9 +78,12 @@ def _cpu_has_avx2() -> bool:
 
 
 class WeightPlan:
-    def __init__(self, mode: str, quads: bool = False) -> None:
+    def __init__(self, mode: str, quads: bool = False, int8_inputs: bool = False) -> None:
         assert mode in MODES, mode
         self.mode = mode
+        # the int4 and int8-group layers take int8 inputs (`activations` int8): on a GPU their scales stay
+        # as stored, for the CPU's int4 x int8 bits (no packed bfloat16 FMAs, which round them)
+        self.int8_inputs = int8_inputs
         # CPU int8-group layers held as quads from load (layers/quads.py: Q5_0 at 5 bits, as in the
         # file): where their int8 inputs go through int8_quads.cpp (AVX2 and up)
         self.quads = quads

@@ -79,12 +79,13 @@ INT4_INT8_CONFIG = TileConfig(block_m=8, block_n=128, block_k=128, k_per_split=5
 # row; 64 x 64 on 4 warps spilled. Every kernel pays four float operations per group, row and output
 # (a conversion, the scale's product, two FMAs): 0.125 per weight and row.
 INT4_INT8_MMA_ROWS = 9
-# Below INT4_INT8_MMA_ROWS rows, a layer's K splits in one program (`_int4_int8_splits_kernel`, this many
-# (split, output) pairs a program; 0: each split a program of its own, `_int4_int8_kernel`), added in
+# Below INT4_INT8_MMA_ROWS rows, an int4 layer's K splits in one program (`_int4_int8_splits_kernel`, this
+# many (split, output) pairs a program; 0: each split a program of its own, `_int4_int8_kernel`), added in
 # order in registers instead of through partial sums in memory and the last split's second pass: the
-# same bits. On the H200 (bench/gpu_kernels.py, results/gpu_kernels_candidates.json, one row) every 1B
-# layer took less time: qkv 7.24 -> 6.97 us, o 6.84 -> 6.12, gate_up 15.21 -> 14.65, down 11.92 -> 11.47,
-# the Q8_0 lm_head 62.2 -> 33.7; 256 pairs and the group-major layout with it were slower.
+# same bits. On the H200 (bench/gpu_kernels.py, results/gpu_kernels_candidates.json, one row) every 4-bit
+# 1B layer took less time: qkv 7.24 -> 6.97 us, o 6.84 -> 6.12, gate_up 15.21 -> 14.65, down 11.92 ->
+# 11.47, a 4-bit lm_head 54.4 -> 47.8; the Q8_0 lm_head (int8 codes) 62.2 -> 67.5, so int8 codes keep a
+# program a split. 256 pairs a program, and group-major codes with it, were slower.
 SPLITS_IN_PROGRAM = 128
 INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
@@ -702,6 +703,7 @@ def _int4_int8_splits_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
+    PADDED: tl.constexpr,  # SPLITS rounded up to a power of two: the pairs past SPLITS repeat the last split
     STEPS: tl.constexpr,
     CODE_BITS: tl.constexpr = 4,
     PDL: tl.constexpr = False,
@@ -713,9 +715,9 @@ def _int4_int8_splits_kernel(
     (where `_finish_tile` adds their partial sums from memory). The same arithmetic in the same order,
     so its bits, without the partial sums' stores, the count and the last program's second pass."""
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
-    PAIRS: tl.constexpr = SPLITS * BLOCK_N
+    PAIRS: tl.constexpr = PADDED * BLOCK_N
     pair = tl.arange(0, PAIRS)  # split-major: a warp's threads hold consecutive outputs of one split
-    split = pair // BLOCK_N
+    split = tl.minimum(pair // BLOCK_N, SPLITS - 1)  # the padding's pairs: computed, never added
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows64 = tl.minimum(rows, M - 1).to(tl.int64)
@@ -752,11 +754,12 @@ def _int4_int8_splits_kernel(
             GROUP_MAJOR,
         )
     # each output's splits in split order: ((split 0 + split 1) + split 2) + ..., as _finish_tile adds them
-    parts = tl.reshape(acc, (SPLITS, BLOCK_N, BLOCK_M))
-    which = tl.arange(0, SPLITS)[:, None, None]
-    total = tl.sum(tl.where(which == 0, parts, 0.0), axis=0)  # one part and zeros: exactly that part
+    parts = tl.reshape(acc, (PADDED, BLOCK_N, BLOCK_M))
+    which = tl.arange(0, PADDED)[:, None, None]
+    # one part and -0.0s: exactly that part, its sign too (x + -0.0 is x for every x)
+    total = tl.sum(tl.where(which == 0, parts, -0.0), axis=0)
     for i in tl.static_range(1, SPLITS):
-        total += tl.sum(tl.where(which == i, parts, 0.0), axis=0)
+        total += tl.sum(tl.where(which == i, parts, -0.0), axis=0)
     _finish_tile(
         tl.trans(total),
         out_ptr,
@@ -1244,14 +1247,15 @@ def _int8_inputs_launch(
     else:
         kernel, config = _int4_int8_kernel, dataclasses.replace(config, block_m=_row_tile(x.shape[0]))
         splits = k // config.k_per_split
-        if SPLITS_IN_PROGRAM and k % config.k_per_split == 0 and splits > 1:
-            # one (split, output) pair a thread, SPLITS_IN_PROGRAM threads a program (at least an output)
-            block_n = max(1, SPLITS_IN_PROGRAM // splits)
-            constexprs.update(SPLITS=splits, STEPS=config.k_per_split // config.block_k)
+        if SPLITS_IN_PROGRAM and code_bits == 4 and k % config.k_per_split == 0 and splits > 1:
+            # one (split, output) pair a thread, SPLITS_IN_PROGRAM threads a program (at least an output),
+            # the splits padded to a power of two
+            padded = next_power_of_2(splits)
+            block_n = max(1, SPLITS_IN_PROGRAM // padded)
+            constexprs.update(SPLITS=splits, PADDED=padded, STEPS=config.k_per_split // config.block_k)
             kernel = _int4_int8_splits_kernel  # one program along K: no partial sums for _launch to make
-            config = dataclasses.replace(
-                config, block_n=block_n, k_per_split=0, num_warps=max(1, splits * block_n // 32)
-            )
+            num_warps = max(1, padded * block_n // 32)
+            config = dataclasses.replace(config, block_n=block_n, k_per_split=0, num_warps=num_warps)
     quantized = quantize_int8(x) if quantized is None else quantized
     q = quantized[0]  # a group's eight words are two 128-bit loads on a GPU (common._load4): 16-byte aligned
     assert q.stride(1) == 1 and q.stride(0) % 4 == 0 and q.data_ptr() % 16 == 0, (q.stride(), q.data_ptr() % 16)
