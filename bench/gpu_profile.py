@@ -1,5 +1,6 @@
 """Where a GPU decode step's time goes (issue 32): kvserve on bench/gpu.py's random-weight models,
-profiled with torch.profiler over a few decode steps at 1 and 64 streams. Prints, per case, the wall
+profiled with torch.profiler over a few decode steps at 1 and 64 streams (bf16; the first shape's 4-bit
+GGUF too, with float and with int8 inputs, `--profiled`). Prints, per case, the wall
 time per step, the GPU's busy time per step (the sum of its kernels), the kernels per step, and the
 kernels that take the most time; writes the same as JSON. Busy time well under the wall time means
 the step waits on the host (Python, the scheduler, the sampler's copy back), not on the GPU.
@@ -170,6 +171,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_profile.json"))
     parser.add_argument("--no-host", dest="host", action="store_false", help="skip the host-phase cases")
     parser.add_argument("--host-only", action="store_true", help="only the host-phase cases")
+    parser.add_argument(
+        "--profiled",
+        default="q4,q4-int8",
+        help="the first shape's profiled cases besides bf16 (which every shape gets): q4, the 4-bit GGUF;"
+        " q4-int8, the same with int8 inputs",
+    )
     args = parser.parse_args()
     os.environ.setdefault("KVSERVE_HOME", tempfile.mkdtemp(prefix="kvserve-home-"))
     os.environ.setdefault("KVSERVE_FUSED_DECODE", "0")
@@ -181,7 +188,11 @@ def main() -> None:
     from kvserve.kernels.gpu import supports_pdl, uses_pdl
 
     work = Path(tempfile.mkdtemp(prefix="kvserve-profile-"))
-    models = build_models(args.shapes.split(","), args.device, work, with_q4=args.host)
+    profiled = [w for w in args.profiled.split(",") if w]  # "" for bf16 alone
+    if not set(profiled) <= {"q4", "q4-int8"}:
+        parser.error(f"--profiled takes q4 and q4-int8, got {args.profiled!r}")
+    with_q4 = args.host or (not args.host_only and any(w.startswith("q4") for w in profiled))
+    models = build_models(args.shapes.split(","), args.device, work, with_q4=with_q4)
     cases = []
     host = []
     errors: list[dict] = []
@@ -235,12 +246,20 @@ def main() -> None:
             args.out.write_text(json.dumps({"cases": cases, "host": host, "errors": errors}, indent=1) + "\n")
     kvserve.kernels.gpu.PDL = kvserve.kernels.gpu.PREFETCH = False  # the profiled cases without them
     for shape in [] if args.host_only else args.shapes.split(","):
-        for graphs in (True, False):
+        # the first shape's 4-bit steps kernel by kernel too (graphs only): where its time goes
+        first = shape == args.shapes.split(",")[0]
+        forms = [(w, True) for w in profiled if first]
+        if forms and "q4" not in models[shape]:  # bench/gpu.py writes no 4-bit GGUF of SmolLM2's shapes
+            errors.append({"case": f"{shape}-q4", "error": f"no 4-bit model of the {shape} shapes"})
+            forms = []
+        for weights, graphs in [("bf16", True), ("bf16", False), *forms]:  # bf16 always
+            named = "" if weights == "bf16" else f"-{weights}"
             with (
-                recorded(errors, f"{shape}-{'graphs' if graphs else 'eager'}"),
+                recorded(errors, f"{shape}{named}-{'graphs' if graphs else 'eager'}"),
                 LLM(
-                    str(models[shape]["bf16"]),
+                    str(models[shape][weights.partition("-")[0]]),
                     device=args.device,
+                    activations="int8" if weights.endswith("-int8") else "auto",
                     max_num_seqs=64,
                     progress=False,
                     session_db=False,
@@ -248,7 +267,7 @@ def main() -> None:
                 ) as llm,
             ):
                 for streams in (1, 64) if graphs else (1,):
-                    name = f"{shape}-{streams}-{'graphs' if graphs else 'eager'}"
+                    name = f"{shape}{named}-{streams}-{'graphs' if graphs else 'eager'}"
                     cases.append(profile_case(llm, streams, args.tokens, work, name))
                     c = cases[-1]
                     print(

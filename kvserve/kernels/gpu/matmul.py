@@ -85,7 +85,8 @@ INT4_INT8_MMA_ROWS = 9
 # same bits. On the H200 (bench/gpu_kernels.py, results/gpu_kernels_candidates.json, one row) every 4-bit
 # 1B layer took less time: qkv 7.24 -> 6.97 us, o 6.84 -> 6.12, gate_up 15.21 -> 14.65, down 11.92 ->
 # 11.47, a 4-bit lm_head 54.4 -> 47.8; the Q8_0 lm_head (int8 codes) 62.2 -> 67.5, so int8 codes keep a
-# program a split. 256 pairs a program, and group-major codes with it, were slower.
+# program a split. With 256 pairs a program, or group-major codes, the decoder layers were slower (the
+# 4-bit lm_head faster: 22.5 us group major). A power of two; layers of more splits keep a program a split.
 SPLITS_IN_PROGRAM = 128
 INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
@@ -754,12 +755,13 @@ def _int4_int8_splits_kernel(
             GROUP_MAJOR,
         )
     # each output's splits in split order: ((split 0 + split 1) + split 2) + ..., as _finish_tile adds them
-    parts = tl.reshape(acc, (PADDED, BLOCK_N, BLOCK_M))
+    # each part taken out whole as its bits (one part and zeros, xor-ed: exactly that part, a zero's sign
+    # and a NaN's payload too, in the interpreter as on a GPU), then added as floats
+    bits = tl.reshape(acc, (PADDED, BLOCK_N, BLOCK_M)).to(tl.int32, bitcast=True)
     which = tl.arange(0, PADDED)[:, None, None]
-    # one part and -0.0s: exactly that part, its sign too (x + -0.0 is x for every x)
-    total = tl.sum(tl.where(which == 0, parts, -0.0), axis=0)
+    total = tl.xor_sum(tl.where(which == 0, bits, 0), axis=0).to(tl.float32, bitcast=True)
     for i in tl.static_range(1, SPLITS):
-        total += tl.sum(tl.where(which == i, parts, -0.0), axis=0)
+        total += tl.xor_sum(tl.where(which == i, bits, 0), axis=0).to(tl.float32, bitcast=True)
     _finish_tile(
         tl.trans(total),
         out_ptr,
@@ -1247,11 +1249,13 @@ def _int8_inputs_launch(
     else:
         kernel, config = _int4_int8_kernel, dataclasses.replace(config, block_m=_row_tile(x.shape[0]))
         splits = k // config.k_per_split
-        if SPLITS_IN_PROGRAM and code_bits == 4 and k % config.k_per_split == 0 and splits > 1:
-            # one (split, output) pair a thread, SPLITS_IN_PROGRAM threads a program (at least an output),
-            # the splits padded to a power of two
-            padded = next_power_of_2(splits)
-            block_n = max(1, SPLITS_IN_PROGRAM // padded)
+        padded = next_power_of_2(splits)
+        whole = k % config.k_per_split == 0 and splits > 1 and padded <= SPLITS_IN_PROGRAM
+        if code_bits == 4 and whole:
+            # one (split, output) pair a thread, SPLITS_IN_PROGRAM threads a program (an output's splits
+            # at most), the splits padded to a power of two
+            assert SPLITS_IN_PROGRAM & (SPLITS_IN_PROGRAM - 1) == 0, SPLITS_IN_PROGRAM
+            block_n = SPLITS_IN_PROGRAM // padded
             constexprs.update(SPLITS=splits, PADDED=padded, STEPS=config.k_per_split // config.block_k)
             kernel = _int4_int8_splits_kernel  # one program along K: no partial sums for _launch to make
             num_warps = max(1, padded * block_n // 32)
