@@ -469,6 +469,28 @@ def _int8_tile_strides(N, stride_wn, stride_sn, stride_mn, WORDS: tl.constexpr, 
 
 
 @triton.jit
+def _int8_step_pointers(
+    x_ptr, d_ptr, s_ptr, words_ptr, scales_ptr, mins_ptr, cols64, rows64, g_begin,
+    N, K, stride_xm, stride_wn, stride_sn, stride_mn, WORDS: tl.constexpr, GROUP_MAJOR: tl.constexpr,
+):  # fmt: skip
+    """An int4 (or int8) x int8 program's pointers at group g_begin (a scalar, or [R, 1] for rows of
+    their own): the codes' words [R, 4] (4-bit: word t of a group holds inputs 4t..4t+3 in its low
+    nibbles, +16 in its high ones; 8-bit: word t inputs 4t..4t+3), the scales and mins ([R, 4], the
+    step's four groups', row major; [R, 1], its first group's, group major), the int8 inputs' words and
+    their d and s ([1 or R, BM]); then the words' and the scales' steps from one group to the next."""
+    w_col, w_group, s_col, m_col, sm_group = _int8_tile_strides(N, stride_wn, stride_sn, stride_mn, WORDS, GROUP_MAJOR)
+    four = tl.arange(0, 4)[None, :]
+    w_step = words_ptr + cols64[:, None] * w_col + g_begin * w_group + four
+    groups = g_begin if GROUP_MAJOR else g_begin + four
+    scales_step = scales_ptr + cols64[:, None] * s_col + groups * sm_group
+    mins_step = mins_ptr + cols64[:, None] * m_col + groups * sm_group
+    x_step = x_ptr + (rows64 * stride_xm)[None, :] + g_begin * 8  # eight words of int8 codes a group
+    d_step = d_ptr + (rows64 * (K // 32))[None, :] + g_begin
+    s_step = s_ptr + (rows64 * (K // 32))[None, :] + g_begin
+    return w_step, scales_step, mins_step, x_step, d_step, s_step, w_group, sm_group
+
+
+@triton.jit
 def _prefetch_int8_tile(
     words_ptr,
     scales_ptr,
@@ -616,18 +638,11 @@ def _int4_int8_kernel(
     )
     wait_for_prior(PDL)
     WORDS: tl.constexpr = CODE_BITS  # int32 words of codes per group of 32
-    w_col, w_group, s_col, m_col, sm_group = _int8_tile_strides(N, stride_wn, stride_sn, stride_mn, WORDS, GROUP_MAJOR)
     # pointers at the split's first group, advanced a step (four groups) at a time
-    four = tl.arange(0, 4)[None, :]
-    # 4-bit: word t (of 4) of a group holds the codes of inputs 4t..4t+3 in its low nibbles, +16 in its
-    # high ones; 8-bit: word t (of 8) those of inputs 4t..4t+3
-    w_step = words_ptr + cols64[:, None] * w_col + g_begin * w_group + four  # [BN, 4]
-    groups = g_begin if GROUP_MAJOR else g_begin + four  # [BN, 1] the step's first group's, or [BN, 4]
-    scales_step = scales_ptr + cols64[:, None] * s_col + groups * sm_group
-    mins_step = mins_ptr + cols64[:, None] * m_col + groups * sm_group
-    x_step = x_ptr + (rows64 * stride_xm)[None, :] + g_begin * 8  # [1, BM]: eight words of int8 codes a group
-    d_step = d_ptr + (rows64 * (K // 32))[None, :] + g_begin
-    s_step = s_ptr + (rows64 * (K // 32))[None, :] + g_begin
+    w_step, scales_step, mins_step, x_step, d_step, s_step, w_group, sm_group = _int8_step_pointers(
+        x_ptr, d_ptr, s_ptr, words_ptr, scales_ptr, mins_ptr, cols64, rows64, g_begin,
+        N, K, stride_xm, stride_wn, stride_sn, stride_mn, WORDS, GROUP_MAJOR,
+    )  # fmt: skip
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # outputs first, as group_dot gives them
     for k0 in range(k_begin, k_end, 128):
         acc = _int8_inputs_step(
@@ -726,15 +741,11 @@ def _int4_int8_splits_kernel(
     g_begin = (split * (STEPS * 4))[:, None]  # [PAIRS, 1]: the split's first group
     wait_for_prior(PDL)
     WORDS: tl.constexpr = CODE_BITS
-    w_col, w_group, s_col, m_col, sm_group = _int8_tile_strides(N, stride_wn, stride_sn, stride_mn, WORDS, GROUP_MAJOR)
-    four = tl.arange(0, 4)[None, :]
-    w_step = words_ptr + pair_cols64[:, None] * w_col + g_begin * w_group + four  # [PAIRS, 4]
-    groups = g_begin if GROUP_MAJOR else g_begin + four  # as `_int4_int8_kernel`'s
-    scales_step = scales_ptr + pair_cols64[:, None] * s_col + groups * sm_group
-    mins_step = mins_ptr + pair_cols64[:, None] * m_col + groups * sm_group
-    x_step = x_ptr + (rows64 * stride_xm)[None, :] + g_begin * 8  # [PAIRS, BM]: each split's inputs
-    d_step = d_ptr + (rows64 * (K // 32))[None, :] + g_begin
-    s_step = s_ptr + (rows64 * (K // 32))[None, :] + g_begin
+    # as `_int4_int8_kernel`'s, a pair a row: x_step [PAIRS, BM], each split's inputs
+    w_step, scales_step, mins_step, x_step, d_step, s_step, w_group, sm_group = _int8_step_pointers(
+        x_ptr, d_ptr, s_ptr, words_ptr, scales_ptr, mins_ptr, pair_cols64, rows64, g_begin,
+        N, K, stride_xm, stride_wn, stride_sn, stride_mn, WORDS, GROUP_MAJOR,
+    )  # fmt: skip
     acc = tl.zeros((PAIRS, BLOCK_M), tl.float32)
     for step in tl.static_range(STEPS):
         acc = _int8_inputs_step(
