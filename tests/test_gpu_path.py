@@ -322,3 +322,55 @@ def test_four_bit_codes_group_major_give_the_same_tokens_and_logprobs(
             results.append([(r.token_ids, r.logprobs) for r in q4.generate(PROMPTS[:3], params)])
             wait_idle_and_check(q4)
     assert results[1] == results[0]
+
+
+class _Launches:
+    """Stands in for a Triton kernel, counting its launches and running it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize(
+    "weights, dtype, batch_invariant",
+    [("auto", "float32", True), ("auto", "bfloat16", False), ("q4", "bfloat16", True), ("q8", "float32", True)],
+    ids=["float", "float-cublas", "q4-bf16x2", "q8"],
+)
+def test_the_gate_up_projections_kernel_applies_the_activation_with_its_bits(
+    tiny_model_dir, triton_kernels, monkeypatch, weights, dtype, batch_invariant
+):
+    """Each MLP's gate and up projection applies the gated activation in its matmul's kernel
+    (layers/gpu.fuse_gated_activations: its rows interleaved), so a step launches no activation kernel
+    (without batch invariance cuBLAS multiplies and the activation's kernel follows); the tokens and
+    logprobs are those of the projection's [gate | up] output and the activation's own kernel, batched."""
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+    gated = _Launches(elementwise._gated_kernel)
+    monkeypatch.setattr(elementwise, "_gated_kernel", gated)
+    with _llm(tiny_model_dir, weights=weights, dtype=dtype, batch_invariant=batch_invariant) as llm:
+        mlps = [layer.mlp for layer in llm.model.layers]
+        kind = {"auto": GpuLinear, "q4": GpuInt4Linear, "q8": GpuInt8GroupLinear}[weights]
+        assert all(isinstance(mlp.gate_up_proj, kind) and mlp.activation_in_gate_up for mlp in mlps)
+        assert "silu gated" in repr(mlps[0].gate_up_proj)
+        fused = [(r.token_ids, r.logprobs) for r in llm.generate(PROMPTS[:3], params)]
+        assert (gated.launches > 0) == (not batch_invariant)
+        for mlp in mlps:  # back to [gate | up] and the activation's kernel
+            mlp.gate_up_proj.interleave_gate_up(None)
+            mlp.activation_in_gate_up = False
+        launches = gated.launches
+        assert [(r.token_ids, r.logprobs) for r in llm.generate(PROMPTS[:3], params)] == fused
+        assert gated.launches > launches
+        wait_idle_and_check(llm)
+
+
+def test_int8_inputs_keep_the_activations_kernel(tiny_model_dir, triton_kernels):
+    """Where the down projection takes int8 inputs (made with the activation by its kernel), the gate and
+    up projection's layout stays [gate | up] and the activation's kernel runs. (PyTorch's int4 kernel,
+    on a GPU only, keeps it too: fuse_gated_activations.)"""
+    with _llm(tiny_model_dir, weights="q4", activations="int8") as q4:
+        for layer in q4.model.layers:
+            assert not layer.mlp.activation_in_gate_up and layer.mlp.gate_up_proj.activation is None
+        wait_idle_and_check(q4)

@@ -613,6 +613,62 @@ def test_gated_activation_against_float64_and_each_row_alone(gelu, dtype):
     _each_row_alone(lambda rows: elementwise.gated_activation(rows, gelu), gate_up, out)
 
 
+@pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int8"])
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_a_gate_up_matmul_with_its_activation_gives_the_gated_activations_bits(monkeypatch, kind, gelu):
+    """A gate and up projection's matmul with `activation` over its interleaved rows (`interleave_gate_up`)
+    gives act(gate) * up: the bits of the matmul over [gate | up] and then `gated_activation`, whichever
+    stores the output (a tile without K splits, a tile's last split, the sum kernel), with a bias and
+    37 outputs (an odd count; pairs are never cut by a tile); `deinterleave_gate_up` undoes the layout."""
+    monkeypatch.setattr(matmul, "FLOAT_CONFIG", dataclasses.replace(matmul.FLOAT_CONFIG, k_per_split=512))
+    m, intermediate = 5, 37
+    x = _randn(m, 1024 + 160, seed=60, dtype=torch.bfloat16)  # three K splits, the last one short
+    bias = _randn(2 * intermediate, seed=61, dtype=torch.bfloat16)
+    activation = "gelu_tanh" if gelu else "silu"
+    if kind == "float":
+        w = _randn(2 * intermediate, x.shape[1], seed=62, dtype=torch.bfloat16)
+        weights = [w]
+        run = lambda x, w, activation=None, counters=None: matmul.matmul(  # noqa: E731
+            x, w, bias if activation is None else matmul.interleave_gate_up(bias), None, counters, activation
+        )
+    elif kind == "int8":
+        codes, scales, _ = _int8_weight(2 * intermediate, x.shape[1], seed=62)
+        weights = [codes, scales]
+        run = lambda x, codes, scales, activation=None, counters=None: matmul.int8_group_matmul(  # noqa: E731
+            x,
+            codes,
+            scales,
+            None,
+            bias if activation is None else matmul.interleave_gate_up(bias),
+            counters,
+            activation,
+        )
+    else:
+        codes, scales, mins, _ = _int4_weight(2 * intermediate, x.shape[1], torch.bfloat16, seed=62)
+        weights = [matmul.pack_int4(codes), scales, mins]
+        run = lambda x, packed, scales, mins, activation=None, counters=None: matmul.int4_matmul(  # noqa: E731
+            x,
+            packed,
+            scales,
+            mins,
+            None,
+            bias if activation is None else matmul.interleave_gate_up(bias),
+            kind == "int4-bf16x2",
+            counters,
+            activation,
+        )
+    interleaved = [matmul.interleave_gate_up(t) for t in weights]
+    for t, back in zip(weights, interleaved, strict=True):
+        assert torch.equal(matmul.deinterleave_gate_up(back), t)
+    for short in (x[:, :512], x):  # one K split (no partial sums), three
+        ws = [w[:, : w.shape[1] * short.shape[1] // x.shape[1]] for w in weights]
+        expected = elementwise.gated_activation(run(short, *ws), gelu)
+        ws = [matmul.interleave_gate_up(w) for w in ws]
+        for counters in (None, matmul.split_counters(DEVICE)):  # the sum kernel, the tile's last split
+            out = run(short, *ws, activation=activation, counters=counters)
+            assert out.shape == (m, intermediate) and torch.equal(out, expected), (short.shape, counters is None)
+
+
 @pytest.mark.parametrize("rotary_dim", [64, 32], ids=["whole-head", "partial"])
 def test_rotate_matches_layers_rotary_on_a_strided_view(rotary_dim):
     from kvserve.layers import rotary
@@ -1106,6 +1162,35 @@ def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kin
 
 
 @on_gpu
+@pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int8"])
+def test_a_gate_up_matmul_at_model_sizes_applies_the_activation_with_its_kernels_bits(kind):
+    """A 1B model's gate and up projection (2048 -> 2 x 8192) with its activation in the matmul's kernel:
+    the bits of the [gate | up] matmul and then the activation's kernel, compiled apart, for 1 and 16 rows
+    (each tile's last K split stores) and 300 (more tiles than counters: the sum kernel), SiLU and GELU."""
+    k, intermediate = 2048, 8192
+    x = _randn(300, k, seed=74, dtype=torch.bfloat16)
+    counters = matmul.split_counters(DEVICE)
+    if kind == "float":
+        w = _randn(2 * intermediate, k, seed=75, dtype=torch.bfloat16) / 32
+        weights, run = [w], lambda x, w, act=None: matmul.matmul(x, w, None, None, counters, act)
+    elif kind == "int8":
+        codes, scales, _ = _int8_weight(2 * intermediate, k, seed=75)
+        weights = [codes, scales]
+        run = lambda x, c, s, act=None: matmul.int8_group_matmul(x, c, s, None, None, counters, act)  # noqa: E731
+    else:
+        codes, scales, mins, _ = _int4_weight(2 * intermediate, k, torch.bfloat16, seed=75)
+        weights, bf16x2 = [matmul.pack_int4(codes), scales, mins], kind == "int4-bf16x2"
+        run = lambda x, p, s, mn, act=None: matmul.int4_matmul(x, p, s, mn, None, None, bf16x2, counters, act)  # noqa: E731
+    interleaved = [matmul.interleave_gate_up(t) for t in weights]
+    for gelu in (False, True):
+        for rows in (1, 16, 300):
+            expected = elementwise.gated_activation(run(x[:rows], *weights), gelu)
+            got = run(x[:rows], *interleaved, act="gelu_tanh" if gelu else "silu")
+            assert torch.equal(got, expected), (gelu, rows)
+    assert not counters.any()
+
+
+@on_gpu
 def test_attention_at_model_sizes_is_the_same_bits_in_decode_prefill_and_chunks():
     num_heads, num_kv_heads, head_dim, length = 32, 8, 128, 2048  # 4 splits of SPLIT_KEYS = 512
     cache = PagedCache.make([length, 300], num_kv_heads, head_dim, torch.bfloat16, seed=80)
@@ -1249,6 +1334,10 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     matmul.SPLITS_IN_PROGRAM = 0  # each K split a program of its own, added by the tile's last
     call = f"int4-int8-partials-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
     matmul.SPLITS_IN_PROGRAM = 128
+    # a gate and up projection with its activation in the epilogue: a tile's last split, the sum kernel
+    call = f"gate_up-tiles-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters, activation="silu")
+    call = f"gate_up-int4-tiles-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales.to(bf16), scales.to(bf16), packed_bf16=True, counters=counters, activation="gelu_tanh")
+    call = f"gate_up-int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), activation="silu")
     call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
     call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
     call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
@@ -1429,6 +1518,10 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int4-int8-partials-tiles", "_quantize_int8_kernel"),
         ("int4-int8-partials-tiles", "_int4_int8_kernel"),  # SPLITS_IN_PROGRAM 0: a program a K split
         ("int4-int8-partials-tiles", "_int4_int8_mma_kernel"),
+        ("gate_up-tiles", "_float_kernel"),  # the activation applied by a tile's last split
+        ("gate_up-int4-tiles", "_int4_kernel"),
+        ("gate_up-int8", "_int8_kernel"),
+        ("gate_up-int8", "_sum_splits_kernel"),  # or by the sum kernel
         ("store_kv", "_store_kv_kernel"),
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),

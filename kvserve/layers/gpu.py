@@ -45,6 +45,7 @@ class GpuLinear(nn.Module):
         self.bias = bias
         self.out_dtype = out_dtype
         self.batch_invariant = True  # see quantized.set_batch_invariant
+        self.activation: str | None = None  # a gated activation in the kernel (fuse_gated_activations)
         self.register_buffer("split_counters", _split_counters(self.weight.device), persistent=False)
 
     @classmethod
@@ -58,13 +59,52 @@ class GpuLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         out_dtype = self.out_dtype or x.dtype
         if self.batch_invariant or out_dtype != x.dtype:
-            out = matmul(x2, self.weight, self.bias, out_dtype, self.split_counters)
-        else:
-            out = F.linear(x2, self.weight, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+            out = matmul(x2, self.weight, self.bias, out_dtype, self.split_counters, self.activation)
+        else:  # cuBLAS, then the activation's own kernel
+            out = _gated(F.linear(x2, self.weight, self.bias), self.activation)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def interleave_gate_up(self, activation: str | None) -> None:
+        """`fuse_gated_activations`' change of layout, or (None) its undoing."""
+        tensors = _gate_up_layout(self.activation, activation, {"weight": self.weight, "bias": self.bias})
+        self.weight = nn.Parameter(tensors["weight"], requires_grad=False)
+        if self.bias is not None:
+            self.bias = nn.Parameter(tensors["bias"], requires_grad=False)
+        self.activation = activation
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"in_features={self.in_features}, out_features={self.out_features}{_activation_repr(self)}"
+
+
+def _gate_up_layout(
+    old: str | None, new: str | None, tensors: dict[str, torch.Tensor | None], dims: dict | None = None
+):
+    """A gate and up projection's tensors (by name; None kept None; each along its `dims` entry, else 0)
+    with their rows interleaved where `new` is an activation (matmul.interleave_gate_up) and [gate | up]
+    where it is None, from the layout that `old` says they are in."""
+    from kvserve.kernels.gpu.matmul import GATED_ACTIVATIONS, deinterleave_gate_up, interleave_gate_up
+
+    assert new in GATED_ACTIVATIONS, new
+    if (old is None) == (new is None):
+        return tensors
+    change = interleave_gate_up if old is None else deinterleave_gate_up
+    dims = dims or {}
+    return {name: None if t is None else change(t.data, dims.get(name, 0)) for name, t in tensors.items()}
+
+
+def _gated(out: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """A gate and up projection's output in the interleaved layout turned into act(gate) * up by the
+    activation's kernel (where the matmul's kernel could not apply it); any other output as it is."""
+    if activation is None:
+        return out
+    from kvserve.kernels.gpu import elementwise
+    from kvserve.kernels.gpu.matmul import deinterleave_gate_up
+
+    return elementwise.gated_activation(deinterleave_gate_up(out, 1), activation == "gelu_tanh")
+
+
+def _activation_repr(layer: nn.Module) -> str:
+    return "" if layer.activation is None else f", then {layer.activation} gated (in the kernel)"
 
 
 def _split_counters(device: torch.device) -> torch.Tensor:
@@ -126,6 +166,7 @@ class GpuInt4Linear(nn.Module):
         self.out_features, self.in_features = weight.codes.shape
         self.out_dtype = out_dtype
         self.int8_activations = False
+        self.activation: str | None = None  # a gated activation in the kernel (fuse_gated_activations)
         self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
         # fixed at load, with the codes' layout; not for float32 outputs (a 4-bit lm_head's logits), which
         # it would give rounded to bfloat16
@@ -162,6 +203,7 @@ class GpuInt4Linear(nn.Module):
 
         x2 = x.reshape(-1, self.in_features)
         out_dtype = self.out_dtype or x.dtype
+        assert self.activation is None or not (self.tinygemm or self.int8_activations), "fuse_gated_activations"
         if self.tinygemm:
             from kvserve.kernels.gpu import tinygemm
 
@@ -174,15 +216,37 @@ class GpuInt4Linear(nn.Module):
             )
         else:
             out = int4_matmul(
-                x2, self.packed, self.scales, self.mins, out_dtype, self.bias, self.packed_bf16, self.split_counters
+                x2,
+                self.packed,
+                self.scales,
+                self.mins,
+                out_dtype,
+                self.bias,
+                self.packed_bf16,
+                self.split_counters,
+                self.activation,
             )
-        return out.view(*x.shape[:-1], self.out_features)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def interleave_gate_up(self, activation: str | None) -> None:
+        """`fuse_gated_activations`' change of layout, or (None) its undoing: the codes' rows (dimension
+        1 where group major), their scales' and mins', the bias's. Not for PyTorch's int4 kernel."""
+        assert not self.tinygemm, "PyTorch's int4 kernel applies no activation"
+        names = ("packed", "scales", "mins", "bias")
+        dims = dict.fromkeys(names[:3], 1 if self.group_major else 0)
+        tensors = _gate_up_layout(self.activation, activation, {n: getattr(self, n) for n in names}, dims)
+        for name in names[:3]:
+            setattr(self, name, tensors[name])  # (registered buffers: replaced as buffers)
+        if self.bias is not None:
+            self.bias = nn.Parameter(tensors["bias"], requires_grad=False)
+        self.activation = activation
 
     def extra_repr(self) -> str:
         inputs = ", int8 inputs" if self.int8_activations else ""
         kernel = ", PyTorch's int4 kernel" if self.tinygemm else ", group major" if self.group_major else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}{inputs}{kernel}"
+            + _activation_repr(self)
         )
 
 
@@ -208,6 +272,7 @@ class GpuInt8GroupLinear(nn.Module):
             raise ValueError(f"the GPU's int8 kernel takes a scale per {GROUP_SIZE} inputs")
         self.out_dtype = out_dtype
         self.int8_activations = False
+        self.activation: str | None = None  # a gated activation in the kernel (fuse_gated_activations)
         self.register_buffer("codes", codes.to(device))  # [N, K] int8
         self.register_buffer("scales", scales.float().to(device))  # [N, K / 32]
         self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
@@ -218,16 +283,30 @@ class GpuInt8GroupLinear(nn.Module):
 
         x2 = x.reshape(-1, self.in_features)
         out_dtype = self.out_dtype or x.dtype
+        assert self.activation is None or not self.int8_activations, "fuse_gated_activations"
         if self.int8_activations:
             quantized = getattr(x, INT8_FORM, None)  # made by the kernel that made x, if any
             out = int8_int8_matmul(x2, self.codes, self.scales, out_dtype, self.bias, quantized, self.split_counters)
         else:
-            out = int8_group_matmul(x2, self.codes, self.scales, out_dtype, self.bias, self.split_counters)
-        return out.view(*x.shape[:-1], self.out_features)
+            out = int8_group_matmul(
+                x2, self.codes, self.scales, out_dtype, self.bias, self.split_counters, self.activation
+            )
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def interleave_gate_up(self, activation: str | None) -> None:
+        """`fuse_gated_activations`' change of layout, or (None) its undoing: the codes' rows, their
+        scales', the bias's."""
+        tensors = _gate_up_layout(
+            self.activation, activation, {"codes": self.codes, "scales": self.scales, "bias": self.bias}
+        )
+        self.codes, self.scales = tensors["codes"], tensors["scales"]
+        if self.bias is not None:
+            self.bias = nn.Parameter(tensors["bias"], requires_grad=False)
+        self.activation = activation
 
     def extra_repr(self) -> str:
         inputs = ", int8 inputs" if self.int8_activations else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}{inputs}"
+        return f"in_features={self.in_features}, out_features={self.out_features}{inputs}{_activation_repr(self)}"
 
 
 class GpuRMSNorm(RMSNorm):
@@ -294,6 +373,30 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
         mlp = layer.mlp
         if mlp.gated_activation in (elementwise.gated_activation, gated_activation_int8):  # the GPU's
             mlp.gated_activation = gated_activation_int8 if takes_int8(mlp.down_proj) else elementwise.gated_activation
+    fuse_gated_activations(model)
+
+
+def fuse_gated_activations(model: nn.Module) -> None:
+    """Have each MLP's gate and up projection apply the gated activation in its matmul's kernel (its rows
+    interleaved: `matmul.interleave_gate_up`), one launch fewer a layer and the same bits, where its kernel
+    can: a float or Q8_0 weight, or 4-bit codes in kvserve's kernel, taking float inputs, and the down
+    projection taking float inputs too (int8 ones come with their int8 form from the activation's kernel,
+    `set_int8_inputs`). Elsewhere the layout is put back. `set_int8_inputs` ends with this."""
+    from kvserve.models.decoder import MLP
+
+    for mlp in model.modules():
+        if not isinstance(mlp, MLP):
+            continue
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        fusable = isinstance(gate_up, (GpuLinear, GpuInt8GroupLinear)) or (
+            isinstance(gate_up, GpuInt4Linear) and not gate_up.tinygemm
+        )
+        if not fusable:
+            continue
+        float_inputs = not getattr(gate_up, "int8_activations", False) and not getattr(down, "int8_activations", False)
+        activation = ("gelu_tanh" if mlp.gelu else "silu") if float_inputs else None
+        gate_up.interleave_gate_up(activation)
+        mlp.activation_in_gate_up = activation is not None
 
 
 def use_triton_forms(model: nn.Module) -> None:

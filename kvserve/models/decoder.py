@@ -87,8 +87,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gated_activation = gated_activation  # on a GPU one kernel (layers/gpu.use_triton_forms)
+        # on a GPU, gate_up_proj's kernel applies the activation itself (layers/gpu.fuse_gated_activations)
+        self.activation_in_gate_up = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation_in_gate_up:
+            return self.down_proj(self.gate_up_proj(x))
         return self.down_proj(self.gated_activation(self.gate_up_proj(x), self.gelu))
 
 

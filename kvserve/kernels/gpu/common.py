@@ -70,6 +70,21 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def gated_product(gate, up, GELU: tl.constexpr, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """act(gate) * up for float32 gate and up (each as stored in `dtype`), act SiLU or (GELU) tanh-GELU,
+    the activation rounded to `dtype` before the product and the product rounded to it, as
+    `F.silu(gate) * up` stores them: elementwise.gated_activation's kernel and a matmul's epilogue that
+    applies it (matmul's `activation`) both compute it here, so their bits are one."""
+    if GELU:  # 0.5 x (1 + tanh(y)) = x / (1 + exp(-2 y)), y = sqrt(2 / pi) (x + 0.044715 x^3): no cancellation
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate / (1.0 + tl.exp(-2.0 * inner))
+    else:  # x / (1 + exp(-x))
+        act = gate / (1.0 + tl.exp(-gate))
+    act = cast(act, dtype, INTERPRET).to(tl.float32)  # PyTorch stores the activation first
+    return cast(act * up, dtype, INTERPRET)
+
+
+@triton.jit
 def nibble_to_float(byte, HIGH: tl.constexpr, PERMUTE: tl.constexpr, INTERPRET: tl.constexpr):
     """The low (HIGH: high) nibble of each uint8 as float32, exactly. PERMUTE (on a GPU): an AND (and a
     shift) per four bytes, then per byte a PRMT that builds the bits of 2**23 + nibble and a subtraction

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET, cdiv, launch_options, next_power_of_2
-from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups, wait_for_prior
+from kvserve.kernels.gpu.common import cast, gated_product, quantize_groups, store_groups, wait_for_prior
 
 ACT_ROWS, ACT_BLOCK = 4, 512  # rows x outputs of the gated activation per program
 ROTATE_ROWS = 32  # (token, head) rows that one program of RoPE rotates
@@ -46,13 +46,7 @@ def _gated_kernel(
     mask = (rows < num_rows) & (cols < intermediate)
     gate = tl.load(gate_up_ptr + rows * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + rows * stride_in + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
-    if GELU:  # 0.5 x (1 + tanh(y)) = x / (1 + exp(-2 y)), y = sqrt(2 / pi) (x + 0.044715 x^3): no cancellation
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = gate / (1.0 + tl.exp(-2.0 * inner))
-    else:  # x / (1 + exp(-x))
-        act = gate / (1.0 + tl.exp(-gate))
-    act = cast(act, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # PyTorch stores the activation first
-    out = cast(act * up, out_ptr.dtype.element_ty, INTERPRET)
+    out = gated_product(gate, up, GELU, out_ptr.dtype.element_ty, INTERPRET)
     tl.store(out_ptr + rows * stride_out + cols, out, mask=mask)
     if QUANTIZE:  # the output as stored, per group of 32 (intermediate a multiple of 32): the down projection's
         words, d, s = quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK_ROWS * (BLOCK // 32), 32)), INTERPRET)

@@ -25,6 +25,7 @@ from kvserve.kernels.gpu import INTERPRET, cdiv, launch_options, next_power_of_2
 from kvserve.kernels.gpu.common import (
     cast,
     dot,
+    gated_product,
     group_dot,
     int8_group_dot,
     nibble_fma_bf16,
@@ -130,11 +131,39 @@ def split_counters(device: torch.device | str) -> torch.Tensor:
 
 
 @triton.jit
-def _store_output(acc, out_ptr, bias_ptr, offsets, cols, mask, N, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
-    """out = acc (+ bias, added in float32), rounded once to the output's dtype."""
+def _store_output(
+    acc,
+    out_ptr,
+    bias_ptr,
+    offsets,
+    rows,
+    cols,
+    mask,
+    M,
+    N,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out = acc (+ bias, added in float32), rounded once to the output's dtype. GATED (1 SiLU, 2
+    tanh-GELU; the weight's rows interleaved, gate j at 2j and up j at 2j + 1): those outputs rounded so
+    are a pair (gate, up), and out [M, N / 2] gets act(gate) * up (`common.gated_product`, the gated
+    activation kernel's bits) at j instead."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offsets, cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    if GATED:
+        BLOCK_M: tl.constexpr = acc.shape[0]
+        HALF: tl.constexpr = acc.shape[1] // 2
+        pairs = tl.reshape(cast(acc, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32), (BLOCK_M, HALF, 2))
+        gate, up = tl.split(pairs)
+        out_cols, _ = tl.split(tl.reshape(cols, (HALF, 2)))  # each pair's gate column, 2j
+        out_cols = out_cols // 2
+        out = gated_product(gate, up, GATED == 2, out_ptr.dtype.element_ty, INTERPRET)
+        offsets = rows.to(tl.int64)[:, None] * (stride_om // 2) + out_cols[None, :]
+        tl.store(out_ptr + offsets, out, mask=(rows < M)[:, None] & (out_cols < N // 2)[None, :])
+    else:
+        tl.store(out_ptr + offsets, cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @triton.jit
@@ -154,12 +183,13 @@ def _finish_tile(
     IS_SPLIT: tl.constexpr,
     SUM_IN_TILE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    GATED: tl.constexpr = 0,
 ):
-    """Store a tile's float32 sums: as the output (+ bias), or as this K split's partial sums (workspace
-    [splits, M, N]). With SUM_IN_TILE the tile's last split to finish, counted on the tile's counter,
-    adds every split's partial sums in split order and stores the output: `_sum_splits_kernel`'s
-    additions in its order, so its bits, without its launch; it leaves the counter at 0 for the next
-    call."""
+    """Store a tile's float32 sums: as the output (+ bias; GATED, `_store_output`'s), or as this K
+    split's partial sums (workspace [splits, M, N]). With SUM_IN_TILE the tile's last split to finish,
+    counted on the tile's counter, adds every split's partial sums in split order and stores the
+    output: `_sum_splits_kernel`'s additions in its order, so its bits, without its launch; it leaves
+    the counter at 0 for the next call."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     if IS_SPLIT:
@@ -175,9 +205,11 @@ def _finish_tile(
                     partial += stride_os
                     acc += tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.store(counter, 0)
-                _store_output(acc, out_ptr, bias_ptr, offsets, cols, mask, N, HAS_BIAS, INTERPRET)
+                _store_output(
+                    acc, out_ptr, bias_ptr, offsets, rows, cols, mask, M, N, stride_om, HAS_BIAS, GATED, INTERPRET
+                )
     else:
-        _store_output(acc, out_ptr, bias_ptr, offsets, cols, mask, N, HAS_BIAS, INTERPRET)
+        _store_output(acc, out_ptr, bias_ptr, offsets, rows, cols, mask, M, N, stride_om, HAS_BIAS, GATED, INTERPRET)
 
 
 @triton.jit
@@ -202,8 +234,10 @@ def _sum_splits_kernel(
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr = False,
+    GATED: tl.constexpr = 0,
 ):
-    """out = ((partial[0] + partial[1]) + ...) + bias, elementwise over the [M, N] outputs."""
+    """out = ((partial[0] + partial[1]) + ...) + bias, elementwise over the [M, N] outputs; GATED, each
+    pair of them (N even) then gives act(gate) * up into out [M, N / 2], as `_store_output`."""
     wait_for_prior(PDL)
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
@@ -214,7 +248,14 @@ def _sum_splits_kernel(
         total += tl.load(partial, mask=mask, other=0.0)
     if HAS_BIAS:
         total += tl.load(bias_ptr + offsets % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, cast(total, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    if GATED:  # [M, N] row-major with N even: a pair is two neighbours, gate first
+        pairs = tl.reshape(cast(total, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32), (BLOCK // 2, 2))
+        gate, up = tl.split(pairs)
+        at, _ = tl.split(tl.reshape(offsets, (BLOCK // 2, 2)))
+        out = gated_product(gate, up, GATED == 2, out_ptr.dtype.element_ty, INTERPRET)
+        tl.store(out_ptr + at // 2, out, mask=at < numel)
+    else:
+        tl.store(out_ptr + offsets, cast(total, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every number of rows
@@ -243,6 +284,7 @@ def _float_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 0,  # of each weight row's split, into L2 before the wait (prefetch_lines)
+    GATED: tl.constexpr = 0,  # 1 SiLU, 2 tanh-GELU: act(gate) * up of interleaved rows (_store_output)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -278,6 +320,7 @@ def _float_kernel(
         IS_SPLIT,
         SUM_IN_TILE,
         INTERPRET,
+        GATED,
     )
 
 
@@ -324,6 +367,7 @@ def _int4_kernel(
     PDL: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 0,
     GROUP_MAJOR: tl.constexpr = False,  # codes [K / 32, N, 16], scales and mins [K / 32, N] (to_group_major)
+    GATED: tl.constexpr = 0,  # 1 SiLU, 2 tanh-GELU: act(gate) * up of interleaved rows (_store_output)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -391,6 +435,7 @@ def _int4_kernel(
         IS_SPLIT,
         SUM_IN_TILE,
         INTERPRET,
+        GATED,
     )
 
 
@@ -955,6 +1000,7 @@ def _int8_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 0,
+    GATED: tl.constexpr = 0,  # 1 SiLU, 2 tanh-GELU: act(gate) * up of interleaved rows (_store_output)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -995,7 +1041,30 @@ def _int8_kernel(
         IS_SPLIT,
         SUM_IN_TILE,
         INTERPRET,
+        GATED,
     )
+
+
+# A matmul's `activation`: its weight's rows interleaved (`interleave_gate_up`: gate j at 2j, up j at
+# 2j + 1), it gives act(gate) * up [M, N / 2] instead of [M, N], the gated activation kernel's bits
+# (common.gated_product) without its launch, nor the [M, N] output stored and read again. The GATED
+# constexpr of the float-input kernels and the sum kernel.
+GATED_ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
+
+
+def interleave_gate_up(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """A fused gate and up projection's tensor, [gate | up] along `dim` (weight or code rows, scales,
+    mins, bias), with its halves interleaved for a matmul's `activation`: gate j at 2j, up j at 2j + 1.
+    A new contiguous tensor."""
+    gate, up = t.chunk(2, dim)
+    return torch.stack((gate, up), dim + 1).flatten(dim, dim + 1).contiguous()
+
+
+def deinterleave_gate_up(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """`interleave_gate_up`'s inverse: [gate | up] along `dim` again."""
+    shape = t.shape
+    pairs = t.unflatten(dim, (shape[dim] // 2, 2))
+    return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim).contiguous()
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -1013,6 +1082,7 @@ def _launch(
     k: int | None = None,
     counters: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
+    activation: str | None = None,
     **constexprs,
 ) -> torch.Tensor:
     """Run one of the matmul kernels over x [M, K] into [M, n], through float32 partial sums per
@@ -1020,13 +1090,18 @@ def _launch(
     (int8 codes four to a word); `counters`: the layer's `split_counters`, with which each tile's last
     split adds the partial sums (where the call has at most that many tiles), else
     `_sum_splits_kernel` does, a launch more; `weight`, the codes or weights [N, ...] whose rows'
-    splits a program may prefetch (`prefetch_lines`); `constexprs`, the kernel's other compile-time
-    switches."""
+    splits a program may prefetch (`prefetch_lines`); `activation` (the float-input kernels), a gated
+    activation of interleaved rows into [M, n / 2] (`GATED_ACTIVATIONS`); `constexprs`, the kernel's
+    other compile-time switches."""
     assert x.dim() == 2, x.shape
     x = _row_major(x)
     m = x.shape[0]
     k = k or x.shape[1]
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    gated = GATED_ACTIVATIONS[activation]
+    if gated:
+        assert n % 2 == 0 and config.block_n % 2 == 0, (n, config)
+        constexprs["GATED"] = gated
+    out = torch.empty(m, n // 2 if gated else n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if bias is not None:
@@ -1081,6 +1156,7 @@ def _launch(
             HAS_BIAS=bias is not None,
             BLOCK=SUM_BLOCK,
             INTERPRET=INTERPRET,
+            GATED=gated,
             **launch_options(x.device),
         )
     return out
@@ -1092,8 +1168,10 @@ def matmul(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     counters: torch.Tensor | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype).
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype); with
+    `activation` (the weight's rows interleaved: `GATED_ACTIVATIONS`), act(gate) * up [M, N / 2].
 
     Products of x's dtype (the weight is converted to it; bfloat16/float16 on the tensor cores,
     float32 as exact float32 products, never TF32), summed in float32; the bias is added in float32
@@ -1113,6 +1191,7 @@ def matmul(
         out_dtype,
         counters=counters,
         weight=weight,
+        activation=activation,
     )
 
 
@@ -1165,9 +1244,11 @@ def int4_matmul(
     bias: torch.Tensor | None = None,
     packed_bf16: bool = False,
     counters: torch.Tensor | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype), W [N, K] given as
-    `pack_int4` codes with scales and mins [N, K // 32] (float16, float32 or bfloat16).
+    `pack_int4` codes with scales and mins [N, K // 32] (float16, float32 or bfloat16); `activation` as
+    `matmul`'s.
 
     Each weight is w = fma(scale, code, min) in float32 (for float16 scales scale * code is exact,
     so that is scale * code + min), rounded to x's dtype; products and sums as `matmul` (float32
@@ -1185,7 +1266,19 @@ def int4_matmul(
     config = config_for(INT4_CONFIG, n, x.shape[1])
     switches = {"PACKED_BF16": packed_bf16, **({"GROUP_MAJOR": True} if group_major else {})}
     weight = None if group_major else packed  # the prefetch into L2 reads row-major splits
-    return _launch(_int4_kernel, config, x, n, args, bias, out_dtype, counters=counters, weight=weight, **switches)
+    return _launch(
+        _int4_kernel,
+        config,
+        x,
+        n,
+        args,
+        bias,
+        out_dtype,
+        counters=counters,
+        weight=weight,
+        activation=activation,
+        **switches,
+    )
 
 
 def int4_int8_matmul(
@@ -1307,9 +1400,11 @@ def int8_group_matmul(
     out_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype), W[n, k] =
-    codes[n, k] * scales[n, k // 32] (GGML's Q8_0: int8 codes [N, K], float32 scales [N, K // 32]).
+    codes[n, k] * scales[n, k // 32] (GGML's Q8_0: int8 codes [N, K], float32 scales [N, K // 32]);
+    `activation` as `matmul`'s.
 
     Each weight is code * scale in float32 rounded to x's dtype, then as `matmul`: the result of
     "dequantize W to x's dtype, then matmul", dequantized tile by tile in registers."""
@@ -1319,4 +1414,6 @@ def int8_group_matmul(
     codes, scales = _row_major(codes), _row_major(scales)
     args = (codes, scales, codes.stride(0), scales.stride(0))
     config = config_for(INT8_CONFIG, n, k)
-    return _launch(_int8_kernel, config, x, n, args, bias, out_dtype, counters=counters, weight=codes)
+    return _launch(
+        _int8_kernel, config, x, n, args, bias, out_dtype, counters=counters, weight=codes, activation=activation
+    )
