@@ -15,7 +15,9 @@ with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`). Cand
 (`same_bits`): `int4-bf16x2-gm` and `int4-int8-gm`, the codes, scales and mins group major
 (`matmul.to_group_major`: a warp's outputs read one block); `int4-int8-partials`, up to 8 rows each K
 split a program of its own with its partial sums in memory (`matmul.SPLITS_IN_PROGRAM` 0, the kernel
-before an int4 layer's splits went into one program).
+before an int4 layer's splits went into one program); on the gate and up projection, `float-gated` and
+`int4-bf16x2-gated`, the SiLU applied in the matmul's epilogue (the engine's default), against
+`float-gated-kernel` and `int4-bf16x2-gated-kernel`, the matmul and then the activation's own kernel.
 Each layer has its own tile counters, as in the engine, so that a K split's last program adds the
 splits; `float-sum-kernel`, `int4-sum-kernel` and `int4-int8-sum-kernel` time kvserve's configs with
 `_sum_splits_kernel` launched instead, as before 2026-11-29 (the same bits, `same_bits`).
@@ -51,7 +53,7 @@ SHAPES = {
         "lm_head": (49152, 2048),
     },
     "smol135m": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
-    "tiny": {"a": (64, 64), "b": (128, 64), "lm_head": (96, 64)},
+    "tiny": {"a": (64, 64), "gate_up": (128, 64), "lm_head": (96, 64)},
 }
 LAYERS = {"llama1b": 16, "smol135m": 30, "tiny": 2}
 SUM_KERNEL_KINDS = ("float-sum-kernel", "int4-sum-kernel", "int4-int8-sum-kernel")
@@ -206,6 +208,32 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         layers = [tinygemm.pack(codes_of(p), s, mn) for p, s, mn in zip(packed, scales, mins, strict=True)]
         return lambda: [tinygemm.matmul(x, p, sz) for p, sz in layers]
 
+    interleaved = {}  # the gate and up projection's tensors in the layout for its activation, made once
+
+    def gated_calls(x, kind, fused):
+        """A gate and up projection (`kind` float or int4-bf16x2) with its SiLU: in the matmul's epilogue over
+        interleaved rows (`fused`, the engine's default since 2026-12-04), or the activation's own kernel
+        after the matmul (the launch before): the same bits."""
+        from kvserve.kernels.gpu import elementwise
+
+        act = "silu" if fused else None
+        if kind == "float":
+            layers = weights
+            call = lambda w, c: mm.matmul(x, w, None, None, c, act)  # noqa: E731
+        else:
+            layers = list(zip(packed, scales16, mins16, strict=True))
+            call = lambda w, c: mm.int4_matmul(x, *w, None, None, True, c, act)  # noqa: E731
+        if fused:
+            if kind not in interleaved:
+                interleaved[kind] = [
+                    mm.interleave_gate_up(w) if kind == "float" else tuple(mm.interleave_gate_up(t) for t in w)
+                    for w in layers
+                ]
+            layers = interleaved[kind]
+        if fused:
+            return lambda: [call(w, c) for w, c in zip(layers, counters, strict=True)]
+        return lambda: [elementwise.gated_activation(call(w, c), False) for w, c in zip(layers, counters, strict=True)]
+
     def int8_calls(x, int8_inputs=False):
         layers = list(zip(codes8, scales8, counters, strict=False))
         if int8_inputs:  # --activations int8: the inputs' quantization included
@@ -243,6 +271,12 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             # (up to 8 rows each split a program of its own, as then)
             ("int4-int8-sum-kernel", None, switched(int4_int8_calls(x, None, tile_sums=False), "SPLITS_IN_PROGRAM", 0)),
         ]
+        if name == "gate_up":  # the activation in the matmul's epilogue, against its own kernel after it
+            runs += [
+                (f"{kind}-gated{how}", None, gated_calls(x, kind, fused=not how))
+                for kind in ("float", "int4-bf16x2")
+                for how in ("-kernel", "")
+            ]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
             runs += [("int8", None, int8_calls(x)), ("int8-int8", None, int8_calls(x, int8_inputs=True))]
         runs = [
@@ -265,7 +299,11 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
                 same_as = kind
                 while same_as.endswith(same_bits_as):
                     same_as = same_as.rpartition("-")[0]
-            compared = cfg is None and (kind.endswith(same_bits_as) or kind in ("int4-convert", *SUM_KERNEL_KINDS))
+            if kind.endswith("-gated"):  # the same bits as the matmul and then the activation's kernel
+                same_as = f"{kind}-kernel"
+            compared = cfg is None and (
+                kind.endswith((*same_bits_as, "-gated")) or kind in ("int4-convert", *SUM_KERNEL_KINDS)
+            )
             compared = compared and same_as in outputs
             same_bits = torch.equal(outputs[kind], outputs[same_as]) if compared else None
             weight_bytes = n * k * {"int4": 0.5 + 4 / 32, "int8": 1 + 4 / 32}.get(base, 2)  # int4-*: int4's

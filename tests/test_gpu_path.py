@@ -366,11 +366,18 @@ def test_the_gate_up_projections_kernel_applies_the_activation_with_its_bits(
         wait_idle_and_check(llm)
 
 
-def test_int8_inputs_keep_the_activations_kernel(tiny_model_dir, triton_kernels):
-    """Where the down projection takes int8 inputs (made with the activation by its kernel), the gate and
-    up projection's layout stays [gate | up] and the activation's kernel runs. (PyTorch's int4 kernel,
-    on a GPU only, keeps it too: fuse_gated_activations.)"""
+def test_int8_inputs_and_the_switch_off_keep_the_activations_kernel(tiny_model_dir, triton_kernels, monkeypatch):
+    """Where the down projection takes int8 inputs (made with the activation by its kernel), or with
+    FUSE_GATED_ACTIVATIONS off, the gate and up projection's layout stays [gate | up] and the activation's
+    kernel runs. (PyTorch's int4 kernel, on a GPU only, keeps it too: fuse_gated_activations.)"""
+    from kvserve.layers import gpu
+
     with _llm(tiny_model_dir, weights="q4", activations="int8") as q4:
         for layer in q4.model.layers:
             assert not layer.mlp.activation_in_gate_up and layer.mlp.gate_up_proj.activation is None
         wait_idle_and_check(q4)
+    monkeypatch.setattr(gpu, "FUSE_GATED_ACTIVATIONS", False)
+    with _llm(tiny_model_dir) as llm:
+        for layer in llm.model.layers:
+            assert not layer.mlp.activation_in_gate_up and layer.mlp.gate_up_proj.activation is None
+        wait_idle_and_check(llm)

@@ -376,12 +376,19 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
     fuse_gated_activations(model)
 
 
+# The gated activation in the gate and up projection's epilogue (`fuse_gated_activations`): on, as it is the
+# activation kernel's bits with one launch a decoder layer fewer (unmeasured on a GPU when turned on; the
+# kernel sweep's `-gated` kinds against `-gated-kernel`, bench/gpu_kernels.py, say what it saves).
+FUSE_GATED_ACTIVATIONS = True
+
+
 def fuse_gated_activations(model: nn.Module) -> None:
     """Have each MLP's gate and up projection apply the gated activation in its matmul's kernel (its rows
     interleaved: `matmul.interleave_gate_up`), one launch fewer a layer and the same bits, where its kernel
     can: a float or Q8_0 weight, or 4-bit codes in kvserve's kernel, taking float inputs, and the down
     projection taking float inputs too (int8 ones come with their int8 form from the activation's kernel,
-    `set_int8_inputs`). Elsewhere the layout is put back. `set_int8_inputs` ends with this."""
+    `set_int8_inputs`), while FUSE_GATED_ACTIVATIONS. Elsewhere the layout is put back. `set_int8_inputs`
+    ends with this."""
     from kvserve.models.decoder import MLP
 
     for mlp in model.modules():
@@ -394,7 +401,8 @@ def fuse_gated_activations(model: nn.Module) -> None:
         if not fusable:
             continue
         float_inputs = not getattr(gate_up, "int8_activations", False) and not getattr(down, "int8_activations", False)
-        activation = ("gelu_tanh" if mlp.gelu else "silu") if float_inputs else None
+        fused = float_inputs and FUSE_GATED_ACTIVATIONS
+        activation = ("gelu_tanh" if mlp.gelu else "silu") if fused else None
         gate_up.interleave_gate_up(activation)
         mlp.activation_in_gate_up = activation is not None
 
