@@ -366,18 +366,56 @@ def test_the_gate_up_projections_kernel_applies_the_activation_with_its_bits(
         wait_idle_and_check(llm)
 
 
-def test_int8_inputs_and_the_switch_off_keep_the_activations_kernel(tiny_model_dir, triton_kernels, monkeypatch):
-    """Where the down projection takes int8 inputs (made with the activation by its kernel), or with
-    FUSE_GATED_ACTIVATIONS off, the gate and up projection's layout stays [gate | up] and the activation's
-    kernel runs. (PyTorch's int4 kernel, on a GPU only, keeps it too: fuse_gated_activations.)"""
+def test_int8_inputs_and_the_switches_off_keep_the_activations_and_ropes_kernels(
+    tiny_model_dir, triton_kernels, monkeypatch
+):
+    """With int8 inputs (the activation's kernel makes down_proj's int8 form; the projections' int8 kernels
+    have no such epilogues), or with FUSE_GATED_ACTIVATIONS and FUSE_ROPE off, the gate and up and the q/k/v
+    projections keep the checkpoint's row order and the activation's and RoPE's kernels run. (PyTorch's int4
+    kernel, on a GPU only, keeps them too: layers/gpu._has_epilogues.)"""
     from kvserve.layers import gpu
 
-    with _llm(tiny_model_dir, weights="q4", activations="int8") as q4:
-        for layer in q4.model.layers:
-            assert not layer.mlp.activation_in_gate_up and layer.mlp.gate_up_proj.activation is None
-        wait_idle_and_check(q4)
-    monkeypatch.setattr(gpu, "FUSE_GATED_ACTIVATIONS", False)
-    with _llm(tiny_model_dir) as llm:
+    def unfused(llm):
         for layer in llm.model.layers:
             assert not layer.mlp.activation_in_gate_up and layer.mlp.gate_up_proj.activation is None
+            assert layer.self_attn.qkv_rope is None and layer.self_attn.qkv_proj.rope_heads is None
+        wait_idle_and_check(llm)
+
+    with _llm(tiny_model_dir, weights="q4", activations="int8") as q4:
+        unfused(q4)
+    monkeypatch.setattr(gpu, "FUSE_GATED_ACTIVATIONS", False)
+    monkeypatch.setattr(gpu, "FUSE_ROPE", False)
+    with _llm(tiny_model_dir) as llm:
+        unfused(llm)
+
+
+@pytest.mark.parametrize(
+    "weights, dtype, batch_invariant",
+    [("auto", "float32", True), ("auto", "bfloat16", False), ("q4", "bfloat16", True), ("q8", "float32", True)],
+    ids=["float", "float-cublas", "q4-bf16x2", "q8"],
+)
+def test_the_qkv_projections_kernel_applies_rope_and_writes_the_cache_with_their_bits(
+    tiny_model_dir, triton_kernels, monkeypatch, weights, dtype, batch_invariant
+):
+    """Each attention's q/k/v projection rotates q and k and writes k and v into the KV cache in its
+    matmul's epilogue (layers/gpu.fuse_rope_into_qkv: q's and k's rows paired), so a step launches no RoPE
+    kernel (without batch invariance cuBLAS multiplies and the RoPE kernel follows); the tokens and
+    logprobs are those of the projection in the checkpoint's row order and the RoPE kernel, batched, with
+    prefix hits and graphs."""
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+    rope = _Launches(elementwise._rotate_store_kernel)
+    monkeypatch.setattr(elementwise, "_rotate_store_kernel", rope)
+    prompts = [PROMPTS[3], PROMPTS[3] + " and more", PROMPTS[1]]  # the second hits the first's prefix
+    with _llm(tiny_model_dir, weights=weights, dtype=dtype, batch_invariant=batch_invariant) as llm:
+        attns = [layer.self_attn for layer in llm.model.layers]
+        assert all(a.qkv_rope is not None and a.qkv_proj.rope_heads is not None for a in attns)
+        assert "RoPE and the KV cache's write" in repr(attns[0].qkv_proj)
+        fused = [(r.token_ids, r.logprobs) for r in llm.generate(prompts, params)]
+        assert (rope.launches > 0) == (not batch_invariant)
+        for attn in attns:  # the checkpoint's row order and the RoPE kernel
+            attn.qkv_proj.pair_rope_rows(None)
+            attn.qkv_rope = None
+        launches = rope.launches
+        assert [(r.token_ids, r.logprobs) for r in llm.generate(prompts, params)] == fused
+        assert rope.launches > launches
         wait_idle_and_check(llm)

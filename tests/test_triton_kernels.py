@@ -669,6 +669,56 @@ def test_a_gate_up_matmul_with_its_activation_gives_the_gated_activations_bits(m
             assert out.shape == (m, intermediate) and torch.equal(out, expected), (short.shape, counters is None)
 
 
+@pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int8"])
+def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
+    """A q/k/v projection's matmul with `rope` over q's and k's rows paired (`interleave_rope`) gives the
+    rotated q and writes k and v into the caches: the bits of the plain matmul and then
+    `rotate_and_store`, whichever stores the output (a tile without K splits, a tile's last split, the RoPE
+    kernel after the sum kernel), with a bias, grouped KV heads, tiles holding several heads and q's and
+    k's edge, and a negative slot (no write); `deinterleave_rope` undoes the layout."""
+    monkeypatch.setattr(matmul, "FLOAT_CONFIG", dataclasses.replace(matmul.FLOAT_CONFIG, k_per_split=512))
+    m, heads, kv_heads, head_dim = 5, 4, 2, 32
+    n = (heads + 2 * kv_heads) * head_dim
+    x = _randn(m, 1024 + 160, seed=63, dtype=torch.bfloat16)  # three K splits, the last one short
+    bias = _randn(n, seed=64, dtype=torch.bfloat16)
+    cos, sin = (
+        _randn(m, 1, head_dim, seed=65, dtype=torch.bfloat16),
+        _randn(m, 1, head_dim, seed=66, dtype=torch.bfloat16),
+    )
+    slots = torch.tensor([3, 17, -1, 40, 8], dtype=torch.int32, device=DEVICE)
+    pair = lambda t, dim=0: matmul.interleave_rope(t, heads, kv_heads, head_dim, dim)  # noqa: E731
+    if kind == "float":
+        weights = [_randn(n, x.shape[1], seed=67, dtype=torch.bfloat16)]
+        run = lambda x, w, bias, counters, rope=None: matmul.matmul(x, w, bias, None, counters, rope=rope)  # noqa: E731
+    elif kind == "int8":
+        codes, scales, _ = _int8_weight(n, x.shape[1], seed=67)
+        weights = [codes, scales]
+        run = lambda x, c, s, bias, counters, rope=None: matmul.int8_group_matmul(  # noqa: E731
+            x, c, s, None, bias, counters, rope=rope
+        )
+    else:
+        codes, scales, mins, _ = _int4_weight(n, x.shape[1], torch.bfloat16, seed=67)
+        weights = [matmul.pack_int4(codes), scales, mins]
+        run = lambda x, p, s, mn, bias, counters, rope=None: matmul.int4_matmul(  # noqa: E731
+            x, p, s, mn, None, bias, kind == "int4-bf16x2", counters, rope=rope
+        )
+    for t in weights:
+        assert torch.equal(matmul.deinterleave_rope(pair(t), heads, kv_heads, head_dim), t)
+    for short in (x[:, :512], x):  # one K split (no partial sums), three
+        ws = [w[:, : w.shape[1] * short.shape[1] // x.shape[1]] for w in weights]
+        for counters in (None, matmul.split_counters(DEVICE)):  # the sum kernel, the tile's last split
+            caches = [
+                torch.full((6, 8, kv_heads, head_dim), 7.0, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)
+            ]
+            plain = run(short, *ws, bias, counters).view(m, heads + 2 * kv_heads, head_dim)
+            qk, v = plain.split([heads + kv_heads, kv_heads], dim=1)
+            expected = elementwise.rotate_and_store(qk, v, cos, sin, caches[0], caches[1], slots)
+            rope = matmul.RopeStore(cos, sin, caches[2], caches[3], slots, heads)
+            got = run(short, *[pair(w) for w in ws], pair(bias), counters, rope=rope)
+            assert got.shape == (m, heads * head_dim) and torch.equal(got.view(m, heads, head_dim), expected)
+            assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1]), counters is None
+
+
 @pytest.mark.parametrize("rotary_dim", [64, 32], ids=["whole-head", "partial"])
 def test_rotate_matches_layers_rotary_on_a_strided_view(rotary_dim):
     from kvserve.layers import rotary
@@ -1191,6 +1241,40 @@ def test_a_gate_up_matmul_at_model_sizes_applies_the_activation_with_its_kernels
 
 
 @on_gpu
+@pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2"])
+def test_a_qkv_matmul_at_model_sizes_applies_rope_with_its_kernels_bits(kind):
+    """A 1B model's q/k/v projection (2048 -> (32 + 2 x 8) x 64) with RoPE and the KV cache's write in its
+    matmul's epilogue: the bits of the plain matmul and then `rotate_and_store`, compiled apart, for 1
+    and 16 rows and 300 (the RoPE kernel after the sum kernel where tiles outnumber counters)."""
+    k, heads, kv_heads, head_dim = 2048, 32, 8, 64
+    n = (heads + 2 * kv_heads) * head_dim
+    x = _randn(300, k, seed=76, dtype=torch.bfloat16)
+    cos, sin = (
+        _randn(300, 1, head_dim, seed=77, dtype=torch.bfloat16),
+        _randn(300, 1, head_dim, seed=78, dtype=torch.bfloat16),
+    )
+    slots = torch.randperm(2048, generator=_generator(79))[:300].to(torch.int32).to(DEVICE)
+    counters = matmul.split_counters(DEVICE)
+    pair = lambda t: matmul.interleave_rope(t, heads, kv_heads, head_dim)  # noqa: E731
+    if kind == "float":
+        weights = [_randn(n, k, seed=80, dtype=torch.bfloat16) / 32]
+        run = lambda x, w, rope=None: matmul.matmul(x, w, None, None, counters, rope=rope)  # noqa: E731
+    else:
+        codes, scales, mins, _ = _int4_weight(n, k, torch.bfloat16, seed=80)
+        weights, bf16x2 = [matmul.pack_int4(codes), scales, mins], kind == "int4-bf16x2"
+        run = lambda x, p, s, mn, rope=None: matmul.int4_matmul(x, p, s, mn, None, None, bf16x2, counters, rope=rope)  # noqa: E731
+    for rows in (1, 16, 300):
+        caches = [torch.zeros(128, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+        plain = run(x[:rows], *weights).view(rows, heads + 2 * kv_heads, head_dim)
+        qk, v = plain.split([heads + kv_heads, kv_heads], dim=1)
+        expected = elementwise.rotate_and_store(qk, v, cos[:rows], sin[:rows], caches[0], caches[1], slots[:rows])
+        rope = matmul.RopeStore(cos[:rows], sin[:rows], caches[2], caches[3], slots[:rows], heads)
+        got = run(x[:rows], *[pair(w) for w in weights], rope=rope).view(rows, heads, head_dim)
+        assert torch.equal(got, expected) and torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert not counters.any()
+
+
+@on_gpu
 def test_attention_at_model_sizes_is_the_same_bits_in_decode_prefill_and_chunks():
     num_heads, num_kv_heads, head_dim, length = 32, 8, 128, 2048  # 4 splits of SPLIT_KEYS = 512
     cache = PagedCache.make([length, 300], num_kv_heads, head_dim, torch.bfloat16, seed=80)
@@ -1338,6 +1422,12 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"gate_up-tiles-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters, activation="silu")
     call = f"gate_up-int4-tiles-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales.to(bf16), scales.to(bf16), packed_bf16=True, counters=counters, activation="gelu_tanh")
     call = f"gate_up-int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), activation="silu")
+    # a q/k/v projection (2 + 2 x 1 heads of 64) with RoPE and the KV cache's write in the epilogue
+    rope_caches = torch.zeros(8, 16, 1, 64, dtype=bf16)
+    rope = matmul.RopeStore(x[:, None, :64], x[:, None, :64], rope_caches, rope_caches, torch.arange(m, dtype=torch.int32), 2)
+    call = f"qkv-tiles-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters, rope=rope)
+    call = f"qkv-int4-tiles-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales.to(bf16), scales.to(bf16), packed_bf16=True, counters=counters, rope=rope)
+    call = f"qkv-int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), rope=rope)
     call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
     call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
     call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
@@ -1522,6 +1612,11 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("gate_up-int4-tiles", "_int4_kernel"),
         ("gate_up-int8", "_int8_kernel"),
         ("gate_up-int8", "_sum_splits_kernel"),  # or by the sum kernel
+        ("qkv-tiles", "_float_kernel"),  # RoPE and the KV cache's write by a tile's last split
+        ("qkv-int4-tiles", "_int4_kernel"),
+        ("qkv-int8", "_int8_kernel"),
+        ("qkv-int8", "_sum_splits_kernel"),  # or by the RoPE kernel after the sum kernel
+        ("qkv-int8", "_rotate_store_kernel"),
         ("store_kv", "_store_kv_kernel"),
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),

@@ -34,7 +34,80 @@ def uses_triton(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or os.environ.get("KVSERVE_KERNELS") == "triton"
 
 
-class GpuLinear(nn.Module):
+class _RowLayouts(nn.Module):
+    """A GPU linear layer whose output rows (weight or code rows, their scales and mins, the bias) its
+    kernel's epilogue may want in another order: a gate and up projection's interleaved for the gated
+    activation (`activation`, fuse_gated_activations), a q/k/v projection's q and k dimensions paired for
+    RoPE (`rope_heads`, (H, Hkv, D): fuse_rope_into_qkv). Each layer names its row tensors."""
+
+    activation: str | None = None
+    rope_heads: tuple[int, int, int] | None = None
+
+    def _row_tensors(self) -> dict[str, int]:
+        """Each tensor's attribute name and the dimension its rows lie along."""
+        raise NotImplementedError
+
+    def _relayout(self, change) -> None:
+        for name, dim in self._row_tensors().items():
+            t = getattr(self, name)
+            if t is None:
+                continue
+            moved = change(t.data, dim)
+            setattr(self, name, nn.Parameter(moved, requires_grad=False) if isinstance(t, nn.Parameter) else moved)
+
+    def interleave_gate_up(self, activation: str | None) -> None:
+        """`fuse_gated_activations`' layout (gate j at row 2j, up j at 2j + 1) for `activation`, or (None)
+        [gate | up] again."""
+        from kvserve.kernels.gpu.matmul import GATED_ACTIVATIONS, deinterleave_gate_up, interleave_gate_up
+
+        assert activation in GATED_ACTIVATIONS and self.rope_heads is None, activation
+        if (self.activation is None) != (activation is None):
+            self._relayout(interleave_gate_up if activation is not None else deinterleave_gate_up)
+        self.activation = activation
+
+    def pair_rope_rows(self, heads: tuple[int, int, int] | None) -> None:
+        """`fuse_rope_into_qkv`'s layout (matmul.interleave_rope) for heads (H, Hkv, D), or (None) q's, k's
+        and v's rows as the checkpoint has them again."""
+        from kvserve.kernels.gpu.matmul import deinterleave_rope, interleave_rope
+
+        assert self.activation is None
+        if self.rope_heads is not None:
+            self._relayout(lambda t, dim: deinterleave_rope(t, *self.rope_heads, dim))
+        if heads is not None:
+            self._relayout(lambda t, dim: interleave_rope(t, *heads, dim))
+        self.rope_heads = heads
+
+    def _finished(self, out: torch.Tensor, x: torch.Tensor, rope) -> torch.Tensor:
+        """The output of a kernel that could not apply the epilogue this layout is for, finished: the gated
+        activation's kernel, or the RoPE kernel with `rope` (else the rows put back in order); any other
+        output as it is. Shaped as x's rows."""
+        from kvserve.kernels.gpu import matmul
+
+        if self.activation is not None:
+            out = _gated(out, self.activation)
+        elif self.rope_heads is not None:
+            if rope is not None:
+                out = matmul._rotate_and_store_output(out, rope)
+            else:
+                out = matmul.deinterleave_rope(out, *self.rope_heads, dim=1)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _rows_in_order(self, out: torch.Tensor, rope) -> torch.Tensor:
+        """A kernel's output with q's and k's rows put back in order, where they are paired for RoPE but
+        the call asked for none (a caller that attends through PyTorch's attention)."""
+        if self.rope_heads is None or rope is not None:
+            return out
+        from kvserve.kernels.gpu.matmul import deinterleave_rope
+
+        return deinterleave_rope(out, *self.rope_heads, dim=1)
+
+    def _layouts_repr(self) -> str:
+        if self.activation is not None:
+            return f", then {self.activation} gated (in the kernel)"
+        return "" if self.rope_heads is None else ", then RoPE and the KV cache's write (in the kernel)"
+
+
+class GpuLinear(_RowLayouts):
     """y = x @ W.T (+ bias) for a float weight, given in `out_dtype` (the lm_head: float32 logits,
     summed in float32 and never rounded to the compute dtype)."""
 
@@ -45,7 +118,6 @@ class GpuLinear(nn.Module):
         self.bias = bias
         self.out_dtype = out_dtype
         self.batch_invariant = True  # see quantized.set_batch_invariant
-        self.activation: str | None = None  # a gated activation in the kernel (fuse_gated_activations)
         self.register_buffer("split_counters", _split_counters(self.weight.device), persistent=False)
 
     @classmethod
@@ -53,43 +125,23 @@ class GpuLinear(nn.Module):
         """The same weight tensor (a tied embedding's stays shared)."""
         return cls(linear.weight, linear.bias, out_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        """`rope` (a q/k/v projection with `rope_heads`: matmul.RopeStore): q rotated, k and v written."""
         from kvserve.kernels.gpu.matmul import matmul
 
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         out_dtype = self.out_dtype or x.dtype
         if self.batch_invariant or out_dtype != x.dtype:
-            out = matmul(x2, self.weight, self.bias, out_dtype, self.split_counters, self.activation)
-        else:  # cuBLAS, then the activation's own kernel
-            out = _gated(F.linear(x2, self.weight, self.bias), self.activation)
-        return out.view(*x.shape[:-1], out.shape[-1])
+            out = matmul(x2, self.weight, self.bias, out_dtype, self.split_counters, self.activation, rope)
+            out = self._rows_in_order(out, rope)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return self._finished(F.linear(x2, self.weight, self.bias), x, rope)  # cuBLAS, then the epilogue's kernel
 
-    def interleave_gate_up(self, activation: str | None) -> None:
-        """`fuse_gated_activations`' change of layout, or (None) its undoing."""
-        tensors = _gate_up_layout(self.activation, activation, {"weight": self.weight, "bias": self.bias})
-        self.weight = nn.Parameter(tensors["weight"], requires_grad=False)
-        if self.bias is not None:
-            self.bias = nn.Parameter(tensors["bias"], requires_grad=False)
-        self.activation = activation
+    def _row_tensors(self) -> dict[str, int]:
+        return {"weight": 0, "bias": 0}
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}{_activation_repr(self)}"
-
-
-def _gate_up_layout(
-    old: str | None, new: str | None, tensors: dict[str, torch.Tensor | None], dims: dict | None = None
-):
-    """A gate and up projection's tensors (by name; None kept None; each along its `dims` entry, else 0)
-    with their rows interleaved where `new` is an activation (matmul.interleave_gate_up) and [gate | up]
-    where it is None, from the layout that `old` says they are in."""
-    from kvserve.kernels.gpu.matmul import GATED_ACTIVATIONS, deinterleave_gate_up, interleave_gate_up
-
-    assert new in GATED_ACTIVATIONS, new
-    if (old is None) == (new is None):
-        return tensors
-    change = interleave_gate_up if old is None else deinterleave_gate_up
-    dims = dims or {}
-    return {name: None if t is None else change(t.data, dims.get(name, 0)) for name, t in tensors.items()}
+        return f"in_features={self.in_features}, out_features={self.out_features}{self._layouts_repr()}"
 
 
 def _gated(out: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -101,10 +153,6 @@ def _gated(out: torch.Tensor, activation: str | None) -> torch.Tensor:
     from kvserve.kernels.gpu.matmul import deinterleave_gate_up
 
     return elementwise.gated_activation(deinterleave_gate_up(out, 1), activation == "gelu_tanh")
-
-
-def _activation_repr(layer: nn.Module) -> str:
-    return "" if layer.activation is None else f", then {layer.activation} gated (in the kernel)"
 
 
 def _split_counters(device: torch.device) -> torch.Tensor:
@@ -122,7 +170,7 @@ def _group_values(values: torch.Tensor) -> torch.Tensor:
     return as_half if torch.equal(as_half.float(), values.float()) else values.float()
 
 
-class GpuInt4Linear(nn.Module):
+class GpuInt4Linear(_RowLayouts):
     """y = x @ W.T (+ bias) with W[n, k] = scales[n, k // 32] * code + mins[n, k // 32], the codes packed
     two per byte on the device (kernels/gpu/matmul.pack_int4) and dequantized in registers; given in
     `out_dtype` (float32 for the lm_head's logits), else in x's dtype. One kernel for every row count.
@@ -166,7 +214,6 @@ class GpuInt4Linear(nn.Module):
         self.out_features, self.in_features = weight.codes.shape
         self.out_dtype = out_dtype
         self.int8_activations = False
-        self.activation: str | None = None  # a gated activation in the kernel (fuse_gated_activations)
         self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
         # fixed at load, with the codes' layout; not for float32 outputs (a 4-bit lm_head's logits), which
         # it would give rounded to bfloat16
@@ -198,12 +245,14 @@ class GpuInt4Linear(nn.Module):
         self.register_buffer("mins", mins)
         self.register_buffer("split_counters", _split_counters(device), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        """`rope` as GpuLinear's."""
         from kvserve.kernels.gpu.matmul import int4_int8_matmul, int4_matmul
 
         x2 = x.reshape(-1, self.in_features)
         out_dtype = self.out_dtype or x.dtype
-        assert self.activation is None or not (self.tinygemm or self.int8_activations), "fuse_gated_activations"
+        plain = self.tinygemm or self.int8_activations  # kernels without the epilogues
+        assert not (plain and (self.activation or self.rope_heads)), "fuse_gated_activations, fuse_rope_into_qkv"
         if self.tinygemm:
             from kvserve.kernels.gpu import tinygemm
 
@@ -225,32 +274,28 @@ class GpuInt4Linear(nn.Module):
                 self.packed_bf16,
                 self.split_counters,
                 self.activation,
+                rope,
             )
+            out = self._rows_in_order(out, rope)
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def interleave_gate_up(self, activation: str | None) -> None:
-        """`fuse_gated_activations`' change of layout, or (None) its undoing: the codes' rows (dimension
-        1 where group major), their scales' and mins', the bias's. Not for PyTorch's int4 kernel."""
-        assert not self.tinygemm, "PyTorch's int4 kernel applies no activation"
-        names = ("packed", "scales", "mins", "bias")
-        dims = dict.fromkeys(names[:3], 1 if self.group_major else 0)
-        tensors = _gate_up_layout(self.activation, activation, {n: getattr(self, n) for n in names}, dims)
-        for name in names[:3]:
-            setattr(self, name, tensors[name])  # (registered buffers: replaced as buffers)
-        if self.bias is not None:
-            self.bias = nn.Parameter(tensors["bias"], requires_grad=False)
-        self.activation = activation
+    def _row_tensors(self) -> dict[str, int]:
+        """The codes' rows (dimension 1 where group major), their scales' and mins', the bias's; not
+        PyTorch's int4 kernel's, whose tiles hold the outputs in its own order."""
+        assert not self.tinygemm, "PyTorch's int4 kernel has no epilogue of kvserve's"
+        rows = 1 if self.group_major else 0
+        return {"packed": rows, "scales": rows, "mins": rows, "bias": 0}
 
     def extra_repr(self) -> str:
         inputs = ", int8 inputs" if self.int8_activations else ""
         kernel = ", PyTorch's int4 kernel" if self.tinygemm else ", group major" if self.group_major else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}{inputs}{kernel}"
-            + _activation_repr(self)
+            + self._layouts_repr()
         )
 
 
-class GpuInt8GroupLinear(nn.Module):
+class GpuInt8GroupLinear(_RowLayouts):
     """y = x @ W.T (+ bias) with W as int8 codes and a float32 scale per 32 inputs (GGML's Q8_0), given in
     `out_dtype` (float32 for the lm_head's logits), else in x's dtype. One kernel for every row count.
 
@@ -272,41 +317,34 @@ class GpuInt8GroupLinear(nn.Module):
             raise ValueError(f"the GPU's int8 kernel takes a scale per {GROUP_SIZE} inputs")
         self.out_dtype = out_dtype
         self.int8_activations = False
-        self.activation: str | None = None  # a gated activation in the kernel (fuse_gated_activations)
         self.register_buffer("codes", codes.to(device))  # [N, K] int8
         self.register_buffer("scales", scales.float().to(device))  # [N, K / 32]
         self.bias = None if bias is None else nn.Parameter(bias.float().to(device), requires_grad=False)
         self.register_buffer("split_counters", _split_counters(device), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        """`rope` as GpuLinear's."""
         from kvserve.kernels.gpu.matmul import int8_group_matmul, int8_int8_matmul
 
         x2 = x.reshape(-1, self.in_features)
         out_dtype = self.out_dtype or x.dtype
-        assert self.activation is None or not self.int8_activations, "fuse_gated_activations"
+        assert not (self.int8_activations and (self.activation or self.rope_heads)), "without the epilogues"
         if self.int8_activations:
             quantized = getattr(x, INT8_FORM, None)  # made by the kernel that made x, if any
             out = int8_int8_matmul(x2, self.codes, self.scales, out_dtype, self.bias, quantized, self.split_counters)
         else:
             out = int8_group_matmul(
-                x2, self.codes, self.scales, out_dtype, self.bias, self.split_counters, self.activation
+                x2, self.codes, self.scales, out_dtype, self.bias, self.split_counters, self.activation, rope
             )
+            out = self._rows_in_order(out, rope)
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def interleave_gate_up(self, activation: str | None) -> None:
-        """`fuse_gated_activations`' change of layout, or (None) its undoing: the codes' rows, their
-        scales', the bias's."""
-        tensors = _gate_up_layout(
-            self.activation, activation, {"codes": self.codes, "scales": self.scales, "bias": self.bias}
-        )
-        self.codes, self.scales = tensors["codes"], tensors["scales"]
-        if self.bias is not None:
-            self.bias = nn.Parameter(tensors["bias"], requires_grad=False)
-        self.activation = activation
+    def _row_tensors(self) -> dict[str, int]:
+        return {"codes": 0, "scales": 0, "bias": 0}
 
     def extra_repr(self) -> str:
         inputs = ", int8 inputs" if self.int8_activations else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}{inputs}{_activation_repr(self)}"
+        return f"in_features={self.in_features}, out_features={self.out_features}{inputs}{self._layouts_repr()}"
 
 
 class GpuRMSNorm(RMSNorm):
@@ -374,6 +412,7 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
         if mlp.gated_activation in (elementwise.gated_activation, gated_activation_int8):  # the GPU's
             mlp.gated_activation = gated_activation_int8 if takes_int8(mlp.down_proj) else elementwise.gated_activation
     fuse_gated_activations(model)
+    fuse_rope_into_qkv(model)
 
 
 # The gated activation in the gate and up projection's epilogue (`fuse_gated_activations`): on, as it is the
@@ -395,16 +434,67 @@ def fuse_gated_activations(model: nn.Module) -> None:
         if not isinstance(mlp, MLP):
             continue
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        fusable = isinstance(gate_up, (GpuLinear, GpuInt8GroupLinear)) or (
-            isinstance(gate_up, GpuInt4Linear) and not gate_up.tinygemm
-        )
-        if not fusable:
+        if not _has_epilogues(gate_up):
             continue
-        float_inputs = not getattr(gate_up, "int8_activations", False) and not getattr(down, "int8_activations", False)
-        fused = float_inputs and FUSE_GATED_ACTIVATIONS
+        fused = FUSE_GATED_ACTIVATIONS and not getattr(down, "int8_activations", False)
         activation = ("gelu_tanh" if mlp.gelu else "silu") if fused else None
         gate_up.interleave_gate_up(activation)
         mlp.activation_in_gate_up = activation is not None
+
+
+def _has_epilogues(layer: nn.Module) -> bool:
+    """Whether a layer's kernel has kvserve's epilogues (the gated activation, RoPE): float, Q8_0 or
+    4-bit weights in kvserve's kernels, taking float inputs."""
+    return (
+        isinstance(layer, (GpuLinear, GpuInt8GroupLinear)) or (isinstance(layer, GpuInt4Linear) and not layer.tinygemm)
+    ) and not getattr(layer, "int8_activations", False)
+
+
+# RoPE and the KV cache's write in the q/k/v projection's epilogue (`fuse_rope_into_qkv`): on, as it is the
+# RoPE kernel's bits with one launch a decoder layer fewer (unmeasured on a GPU when turned on).
+FUSE_ROPE = True
+
+
+def fuse_rope_into_qkv(model: nn.Module) -> None:
+    """Have each attention's q/k/v projection rotate q and k in its matmul's epilogue and write k and v
+    into the KV cache there (its q and k rows paired: `matmul.interleave_rope`; `Attention.qkv_rope`), one
+    launch fewer a layer and `elementwise.rotate_and_store`'s bits, where its kernel can (`_has_epilogues`)
+    and RoPE covers whole heads with no q/k norm before it, while FUSE_ROPE. Elsewhere the layout is put
+    back. `set_int8_inputs` ends with this."""
+    from kvserve.models.decoder import Attention
+
+    for attn in model.modules():
+        if not isinstance(attn, Attention) or not isinstance(attn.qkv_proj, _RowLayouts):
+            continue
+        fused = (
+            FUSE_ROPE
+            and _has_epilogues(attn.qkv_proj)
+            and attn.rotate_and_store is not None  # the GPU's forms (use_triton_forms)
+            and attn.rotary_dim == attn.head_dim
+            and attn.q_norm is None
+            and attn.head_dim % 2 == 0
+        )
+        heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim) if fused else None
+        attn.qkv_proj.pair_rope_rows(heads)
+        attn.qkv_rope = qkv_with_rope if fused else None
+
+
+def qkv_with_rope(
+    qkv_proj: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """q/k/v projection of x [T, hidden] with RoPE and the KV cache's write in its kernel
+    (`fuse_rope_into_qkv`): the rotated q [T, H, D]; k and v are in the caches at slot_mapping."""
+    from kvserve.kernels.gpu.matmul import RopeStore
+
+    num_heads, _, head_dim = qkv_proj.rope_heads
+    rope = RopeStore(cos, sin_signed, k_cache, v_cache, slot_mapping, num_heads)
+    return qkv_proj(x, rope).view(x.shape[0], num_heads, head_dim)
 
 
 def use_triton_forms(model: nn.Module) -> None:

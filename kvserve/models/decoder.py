@@ -43,6 +43,9 @@ class Attention(nn.Module):
         self.rotate = rotate  # RoPE; on a GPU one kernel for q and k (layers/gpu.use_triton_forms)
         # on a GPU, RoPE of whole heads with the new K/V written into the cache, one kernel
         self.rotate_and_store = None
+        # on a GPU, the same in qkv_proj's kernel: (qkv_proj, x, cos, sin, k_cache, v_cache, slots) -> q
+        # (layers/gpu.fuse_rope_into_qkv)
+        self.qkv_rope = None
         # on a GPU with int8 inputs to o_proj, the attention also makes its output's int8 form
         # (layers/gpu.set_int8_inputs)
         self.int8_output = False
@@ -52,6 +55,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "bind_kv_cache() first"
         num_tokens = x.shape[0]
+        if self.qkv_rope is not None and isinstance(metadata, TritonAttentionMetadata):
+            caches = (self.k_cache, self.v_cache, metadata.slot_mapping)
+            q = self.qkv_rope(self.qkv_proj, x, *ropes[self.rope_table], *caches)  # k and v are in the cache
+            return self._attend_and_project(q, None, None, metadata)
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:

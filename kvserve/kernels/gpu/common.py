@@ -85,6 +85,15 @@ def gated_product(gate, up, GELU: tl.constexpr, dtype: tl.constexpr, INTERPRET: 
 
 
 @triton.jit
+def rope_values(x, rolled, cos, sin_signed, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rotate-half RoPE of float32 values: x * cos + rolled * sin_signed in `dtype`, x * cos rounded to it
+    first, as torch.addcmul(x * cos, ...) stores it (rolled: the value half a head away). RoPE's kernel
+    and the q/k/v projection's epilogue that applies it (matmul's `rope`) both compute it here."""
+    x_cos = cast(x * cos, dtype, INTERPRET).to(tl.float32)
+    return cast(x_cos + rolled * sin_signed, dtype, INTERPRET)
+
+
+@triton.jit
 def nibble_to_float(byte, HIGH: tl.constexpr, PERMUTE: tl.constexpr, INTERPRET: tl.constexpr):
     """The low (HIGH: high) nibble of each uint8 as float32, exactly. PERMUTE (on a GPU): an AND (and a
     shift) per four bytes, then per byte a PRMT that builds the bits of 2**23 + nibble and a subtraction

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET, cdiv, launch_options, next_power_of_2
-from kvserve.kernels.gpu.common import cast, gated_product, quantize_groups, store_groups, wait_for_prior
+from kvserve.kernels.gpu.common import cast, gated_product, quantize_groups, rope_values, store_groups, wait_for_prior
 
 ACT_ROWS, ACT_BLOCK = 4, 512  # rows x outputs of the gated activation per program
 ROTATE_ROWS = 32  # (token, head) rows that one program of RoPE rotates
@@ -101,8 +101,7 @@ def _rope(x_row, cos_row, sin_row, d, mask, out_ptr, ROTARY_DIM: tl.constexpr, I
     rolled = tl.load(x_row + (d + ROTARY_DIM // 2) % ROTARY_DIM, mask=mask, other=0.0).to(tl.float32)
     cos = tl.load(cos_row + d, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_row + d, mask=mask, other=0.0).to(tl.float32)
-    x_cos = cast(x * cos, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
-    return cast(x_cos + rolled * sin, out_ptr.dtype.element_ty, INTERPRET)
+    return rope_values(x, rolled, cos, sin, out_ptr.dtype.element_ty, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # one binary for every number of rows

@@ -32,6 +32,7 @@ from kvserve.kernels.gpu.common import (
     nibble_to_float,
     prefetch_rows,
     quantize_groups,
+    rope_values,
     split4,
     store_groups,
     wait_for_prior,
@@ -145,14 +146,21 @@ def _store_output(
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     INTERPRET: tl.constexpr,
+    rope=(),
+    ROPE: tl.constexpr = 0,
+    CACHE_BLOCK: tl.constexpr = 0,
 ):
     """out = acc (+ bias, added in float32), rounded once to the output's dtype. GATED (1 SiLU, 2
     tanh-GELU; the weight's rows interleaved, gate j at 2j and up j at 2j + 1): those outputs rounded so
     are a pair (gate, up), and out [M, N / 2] gets act(gate) * up (`common.gated_product`, the gated
-    activation kernel's bits) at j instead."""
+    activation kernel's bits) at j instead. ROPE (the head dim of a q/k/v projection whose q and k rows
+    pair each dimension with the one half a head away): `_store_rope`."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if GATED:
+    if ROPE:
+        y = cast(acc, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+        _store_rope(y, rows, cols, M, N, out_ptr, rope, ROPE, CACHE_BLOCK, INTERPRET)
+    elif GATED:
         BLOCK_M: tl.constexpr = acc.shape[0]
         HALF: tl.constexpr = acc.shape[1] // 2
         pairs = tl.reshape(cast(acc, out_ptr.dtype.element_ty, INTERPRET).to(tl.float32), (BLOCK_M, HALF, 2))
@@ -164,6 +172,54 @@ def _store_output(
         tl.store(out_ptr + offsets, out, mask=(rows < M)[:, None] & (out_cols < N // 2)[None, :])
     else:
         tl.store(out_ptr + offsets, cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _store_rope(
+    y, rows, cols, M, N, q_ptr, rope, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, INTERPRET: tl.constexpr
+):
+    """A q/k/v projection's outputs y [BLOCK_M, BLOCK_N] (float32, each as stored in q's dtype) with q's
+    and k's dimensions in pairs (d, d + HEAD_DIM / 2) (`interleave_rope`), v's as they are: q and k rotated
+    (`common.rope_values` at each row's position: `elementwise.rotate_and_store`'s bits), q stored into
+    q_ptr [M, H * HEAD_DIM], k and v into the caches at each row's slot (none for a negative slot, as
+    `attention.store_kv`). `rope`: `_rope_args`."""
+    (cos_ptr, sin_ptr, k_cache, v_cache, slots, stride_ct, stride_st, stride_kcb, stride_kcs, stride_kch,
+     stride_vcb, stride_vcs, stride_vch, num_heads, num_kv_heads) = rope  # fmt: skip
+    BLOCK_M: tl.constexpr = y.shape[0]
+    HALF: tl.constexpr = y.shape[1] // 2
+    x1, x2 = tl.split(tl.reshape(y, (BLOCK_M, HALF, 2)))
+    first, _ = tl.split(tl.reshape(cols, (HALF, 2)))  # each pair's first column
+    head = first // HEAD_DIM  # of q's heads, then k's, then v's
+    local = first % HEAD_DIM
+    rotated = head < num_heads + num_kv_heads  # q and k: the pair (i, i + HEAD_DIM / 2); v: (d, d + 1)
+    d1 = tl.where(rotated, local // 2, local)[None, :]
+    d2 = tl.where(rotated, local // 2 + HEAD_DIM // 2, local + 1)[None, :]
+    token = rows.to(tl.int64)[:, None]
+    row_ok = (rows < M)[:, None]
+    rot_mask = row_ok & (rotated & (first < N))[None, :]
+    # (from L2, ".cg", as everything a tile's last K split reads after its count)
+    cos1 = tl.load(cos_ptr + token * stride_ct + d1, mask=rot_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    sin1 = tl.load(sin_ptr + token * stride_st + d1, mask=rot_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    cos2 = tl.load(cos_ptr + token * stride_ct + d2, mask=rot_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    sin2 = tl.load(sin_ptr + token * stride_st + d2, mask=rot_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    r1 = rope_values(x1, x2, cos1, sin1, q_ptr.dtype.element_ty, INTERPRET)  # x2: x1's value half a head away
+    r2 = rope_values(x2, x1, cos2, sin2, q_ptr.dtype.element_ty, INTERPRET)
+    is_q = row_ok & (head < num_heads)[None, :]
+    q_row = q_ptr + token * (num_heads * HEAD_DIM) + (head * HEAD_DIM)[None, :]
+    tl.store(q_row + d1, r1, mask=is_q)
+    tl.store(q_row + d2, r2, mask=is_q)
+    slot = tl.load(slots + token, mask=row_ok, other=-1, cache_modifier=".cg").to(tl.int64)  # [BLOCK_M, 1]
+    block, offset = slot // CACHE_BLOCK, slot % CACHE_BLOCK
+    cached = row_ok & (slot >= 0)
+    is_k = cached & ((head >= num_heads) & rotated)[None, :]
+    is_v = cached & ((~rotated) & (first < N))[None, :]
+    kv_head = tl.maximum(tl.where(rotated, head - num_heads, head - num_heads - num_kv_heads), 0)[None, :]
+    k_row = k_cache + block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
+    tl.store(k_row + d1, cast(r1.to(tl.float32), k_cache.dtype.element_ty, INTERPRET), mask=is_k)
+    tl.store(k_row + d2, cast(r2.to(tl.float32), k_cache.dtype.element_ty, INTERPRET), mask=is_k)
+    v_row = v_cache + block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
+    tl.store(v_row + d1, cast(x1, v_cache.dtype.element_ty, INTERPRET), mask=is_v)
+    tl.store(v_row + d2, cast(x2, v_cache.dtype.element_ty, INTERPRET), mask=is_v)
 
 
 @triton.jit
@@ -184,8 +240,11 @@ def _finish_tile(
     SUM_IN_TILE: tl.constexpr,
     INTERPRET: tl.constexpr,
     GATED: tl.constexpr = 0,
+    rope=(),
+    ROPE: tl.constexpr = 0,
+    CACHE_BLOCK: tl.constexpr = 0,
 ):
-    """Store a tile's float32 sums: as the output (+ bias; GATED, `_store_output`'s), or as this K
+    """Store a tile's float32 sums: as the output (+ bias; GATED and ROPE, `_store_output`'s), or as this K
     split's partial sums (workspace [splits, M, N]). With SUM_IN_TILE the tile's last split to finish,
     counted on the tile's counter, adds every split's partial sums in split order and stores the
     output: `_sum_splits_kernel`'s additions in its order, so its bits, without its launch; it leaves
@@ -206,10 +265,14 @@ def _finish_tile(
                     acc += tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.store(counter, 0)
                 _store_output(
-                    acc, out_ptr, bias_ptr, offsets, rows, cols, mask, M, N, stride_om, HAS_BIAS, GATED, INTERPRET
-                )
+                    acc, out_ptr, bias_ptr, offsets, rows, cols, mask, M, N, stride_om,
+                    HAS_BIAS, GATED, INTERPRET, rope, ROPE, CACHE_BLOCK,
+                )  # fmt: skip
     else:
-        _store_output(acc, out_ptr, bias_ptr, offsets, rows, cols, mask, M, N, stride_om, HAS_BIAS, GATED, INTERPRET)
+        _store_output(
+            acc, out_ptr, bias_ptr, offsets, rows, cols, mask, M, N, stride_om,
+            HAS_BIAS, GATED, INTERPRET, rope, ROPE, CACHE_BLOCK,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -285,6 +348,9 @@ def _float_kernel(
     PDL: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 0,  # of each weight row's split, into L2 before the wait (prefetch_lines)
     GATED: tl.constexpr = 0,  # 1 SiLU, 2 tanh-GELU: act(gate) * up of interleaved rows (_store_output)
+    rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
+    ROPE: tl.constexpr = 0,
+    CACHE_BLOCK: tl.constexpr = 0,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -321,6 +387,9 @@ def _float_kernel(
         SUM_IN_TILE,
         INTERPRET,
         GATED,
+        rope,
+        ROPE,
+        CACHE_BLOCK,
     )
 
 
@@ -368,6 +437,9 @@ def _int4_kernel(
     PREFETCH_LINES: tl.constexpr = 0,
     GROUP_MAJOR: tl.constexpr = False,  # codes [K / 32, N, 16], scales and mins [K / 32, N] (to_group_major)
     GATED: tl.constexpr = 0,  # 1 SiLU, 2 tanh-GELU: act(gate) * up of interleaved rows (_store_output)
+    rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
+    ROPE: tl.constexpr = 0,
+    CACHE_BLOCK: tl.constexpr = 0,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -436,6 +508,9 @@ def _int4_kernel(
         SUM_IN_TILE,
         INTERPRET,
         GATED,
+        rope,
+        ROPE,
+        CACHE_BLOCK,
     )
 
 
@@ -1001,6 +1076,9 @@ def _int8_kernel(
     PDL: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 0,
     GATED: tl.constexpr = 0,  # 1 SiLU, 2 tanh-GELU: act(gate) * up of interleaved rows (_store_output)
+    rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
+    ROPE: tl.constexpr = 0,
+    CACHE_BLOCK: tl.constexpr = 0,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1042,6 +1120,9 @@ def _int8_kernel(
         SUM_IN_TILE,
         INTERPRET,
         GATED,
+        rope,
+        ROPE,
+        CACHE_BLOCK,
     )
 
 
@@ -1067,6 +1148,75 @@ def deinterleave_gate_up(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim).contiguous()
 
 
+@dataclass(frozen=True)
+class RopeStore:
+    """A q/k/v projection's matmul with RoPE and the KV cache's write in its epilogue (`rope` of `matmul`,
+    `int4_matmul`, `int8_group_matmul`; the weight's q and k rows in `interleave_rope`'s layout): each
+    row's cos and sin_signed [T, 1, D] (layers/rotary.py's tables), the layer's caches [blocks,
+    block_size, Hkv, D], each row's slot [T] (negative: not written), and the number of query heads. The
+    call then gives the rotated q [T, H * D], `elementwise.rotate_and_store`'s bits, and writes k and v
+    into the caches as it does: one launch fewer, and no [T, (H + 2 Hkv) * D] output stored and read."""
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_heads: int
+
+
+def interleave_rope(t: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, dim: int = 0) -> torch.Tensor:
+    """A q/k/v projection's tensor along `dim` (weight or code rows, scales, mins, bias: q's heads, k's,
+    then v's, head_dim each) with each q and k head's dimensions paired for `RopeStore`: i at 2i and
+    i + head_dim / 2 at 2i + 1, so that a tile holds what RoPE mixes; v's as they are. A new tensor."""
+    rotated = (num_heads + num_kv_heads) * head_dim
+    qk, v = t.split([rotated, t.shape[dim] - rotated], dim)
+    qk = qk.unflatten(dim, (num_heads + num_kv_heads, 2, head_dim // 2)).transpose(dim + 1, dim + 2)
+    return torch.cat((qk.flatten(dim, dim + 2), v), dim).contiguous()
+
+
+def deinterleave_rope(t: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, dim: int = 0) -> torch.Tensor:
+    """`interleave_rope`'s inverse."""
+    rotated = (num_heads + num_kv_heads) * head_dim
+    qk, v = t.split([rotated, t.shape[dim] - rotated], dim)
+    qk = qk.unflatten(dim, (num_heads + num_kv_heads, head_dim // 2, 2)).transpose(dim + 1, dim + 2)
+    return torch.cat((qk.flatten(dim, dim + 2), v), dim).contiguous()
+
+
+def _rope_args(rope: RopeStore) -> tuple:
+    """`_store_rope`'s `rope` tuple."""
+    k_cache, v_cache = rope.k_cache, rope.v_cache
+    assert rope.cos.stride(-1) == rope.sin_signed.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    return (
+        rope.cos,
+        rope.sin_signed,
+        k_cache,
+        v_cache,
+        rope.slot_mapping,
+        rope.cos.stride(0),
+        rope.sin_signed.stride(0),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        rope.num_heads,
+        k_cache.shape[2],
+    )
+
+
+def _rotate_and_store_output(out: torch.Tensor, rope: RopeStore) -> torch.Tensor:
+    """A q/k/v projection's plain output [T, N] in `interleave_rope`'s layout through the RoPE kernel
+    (where the matmul could not apply it: its K splits added by the sum kernel): the rotated q [T, H * D]."""
+    from kvserve.kernels.gpu import elementwise
+
+    _, _, num_kv_heads, head_dim = rope.k_cache.shape
+    heads = rope.num_heads + num_kv_heads
+    out = deinterleave_rope(out, rope.num_heads, num_kv_heads, head_dim, dim=1)
+    tokens = out.shape[0]
+    qk = out[:, : heads * head_dim].view(tokens, heads, head_dim)
+    v = out[:, heads * head_dim :].view(tokens, num_kv_heads, head_dim)
+    caches = (rope.k_cache, rope.v_cache, rope.slot_mapping)
+    return elementwise.rotate_and_store(qk, v, rope.cos, rope.sin_signed, *caches).view(tokens, -1)
+
+
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -1083,6 +1233,7 @@ def _launch(
     counters: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
     activation: str | None = None,
+    rope: RopeStore | None = None,
     **constexprs,
 ) -> torch.Tensor:
     """Run one of the matmul kernels over x [M, K] into [M, n], through float32 partial sums per
@@ -1091,30 +1242,41 @@ def _launch(
     split adds the partial sums (where the call has at most that many tiles), else
     `_sum_splits_kernel` does, a launch more; `weight`, the codes or weights [N, ...] whose rows'
     splits a program may prefetch (`prefetch_lines`); `activation` (the float-input kernels), a gated
-    activation of interleaved rows into [M, n / 2] (`GATED_ACTIVATIONS`); `constexprs`, the kernel's
-    other compile-time switches."""
+    activation of interleaved rows into [M, n / 2] (`GATED_ACTIVATIONS`); `rope` (the float-input
+    kernels), RoPE and the KV cache's write of a q/k/v projection, giving q [M, H * D] (`RopeStore`);
+    `constexprs`, the kernel's other compile-time switches."""
     assert x.dim() == 2, x.shape
     x = _row_major(x)
     m = x.shape[0]
     k = k or x.shape[1]
-    gated = GATED_ACTIVATIONS[activation]
-    if gated:
-        assert n % 2 == 0 and config.block_n % 2 == 0, (n, config)
-        constexprs["GATED"] = gated
-    out = torch.empty(m, n // 2 if gated else n, dtype=out_dtype or x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    if bias is not None:
-        assert bias.shape == (n,), bias.shape
-        bias = bias.contiguous()
     assert config.k_per_split % config.block_k == 0, config
     k_per_split = config.k_per_split or k
     num_splits = cdiv(k, k_per_split)
     grid = (cdiv(m, config.block_m), cdiv(n, config.block_n), num_splits)
     is_split = num_splits > 1
+    sum_in_tile = is_split and counters is not None and grid[0] * grid[1] <= counters.numel()
+    gated = GATED_ACTIVATIONS[activation]
+    if gated:
+        assert n % 2 == 0 and config.block_n % 2 == 0, (n, config)
+        constexprs["GATED"] = gated
+    width = n // 2 if gated else n
+    if rope is not None:
+        _, block_size, num_kv_heads, head_dim = rope.k_cache.shape
+        assert n == (rope.num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0, (n, rope.k_cache.shape)
+        assert config.block_n % 2 == 0 and not gated, config
+        if is_split and not sum_in_tile:  # the sum kernel stores the output: the RoPE kernel follows
+            plain = _launch(kernel, config, x, n, weight_args, bias, out_dtype, k, counters, weight, **constexprs)
+            return _rotate_and_store_output(plain, rope)
+        constexprs.update(rope=_rope_args(rope), ROPE=head_dim, CACHE_BLOCK=block_size)
+        width = rope.num_heads * head_dim
+    out = torch.empty(m, width, dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if bias is not None:
+        assert bias.shape == (n,), bias.shape
+        bias = bias.contiguous()
     # partial sums [splits, M, N] in float32
     partial = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device) if is_split else out
-    sum_in_tile = is_split and counters is not None and grid[0] * grid[1] <= counters.numel()
     if weight is not None:  # the bytes of a weight row's split
         lines = prefetch_lines(x.device, weight.shape[1] * weight.element_size() * min(k, k_per_split) // k)
         constexprs.update({"PREFETCH_LINES": lines} if lines else {})
@@ -1169,9 +1331,11 @@ def matmul(
     out_dtype: torch.dtype | None = None,
     counters: torch.Tensor | None = None,
     activation: str | None = None,
+    rope: RopeStore | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype); with
-    `activation` (the weight's rows interleaved: `GATED_ACTIVATIONS`), act(gate) * up [M, N / 2].
+    `activation` (the weight's rows interleaved: `GATED_ACTIVATIONS`), act(gate) * up [M, N / 2]; with
+    `rope` (q's and k's rows paired: `RopeStore`), q rotated [M, H * D], k and v written to the cache.
 
     Products of x's dtype (the weight is converted to it; bfloat16/float16 on the tensor cores,
     float32 as exact float32 products, never TF32), summed in float32; the bias is added in float32
@@ -1192,6 +1356,7 @@ def matmul(
         counters=counters,
         weight=weight,
         activation=activation,
+        rope=rope,
     )
 
 
@@ -1245,10 +1410,11 @@ def int4_matmul(
     packed_bf16: bool = False,
     counters: torch.Tensor | None = None,
     activation: str | None = None,
+    rope: RopeStore | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype), W [N, K] given as
-    `pack_int4` codes with scales and mins [N, K // 32] (float16, float32 or bfloat16); `activation` as
-    `matmul`'s.
+    `pack_int4` codes with scales and mins [N, K // 32] (float16, float32 or bfloat16); `activation` and
+    `rope` as `matmul`'s.
 
     Each weight is w = fma(scale, code, min) in float32 (for float16 scales scale * code is exact,
     so that is scale * code + min), rounded to x's dtype; products and sums as `matmul` (float32
@@ -1277,6 +1443,7 @@ def int4_matmul(
         counters=counters,
         weight=weight,
         activation=activation,
+        rope=rope,
         **switches,
     )
 
@@ -1401,10 +1568,11 @@ def int8_group_matmul(
     bias: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     activation: str | None = None,
+    rope: RopeStore | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias [N]) -> [M, N] in out_dtype (default x's dtype), W[n, k] =
     codes[n, k] * scales[n, k // 32] (GGML's Q8_0: int8 codes [N, K], float32 scales [N, K // 32]);
-    `activation` as `matmul`'s.
+    `activation` and `rope` as `matmul`'s.
 
     Each weight is code * scale in float32 rounded to x's dtype, then as `matmul`: the result of
     "dequantize W to x's dtype, then matmul", dequantized tile by tile in registers."""
@@ -1415,5 +1583,15 @@ def int8_group_matmul(
     args = (codes, scales, codes.stride(0), scales.stride(0))
     config = config_for(INT8_CONFIG, n, k)
     return _launch(
-        _int8_kernel, config, x, n, args, bias, out_dtype, counters=counters, weight=codes, activation=activation
+        _int8_kernel,
+        config,
+        x,
+        n,
+        args,
+        bias,
+        out_dtype,
+        counters=counters,
+        weight=codes,
+        activation=activation,
+        rope=rope,
     )
