@@ -17,7 +17,9 @@ with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`). Cand
 split a program of its own with its partial sums in memory (`matmul.SPLITS_IN_PROGRAM` 0, the kernel
 before an int4 layer's splits went into one program); on the gate and up projection, `float-gated` and
 `int4-bf16x2-gated`, the SiLU applied in the matmul's epilogue (the engine's default), against
-`float-gated-kernel` and `int4-bf16x2-gated-kernel`, the matmul and then the activation's own kernel.
+`float-gated-kernel` and `int4-bf16x2-gated-kernel`, the matmul and then the activation's own kernel; on
+the q/k/v projection, `float-rope` and `int4-bf16x2-rope`, RoPE and the KV cache's write in the epilogue,
+against `-rope-kernel`, the matmul and then the RoPE kernel (q's bits compared).
 Each layer has its own tile counters, as in the engine, so that a K split's last program adds the
 splits; `float-sum-kernel`, `int4-sum-kernel` and `int4-int8-sum-kernel` time kvserve's configs with
 `_sum_splits_kernel` launched instead, as before 2026-11-29 (the same bits, `same_bits`).
@@ -53,8 +55,10 @@ SHAPES = {
         "lm_head": (49152, 2048),
     },
     "smol135m": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
-    "tiny": {"a": (64, 64), "gate_up": (128, 64), "lm_head": (96, 64)},
+    "tiny": {"qkv": (128, 64), "gate_up": (128, 64), "lm_head": (96, 64)},
 }
+# (query heads, KV heads, head dim) of each shapes' q/k/v projection, for its RoPE in the epilogue
+HEADS = {"llama1b": (32, 8, 64), "smol135m": (9, 3, 64), "tiny": (4, 2, 16)}
 LAYERS = {"llama1b": 16, "smol135m": 30, "tiny": 2}
 SUM_KERNEL_KINDS = ("float-sum-kernel", "int4-sum-kernel", "int4-int8-sum-kernel")
 
@@ -208,7 +212,8 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         layers = [tinygemm.pack(codes_of(p), s, mn) for p, s, mn in zip(packed, scales, mins, strict=True)]
         return lambda: [tinygemm.matmul(x, p, sz) for p, sz in layers]
 
-    interleaved = {}  # the gate and up projection's tensors in the layout for its activation, made once
+    interleaved = {}  # the projections' tensors in the layout for their epilogue, made once
+    tables = {}  # the q/k/v projection's cos, sin, caches and slots per row count
 
     def gated_calls(x, kind, fused):
         """A gate and up projection (`kind` float or int4-bf16x2) with its SiLU: in the matmul's epilogue over
@@ -233,6 +238,39 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         if fused:
             return lambda: [call(w, c) for w, c in zip(layers, counters, strict=True)]
         return lambda: [elementwise.gated_activation(call(w, c), False) for w, c in zip(layers, counters, strict=True)]
+
+    def rope_calls(x, kind, fused):
+        """A q/k/v projection (`kind` float or int4-bf16x2) with RoPE and the KV cache's write: in the
+        matmul's epilogue over paired rows (`fused`, the engine's default since 2026-12-04), or the RoPE
+        kernel after the plain matmul (the launch before): the same bits."""
+        from kvserve.kernels.gpu import elementwise
+
+        heads, kv_heads, head_dim = HEADS[shape]
+        m = x.shape[0]
+        if m not in tables:  # one set a row count, for both ways
+            cos, sin = torch.randn(2, m, 1, head_dim, device=device, generator=gen).to(torch.bfloat16)
+            caches = torch.zeros(2, (m + 15) // 16, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+            tables[m] = cos, sin, caches, torch.arange(m, dtype=torch.int32, device=device)
+        cos, sin, caches, slots = tables[m]
+        rope = mm.RopeStore(cos, sin, caches[0], caches[1], slots, heads) if fused else None
+        if kind == "float":
+            layers = weights
+            call = lambda w, c: mm.matmul(x, w, None, None, c, rope=rope)  # noqa: E731
+        else:
+            layers = list(zip(packed, scales16, mins16, strict=True))
+            call = lambda w, c: mm.int4_matmul(x, *w, None, None, True, c, rope=rope)  # noqa: E731
+        if not fused:
+
+            def rotated(w, c):
+                qk, v = call(w, c).view(m, -1, head_dim).split([heads + kv_heads, kv_heads], dim=1)
+                return elementwise.rotate_and_store(qk, v, cos, sin, caches[0], caches[1], slots).view(m, -1)
+
+            return lambda: [rotated(w, c) for w, c in zip(layers, counters, strict=True)]
+        key = f"{kind}-rope"
+        if key not in interleaved:
+            pair = lambda t: mm.interleave_rope(t, heads, kv_heads, head_dim)  # noqa: E731
+            interleaved[key] = [pair(w) if kind == "float" else tuple(pair(t) for t in w) for w in layers]
+        return lambda: [call(w, c) for w, c in zip(interleaved[key], counters, strict=True)]
 
     def int8_calls(x, int8_inputs=False):
         layers = list(zip(codes8, scales8, counters, strict=False))
@@ -277,6 +315,12 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
                 for kind in ("float", "int4-bf16x2")
                 for how in ("-kernel", "")
             ]
+        if name == "qkv":  # RoPE and the KV cache's write in the matmul's epilogue, against the RoPE kernel
+            runs += [
+                (f"{kind}-rope{how}", None, rope_calls(x, kind, fused=not how))
+                for kind in ("float", "int4-bf16x2")
+                for how in ("-kernel", "")
+            ]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
             runs += [("int8", None, int8_calls(x)), ("int8-int8", None, int8_calls(x, int8_inputs=True))]
         runs = [
@@ -299,10 +343,10 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
                 same_as = kind
                 while same_as.endswith(same_bits_as):
                     same_as = same_as.rpartition("-")[0]
-            if kind.endswith("-gated"):  # the same bits as the matmul and then the activation's kernel
+            if kind.endswith(("-gated", "-rope")):  # the same bits as the matmul and then the epilogue's kernel
                 same_as = f"{kind}-kernel"
             compared = cfg is None and (
-                kind.endswith((*same_bits_as, "-gated")) or kind in ("int4-convert", *SUM_KERNEL_KINDS)
+                kind.endswith((*same_bits_as, "-gated", "-rope")) or kind in ("int4-convert", *SUM_KERNEL_KINDS)
             )
             compared = compared and same_as in outputs
             same_bits = torch.equal(outputs[kind], outputs[same_as]) if compared else None
