@@ -381,8 +381,15 @@ def test_int8_inputs_and_the_switches_off_keep_the_activations_and_ropes_kernels
             assert layer.self_attn.qkv_rope is None and layer.self_attn.qkv_proj.rope_heads is None
         wait_idle_and_check(llm)
 
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)
     with _llm(tiny_model_dir, weights="q4", activations="int8") as q4:
         unfused(q4)
+        expected = [(r.token_ids, r.logprobs) for r in q4.generate(PROMPTS[:2], params)]
+    with _llm(tiny_model_dir, weights="q4") as q4:  # fused at load, then int8 inputs: the layouts undone
+        assert q4.model.layers[0].mlp.activation_in_gate_up and q4.model.layers[0].self_attn.qkv_rope
+        q4.engine.call(lambda: gpu.set_int8_inputs(q4.model, True))
+        unfused(q4)
+        assert [(r.token_ids, r.logprobs) for r in q4.generate(PROMPTS[:2], params)] == expected
     monkeypatch.setattr(gpu, "FUSE_GATED_ACTIVATIONS", False)
     monkeypatch.setattr(gpu, "FUSE_ROPE", False)
     with _llm(tiny_model_dir) as llm:

@@ -60,7 +60,7 @@ class _RowLayouts(nn.Module):
         [gate | up] again."""
         from kvserve.kernels.gpu.matmul import GATED_ACTIVATIONS, deinterleave_gate_up, interleave_gate_up
 
-        assert activation in GATED_ACTIVATIONS and self.rope_heads is None, activation
+        assert activation in GATED_ACTIVATIONS and (activation is None or self.rope_heads is None), activation
         if (self.activation is None) != (activation is None):
             self._relayout(interleave_gate_up if activation is not None else deinterleave_gate_up)
         self.activation = activation
@@ -70,7 +70,7 @@ class _RowLayouts(nn.Module):
         and v's rows as the checkpoint has them again."""
         from kvserve.kernels.gpu.matmul import deinterleave_rope, interleave_rope
 
-        assert self.activation is None
+        assert heads is None or self.activation is None
         if self.rope_heads is not None:
             self._relayout(lambda t, dim: deinterleave_rope(t, *self.rope_heads, dim))
         if heads is not None:
@@ -434,11 +434,11 @@ def fuse_gated_activations(model: nn.Module) -> None:
         if not isinstance(mlp, MLP):
             continue
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        if not _has_epilogues(gate_up):
+        if not isinstance(gate_up, _RowLayouts):
             continue
-        fused = FUSE_GATED_ACTIVATIONS and not getattr(down, "int8_activations", False)
+        fused = FUSE_GATED_ACTIVATIONS and _has_epilogues(gate_up) and not getattr(down, "int8_activations", False)
         activation = ("gelu_tanh" if mlp.gelu else "silu") if fused else None
-        gate_up.interleave_gate_up(activation)
+        gate_up.interleave_gate_up(activation)  # (where it was fused before and no longer is: undone)
         mlp.activation_in_gate_up = activation is not None
 
 
