@@ -335,35 +335,51 @@ class _Launches:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize(
+FORMS = pytest.mark.parametrize(
     "weights, dtype, batch_invariant",
     [("auto", "float32", True), ("auto", "bfloat16", False), ("q4", "bfloat16", True), ("q8", "float32", True)],
     ids=["float", "float-cublas", "q4-bf16x2", "q8"],
 )
+
+
+def _alone_then_a_prefix_hit(model_dir, **options) -> list:
+    """The tokens and logprobs of PROMPTS[3] alone, then of a batch of it extended (a prefix-cache hit on
+    its first blocks) and another prompt, from a fresh LLM with `options`."""
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+    with _llm(model_dir, **options) as llm:
+        alone = llm.generate(PROMPTS[3], params)
+        batch = llm.generate([PROMPTS[3] + " and more", PROMPTS[1]], params)
+        assert batch[0].usage.cached_tokens > 0 and batch[1].usage.cached_tokens == 0
+        wait_idle_and_check(llm)
+    return [(r.token_ids, r.logprobs) for r in (alone, *batch)]
+
+
+@FORMS
 def test_the_gate_up_projections_kernel_applies_the_activation_with_its_bits(
     tiny_model_dir, triton_kernels, monkeypatch, weights, dtype, batch_invariant
 ):
     """Each MLP's gate and up projection applies the gated activation in its matmul's kernel
     (layers/gpu.fuse_gated_activations: its rows interleaved), so a step launches no activation kernel
     (without batch invariance cuBLAS multiplies and the activation's kernel follows); the tokens and
-    logprobs are those of the projection's [gate | up] output and the activation's own kernel, batched."""
-    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+    logprobs, alone, batched and behind a prefix hit, are those of a fresh LLM that keeps [gate | up] and
+    the activation's own kernel."""
+    from kvserve.layers import gpu
+
+    options = dict(weights=weights, dtype=dtype, batch_invariant=batch_invariant)
     gated = _Launches(elementwise._gated_kernel)
     monkeypatch.setattr(elementwise, "_gated_kernel", gated)
-    with _llm(tiny_model_dir, weights=weights, dtype=dtype, batch_invariant=batch_invariant) as llm:
+    with _llm(tiny_model_dir, **options) as llm:
         mlps = [layer.mlp for layer in llm.model.layers]
         kind = {"auto": GpuLinear, "q4": GpuInt4Linear, "q8": GpuInt8GroupLinear}[weights]
         assert all(isinstance(mlp.gate_up_proj, kind) and mlp.activation_in_gate_up for mlp in mlps)
         assert "silu gated" in repr(mlps[0].gate_up_proj)
-        fused = [(r.token_ids, r.logprobs) for r in llm.generate(PROMPTS[:3], params)]
-        assert (gated.launches > 0) == (not batch_invariant)
-        for mlp in mlps:  # back to [gate | up] and the activation's kernel
-            mlp.gate_up_proj.interleave_gate_up(None)
-            mlp.activation_in_gate_up = False
-        launches = gated.launches
-        assert [(r.token_ids, r.logprobs) for r in llm.generate(PROMPTS[:3], params)] == fused
-        assert gated.launches > launches
         wait_idle_and_check(llm)
+    fused = _alone_then_a_prefix_hit(tiny_model_dir, **options)
+    assert (gated.launches > 0) == (not batch_invariant)
+    monkeypatch.setattr(gpu, "FUSE_GATED_ACTIVATIONS", False)
+    launches = gated.launches
+    assert _alone_then_a_prefix_hit(tiny_model_dir, **options) == fused
+    assert gated.launches > launches
 
 
 def test_int8_inputs_and_the_switches_off_keep_the_activations_and_ropes_kernels(
@@ -396,33 +412,28 @@ def test_int8_inputs_and_the_switches_off_keep_the_activations_and_ropes_kernels
         unfused(llm)
 
 
-@pytest.mark.parametrize(
-    "weights, dtype, batch_invariant",
-    [("auto", "float32", True), ("auto", "bfloat16", False), ("q4", "bfloat16", True), ("q8", "float32", True)],
-    ids=["float", "float-cublas", "q4-bf16x2", "q8"],
-)
+@FORMS
 def test_the_qkv_projections_kernel_applies_rope_and_writes_the_cache_with_their_bits(
     tiny_model_dir, triton_kernels, monkeypatch, weights, dtype, batch_invariant
 ):
     """Each attention's q/k/v projection rotates q and k and writes k and v into the KV cache in its
     matmul's epilogue (layers/gpu.fuse_rope_into_qkv: q's and k's rows paired), so a step launches no RoPE
     kernel (without batch invariance cuBLAS multiplies and the RoPE kernel follows); the tokens and
-    logprobs are those of the projection in the checkpoint's row order and the RoPE kernel, batched, with
-    prefix hits and graphs."""
-    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+    logprobs, alone, batched and behind a prefix hit (keys and values the epilogue wrote), are those of a
+    fresh LLM that keeps the checkpoint's row order and the RoPE kernel."""
+    from kvserve.layers import gpu
+
+    options = dict(weights=weights, dtype=dtype, batch_invariant=batch_invariant)
     rope = _Launches(elementwise._rotate_store_kernel)
     monkeypatch.setattr(elementwise, "_rotate_store_kernel", rope)
-    prompts = [PROMPTS[3], PROMPTS[3] + " and more", PROMPTS[1]]  # the second hits the first's prefix
-    with _llm(tiny_model_dir, weights=weights, dtype=dtype, batch_invariant=batch_invariant) as llm:
+    with _llm(tiny_model_dir, **options) as llm:
         attns = [layer.self_attn for layer in llm.model.layers]
         assert all(a.qkv_rope is not None and a.qkv_proj.rope_heads is not None for a in attns)
         assert "RoPE and the KV cache's write" in repr(attns[0].qkv_proj)
-        fused = [(r.token_ids, r.logprobs) for r in llm.generate(prompts, params)]
-        assert (rope.launches > 0) == (not batch_invariant)
-        for attn in attns:  # the checkpoint's row order and the RoPE kernel
-            attn.qkv_proj.pair_rope_rows(None)
-            attn.qkv_rope = None
-        launches = rope.launches
-        assert [(r.token_ids, r.logprobs) for r in llm.generate(prompts, params)] == fused
-        assert rope.launches > launches
         wait_idle_and_check(llm)
+    fused = _alone_then_a_prefix_hit(tiny_model_dir, **options)
+    assert (rope.launches > 0) == (not batch_invariant)
+    monkeypatch.setattr(gpu, "FUSE_ROPE", False)
+    launches = rope.launches
+    assert _alone_then_a_prefix_hit(tiny_model_dir, **options) == fused
+    assert rope.launches > launches

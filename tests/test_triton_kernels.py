@@ -674,10 +674,11 @@ def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
     """A q/k/v projection's matmul with `rope` over q's and k's rows paired (`interleave_rope`) gives the
     rotated q and writes k and v into the caches: the bits of the plain matmul and then
     `rotate_and_store`, whichever stores the output (a tile without K splits, a tile's last split, the RoPE
-    kernel after the sum kernel), with a bias, grouped KV heads, tiles holding several heads and q's and
-    k's edge, and a negative slot (no write); `deinterleave_rope` undoes the layout."""
+    kernel after the sum kernel), with a bias, a KV head for three query heads, heads of 40 so that tiles
+    (of 32 and 64 columns) hold q's edge with k and k's with v, and a negative slot (no write);
+    `deinterleave_rope` undoes the layout."""
     monkeypatch.setattr(matmul, "FLOAT_CONFIG", dataclasses.replace(matmul.FLOAT_CONFIG, k_per_split=512))
-    m, heads, kv_heads, head_dim = 5, 4, 2, 32
+    m, heads, kv_heads, head_dim = 5, 3, 1, 40  # q | k at column 120, k | v at 160
     n = (heads + 2 * kv_heads) * head_dim
     x = _randn(m, 1024 + 160, seed=63, dtype=torch.bfloat16)  # three K splits, the last one short
     bias = _randn(n, seed=64, dtype=torch.bfloat16)
@@ -1215,8 +1216,9 @@ def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kin
 @pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int8"])
 def test_a_gate_up_matmul_at_model_sizes_applies_the_activation_with_its_kernels_bits(kind):
     """A 1B model's gate and up projection (2048 -> 2 x 8192) with its activation in the matmul's kernel:
-    the bits of the [gate | up] matmul and then the activation's kernel, compiled apart, for 1 and 16 rows
-    (each tile's last K split stores) and 300 (more tiles than counters: the sum kernel), SiLU and GELU."""
+    the bits of the [gate | up] matmul and then the activation's kernel, compiled apart, SiLU and GELU, for
+    1 and 16 rows (float: a K split, the tile stores; 4-bit and int8: each tile's last of two splits) and
+    300 (4-bit: more tiles than counters, the sum kernel)."""
     k, intermediate = 2048, 8192
     x = _randn(300, k, seed=74, dtype=torch.bfloat16)
     counters = matmul.split_counters(DEVICE)
@@ -1245,15 +1247,16 @@ def test_a_gate_up_matmul_at_model_sizes_applies_the_activation_with_its_kernels
 def test_a_qkv_matmul_at_model_sizes_applies_rope_with_its_kernels_bits(kind):
     """A 1B model's q/k/v projection (2048 -> (32 + 2 x 8) x 64) with RoPE and the KV cache's write in its
     matmul's epilogue: the bits of the plain matmul and then `rotate_and_store`, compiled apart, for 1
-    and 16 rows and 300 (the RoPE kernel after the sum kernel where tiles outnumber counters)."""
+    and 16 rows (float: a K split, the tile stores; 4-bit: each tile's last of four splits) and 1,400 (4-bit:
+    more tiles than counters, the RoPE kernel after the sum kernel)."""
     k, heads, kv_heads, head_dim = 2048, 32, 8, 64
     n = (heads + 2 * kv_heads) * head_dim
-    x = _randn(300, k, seed=76, dtype=torch.bfloat16)
+    x = _randn(1400, k, seed=76, dtype=torch.bfloat16)
     cos, sin = (
-        _randn(300, 1, head_dim, seed=77, dtype=torch.bfloat16),
-        _randn(300, 1, head_dim, seed=78, dtype=torch.bfloat16),
+        _randn(1400, 1, head_dim, seed=77, dtype=torch.bfloat16),
+        _randn(1400, 1, head_dim, seed=78, dtype=torch.bfloat16),
     )
-    slots = torch.randperm(2048, generator=_generator(79))[:300].to(torch.int32).to(DEVICE)
+    slots = torch.randperm(2048, generator=_generator(79))[:1400].to(torch.int32).to(DEVICE)
     counters = matmul.split_counters(DEVICE)
     pair = lambda t: matmul.interleave_rope(t, heads, kv_heads, head_dim)  # noqa: E731
     if kind == "float":
@@ -1263,7 +1266,7 @@ def test_a_qkv_matmul_at_model_sizes_applies_rope_with_its_kernels_bits(kind):
         codes, scales, mins, _ = _int4_weight(n, k, torch.bfloat16, seed=80)
         weights, bf16x2 = [matmul.pack_int4(codes), scales, mins], kind == "int4-bf16x2"
         run = lambda x, p, s, mn, rope=None: matmul.int4_matmul(x, p, s, mn, None, None, bf16x2, counters, rope=rope)  # noqa: E731
-    for rows in (1, 16, 300):
+    for rows in (1, 16, 1400):
         caches = [torch.zeros(128, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
         plain = run(x[:rows], *weights).view(rows, heads + 2 * kv_heads, head_dim)
         qk, v = plain.split([heads + kv_heads, kv_heads], dim=1)

@@ -389,7 +389,9 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
     int8 form too (the same bits as the layer's own quantizing, one launch fewer): the final norm for
     the lm_head, and in each decoder layer the attention norm for qkv_proj, the attention for o_proj
     (where head_dim is a power of two times 32; else o_proj quantizes its input itself), the MLP norm
-    for gate_up_proj, the gated activation for down_proj."""
+    for gate_up_proj, the gated activation for down_proj. Then the epilogues' layouts follow
+    (`fuse_gated_activations`, `fuse_rope_into_qkv`): this changes the layers' tensors, so it runs before
+    a GPU's CUDA graphs are captured (the loader's call), whose replays would keep the old ones."""
     from kvserve.kernels.gpu import elementwise
     from kvserve.models.decoder import DecoderLayer
 

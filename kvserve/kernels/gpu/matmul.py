@@ -1154,8 +1154,10 @@ class RopeStore:
     `int4_matmul`, `int8_group_matmul`; the weight's q and k rows in `interleave_rope`'s layout): each
     row's cos and sin_signed [T, 1, D] (layers/rotary.py's tables), the layer's caches [blocks,
     block_size, Hkv, D], each row's slot [T] (negative: not written), and the number of query heads. The
-    call then gives the rotated q [T, H * D], `elementwise.rotate_and_store`'s bits, and writes k and v
-    into the caches as it does: one launch fewer, and no [T, (H + 2 Hkv) * D] output stored and read."""
+    call then gives the rotated q [T, H * D], `elementwise.rotate_and_store`'s bits (cos and sin in the
+    output's dtype, as the model's tables are), and writes k and v into the caches as it does: one launch
+    fewer, and (where the tile's last K split adds the splits, or there are none) no [T, (H + 2 Hkv) * D]
+    output stored and read."""
 
     cos: torch.Tensor
     sin_signed: torch.Tensor
@@ -1263,6 +1265,7 @@ def _launch(
     if rope is not None:
         _, block_size, num_kv_heads, head_dim = rope.k_cache.shape
         assert n == (rope.num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0, (n, rope.k_cache.shape)
+        assert rope.cos.dtype == rope.sin_signed.dtype == (out_dtype or x.dtype), rope.cos.dtype  # q's rounding
         assert config.block_n % 2 == 0 and not gated, config
         if is_split and not sum_in_tile:  # the sum kernel stores the output: the RoPE kernel follows
             plain = _launch(kernel, config, x, n, weight_args, bias, out_dtype, k, counters, weight, **constexprs)
