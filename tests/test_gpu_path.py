@@ -354,6 +354,22 @@ def _alone_then_a_prefix_hit(model_dir, **options) -> list:
     return [(r.token_ids, r.logprobs) for r in (alone, *batch)]
 
 
+def _with_and_without(model_dir, monkeypatch, kernel: str, switch: str, **options) -> None:
+    """`_alone_then_a_prefix_hit` with an epilogue (layers/gpu's `switch` on) and without it: the same
+    tokens and logprobs; elementwise's `kernel`, whose work the epilogue does, launched only without it
+    (and without batch invariance, where cuBLAS multiplies and the kernel follows)."""
+    from kvserve.layers import gpu
+
+    launched = _Launches(getattr(elementwise, kernel))
+    monkeypatch.setattr(elementwise, kernel, launched)
+    fused = _alone_then_a_prefix_hit(model_dir, **options)
+    assert (launched.launches > 0) == (not options["batch_invariant"])
+    monkeypatch.setattr(gpu, switch, False)
+    launches = launched.launches
+    assert _alone_then_a_prefix_hit(model_dir, **options) == fused
+    assert launched.launches > launches
+
+
 @FORMS
 def test_the_gate_up_projections_kernel_applies_the_activation_with_its_bits(
     tiny_model_dir, triton_kernels, monkeypatch, weights, dtype, batch_invariant
@@ -363,23 +379,14 @@ def test_the_gate_up_projections_kernel_applies_the_activation_with_its_bits(
     (without batch invariance cuBLAS multiplies and the activation's kernel follows); the tokens and
     logprobs, alone, batched and behind a prefix hit, are those of a fresh LLM that keeps [gate | up] and
     the activation's own kernel."""
-    from kvserve.layers import gpu
-
     options = dict(weights=weights, dtype=dtype, batch_invariant=batch_invariant)
-    gated = _Launches(elementwise._gated_kernel)
-    monkeypatch.setattr(elementwise, "_gated_kernel", gated)
     with _llm(tiny_model_dir, **options) as llm:
         mlps = [layer.mlp for layer in llm.model.layers]
         kind = {"auto": GpuLinear, "q4": GpuInt4Linear, "q8": GpuInt8GroupLinear}[weights]
         assert all(isinstance(mlp.gate_up_proj, kind) and mlp.activation_in_gate_up for mlp in mlps)
         assert "silu gated" in repr(mlps[0].gate_up_proj)
         wait_idle_and_check(llm)
-    fused = _alone_then_a_prefix_hit(tiny_model_dir, **options)
-    assert (gated.launches > 0) == (not batch_invariant)
-    monkeypatch.setattr(gpu, "FUSE_GATED_ACTIVATIONS", False)
-    launches = gated.launches
-    assert _alone_then_a_prefix_hit(tiny_model_dir, **options) == fused
-    assert gated.launches > launches
+    _with_and_without(tiny_model_dir, monkeypatch, "_gated_kernel", "FUSE_GATED_ACTIVATIONS", **options)
 
 
 def test_int8_inputs_and_the_switches_off_keep_the_activations_and_ropes_kernels(
@@ -421,19 +428,10 @@ def test_the_qkv_projections_kernel_applies_rope_and_writes_the_cache_with_their
     kernel (without batch invariance cuBLAS multiplies and the RoPE kernel follows); the tokens and
     logprobs, alone, batched and behind a prefix hit (keys and values the epilogue wrote), are those of a
     fresh LLM that keeps the checkpoint's row order and the RoPE kernel."""
-    from kvserve.layers import gpu
-
     options = dict(weights=weights, dtype=dtype, batch_invariant=batch_invariant)
-    rope = _Launches(elementwise._rotate_store_kernel)
-    monkeypatch.setattr(elementwise, "_rotate_store_kernel", rope)
     with _llm(tiny_model_dir, **options) as llm:
         attns = [layer.self_attn for layer in llm.model.layers]
         assert all(a.qkv_rope is not None and a.qkv_proj.rope_heads is not None for a in attns)
         assert "RoPE and the KV cache's write" in repr(attns[0].qkv_proj)
         wait_idle_and_check(llm)
-    fused = _alone_then_a_prefix_hit(tiny_model_dir, **options)
-    assert (rope.launches > 0) == (not batch_invariant)
-    monkeypatch.setattr(gpu, "FUSE_ROPE", False)
-    launches = rope.launches
-    assert _alone_then_a_prefix_hit(tiny_model_dir, **options) == fused
-    assert rope.launches > launches
+    _with_and_without(tiny_model_dir, monkeypatch, "_rotate_store_kernel", "FUSE_ROPE", **options)
