@@ -85,11 +85,10 @@ class _RowLayouts(nn.Module):
 
         if self.activation is not None:
             out = _gated(out, self.activation)
-        elif self.rope_heads is not None:
-            if rope is not None:
-                out = matmul._rotate_and_store_output(out, rope)
-            else:
-                out = matmul.deinterleave_rope(out, *self.rope_heads, dim=1)
+        elif self.rope_heads is not None and rope is not None:
+            out = matmul._rotate_and_store_output(out, rope)
+        else:
+            out = self._rows_in_order(out, rope)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def _rows_in_order(self, out: torch.Tensor, rope) -> torch.Tensor:
