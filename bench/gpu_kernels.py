@@ -228,16 +228,16 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         else:
             layers = list(zip(packed, scales16, mins16, strict=True))
             call = lambda w, c: mm.int4_matmul(x, *w, None, None, True, c, act)  # noqa: E731
-        if fused:
-            if kind not in interleaved:
-                interleaved[kind] = [
-                    mm.interleave_gate_up(w) if kind == "float" else tuple(mm.interleave_gate_up(t) for t in w)
-                    for w in layers
-                ]
-            layers = interleaved[kind]
-        if fused:
-            return lambda: [call(w, c) for w, c in zip(layers, counters, strict=True)]
-        return lambda: [elementwise.gated_activation(call(w, c), False) for w, c in zip(layers, counters, strict=True)]
+        if not fused:
+            return lambda: [
+                elementwise.gated_activation(call(w, c), False) for w, c in zip(layers, counters, strict=True)
+            ]
+        if kind not in interleaved:
+            interleaved[kind] = [
+                mm.interleave_gate_up(w) if kind == "float" else tuple(mm.interleave_gate_up(t) for t in w)
+                for w in layers
+            ]
+        return lambda: [call(w, c) for w, c in zip(interleaved[kind], counters, strict=True)]
 
     def rope_calls(x, kind, fused):
         """A q/k/v projection (`kind` float or int4-bf16x2) with RoPE and the KV cache's write: in the
