@@ -392,43 +392,54 @@ def test_the_gate_up_projections_kernel_applies_the_activation_with_its_bits(
 def test_int8_inputs_and_the_switches_off_keep_the_activations_and_ropes_kernels(
     tiny_model_dir, triton_kernels, monkeypatch
 ):
-    """With int8 inputs (the activation's kernel makes down_proj's int8 form; the projections' int8 kernels
-    have no such epilogues), or with FUSE_GATED_ACTIVATIONS and FUSE_ROPE off, the gate and up and the q/k/v
-    projections keep the checkpoint's row order and the activation's and RoPE's kernels run. (PyTorch's int4
-    kernel, on a GPU only, keeps them too: layers/gpu._has_epilogues.)"""
+    """With int8 inputs the gate and up projection keeps [gate | up] and the activation's kernel runs (it
+    makes down_proj's int8 form; the int8-input kernels have RoPE's epilogue only); with FUSE_GATED_ACTIVATIONS
+    and FUSE_ROPE off, the gate and up and the q/k/v projections keep the checkpoint's row order and the
+    activation's and RoPE's kernels run. (PyTorch's int4 kernel, on a GPU only, keeps both: layers/gpu.
+    _has_epilogues.)"""
     from kvserve.layers import gpu
 
-    def unfused(llm):
+    def fused(llm, gated: bool, rope: bool):
         for layer in llm.model.layers:
-            assert not layer.mlp.activation_in_gate_up and layer.mlp.gate_up_proj.activation is None
-            assert layer.self_attn.qkv_rope is None and layer.self_attn.qkv_proj.rope_heads is None
+            assert layer.mlp.activation_in_gate_up == gated == (layer.mlp.gate_up_proj.activation is not None)
+            assert (layer.self_attn.qkv_rope is not None) == rope == (layer.self_attn.qkv_proj.rope_heads is not None)
         wait_idle_and_check(llm)
 
     params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)
     with _llm(tiny_model_dir, weights="q4", activations="int8") as q4:
-        unfused(q4)
+        fused(q4, gated=False, rope=True)
         expected = [(r.token_ids, r.logprobs) for r in q4.generate(PROMPTS[:2], params)]
-    with _llm(tiny_model_dir, weights="q4") as q4:  # fused at load, then int8 inputs: the layouts undone
-        assert q4.model.layers[0].mlp.activation_in_gate_up and q4.model.layers[0].self_attn.qkv_rope
+    with _llm(tiny_model_dir, weights="q4") as q4:  # fused at load, then int8 inputs: the activation's undone
+        fused(q4, gated=True, rope=True)
         q4.engine.call(lambda: gpu.set_int8_inputs(q4.model, True))
-        unfused(q4)
+        fused(q4, gated=False, rope=True)
         assert [(r.token_ids, r.logprobs) for r in q4.generate(PROMPTS[:2], params)] == expected
     monkeypatch.setattr(gpu, "FUSE_GATED_ACTIVATIONS", False)
     monkeypatch.setattr(gpu, "FUSE_ROPE", False)
     with _llm(tiny_model_dir) as llm:
-        unfused(llm)
+        fused(llm, gated=False, rope=False)
 
 
-@FORMS
+@pytest.mark.parametrize(
+    "weights, dtype, batch_invariant, activations",
+    [
+        ("auto", "float32", True, "auto"),
+        ("auto", "bfloat16", False, "auto"),
+        ("q4", "bfloat16", True, "auto"),
+        ("q8", "float32", True, "auto"),
+        ("q4", "float32", True, "int8"),
+    ],
+    ids=["float", "float-cublas", "q4-bf16x2", "q8", "q4-int8"],
+)
 def test_the_qkv_projections_kernel_applies_rope_and_writes_the_cache_with_their_bits(
-    tiny_model_dir, triton_kernels, monkeypatch, weights, dtype, batch_invariant
+    tiny_model_dir, triton_kernels, monkeypatch, weights, dtype, batch_invariant, activations
 ):
     """Each attention's q/k/v projection rotates q and k and writes k and v into the KV cache in its
     matmul's epilogue (layers/gpu.fuse_rope_into_qkv: q's and k's rows paired), so a step launches no RoPE
     kernel (without batch invariance cuBLAS multiplies and the RoPE kernel follows); the tokens and
     logprobs, alone, batched and behind a prefix hit (keys and values the epilogue wrote), are those of a
-    fresh LLM that keeps the checkpoint's row order and the RoPE kernel."""
-    options = dict(weights=weights, dtype=dtype, batch_invariant=batch_invariant)
+    fresh LLM that keeps the checkpoint's row order and the RoPE kernel. With float and int8 inputs."""
+    options = dict(weights=weights, dtype=dtype, batch_invariant=batch_invariant, activations=activations)
     with _llm(tiny_model_dir, **options) as llm:
         attns = [layer.self_attn for layer in llm.model.layers]
         assert all(a.qkv_rope is not None and a.qkv_proj.rope_heads is not None for a in attns)

@@ -669,16 +669,17 @@ def test_a_gate_up_matmul_with_its_activation_gives_the_gated_activations_bits(m
             assert out.shape == (m, intermediate) and torch.equal(out, expected), (short.shape, counters is None)
 
 
-@pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int8"])
+@pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int8", "int4-int8", "int4-int8-mma", "int8-int8"])
 def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
     """A q/k/v projection's matmul with `rope` over q's and k's rows paired (`interleave_rope`) gives the
     rotated q and writes k and v into the caches: the bits of the plain matmul and then
-    `rotate_and_store`, whichever stores the output (a tile without K splits, a tile's last split, the RoPE
-    kernel after the sum kernel), with a bias, a KV head for three query heads, heads of 40 so that tiles
+    `rotate_and_store`, whichever stores the output (a tile without K splits, a tile's last split, the
+    splits in one program, the RoPE kernel after the sum kernel), with float and int8 inputs (dp4a for 5
+    rows, the tensor cores for 20), a bias, a KV head for three query heads, heads of 40 so that tiles
     (of 32 and 64 columns) hold q's edge with k and k's with v, and a negative slot (no write);
     `deinterleave_rope` undoes the layout."""
     monkeypatch.setattr(matmul, "FLOAT_CONFIG", dataclasses.replace(matmul.FLOAT_CONFIG, k_per_split=512))
-    m, heads, kv_heads, head_dim = 5, 3, 1, 40  # q | k at column 120, k | v at 160
+    m, heads, kv_heads, head_dim = 20 if kind.endswith("mma") else 5, 3, 1, 40  # q | k at column 120, k | v at 160
     n = (heads + 2 * kv_heads) * head_dim
     x = _randn(m, 1024 + 160, seed=63, dtype=torch.bfloat16)  # three K splits, the last one short
     bias = _randn(n, seed=64, dtype=torch.bfloat16)
@@ -686,31 +687,43 @@ def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
         _randn(m, 1, head_dim, seed=65, dtype=torch.bfloat16),
         _randn(m, 1, head_dim, seed=66, dtype=torch.bfloat16),
     )
-    slots = torch.tensor([3, 17, -1, 40, 8], dtype=torch.int32, device=DEVICE)
+    slots = (torch.arange(m, dtype=torch.int32) * 7 % 48).to(DEVICE)  # 48 slots, one each
+    slots[2] = -1
     pair = lambda t, dim=0: matmul.interleave_rope(t, heads, kv_heads, head_dim, dim)  # noqa: E731
     if kind == "float":
         weights = [_randn(n, x.shape[1], seed=67, dtype=torch.bfloat16)]
         run = lambda x, w, bias, counters, rope=None: matmul.matmul(x, w, bias, None, counters, rope=rope)  # noqa: E731
-    elif kind == "int8":
+    elif kind in ("int8", "int8-int8"):
         codes, scales, _ = _int8_weight(n, x.shape[1], seed=67)
         weights = [codes, scales]
-        run = lambda x, c, s, bias, counters, rope=None: matmul.int8_group_matmul(  # noqa: E731
-            x, c, s, None, bias, counters, rope=rope
-        )
+        if kind == "int8":
+            run = lambda x, c, s, bias, counters, rope=None: matmul.int8_group_matmul(  # noqa: E731
+                x, c, s, None, bias, counters, rope=rope
+            )
+        else:
+            run = lambda x, c, s, bias, counters, rope=None: matmul.int8_int8_matmul(  # noqa: E731
+                x, c, s, None, bias, counters=counters, rope=rope
+            )
     else:
         codes, scales, mins, _ = _int4_weight(n, x.shape[1], torch.bfloat16, seed=67)
         weights = [matmul.pack_int4(codes), scales, mins]
-        run = lambda x, p, s, mn, bias, counters, rope=None: matmul.int4_matmul(  # noqa: E731
-            x, p, s, mn, None, bias, kind == "int4-bf16x2", counters, rope=rope
-        )
+        if kind.startswith("int4-int8"):
+            run = lambda x, p, s, mn, bias, counters, rope=None: matmul.int4_int8_matmul(  # noqa: E731
+                x, p, s, mn, None, bias, counters=counters, rope=rope
+            )
+        else:
+            run = lambda x, p, s, mn, bias, counters, rope=None: matmul.int4_matmul(  # noqa: E731
+                x, p, s, mn, None, bias, kind == "int4-bf16x2", counters, rope=rope
+            )
     for t in weights:
         assert torch.equal(matmul.deinterleave_rope(pair(t), heads, kv_heads, head_dim), t)
-    for short in (x[:, :512], x):  # one K split (no partial sums), three
+    # one K split (no partial sums), two whole ones (int4 x int8: in one program), three (the last short)
+    for short in (x[:, :512], x[:, :1024], x):
         ws = [w[:, : w.shape[1] * short.shape[1] // x.shape[1]] for w in weights]
         for counters in (None, matmul.split_counters(DEVICE)):  # the sum kernel, the tile's last split
             caches = [
                 torch.full((6, 8, kv_heads, head_dim), 7.0, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)
-            ]
+            ]  # 48 slots
             plain = run(short, *ws, bias, counters).view(m, heads + 2 * kv_heads, head_dim)
             qk, v = plain.split([heads + kv_heads, kv_heads], dim=1)
             expected = elementwise.rotate_and_store(qk, v, cos, sin, caches[0], caches[1], slots)
@@ -1243,12 +1256,13 @@ def test_a_gate_up_matmul_at_model_sizes_applies_the_activation_with_its_kernels
 
 
 @on_gpu
-@pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2"])
+@pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int4-int8"])
 def test_a_qkv_matmul_at_model_sizes_applies_rope_with_its_kernels_bits(kind):
     """A 1B model's q/k/v projection (2048 -> (32 + 2 x 8) x 64) with RoPE and the KV cache's write in its
     matmul's epilogue: the bits of the plain matmul and then `rotate_and_store`, compiled apart, for 1
-    and 16 rows (float: a K split, the tile stores; 4-bit: each tile's last of four splits) and 1,400 (4-bit:
-    more tiles than counters, the RoPE kernel after the sum kernel)."""
+    and 16 rows (float: a K split, the tile stores; 4-bit: each tile's last of four splits; int8 inputs: the
+    splits in one program, then the tensor cores' tiles) and 1,400 (4-bit: more tiles than counters, the
+    RoPE kernel after the sum kernel)."""
     k, heads, kv_heads, head_dim = 2048, 32, 8, 64
     n = (heads + 2 * kv_heads) * head_dim
     x = _randn(1400, k, seed=76, dtype=torch.bfloat16)
@@ -1262,6 +1276,10 @@ def test_a_qkv_matmul_at_model_sizes_applies_rope_with_its_kernels_bits(kind):
     if kind == "float":
         weights = [_randn(n, k, seed=80, dtype=torch.bfloat16) / 32]
         run = lambda x, w, rope=None: matmul.matmul(x, w, None, None, counters, rope=rope)  # noqa: E731
+    elif kind == "int4-int8":
+        codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=80)
+        weights = [matmul.pack_int4(codes), scales, mins]
+        run = lambda x, p, s, mn, rope=None: matmul.int4_int8_matmul(x, p, s, mn, counters=counters, rope=rope)  # noqa: E731
     else:
         codes, scales, mins, _ = _int4_weight(n, k, torch.bfloat16, seed=80)
         weights, bf16x2 = [matmul.pack_int4(codes), scales, mins], kind == "int4-bf16x2"
@@ -1431,6 +1449,7 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"qkv-tiles-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters, rope=rope)
     call = f"qkv-int4-tiles-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales.to(bf16), scales.to(bf16), packed_bf16=True, counters=counters, rope=rope)
     call = f"qkv-int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), rope=rope)
+    call = f"qkv-int4-int8-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters, rope=rope)
     call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
     call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
     call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
@@ -1620,6 +1639,9 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("qkv-int8", "_int8_kernel"),
         ("qkv-int8", "_sum_splits_kernel"),  # or by the RoPE kernel after the sum kernel
         ("qkv-int8", "_rotate_store_kernel"),
+        ("qkv-int4-int8-tiles", "_quantize_int8_kernel"),  # int8 inputs: the splits in one program, the mma tiles
+        ("qkv-int4-int8-tiles", "_int4_int8_splits_kernel"),
+        ("qkv-int4-int8-tiles", "_int4_int8_mma_kernel"),
         ("store_kv", "_store_kv_kernel"),
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),

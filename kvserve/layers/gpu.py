@@ -250,8 +250,9 @@ class GpuInt4Linear(_RowLayouts):
 
         x2 = x.reshape(-1, self.in_features)
         out_dtype = self.out_dtype or x.dtype
-        plain = self.tinygemm or self.int8_activations  # kernels without the epilogues
-        assert not (plain and (self.activation or self.rope_heads)), "fuse_gated_activations, fuse_rope_into_qkv"
+        # PyTorch's int4 kernel has no epilogue of kvserve's; the int8-input ones have RoPE's only
+        assert not (self.tinygemm and self.rope_heads), "fuse_rope_into_qkv"
+        assert not ((self.tinygemm or self.int8_activations) and self.activation), "fuse_gated_activations"
         if self.tinygemm:
             from kvserve.kernels.gpu import tinygemm
 
@@ -260,8 +261,9 @@ class GpuInt4Linear(_RowLayouts):
         elif self.int8_activations:
             quantized = getattr(x, INT8_FORM, None)  # made by the kernel that made x, if any
             out = int4_int8_matmul(
-                x2, self.packed, self.scales, self.mins, out_dtype, self.bias, quantized, self.split_counters
+                x2, self.packed, self.scales, self.mins, out_dtype, self.bias, quantized, self.split_counters, rope
             )
+            out = self._rows_in_order(out, rope)
         else:
             out = int4_matmul(
                 x2,
@@ -327,10 +329,13 @@ class GpuInt8GroupLinear(_RowLayouts):
 
         x2 = x.reshape(-1, self.in_features)
         out_dtype = self.out_dtype or x.dtype
-        assert not (self.int8_activations and (self.activation or self.rope_heads)), "without the epilogues"
+        assert not (self.int8_activations and self.activation), "the int8-input kernels have RoPE's epilogue only"
         if self.int8_activations:
             quantized = getattr(x, INT8_FORM, None)  # made by the kernel that made x, if any
-            out = int8_int8_matmul(x2, self.codes, self.scales, out_dtype, self.bias, quantized, self.split_counters)
+            out = int8_int8_matmul(
+                x2, self.codes, self.scales, out_dtype, self.bias, quantized, self.split_counters, rope
+            )
+            out = self._rows_in_order(out, rope)
         else:
             out = int8_group_matmul(
                 x2, self.codes, self.scales, out_dtype, self.bias, self.split_counters, self.activation, rope
@@ -443,12 +448,12 @@ def fuse_gated_activations(model: nn.Module) -> None:
         mlp.activation_in_gate_up = activation is not None
 
 
-def _has_epilogues(layer: nn.Module) -> bool:
-    """Whether a layer's kernel has kvserve's epilogues (the gated activation, RoPE): float, Q8_0 or
-    4-bit weights in kvserve's kernels, taking float inputs."""
+def _has_epilogues(layer: nn.Module, float_inputs: bool = True) -> bool:
+    """Whether a layer's kernel has kvserve's epilogues: float, Q8_0 or 4-bit weights in kvserve's kernels
+    (not PyTorch's int4 kernel), taking float inputs (the gated activation's epilogue) or any (RoPE's)."""
     return (
         isinstance(layer, (GpuLinear, GpuInt8GroupLinear)) or (isinstance(layer, GpuInt4Linear) and not layer.tinygemm)
-    ) and not getattr(layer, "int8_activations", False)
+    ) and not (float_inputs and getattr(layer, "int8_activations", False))
 
 
 # RoPE and the KV cache's write in the q/k/v projection's epilogue (`fuse_rope_into_qkv`): on, as it is the
@@ -459,9 +464,9 @@ FUSE_ROPE = True
 def fuse_rope_into_qkv(model: nn.Module) -> None:
     """Have each attention's q/k/v projection rotate q and k in its matmul's epilogue and write k and v
     into the KV cache there (its q and k rows paired: `matmul.interleave_rope`; `Attention.qkv_rope`), one
-    launch fewer a layer and `elementwise.rotate_and_store`'s bits, where its kernel can (`_has_epilogues`)
-    and RoPE covers whole heads with no q/k norm before it, while FUSE_ROPE. Elsewhere the layout is put
-    back. `set_int8_inputs` ends with this."""
+    launch fewer a layer and `elementwise.rotate_and_store`'s bits, where its kernel can (`_has_epilogues`:
+    with float or int8 inputs) and RoPE covers whole heads with no q/k norm before it, while FUSE_ROPE.
+    Elsewhere the layout is put back. `set_int8_inputs` ends with this."""
     from kvserve.models.decoder import Attention
 
     for attn in model.modules():
@@ -469,7 +474,7 @@ def fuse_rope_into_qkv(model: nn.Module) -> None:
             continue
         fused = (
             FUSE_ROPE
-            and _has_epilogues(attn.qkv_proj)
+            and _has_epilogues(attn.qkv_proj, float_inputs=False)
             and attn.rotate_and_store is not None  # the GPU's forms (use_triton_forms)
             and attn.rotary_dim == attn.head_dim
             and attn.q_norm is None

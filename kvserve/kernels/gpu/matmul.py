@@ -732,6 +732,9 @@ def _int4_int8_kernel(
     PDL: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 0,
     GROUP_MAJOR: tl.constexpr = False,  # words [K / 32, N, WORDS], scales and mins [K / 32, N] (to_group_major)
+    rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
+    ROPE: tl.constexpr = 0,
+    CACHE_BLOCK: tl.constexpr = 0,
 ):
     """int4 weights times int8 inputs (x: `quantize_int8`'s words, d and s; BLOCK_K 128: four groups
     a step), as int4_int8.cpp on the CPU: per group of 32 and output the exact integer sum over
@@ -805,6 +808,10 @@ def _int4_int8_kernel(
         IS_SPLIT,
         SUM_IN_TILE,
         INTERPRET,
+        0,
+        rope,
+        ROPE,
+        CACHE_BLOCK,
     )
 
 
@@ -844,6 +851,9 @@ def _int4_int8_splits_kernel(
     CODE_BITS: tl.constexpr = 4,
     PDL: tl.constexpr = False,
     GROUP_MAJOR: tl.constexpr = False,
+    rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
+    ROPE: tl.constexpr = 0,
+    CACHE_BLOCK: tl.constexpr = 0,
 ):
     """`_int4_int8_kernel` with all of a layer's K splits (SPLITS of STEPS steps of four groups: K =
     SPLITS * STEPS * 128) in one program: each (split, output) pair on a thread of its own, as one
@@ -909,6 +919,10 @@ def _int4_int8_splits_kernel(
         False,
         False,
         INTERPRET,
+        0,
+        rope,
+        ROPE,
+        CACHE_BLOCK,
     )
 
 
@@ -946,6 +960,9 @@ def _int4_int8_mma_kernel(
     PDL: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 0,
     GROUP_MAJOR: tl.constexpr = False,  # as `_int4_int8_kernel`'s
+    rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
+    ROPE: tl.constexpr = 0,
+    CACHE_BLOCK: tl.constexpr = 0,
 ):
     """`_int4_int8_kernel`'s arithmetic for many rows, each group's integer sums on the tensor cores
     (an int8 dot of K = 32, exact in int32 whatever its order) and the same float steps per row and
@@ -1044,6 +1061,10 @@ def _int4_int8_mma_kernel(
         IS_SPLIT,
         SUM_IN_TILE,
         INTERPRET,
+        0,
+        rope,
+        ROPE,
+        CACHE_BLOCK,
     )
 
 
@@ -1244,8 +1265,8 @@ def _launch(
     split adds the partial sums (where the call has at most that many tiles), else
     `_sum_splits_kernel` does, a launch more; `weight`, the codes or weights [N, ...] whose rows'
     splits a program may prefetch (`prefetch_lines`); `activation` (the float-input kernels), a gated
-    activation of interleaved rows into [M, n / 2] (`GATED_ACTIVATIONS`); `rope` (the float-input
-    kernels), RoPE and the KV cache's write of a q/k/v projection, giving q [M, H * D] (`RopeStore`);
+    activation of interleaved rows into [M, n / 2] (`GATED_ACTIVATIONS`); `rope` (every matmul kernel),
+    RoPE and the KV cache's write of a q/k/v projection, giving q [M, H * D] (`RopeStore`);
     `constexprs`, the kernel's other compile-time switches."""
     assert x.dim() == 2, x.shape
     x = _row_major(x)
@@ -1266,8 +1287,10 @@ def _launch(
         _, block_size, num_kv_heads, head_dim = rope.k_cache.shape
         assert n == (rope.num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0, (n, rope.k_cache.shape)
         assert rope.cos.dtype == rope.sin_signed.dtype == (out_dtype or x.dtype), rope.cos.dtype  # q's rounding
-        assert config.block_n % 2 == 0 and not gated, config
-        if is_split and not sum_in_tile:  # the sum kernel stores the output: the RoPE kernel follows
+        assert not gated
+        # the sum kernel stores the output, or a tile would cut a pair (int8 inputs' splits in one program
+        # of 128: one column a program): the RoPE kernel follows
+        if (is_split and not sum_in_tile) or config.block_n % 2:
             plain = _launch(kernel, config, x, n, weight_args, bias, out_dtype, k, counters, weight, **constexprs)
             return _rotate_and_store_output(plain, rope)
         constexprs.update(rope=_rope_args(rope), ROPE=head_dim, CACHE_BLOCK=block_size)
@@ -1460,6 +1483,7 @@ def int4_int8_matmul(
     bias: torch.Tensor | None = None,
     quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     counters: torch.Tensor | None = None,
+    rope: RopeStore | None = None,
 ) -> torch.Tensor:
     """`int4_matmul` with x quantized to int8 per row and group of 32 (llama.cpp's Q8_1 inputs,
     kvserve's `--activations int8` on the CPU; `quantized`: `quantize_int8(x)` if already made): per
@@ -1469,11 +1493,11 @@ def int4_int8_matmul(
     Every row's arithmetic is its own and its sums exact, so the kernel may follow M without changing a
     bit: below INT4_INT8_MMA_ROWS rows dp4a (`_int4_int8_kernel`, its row tile M rounded up), from
     there the tensor cores (`_int4_int8_mma_kernel`, in INT4_INT8_MMA_TILES); all with the layer's K
-    splits. The weight may be given group major (`to_group_major`): the same bits."""
+    splits. The weight may be given group major (`to_group_major`): the same bits. `rope` as `matmul`'s."""
     n, group_major, (packed, scales, mins) = _int4_layout(x, packed, scales, mins)
     words = packed.view(torch.int32)  # [N, K / 8] (or [K / 32, N, 4]): four per group of 32
     return _int8_inputs_launch(
-        x, n, words, scales, mins, out_dtype, bias, quantized, counters, code_bits=4, group_major=group_major
+        x, n, words, scales, mins, out_dtype, bias, quantized, counters, code_bits=4, group_major=group_major, rope=rope
     )
 
 
@@ -1485,18 +1509,21 @@ def int8_int8_matmul(
     bias: torch.Tensor | None = None,
     quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     counters: torch.Tensor | None = None,
+    rope: RopeStore | None = None,
 ) -> torch.Tensor:
     """`int8_group_matmul`'s weights (int8 codes [N, K], a scale per 32 inputs: GGML's Q8_0) times x
     quantized to int8 per row and group of 32 (`quantize_int8`; `quantized` if already made), as
     llama.cpp's Q8_0 x Q8_0: per group an exact integer sum over code * q, then total = fma(scale * d,
     sum, total), group after group. The kernels and tiles of `int4_int8_matmul` (the same bits for any
-    number of rows)."""
+    number of rows); `rope` as `matmul`'s."""
     n, k = codes.shape
     assert x.shape[1] == k and k % GROUP_SIZE == 0 and codes.dtype == torch.int8, (x.shape, codes.shape)
     assert scales.shape == (n, k // GROUP_SIZE), scales.shape
     codes, scales = _row_major(codes), _row_major(scales)
     words = codes.view(torch.int32)  # [N, K / 4]: eight per group of 32
-    return _int8_inputs_launch(x, n, words, scales, scales, out_dtype, bias, quantized, counters, code_bits=8)
+    return _int8_inputs_launch(
+        x, n, words, scales, scales, out_dtype, bias, quantized, counters, code_bits=8, rope=rope
+    )
 
 
 def _int8_inputs_launch(
@@ -1511,6 +1538,7 @@ def _int8_inputs_launch(
     counters: torch.Tensor | None,
     code_bits: int,
     group_major: bool = False,
+    rope: RopeStore | None = None,
 ) -> torch.Tensor:
     """The int4 x int8 or int8 x int8 kernel for x's row count: dp4a below INT4_INT8_MMA_ROWS rows (its
     row tile M rounded up), the tensor cores from there (in INT4_INT8_MMA_TILES); the layer's K splits."""
@@ -1552,6 +1580,7 @@ def _int8_inputs_launch(
         weight=None
         if group_major or kernel is _int4_int8_splits_kernel
         else words,  # the L2 prefetch: row-major splits
+        rope=rope,
         CODE_BITS=code_bits,
         **constexprs,
     )
