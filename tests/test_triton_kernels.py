@@ -669,16 +669,21 @@ def test_a_gate_up_matmul_with_its_activation_gives_the_gated_activations_bits(m
             assert out.shape == (m, intermediate) and torch.equal(out, expected), (short.shape, counters is None)
 
 
-@pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int8", "int4-int8", "int4-int8-mma", "int8-int8"])
+KINDS_WITH_ROPE = ["float", "int4", "int4-bf16x2", "int8", "int4-int8", "int4-int8-mma", "int8-int8", "int8-int8-mma"]
+
+
+@pytest.mark.parametrize("kind", [*KINDS_WITH_ROPE, "int4-int8-one-column"])
 def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
     """A q/k/v projection's matmul with `rope` over q's and k's rows paired (`interleave_rope`) gives the
     rotated q and writes k and v into the caches: the bits of the plain matmul and then
     `rotate_and_store`, whichever stores the output (a tile without K splits, a tile's last split, the
-    splits in one program, the RoPE kernel after the sum kernel), with float and int8 inputs (dp4a for 5
-    rows, the tensor cores for 20), a bias, a KV head for three query heads, heads of 40 so that tiles
-    (of 32 and 64 columns) hold q's edge with k and k's with v, and a negative slot (no write);
-    `deinterleave_rope` undoes the layout."""
+    splits in one program, the RoPE kernel after the sum kernel or where a tile is one column wide), with
+    float and int8 inputs (dp4a for 5 rows, the tensor cores for 20), a bias, a KV head for three query
+    heads, heads of 40 so that tiles (of 32 and 64 columns) hold q's edge with k and k's with v, and a
+    negative slot (no write); `deinterleave_rope` undoes the layout."""
     monkeypatch.setattr(matmul, "FLOAT_CONFIG", dataclasses.replace(matmul.FLOAT_CONFIG, k_per_split=512))
+    if kind == "int4-int8-one-column":  # four splits in one program of four pairs: a column a tile
+        monkeypatch.setattr(matmul, "SPLITS_IN_PROGRAM", 4)
     m, heads, kv_heads, head_dim = 20 if kind.endswith("mma") else 5, 3, 1, 40  # q | k at column 120, k | v at 160
     n = (heads + 2 * kv_heads) * head_dim
     x = _randn(m, 1024 + 160, seed=63, dtype=torch.bfloat16)  # three K splits, the last one short
@@ -693,7 +698,7 @@ def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
     if kind == "float":
         weights = [_randn(n, x.shape[1], seed=67, dtype=torch.bfloat16)]
         run = lambda x, w, bias, counters, rope=None: matmul.matmul(x, w, bias, None, counters, rope=rope)  # noqa: E731
-    elif kind in ("int8", "int8-int8"):
+    elif kind.startswith("int8"):
         codes, scales, _ = _int8_weight(n, x.shape[1], seed=67)
         weights = [codes, scales]
         if kind == "int8":
@@ -717,8 +722,9 @@ def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
             )
     for t in weights:
         assert torch.equal(matmul.deinterleave_rope(pair(t), heads, kv_heads, head_dim), t)
-    # one K split (no partial sums), two whole ones (int4 x int8: in one program), three (the last short)
-    for short in (x[:, :512], x[:, :1024], x):
+    # K splits of 512 (float, int4) or 256 (int8 inputs): one (no partial sums); two or four (int4 x int8:
+    # in one program); three or five, the last short
+    for short in (x[:, :256], x[:, :1024], x):
         ws = [w[:, : w.shape[1] * short.shape[1] // x.shape[1]] for w in weights]
         for counters in (None, matmul.split_counters(DEVICE)):  # the sum kernel, the tile's last split
             caches = [
@@ -1262,7 +1268,7 @@ def test_a_qkv_matmul_at_model_sizes_applies_rope_with_its_kernels_bits(kind):
     matmul's epilogue: the bits of the plain matmul and then `rotate_and_store`, compiled apart, for 1
     and 16 rows (float: a K split, the tile stores; 4-bit: each tile's last of four splits; int8 inputs: the
     splits in one program, then the tensor cores' tiles) and 1,400 (4-bit: more tiles than counters, the
-    RoPE kernel after the sum kernel)."""
+    RoPE kernel after the sum kernel; int8 inputs: 528 tiles of 64 x 128, each tile's last split)."""
     k, heads, kv_heads, head_dim = 2048, 32, 8, 64
     n = (heads + 2 * kv_heads) * head_dim
     x = _randn(1400, k, seed=76, dtype=torch.bfloat16)
@@ -1450,6 +1456,7 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"qkv-int4-tiles-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales.to(bf16), scales.to(bf16), packed_bf16=True, counters=counters, rope=rope)
     call = f"qkv-int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), rope=rope)
     call = f"qkv-int4-int8-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters, rope=rope)
+    call = f"qkv-int8-int8-tiles-{m}"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float(), counters=counters, rope=rope)
     call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
     call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
     call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
@@ -1476,9 +1483,12 @@ import kvserve.kernels.gpu as gpu
 gpu.supports_pdl = lambda device: True
 gpu.PDL = True
 x = torch.randn(1, 2048).to(bf16)
+rope = matmul.RopeStore(x[:, None, :64], x[:, None, :64], torch.zeros(8, 16, 1, 64, dtype=bf16), torch.zeros(8, 16, 1, 64, dtype=bf16), torch.arange(1, dtype=torch.int32), 2)
 
-def matmuls(tag):  # every matmul kernel, each tile of int4 x int8
+def matmuls(tag):  # every matmul kernel, each tile of int4 x int8, and RoPE's epilogue
     global call
+    call = f"{tag}-1"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales, counters=matmul.split_counters("cpu"), rope=rope)
+    call = f"{tag}-1"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float(), counters=matmul.split_counters("cpu"), rope=rope)
     call = f"{tag}-1"; matmul.matmul(torch.randn(1, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=matmul.split_counters("cpu"))
     call = f"{tag}-1"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales)
     call = f"{tag}-1"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32)
@@ -1642,6 +1652,9 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("qkv-int4-int8-tiles", "_quantize_int8_kernel"),  # int8 inputs: the splits in one program, the mma tiles
         ("qkv-int4-int8-tiles", "_int4_int8_splits_kernel"),
         ("qkv-int4-int8-tiles", "_int4_int8_mma_kernel"),
+        ("qkv-int8-int8-tiles", "_quantize_int8_kernel"),  # int8 codes: a program a K split
+        ("qkv-int8-int8-tiles", "_int4_int8_kernel"),
+        ("qkv-int8-int8-tiles", "_int4_int8_mma_kernel"),
         ("store_kv", "_store_kv_kernel"),
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),

@@ -1171,8 +1171,8 @@ def deinterleave_gate_up(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RopeStore:
-    """A q/k/v projection's matmul with RoPE and the KV cache's write in its epilogue (`rope` of `matmul`,
-    `int4_matmul`, `int8_group_matmul`; the weight's q and k rows in `interleave_rope`'s layout): each
+    """A q/k/v projection's matmul with RoPE and the KV cache's write in its epilogue (`rope` of every
+    matmul here; the weight's q and k rows in `interleave_rope`'s layout): each
     row's cos and sin_signed [T, 1, D] (layers/rotary.py's tables), the layer's caches [blocks,
     block_size, Hkv, D], each row's slot [T] (negative: not written), and the number of query heads. The
     call then gives the rotated q [T, H * D], `elementwise.rotate_and_store`'s bits (cos and sin in the
@@ -1237,7 +1237,8 @@ def _rotate_and_store_output(out: torch.Tensor, rope: RopeStore) -> torch.Tensor
     qk = out[:, : heads * head_dim].view(tokens, heads, head_dim)
     v = out[:, heads * head_dim :].view(tokens, num_kv_heads, head_dim)
     caches = (rope.k_cache, rope.v_cache, rope.slot_mapping)
-    return elementwise.rotate_and_store(qk, v, rope.cos, rope.sin_signed, *caches).view(tokens, -1)
+    q = elementwise.rotate_and_store(qk, v, rope.cos, rope.sin_signed, *caches)
+    return q.view(tokens, rope.num_heads * head_dim)
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
