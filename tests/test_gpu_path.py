@@ -446,3 +446,29 @@ def test_the_qkv_projections_kernel_applies_rope_and_writes_the_cache_with_their
         assert "RoPE and the KV cache's write" in repr(attns[0].qkv_proj)
         wait_idle_and_check(llm)
     _with_and_without(tiny_model_dir, monkeypatch, "_rotate_store_kernel", "FUSE_ROPE", **options)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3", "phi3-longrope-partial", "mistral"])
+def test_every_family_gives_the_same_tokens_with_the_epilogues_as_without(tmp_path, triton_kernels, monkeypatch, name):
+    """Each family's differences through the epilogues: Qwen2's q/k/v bias, Gemma 3's GELU and sandwich
+    norms, Mistral's head_dim and window (the q/k norms of Qwen3 and Gemma 3 and Phi-3's partial rotary
+    keep the RoPE kernel): the tokens and logprobs of a fresh LLM without them."""
+    from kvserve.layers import gpu
+    from tests.conftest import write_byte_tokenizer
+    from tests.test_architectures import make_model
+
+    make_model(name, seed=3).save_pretrained(tmp_path, safe_serialization=True)
+    write_byte_tokenizer(tmp_path)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(gpu, "FUSE_GATED_ACTIVATIONS", fused)
+        monkeypatch.setattr(gpu, "FUSE_ROPE", fused)
+        with _llm(tmp_path) as llm:
+            layer = llm.model.layers[0]
+            assert layer.mlp.activation_in_gate_up == fused
+            rope = fused and name in ("qwen2", "mistral")
+            assert (layer.self_attn.qkv_rope is not None) == rope
+            results.append([(r.token_ids, r.logprobs) for r in llm.generate(PROMPTS[:3], params)])
+            wait_idle_and_check(llm)
+    assert results[0] == results[1]
