@@ -187,6 +187,30 @@ def test_batched_preempted_and_cached_requests_equal_their_solo_runs(tiny_model_
         wait_idle_and_check(eager)
 
 
+@pytest.mark.parametrize("weights, activations", [("bf16", "auto"), ("q4", "auto"), ("q4", "int8")])
+def test_the_projections_epilogues_give_the_tokens_and_logprobs_of_their_kernels(
+    tiny_model_dir, monkeypatch, weights, activations
+):
+    """The gated activation and RoPE with the KV cache's write in the projections' epilogues (layers/gpu.
+    FUSE_GATED_ACTIVATIONS, FUSE_ROPE), in the CUDA graphs, batched and behind cached prefixes: the tokens
+    and logprobs of the same engine with the activation's and RoPE's own kernels."""
+    from kvserve.layers import gpu
+
+    texts = [prompt(i, 30 + 11 * i) for i in range(16)]
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+    options = dict(device="cuda", weights=weights, activations=activations, max_num_seqs=16, progress=False)
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(gpu, "FUSE_GATED_ACTIVATIONS", fused)
+        monkeypatch.setattr(gpu, "FUSE_ROPE", fused)
+        with LLM(str(tiny_model_dir), kv_cache_tokens=4096, session_db=False, **options) as llm:
+            assert (llm.model.layers[0].self_attn.qkv_rope is not None) == fused
+            runs.append([[(r.token_ids, r.logprobs) for r in llm.generate(texts, params)] for _ in range(2)])
+            assert llm.stats()["prefix_cache_hit_tokens_total"] > 0
+            wait_idle_and_check(llm)
+    assert runs[0] == runs[1]
+
+
 def test_four_bit_model_serves_sixteen_concurrent_calls_like_solo(tiny_model_dir):
     """The fourth failure report: a 4-bit model on a GPU crashed under two concurrent calls. Here 16
     threads call at once; each gets the tokens it gets alone, and the weights stay packed."""
