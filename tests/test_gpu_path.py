@@ -376,15 +376,17 @@ def test_the_gate_up_projections_kernel_applies_the_activation_with_its_bits(
 ):
     """Each MLP's gate and up projection applies the gated activation in its matmul's kernel
     (layers/gpu.fuse_gated_activations: its rows interleaved), so a step launches no activation kernel
-    (without batch invariance cuBLAS multiplies and the activation's kernel follows); the tokens and
+    (without batch invariance cuBLAS multiplies, unfused, and the activation's kernel follows); the tokens and
     logprobs, alone, batched and behind a prefix hit, are those of a fresh LLM that keeps [gate | up] and
     the activation's own kernel."""
     options = dict(weights=weights, dtype=dtype, batch_invariant=batch_invariant)
     with _llm(tiny_model_dir, **options) as llm:
         mlps = [layer.mlp for layer in llm.model.layers]
         kind = {"auto": GpuLinear, "q4": GpuInt4Linear, "q8": GpuInt8GroupLinear}[weights]
-        assert all(isinstance(mlp.gate_up_proj, kind) and mlp.activation_in_gate_up for mlp in mlps)
-        assert "silu gated" in repr(mlps[0].gate_up_proj)
+        assert all(isinstance(mlp.gate_up_proj, kind) for mlp in mlps)
+        # (cuBLAS, without batch invariance, has no epilogue: the activation's kernel follows it)
+        assert all(mlp.activation_in_gate_up == batch_invariant for mlp in mlps)
+        assert ("silu gated" in repr(mlps[0].gate_up_proj)) == batch_invariant
         wait_idle_and_check(llm)
     _with_and_without(tiny_model_dir, monkeypatch, "_gated_kernel", "FUSE_GATED_ACTIVATIONS", **options)
 
@@ -436,14 +438,14 @@ def test_the_qkv_projections_kernel_applies_rope_and_writes_the_cache_with_their
 ):
     """Each attention's q/k/v projection rotates q and k and writes k and v into the KV cache in its
     matmul's epilogue (layers/gpu.fuse_rope_into_qkv: q's and k's rows paired), so a step launches no RoPE
-    kernel (without batch invariance cuBLAS multiplies and the RoPE kernel follows); the tokens and
+    kernel (without batch invariance cuBLAS multiplies, unfused, and the RoPE kernel follows); the tokens and
     logprobs, alone, batched and behind a prefix hit (keys and values the epilogue wrote), are those of a
     fresh LLM that keeps the checkpoint's row order and the RoPE kernel. With float and int8 inputs."""
     options = dict(weights=weights, dtype=dtype, batch_invariant=batch_invariant, activations=activations)
     with _llm(tiny_model_dir, **options) as llm:
         attns = [layer.self_attn for layer in llm.model.layers]
-        assert all(a.qkv_rope is not None and a.qkv_proj.rope_heads is not None for a in attns)
-        assert "RoPE and the KV cache's write" in repr(attns[0].qkv_proj)
+        assert all((a.qkv_rope is not None) == (a.qkv_proj.rope_heads is not None) == batch_invariant for a in attns)
+        assert ("RoPE and the KV cache's write" in repr(attns[0].qkv_proj)) == batch_invariant
         wait_idle_and_check(llm)
     _with_and_without(tiny_model_dir, monkeypatch, "_rotate_store_kernel", "FUSE_ROPE", **options)
 

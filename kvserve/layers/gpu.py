@@ -77,20 +77,6 @@ class _RowLayouts(nn.Module):
             self._relayout(lambda t, dim: interleave_rope(t, *heads, dim))
         self.rope_heads = heads
 
-    def _finished(self, out: torch.Tensor, x: torch.Tensor, rope) -> torch.Tensor:
-        """The output of a kernel that could not apply the epilogue this layout is for, finished: the gated
-        activation's kernel, or the RoPE kernel with `rope` (else the rows put back in order); any other
-        output as it is. Shaped as x's rows."""
-        from kvserve.kernels.gpu import matmul
-
-        if self.activation is not None:
-            out = _gated(out, self.activation)
-        elif self.rope_heads is not None and rope is not None:
-            out = matmul._rotate_and_store_output(out, rope)
-        else:
-            out = self._rows_in_order(out, rope)
-        return out.view(*x.shape[:-1], out.shape[-1])
-
     def _rows_in_order(self, out: torch.Tensor, rope) -> torch.Tensor:
         """A kernel's output with q's and k's rows put back in order, where they are paired for RoPE but
         the call asked for none (a caller that attends through PyTorch's attention)."""
@@ -133,25 +119,16 @@ class GpuLinear(_RowLayouts):
         if self.batch_invariant or out_dtype != x.dtype:
             out = matmul(x2, self.weight, self.bias, out_dtype, self.split_counters, self.activation, rope)
             out = self._rows_in_order(out, rope)
-            return out.view(*x.shape[:-1], out.shape[-1])
-        return self._finished(F.linear(x2, self.weight, self.bias), x, rope)  # cuBLAS, then the epilogue's kernel
+        else:  # cuBLAS: no epilogue of kvserve's, the layouts undone (quantized.set_batch_invariant)
+            assert self.activation is None and self.rope_heads is None and rope is None, "fuse_epilogues"
+            out = F.linear(x2, self.weight, self.bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def _row_tensors(self) -> dict[str, int]:
         return {"weight": 0, "bias": 0}
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}{self._layouts_repr()}"
-
-
-def _gated(out: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """A gate and up projection's output in the interleaved layout turned into act(gate) * up by the
-    activation's kernel (where the matmul's kernel could not apply it); any other output as it is."""
-    if activation is None:
-        return out
-    from kvserve.kernels.gpu import elementwise
-    from kvserve.kernels.gpu.matmul import deinterleave_gate_up
-
-    return elementwise.gated_activation(deinterleave_gate_up(out, 1), activation == "gelu_tanh")
 
 
 def _split_counters(device: torch.device) -> torch.Tensor:
@@ -417,6 +394,13 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
         mlp = layer.mlp
         if mlp.gated_activation in (elementwise.gated_activation, gated_activation_int8):  # the GPU's
             mlp.gated_activation = gated_activation_int8 if takes_int8(mlp.down_proj) else elementwise.gated_activation
+    fuse_epilogues(model)
+
+
+def fuse_epilogues(model: nn.Module) -> None:
+    """The projections' epilogues (`fuse_gated_activations`, `fuse_rope_into_qkv`) set for what the layers
+    now take: int8 or float inputs, batch invariance or cuBLAS. `set_int8_inputs` and
+    `quantized.set_batch_invariant` end with this, before a GPU's graphs are captured."""
     fuse_gated_activations(model)
     fuse_rope_into_qkv(model)
 
@@ -449,11 +433,14 @@ def fuse_gated_activations(model: nn.Module) -> None:
 
 
 def _has_epilogues(layer: nn.Module, float_inputs: bool = True) -> bool:
-    """Whether a layer's kernel has kvserve's epilogues: float, Q8_0 or 4-bit weights in kvserve's kernels
-    (not PyTorch's int4 kernel), taking float inputs (the gated activation's epilogue) or any (RoPE's)."""
+    """Whether a layer's kernel has kvserve's epilogues: float weights batch invariant (not cuBLAS), Q8_0
+    or 4-bit weights in kvserve's kernels (not PyTorch's int4 kernel), taking float inputs (the gated
+    activation's epilogue) or any (RoPE's)."""
+    if isinstance(layer, GpuLinear):
+        return layer.batch_invariant
     return (
-        isinstance(layer, (GpuLinear, GpuInt8GroupLinear)) or (isinstance(layer, GpuInt4Linear) and not layer.tinygemm)
-    ) and not (float_inputs and getattr(layer, "int8_activations", False))
+        isinstance(layer, GpuInt8GroupLinear) or (isinstance(layer, GpuInt4Linear) and not layer.tinygemm)
+    ) and not (float_inputs and layer.int8_activations)
 
 
 # RoPE and the KV cache's write in the q/k/v projection's epilogue (`fuse_rope_into_qkv`): on, as it is the
