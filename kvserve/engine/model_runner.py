@@ -42,7 +42,7 @@ from kvserve.layers import fused_decode
 from kvserve.layers.attention import build_batch
 from kvserve.layers.attention_triton import build_triton_batch
 from kvserve.layers.fused_decode import FusedDecoder
-from kvserve.layers.gpu import uses_triton
+from kvserve.layers.gpu import fuse_epilogues, uses_triton
 from kvserve.layers.quantized import set_batch_invariant
 from kvserve.layers.transfer import on_device
 
@@ -103,6 +103,7 @@ class ModelRunner:
         self.model = model
         self.batch_invariant = batch_invariant
         set_batch_invariant(model, batch_invariant)
+        fuse_epilogues(model)  # on a GPU, after it: a float layer through cuBLAS has no epilogue
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         if self.device.type == "cuda" and self.device.index is not None:

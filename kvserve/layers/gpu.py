@@ -119,7 +119,7 @@ class GpuLinear(_RowLayouts):
         if self.batch_invariant or out_dtype != x.dtype:
             out = matmul(x2, self.weight, self.bias, out_dtype, self.split_counters, self.activation, rope)
             out = self._rows_in_order(out, rope)
-        else:  # cuBLAS: no epilogue of kvserve's, the layouts undone (quantized.set_batch_invariant)
+        else:  # cuBLAS: no epilogue of kvserve's, the layouts undone (fuse_epilogues, by the runner)
             assert self.activation is None and self.rope_heads is None and rope is None, "fuse_epilogues"
             out = F.linear(x2, self.weight, self.bias)
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -399,8 +399,9 @@ def set_int8_inputs(model: nn.Module, on: bool) -> None:
 
 def fuse_epilogues(model: nn.Module) -> None:
     """The projections' epilogues (`fuse_gated_activations`, `fuse_rope_into_qkv`) set for what the layers
-    now take: int8 or float inputs, batch invariance or cuBLAS. `set_int8_inputs` and
-    `quantized.set_batch_invariant` end with this, before a GPU's graphs are captured."""
+    now take: int8 or float inputs, batch invariance or cuBLAS. `set_int8_inputs` ends with this, and the
+    runner calls it after `quantized.set_batch_invariant`, before a GPU's graphs are captured; a model
+    without GPU forms is left as it is."""
     fuse_gated_activations(model)
     fuse_rope_into_qkv(model)
 

@@ -104,15 +104,10 @@ def set_batch_invariant(model: nn.Module, on: bool) -> None:
     with one arithmetic whatever the number of rows: on the CPU the C++ kernels for every batch size,
     never the GEMM over a dequantized weight that is faster for many rows; on the GPU a Triton kernel
     of one configuration, never cuBLAS's choice by shape. A request's tokens then do not depend on
-    the requests batched with it. On a GPU, the projections' epilogues follow (a float layer's cuBLAS
-    has none: layers/gpu.fuse_epilogues)."""
-    from kvserve.layers import gpu  # (here: layers/gpu imports this module)
-
+    the requests batched with it."""
     for module in model.modules():
         if hasattr(module, "batch_invariant"):
             module.batch_invariant = on
-    if any(isinstance(module, gpu.GpuLinear) for module in model.modules()):
-        gpu.fuse_epilogues(model)
 
 
 @dataclass
