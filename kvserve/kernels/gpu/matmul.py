@@ -1154,19 +1154,25 @@ def _int8_kernel(
 GATED_ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 
 
+def _pair_halves(t: torch.Tensor, block: int, rows: int, dim: int, undo: bool = False) -> torch.Tensor:
+    """t's first `rows` along `dim`, in blocks of `block`, each block's halves interleaved (i at 2i,
+    i + block / 2 at 2i + 1), or (`undo`) put back; the rest as they are. A new contiguous tensor."""
+    head, tail = t.split([rows, t.shape[dim] - rows], dim)
+    blocks = (rows // block, block // 2, 2) if undo else (rows // block, 2, block // 2)
+    head = head.unflatten(dim, blocks).transpose(dim + 1, dim + 2).flatten(dim, dim + 2)
+    return torch.cat((head, tail), dim).contiguous()
+
+
 def interleave_gate_up(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """A fused gate and up projection's tensor, [gate | up] along `dim` (weight or code rows, scales,
     mins, bias), with its halves interleaved for a matmul's `activation`: gate j at 2j, up j at 2j + 1.
     A new contiguous tensor."""
-    gate, up = t.chunk(2, dim)
-    return torch.stack((gate, up), dim + 1).flatten(dim, dim + 1).contiguous()
+    return _pair_halves(t, t.shape[dim], t.shape[dim], dim)
 
 
 def deinterleave_gate_up(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """`interleave_gate_up`'s inverse: [gate | up] along `dim` again."""
-    shape = t.shape
-    pairs = t.unflatten(dim, (shape[dim] // 2, 2))
-    return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim).contiguous()
+    return _pair_halves(t, t.shape[dim], t.shape[dim], dim, undo=True)
 
 
 @dataclass(frozen=True)
@@ -1192,18 +1198,12 @@ def interleave_rope(t: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
     """A q/k/v projection's tensor along `dim` (weight or code rows, scales, mins, bias: q's heads, k's,
     then v's, head_dim each) with each q and k head's dimensions paired for `RopeStore`: i at 2i and
     i + head_dim / 2 at 2i + 1, so that a tile holds what RoPE mixes; v's as they are. A new tensor."""
-    rotated = (num_heads + num_kv_heads) * head_dim
-    qk, v = t.split([rotated, t.shape[dim] - rotated], dim)
-    qk = qk.unflatten(dim, (num_heads + num_kv_heads, 2, head_dim // 2)).transpose(dim + 1, dim + 2)
-    return torch.cat((qk.flatten(dim, dim + 2), v), dim).contiguous()
+    return _pair_halves(t, head_dim, (num_heads + num_kv_heads) * head_dim, dim)
 
 
 def deinterleave_rope(t: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, dim: int = 0) -> torch.Tensor:
     """`interleave_rope`'s inverse."""
-    rotated = (num_heads + num_kv_heads) * head_dim
-    qk, v = t.split([rotated, t.shape[dim] - rotated], dim)
-    qk = qk.unflatten(dim, (num_heads + num_kv_heads, head_dim // 2, 2)).transpose(dim + 1, dim + 2)
-    return torch.cat((qk.flatten(dim, dim + 2), v), dim).contiguous()
+    return _pair_halves(t, head_dim, (num_heads + num_kv_heads) * head_dim, dim, undo=True)
 
 
 def _rope_args(rope: RopeStore) -> tuple:
