@@ -1319,6 +1319,54 @@ def test_attention_at_model_sizes_is_the_same_bits_in_decode_prefill_and_chunks(
             assert torch.equal(out[1], prefill[pos]), (pos, num_splits)
 
 
+def test_a_recording_timeline_stamps_every_program_of_every_matmul_kernel_and_changes_no_bit():
+    """While a `timeline.Timeline` records (bench/gpu_timeline.py), each matmul launch takes its own
+    slice and every one of its programs writes its four stamps, its cycle counts and its multiprocessor
+    (0 here, where there is no clock), through every way a program ends: a whole K, a K split's partial
+    sums and the tile's last split adding them, the splits in one program, the tensor cores' tiles; the
+    outputs are the bits of the same calls unrecorded, and no launch outside a recording takes one."""
+    from kvserve.kernels.gpu import timeline
+
+    codes, scales, mins, _ = _int4_weight(72, 2048, torch.bfloat16, seed=90)
+    packed = matmul.pack_int4(codes)
+    codes8, scales8, _ = _int8_weight(72, 2048, seed=91)
+    counters = matmul.split_counters(DEVICE)
+    calls = {  # the kernel each call launches (K 2048 in splits of 512, 1,024 and 2,048 inputs)
+        "_float_kernel": lambda x: matmul.matmul(x, _randn(72, 4096, seed=92, dtype=x.dtype), counters=counters),
+        "_int4_kernel": lambda x: matmul.int4_matmul(
+            x[:, :2048], packed, scales, mins, packed_bf16=True, counters=counters
+        ),
+        "_int8_kernel": lambda x: matmul.int8_group_matmul(x[:, :2048], codes8, scales8),
+        "_int4_int8_splits_kernel": lambda x: matmul.int4_int8_matmul(x[:2, :2048], packed, scales, mins),
+        "_int4_int8_kernel": lambda x: matmul.int8_int8_matmul(x[:2, :2048], codes8, scales8, counters=counters),
+        "_int4_int8_mma_kernel": lambda x: matmul.int4_int8_matmul(
+            x[:, :2048], packed, scales, mins, counters=counters
+        ),
+    }
+    x = _randn(9, 4096, seed=93, dtype=torch.bfloat16)
+    expected = {kernel: call(x) for kernel, call in calls.items()}
+    recorder = timeline.Timeline(DEVICE, capacity=512)
+    with timeline.recording(recorder):
+        got = {kernel: call(x) for kernel, call in calls.items()}
+    assert timeline.active_timeline() is None
+    assert all(_same_bits(got[kernel], expected[kernel]) for kernel in calls)
+    assert [launch.kernel for launch in recorder.launches] == list(calls), recorder.launches
+    ends = [launch.first + launch.programs for launch in recorder.launches]
+    assert [launch.first for launch in recorder.launches] == [0, *ends[:-1]]  # one after another
+    written = [*range(4), *(timeline.CLOCKS.value + slot for slot in range(4)), timeline.SM.value]
+    for launch in recorder.launches:
+        stamps = recorder.stamps(launch)
+        assert launch.programs > 1 and stamps.shape == (launch.programs, timeline.SLOTS.value), launch
+        if gpu.INTERPRET:  # no clock
+            assert torch.equal(stamps[:, written], torch.zeros(launch.programs, len(written), dtype=torch.int64))
+        else:  # each program's times in order, on a real multiprocessor
+            times = stamps[:, :4]
+            assert bool((times[:, 1:] >= times[:, :-1]).all()) and bool((times[:, 0] > 0).all()), launch
+            assert bool((stamps[:, timeline.SM.value] >= 0).all()), launch
+    untouched = recorder.buffer[ends[-1] :].cpu()
+    assert bool((untouched == -1).all()) and bool((recorder.buffer[: ends[-1], 4:8].cpu() == -1).all())
+
+
 # --- Lowering for the GPU, without one
 
 # Run in a fresh interpreter without TRITON_INTERPRET: the JIT is told it has a Hopper GPU (sm_90),
@@ -1668,3 +1716,69 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     # int8 runs dp4a for one row and the tensor cores for 37, with the same bits: its rows' sums are
     # exact and their float steps their own, test_int4_int8_matmul_on_the_tensor_cores_gives_the_bits_of_dp4a)
     assert all(len(binaries) == 1 for binaries in kernels.values()), kernels
+
+
+# Each matmul kernel with and without a timeline recording (kvserve/kernels/gpu/timeline.py): the PTX's reads
+# of the global timer, the cycle counter and the multiprocessor's number, per kernel and recording or not
+_COMPILE_TIMELINE = r"""
+import collections, contextlib
+from kvserve.kernels.gpu import timeline
+reads = collections.defaultdict(list)
+
+def counting(kernel, grid):
+    def warmup(*args, **kwargs):
+        ptx = kernel.run(*args, grid=grid, warmup=True, **kwargs).asm["ptx"]
+        counts = [len(re.findall(rf"mov\.u(32|64) %(r|rd)\d+, %{reg};", ptx)) for reg in ("globaltimer", "clock64", "smid")]
+        reads[(kernel.__name__, "timeline" in kwargs)].append(counts)
+    return warmup
+
+JITFunction.__getitem__ = counting
+codes = torch.randint(0, 16, (256, 2048), dtype=torch.uint8)
+scales = torch.rand(256, 64).to(bf16)
+for recording in (False, True):
+    with timeline.recording(timeline.Timeline("cpu", 4096)) if recording else contextlib.nullcontext():
+        for m in (1, 37):
+            x = torch.randn(m, 2048).to(bf16)
+            matmul.matmul(x, torch.randn(256, 2048).to(bf16), counters=matmul.split_counters("cpu"))
+            matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales, packed_bf16=True, counters=matmul.split_counters("cpu"))
+            matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), counters=matmul.split_counters("cpu"))
+            matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
+            matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
+print(json.dumps({f"{name} {recorded}": counts for (name, recorded), counts in reads.items()}))
+"""
+
+
+def test_the_matmul_kernels_read_the_clocks_only_while_a_timeline_records():
+    """bench/gpu_timeline.py's stamps compile for sm_90 in every matmul kernel: with a recording, each
+    program reads the global timer and the cycle counter at its four points and its multiprocessor once;
+    without one (every launch of the engine) none of them is in the code."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    import triton
+
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton has no ptxas to compile for the GPU with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "0"
+    root = pathlib.Path(__file__).resolve().parent.parent
+    script = _COMPILE_FOR_HOPPER + _COMPILE_TIMELINE
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    reads = json.loads(done.stdout.splitlines()[-1])
+    kernels = {
+        "_float_kernel",
+        "_int4_kernel",
+        "_int8_kernel",
+        "_int4_int8_splits_kernel",
+        "_int4_int8_kernel",
+        "_int4_int8_mma_kernel",
+    }
+    assert set(reads) >= {f"{kernel} {recorded}" for kernel in kernels for recorded in (True, False)}, sorted(reads)
+    for key, counts in reads.items():
+        recorded = key.endswith("True")
+        assert all(c == ([4, 4, 1] if recorded else [0, 0, 0]) for c in counts), (key, counts)

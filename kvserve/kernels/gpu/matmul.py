@@ -37,6 +37,7 @@ from kvserve.kernels.gpu.common import (
     store_groups,
     wait_for_prior,
 )
+from kvserve.kernels.gpu.timeline import DONE, ENTRY, LOOPED, WAITED, active_timeline, stamp, stamp_after
 
 GROUP_SIZE = 32  # inputs per scale (and min) of the quantized weights
 
@@ -351,13 +352,16 @@ def _float_kernel(
     rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
     ROPE: tl.constexpr = 0,
     CACHE_BLOCK: tl.constexpr = 0,
+    timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
 ):
+    stamp(timeline, ENTRY, INTERPRET)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
     prefetch_rows(w_ptr, cols, N, stride_wn, k_begin, k_end - k_begin, PREFETCH_LINES)
     wait_for_prior(PDL)
+    stamp(timeline, WAITED, INTERPRET)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -370,6 +374,7 @@ def _float_kernel(
         if w.dtype != x.dtype:  # a weight of another float dtype: rounded to x's
             w = cast(w.to(tl.float32), x.dtype, INTERPRET)
         acc = dot(x, w, acc, INTERPRET)
+    stamp_after(timeline, LOOPED, acc, INTERPRET)
     _finish_tile(
         acc,
         out_ptr,
@@ -391,6 +396,7 @@ def _float_kernel(
         ROPE,
         CACHE_BLOCK,
     )
+    stamp(timeline, DONE, INTERPRET)
 
 
 @triton.jit
@@ -440,7 +446,9 @@ def _int4_kernel(
     rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
     ROPE: tl.constexpr = 0,
     CACHE_BLOCK: tl.constexpr = 0,
+    timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
 ):
+    stamp(timeline, ENTRY, INTERPRET)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
@@ -450,6 +458,7 @@ def _int4_kernel(
         prefetch_rows(scales_ptr, cols, N, stride_sn, k_begin // 32, tl.cdiv(k_end - k_begin, 32), 2)
         prefetch_rows(mins_ptr, cols, N, stride_mn, k_begin // 32, tl.cdiv(k_end - k_begin, 32), 2)
     wait_for_prior(PDL)
+    stamp(timeline, WAITED, INTERPRET)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     cols64 = cols.to(tl.int64)[None, :]
     # byte i of a tile holds the codes of inputs k_lo[i] (low nibble) and k_lo[i] + 16 (high nibble)
@@ -491,6 +500,7 @@ def _int4_kernel(
             x = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
             w = cast(tl.fma(scale, nibble_to_float(byte, True, PERMUTE, INTERPRET), low), x.dtype, INTERPRET)
             acc = dot(x, w, acc, INTERPRET)
+    stamp_after(timeline, LOOPED, acc, INTERPRET)
     _finish_tile(
         acc,
         out_ptr,
@@ -512,6 +522,7 @@ def _int4_kernel(
         ROPE,
         CACHE_BLOCK,
     )
+    stamp(timeline, DONE, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -735,6 +746,7 @@ def _int4_int8_kernel(
     rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
     ROPE: tl.constexpr = 0,
     CACHE_BLOCK: tl.constexpr = 0,
+    timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
 ):
     """int4 weights times int8 inputs (x: `quantize_int8`'s words, d and s; BLOCK_K 128: four groups
     a step), as int4_int8.cpp on the CPU: per group of 32 and output the exact integer sum over
@@ -742,6 +754,7 @@ def _int4_int8_kernel(
     total); total = fma(s, min, total), group after group. Nothing here depends on the other rows of
     the tile, so BLOCK_M may follow M without changing a bit. CODE_BITS 8: int8 codes (GGML's Q8_0,
     eight words a group) and no min: total = fma(scale * d, sum, total)."""
+    stamp(timeline, ENTRY, INTERPRET)
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
     rows, cols, rows64, cols64, k_begin, k_end, g_begin = _int8_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     _prefetch_int8_tile(
@@ -760,6 +773,7 @@ def _int4_int8_kernel(
         PREFETCH_LINES,
     )
     wait_for_prior(PDL)
+    stamp(timeline, WAITED, INTERPRET)
     WORDS: tl.constexpr = CODE_BITS  # int32 words of codes per group of 32
     # pointers at the split's first group, advanced a step (four groups) at a time
     w_step, scales_step, mins_step, x_step, d_step, s_step, w_group, sm_group = _int8_step_pointers(
@@ -791,6 +805,7 @@ def _int4_int8_kernel(
         x_step += 32
         d_step += 4
         s_step += 4
+    stamp_after(timeline, LOOPED, acc, INTERPRET)
     acc = tl.trans(acc)
     _finish_tile(
         acc,
@@ -813,6 +828,7 @@ def _int4_int8_kernel(
         ROPE,
         CACHE_BLOCK,
     )
+    stamp(timeline, DONE, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -854,12 +870,14 @@ def _int4_int8_splits_kernel(
     rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
     ROPE: tl.constexpr = 0,
     CACHE_BLOCK: tl.constexpr = 0,
+    timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
 ):
     """`_int4_int8_kernel` with all of a layer's K splits (SPLITS of STEPS steps of four groups: K =
     SPLITS * STEPS * 128) in one program: each (split, output) pair on a thread of its own, as one
     column of `_int4_int8_kernel`'s split, then each output's splits added in split order in registers
     (where `_finish_tile` adds their partial sums from memory). The same arithmetic in the same order,
     so its bits, without the partial sums' stores, the count and the last program's second pass."""
+    stamp(timeline, ENTRY, INTERPRET)
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
     PAIRS: tl.constexpr = PADDED * BLOCK_N
     pair = tl.arange(0, PAIRS)  # split-major: a warp's threads hold consecutive outputs of one split
@@ -870,6 +888,7 @@ def _int4_int8_splits_kernel(
     pair_cols64 = tl.minimum(tl.program_id(1) * BLOCK_N + pair % BLOCK_N, N - 1).to(tl.int64)
     g_begin = (split * (STEPS * 4))[:, None]  # [PAIRS, 1]: the split's first group
     wait_for_prior(PDL)
+    stamp(timeline, WAITED, INTERPRET)
     WORDS: tl.constexpr = CODE_BITS
     # as `_int4_int8_kernel`'s, a pair a row: x_step [PAIRS, BM], each split's inputs
     w_step, scales_step, mins_step, x_step, d_step, s_step, w_group, sm_group = _int8_step_pointers(
@@ -895,6 +914,7 @@ def _int4_int8_splits_kernel(
             CODE_BITS,
             GROUP_MAJOR,
         )
+    stamp_after(timeline, LOOPED, acc, INTERPRET)
     # each output's splits in split order: ((split 0 + split 1) + split 2) + ..., as _finish_tile adds them
     # each part taken out whole as its bits (one part and zeros, xor-ed: exactly that part, a zero's sign
     # and a NaN's payload too, in the interpreter as on a GPU), then added as floats
@@ -924,6 +944,7 @@ def _int4_int8_splits_kernel(
         ROPE,
         CACHE_BLOCK,
     )
+    stamp(timeline, DONE, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -963,6 +984,7 @@ def _int4_int8_mma_kernel(
     rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
     ROPE: tl.constexpr = 0,
     CACHE_BLOCK: tl.constexpr = 0,
+    timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
 ):
     """`_int4_int8_kernel`'s arithmetic for many rows, each group's integer sums on the tensor cores
     (an int8 dot of K = 32, exact in int32 whatever its order) and the same float steps per row and
@@ -970,6 +992,7 @@ def _int4_int8_mma_kernel(
     kernels its batch took. 4-bit: the group's inputs and codes enter the dot interleaved (input j
     beside input j + 16, as a byte holds their codes), the same order on both sides. CODE_BITS 8 as
     `_int4_int8_kernel`'s."""
+    stamp(timeline, ENTRY, INTERPRET)
     tl.static_assert(BLOCK_K == 128, "the loop takes four groups of 32 a step")
     rows, cols, rows64, cols64, k_begin, k_end, g_begin = _int8_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     _prefetch_int8_tile(
@@ -988,6 +1011,7 @@ def _int4_int8_mma_kernel(
         PREFETCH_LINES,
     )
     wait_for_prior(PDL)
+    stamp(timeline, WAITED, INTERPRET)
     w_col, w_group, s_col, m_col, sm_group = _int8_tile_strides(
         N, stride_wn, stride_sn, stride_mn, CODE_BITS, GROUP_MAJOR
     )
@@ -1045,6 +1069,7 @@ def _int4_int8_mma_kernel(
         s_step += 4
         scales_step += 4 * sm_group
         mins_step += 4 * sm_group
+    stamp_after(timeline, LOOPED, acc, INTERPRET)
     _finish_tile(
         acc,
         out_ptr,
@@ -1066,6 +1091,7 @@ def _int4_int8_mma_kernel(
         ROPE,
         CACHE_BLOCK,
     )
+    stamp(timeline, DONE, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every number of rows
@@ -1100,7 +1126,9 @@ def _int8_kernel(
     rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
     ROPE: tl.constexpr = 0,
     CACHE_BLOCK: tl.constexpr = 0,
+    timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
 ):
+    stamp(timeline, ENTRY, INTERPRET)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
@@ -1109,6 +1137,7 @@ def _int8_kernel(
         prefetch_rows(codes_ptr, cols, N, stride_cn, k_begin, k_end - k_begin, PREFETCH_LINES)
         prefetch_rows(scales_ptr, cols, N, stride_sn, k_begin // 32, tl.cdiv(k_end - k_begin, 32), 2)
     wait_for_prior(PDL)
+    stamp(timeline, WAITED, INTERPRET)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     cols64 = cols.to(tl.int64)[None, :]
     g = tl.arange(0, BLOCK_K // 32)
@@ -1124,6 +1153,7 @@ def _int8_kernel(
         scale = _repeat_rows(scale.to(tl.float32), 32)
         w = cast(codes.to(tl.float32) * scale, x.dtype, INTERPRET)
         acc = dot(x, w, acc, INTERPRET)
+    stamp_after(timeline, LOOPED, acc, INTERPRET)
     _finish_tile(
         acc,
         out_ptr,
@@ -1145,6 +1175,7 @@ def _int8_kernel(
         ROPE,
         CACHE_BLOCK,
     )
+    stamp(timeline, DONE, INTERPRET)
 
 
 # A matmul's `activation`: its weight's rows interleaved (`interleave_gate_up`: gate j at 2j, up j at
@@ -1304,6 +1335,9 @@ def _launch(
         bias = bias.contiguous()
     # partial sums [splits, M, N] in float32
     partial = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device) if is_split else out
+    recorder = active_timeline()
+    if recorder is not None:  # each program's stamps (bench/gpu_timeline.py)
+        constexprs["timeline"] = recorder.take(kernel, grid)
     if weight is not None:  # the bytes of a weight row's split
         lines = prefetch_lines(x.device, weight.shape[1] * weight.element_size() * min(k, k_per_split) // k)
         constexprs.update({"PREFETCH_LINES": lines} if lines else {})
