@@ -28,8 +28,8 @@ scales and zeros) as `q4-tinygemm`; 4-bit and 4-bit with int8 inputs with the co
 bits, `matmul.to_group_major`) as `q4-gm` and `q4-int8-gm`; 4-bit with int8 inputs with each K split a
 program of its own (`matmul.SPLITS_IN_PROGRAM` 0, the kernel before, the same bits) as `q4-int8-partials`;
 4-bit with float16 scales and two roundings a weight (the int4 kernel before its
-packed-bfloat16 FMAs became the default for bfloat16 models) as `q4-fp16`; bf16 and
-q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl` and `q4-int8-pdl`, and with the
+packed-bfloat16 FMAs became the default for bfloat16 models) as `q4-fp16`; bf16,
+q4 and q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl`, `q4-pdl` and `q4-int8-pdl`, and with the
 matmuls' weights prefetched into L2 before its wait too (KVSERVE_PDL=prefetch) as `bf16-pdl-prefetch` and
 `q4-int8-pdl-prefetch`),
 transformers `generate` eager, and with its static cache under torch.compile (the best transformers
@@ -592,7 +592,7 @@ def main() -> None:
         "--runs",
         default="",
         help="comma-separated: only these runs, by engine (kvserve, transformers-eager, transformers-compiled) or"
-        " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, bf16-pdl-prefetch, q4,"
+        " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, bf16-pdl-prefetch, q4, q4-pdl,"
         " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-tinygemm, q4-gm, q4-int8-gm, q4-int8-partials, q4-fp16)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run not done by then is stopped")
@@ -648,8 +648,8 @@ def main() -> None:
             plan += [("kvserve", shape, w, True) for w in ("q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials")]
         plan.append(("kvserve", shape, "bf16-sync", True))  # without async scheduling: what it gains
         plan.append(("kvserve", shape, "bf16-pdl", True))  # programmatic dependent launch: what it gains
-        if "q4" in models[shape]:
-            plan.append(("kvserve", shape, "q4-int8-pdl", True))
+        if "q4" in models[shape]:  # 4-bit both ways: the launches weigh more there than in bf16
+            plan += [("kvserve", shape, "q4-pdl", True), ("kvserve", shape, "q4-int8-pdl", True)]
         plan.append(("kvserve", shape, "bf16-pdl-prefetch", True))  # and the weights prefetched before its wait
         if "q4" in models[shape]:
             plan.append(("kvserve", shape, "q4-int8-pdl-prefetch", True))
@@ -770,6 +770,7 @@ def targets(runs: list[dict]) -> list[dict]:
             ("q4-tinygemm", "bf16"),
             ("q4-gm", "bf16"),
             ("q4-int8-gm", "bf16"),
+            ("q4-pdl", "bf16-pdl"),
             ("q4-int8-pdl", "bf16-pdl"),
             ("q4-int8-pdl-prefetch", "bf16-pdl-prefetch"),
         ]:
@@ -789,6 +790,7 @@ def targets(runs: list[dict]) -> list[dict]:
             for what, a, b in [
                 ("bf16 async / plain", "bf16", "bf16-sync"),
                 ("bf16 pdl / plain", "bf16-pdl", "bf16"),
+                ("q4 pdl / plain", "q4-pdl", "q4"),
                 ("q4-int8 pdl / plain", "q4-int8-pdl", "q4-int8"),
                 ("bf16 pdl+prefetch / pdl alone", "bf16-pdl-prefetch", "bf16-pdl"),
                 ("q4-int8 pdl+prefetch / pdl alone", "q4-int8-pdl-prefetch", "q4-int8-pdl"),
