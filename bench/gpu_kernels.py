@@ -85,6 +85,10 @@ def candidates():
         c(16, 32, 128, 512, 2, 4),
         c(32, 64, 128, 512, 4, 3),
         c(64, 64, 64, 1024, 4, 3),
+        # more programs with shorter K (a one-row program's chain of loads: bench/gpu_timeline.py's loop_p50)
+        c(16, 64, 128, 256, 4, 3),
+        c(16, 32, 128, 256, 2, 4),
+        c(16, 64, 256, 512, 4, 2),  # or fewer, wider K steps: more bytes in flight a step
     ]
     # dp4a, one column per thread at 128 columns and 4 warps (offline ptxas for sm_90, one row: 1.05
     # instructions per weight; 64 columns 3.5, 256 1.09): how many programs keep the loads in flight
@@ -96,6 +100,7 @@ def candidates():
         c(8, 256, 128, 512, 8, 3),
         c(8, 256, 128, 1024, 8, 3),
         c(8, 64, 128, 256, 2, 3),
+        c(8, 64, 128, 128, 2, 3),  # a step a program: the most programs
     ]
     return floats, int4s, int4_int8s
 
