@@ -541,6 +541,49 @@ def test_a_layers_k_splits_in_one_program_give_the_bits_of_their_partial_sums(mo
     assert launches == per_case * len(cases)
 
 
+@pytest.mark.parametrize("words", [256, 2048])
+def test_the_code_words_over_the_threads_give_the_splits_kernels_bits(monkeypatch, words):
+    """matmul.WORDS_IN_THREADS (a candidate, off by default): up to 8 rows of an int4 layer with int8
+    inputs, a program's rows of code words spread over its threads, each word's products summed alone and
+    a group's words added in integers, then the splits kernel's float steps: its bits, for 1 to 8 rows, 1
+    to 32 splits (3 and 5 padded), a column a program or 8, a last tile cut short, bias or not, float32 or
+    bfloat16 out. Group-major codes, int8 codes and K off the splits keep their kernels."""
+    cases = [(1, 2048, 24), (3, 768, 40), (8, 1024, 16), (5, 8192, 8), (1, 256, 20), (2, 1280, 12)]
+    launches = []
+    launch = matmul._launch
+    for m, k, n in cases:
+        codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=80)
+        packed = matmul.pack_int4(codes)
+        x = _randn(m, k, seed=81)
+        bias = _randn(n, seed=82)
+        calls = [(out_dtype, b) for out_dtype in (torch.float32, torch.bfloat16) for b in (None, bias)]
+        expected = [matmul.int4_int8_matmul(x, packed, scales, mins, out_dtype, b) for out_dtype, b in calls]
+        monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
+        monkeypatch.setattr(
+            matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or launch(kernel, *a, **kw)
+        )
+        got = [matmul.int4_int8_matmul(x, packed, scales, mins, out_dtype, b) for out_dtype, b in calls]
+        monkeypatch.undo()
+        assert all(_same_bits(a, b) for a, b in zip(got, expected, strict=True)), (m, k, n)
+    assert launches == ["_int4_int8_words_kernel"] * len(calls) * len(cases)
+    # not for group-major codes, int8 codes, a K that is not a whole number of splits, nor 9 rows and more
+    codes, scales, mins, _ = _int4_weight(16, 1184, torch.float16, seed=83)
+    codes8, scales8, _ = _int8_weight(16, 1024, seed=84)
+    monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
+    monkeypatch.setattr(
+        matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or launch(kernel, *a, **kw)
+    )
+    launches.clear()
+    x = _randn(9, 1184, seed=85)
+    matmul.int4_int8_matmul(
+        x[:1, :1024], *matmul.to_group_major(matmul.pack_int4(codes[:, :1024]), scales[:, :32], mins[:, :32])
+    )
+    matmul.int8_int8_matmul(x[:1, :1024], codes8, scales8)
+    matmul.int4_int8_matmul(x[:1], matmul.pack_int4(codes), scales, mins)
+    matmul.int4_int8_matmul(x[:, :1024], matmul.pack_int4(codes[:, :1024]), scales[:, :32], mins[:, :32])
+    assert "_int4_int8_words_kernel" not in launches, launches
+
+
 def _int8_weight(n: int, k: int, seed: int):
     g = _generator(seed)
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
@@ -672,7 +715,7 @@ def test_a_gate_up_matmul_with_its_activation_gives_the_gated_activations_bits(m
 KINDS_WITH_ROPE = ["float", "int4", "int4-bf16x2", "int8", "int4-int8", "int4-int8-mma", "int8-int8", "int8-int8-mma"]
 
 
-@pytest.mark.parametrize("kind", [*KINDS_WITH_ROPE, "int4-int8-one-column"])
+@pytest.mark.parametrize("kind", [*KINDS_WITH_ROPE, "int4-int8-one-column", "int4-int8-words"])
 def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
     """A q/k/v projection's matmul with `rope` over q's and k's rows paired (`interleave_rope`) gives the
     rotated q and writes k and v into the caches: the bits of the plain matmul and then
@@ -684,6 +727,8 @@ def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
     monkeypatch.setattr(matmul, "FLOAT_CONFIG", dataclasses.replace(matmul.FLOAT_CONFIG, k_per_split=512))
     if kind == "int4-int8-one-column":  # four splits in one program of four pairs: a column a tile
         monkeypatch.setattr(matmul, "SPLITS_IN_PROGRAM", 4)
+    if kind == "int4-int8-words":  # the code words over the threads: tiles of 2 and 8 columns
+        monkeypatch.setattr(matmul, "WORDS_IN_THREADS", 2048)
     m, heads, kv_heads, head_dim = 20 if kind.endswith("mma") else 5, 3, 1, 40  # q | k at column 120, k | v at 160
     n = (heads + 2 * kv_heads) * head_dim
     x = _randn(m, 1024 + 160, seed=63, dtype=torch.bfloat16)  # three K splits, the last one short
@@ -1232,6 +1277,22 @@ def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kin
 
 
 @on_gpu
+@pytest.mark.parametrize("words", [512, 1024, 2048])
+def test_the_code_words_over_the_threads_at_model_sizes_give_the_splits_kernels_bits(monkeypatch, words):
+    """matmul.WORDS_IN_THREADS at a 1B model's int4 layers (q/k/v, gate and up, down: 8, 16 and 8 groups a
+    split, 8, 4 and 32 splits) for 1 to 8 rows, compiled: the splits kernel's bits."""
+    x = _randn(8, 8192, seed=86, dtype=torch.bfloat16)
+    for n, k in ((3072, 2048), (16384, 2048), (2048, 8192)):
+        codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=87)
+        packed = matmul.pack_int4(codes)
+        for m in (1, 2, 5, 8):
+            monkeypatch.setattr(matmul, "WORDS_IN_THREADS", 0)
+            expected = matmul.int4_int8_matmul(x[:m, :k], packed, scales, mins)
+            monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
+            assert _same_bits(matmul.int4_int8_matmul(x[:m, :k], packed, scales, mins), expected), (n, k, m)
+
+
+@on_gpu
 @pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int8"])
 def test_a_gate_up_matmul_at_model_sizes_applies_the_activation_with_its_kernels_bits(kind):
     """A 1B model's gate and up projection (2048 -> 2 x 8192) with its activation in the matmul's kernel:
@@ -1319,6 +1380,15 @@ def test_attention_at_model_sizes_is_the_same_bits_in_decode_prefill_and_chunks(
             assert torch.equal(out[1], prefill[pos]), (pos, num_splits)
 
 
+def _with_words(call, words: int = 1024):
+    """call() with matmul.WORDS_IN_THREADS set (the code words over the threads)."""
+    before, matmul.WORDS_IN_THREADS = matmul.WORDS_IN_THREADS, words
+    try:
+        return call()
+    finally:
+        matmul.WORDS_IN_THREADS = before
+
+
 def test_a_recording_timeline_stamps_every_program_of_every_matmul_kernel_and_changes_no_bit():
     """While a `timeline.Timeline` records (bench/gpu_timeline.py), each matmul launch takes its own
     slice and every one of its programs writes its four stamps, its cycle counts and its multiprocessor
@@ -1341,6 +1411,9 @@ def test_a_recording_timeline_stamps_every_program_of_every_matmul_kernel_and_ch
         "_int4_int8_kernel": lambda x: matmul.int8_int8_matmul(x[:2, :2048], codes8, scales8, counters=counters),
         "_int4_int8_mma_kernel": lambda x: matmul.int4_int8_matmul(
             x[:, :2048], packed, scales, mins, counters=counters
+        ),
+        "_int4_int8_words_kernel": lambda x: _with_words(
+            lambda: matmul.int4_int8_matmul(x[:3, :2048], packed, scales, mins, counters=counters)
         ),
     }
     x = _randn(9, 4096, seed=93, dtype=torch.bfloat16)
@@ -1493,6 +1566,9 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     matmul.SPLITS_IN_PROGRAM = 0  # each K split a program of its own, added by the tile's last
     call = f"int4-int8-partials-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters)
     matmul.SPLITS_IN_PROGRAM = 128
+    matmul.WORDS_IN_THREADS = 1024  # the code words over the threads (a candidate)
+    call = f"int4-int8-words-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
+    matmul.WORDS_IN_THREADS = 0
     # a gate and up projection with its activation in the epilogue: a tile's last split, the sum kernel
     call = f"gate_up-tiles-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters, activation="silu")
     call = f"gate_up-int4-tiles-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales.to(bf16), scales.to(bf16), packed_bf16=True, counters=counters, activation="gelu_tanh")
@@ -1549,6 +1625,9 @@ def matmuls(tag):  # every matmul kernel, each tile of int4 x int8, and RoPE's e
     matmul.SPLITS_IN_PROGRAM = 0  # each K split a program of its own
     call = f"{tag}-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
     matmul.SPLITS_IN_PROGRAM = 128
+    matmul.WORDS_IN_THREADS = 1024  # the code words over the threads, RoPE's epilogue too
+    call = f"{tag}-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, rope=rope)
+    matmul.WORDS_IN_THREADS = 0
 
 call = "pdl-1"; norm.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, [])
 call = "pdl-1"; elementwise.gated_activation(x, False, [])
@@ -1688,6 +1767,10 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int4-int8-partials-tiles", "_quantize_int8_kernel"),
         ("int4-int8-partials-tiles", "_int4_int8_kernel"),  # SPLITS_IN_PROGRAM 0: a program a K split
         ("int4-int8-partials-tiles", "_int4_int8_mma_kernel"),
+        ("int4-int8-words", "_quantize_int8_kernel"),  # WORDS_IN_THREADS: the code words over the threads
+        ("int4-int8-words", "_int4_int8_words_kernel"),
+        ("int4-int8-words", "_int4_int8_mma_kernel"),  # 37 rows: the tensor cores, their splits' sum kernel
+        ("int4-int8-words", "_sum_splits_kernel"),
         ("gate_up-tiles", "_float_kernel"),  # the activation applied by a tile's last split
         ("gate_up-int4-tiles", "_int4_kernel"),
         ("gate_up-int8", "_int8_kernel"),
@@ -1744,6 +1827,9 @@ for recording in (False, True):
             matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), counters=matmul.split_counters("cpu"))
             matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
             matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
+            matmul.WORDS_IN_THREADS = 1024
+            matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
+            matmul.WORDS_IN_THREADS = 0
 print(json.dumps({f"{name} {recorded}": counts for (name, recorded), counts in reads.items()}))
 """
 
@@ -1777,6 +1863,7 @@ def test_the_matmul_kernels_read_the_clocks_only_while_a_timeline_records():
         "_int4_int8_splits_kernel",
         "_int4_int8_kernel",
         "_int4_int8_mma_kernel",
+        "_int4_int8_words_kernel",
     }
     assert set(reads) >= {f"{kernel} {recorded}" for kernel in kernels for recorded in (True, False)}, sorted(reads)
     for key, counts in reads.items():

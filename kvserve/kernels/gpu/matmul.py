@@ -91,6 +91,12 @@ INT4_INT8_MMA_ROWS = 9
 # program a split. With 256 pairs a program, or group-major codes, the decoder layers were slower (the
 # 4-bit lm_head faster: 22.5 us group major). A power of two; layers of more splits keep a program a split.
 SPLITS_IN_PROGRAM = 128
+# A candidate for up to 8 rows of an int4 layer with int8 inputs, off (0) until a GPU measures it
+# (bench/gpu_kernels.py's `int4-int8-words`, bench/gpu.py's `q4-int8-words`): `_int4_int8_words_kernel`,
+# the splits kernel's bits with a program's code words spread over its threads as memory holds them
+# (consecutive words on consecutive threads: 128-byte reads of one row, where a thread an output reads
+# 16 bytes of each of 32 rows), about this many words (times rows) a program of 4 warps. A power of two.
+WORDS_IN_THREADS = 0
 INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
     (32, {"block_m": 32, "block_n": 128, "num_warps": 8}),
@@ -947,6 +953,175 @@ def _int4_int8_splits_kernel(
     stamp(timeline, DONE, INTERPRET)
 
 
+@triton.jit
+def _word_dots(w, x_low, x_high, INTERPRET: tl.constexpr):
+    """Per int32 word of int4 codes (`group_dot`'s word t: inputs 4t..4t+3 in its low nibbles, 16+4t..
+    16+4t+3 in its high ones) and the int8 input words it meets (x_low: inputs 4t..4t+3, x_high: 16+4t..),
+    elementwise: the exact sum of its eight products, `group_dot`'s arithmetic one word at a time (a
+    group's sum is its four words' sums, exact in any order). On a GPU two ANDs and two dp4a."""
+    if INTERPRET:
+        total = w * 0
+        for j in tl.static_range(4):
+            low = (w >> (8 * j)) & 15
+            high = (w >> (8 * j + 4)) & 15
+            total += low * ((x_low << (24 - 8 * j)) >> 24) + high * ((x_high << (24 - 8 * j)) >> 24)
+        return total
+    else:
+        return tl.inline_asm_elementwise(
+            asm="{ .reg .b32 l, h, sl, sh; and.b32 l, $1, 0x0F0F0F0F; dp4a.u32.s32 sl, l, $2, 0;"
+            " and.b32 h, $1, 0xF0F0F0F0; dp4a.u32.s32 sh, h, $3, 0; shr.s32 sh, sh, 4; add.s32 $0, sl, sh; }",
+            constraints="=r,r,r,r",
+            args=[w, x_low, x_high],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+
+
+@triton.jit
+def _split8(x):
+    """[R, 8] -> its eight columns [R] in order (`split4` twice: the even columns, then the odd)."""
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], 4, 2)))
+    c0, c2, c4, c6 = split4(even)
+    c1, c3, c5, c7 = split4(odd)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _columns(x, C: tl.constexpr):
+    """x [R, C] -> its C columns [R] in order, C a power of two up to 32: moved so that each thread holds
+    its rows' every column (a few exchanges through shared memory, where taking a column from across a
+    warp's lanes would be a reduction each)."""
+    if C == 1:
+        return (tl.reshape(x, (x.shape[0],)),)
+    elif C == 2:
+        return tl.split(x)
+    elif C == 4:
+        return split4(x)
+    elif C == 8:
+        return _split8(x)
+    else:
+        even, odd = tl.split(tl.reshape(x, (x.shape[0], C // 2, 2)))
+        e = _columns(even, C // 2)
+        o = _columns(odd, C // 2)
+        tl.static_assert(C == 16 or C == 32, "up to 32 columns")
+        if C == 16:
+            return e[0], o[0], e[1], o[1], e[2], o[2], e[3], o[3], e[4], o[4], e[5], o[5], e[6], o[6], e[7], o[7]
+        else:
+            return (
+            e[0], o[0], e[1], o[1], e[2], o[2], e[3], o[3], e[4], o[4], e[5], o[5], e[6], o[6], e[7], o[7],
+            e[8], o[8], e[9], o[9], e[10], o[10], e[11], o[11], e[12], o[12], e[13], o[13], e[14], o[14], e[15], o[15],
+            )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_int8_words_kernel(
+    x_ptr,
+    out_ptr,
+    partial_ptr,
+    counters_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_os,
+    k_per_split,
+    d_ptr,
+    s_ptr,
+    words_ptr,
+    scales_ptr,
+    mins_ptr,
+    stride_wn,
+    stride_sn,
+    stride_mn,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    SUM_IN_TILE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PADDED: tl.constexpr,  # SPLITS rounded up to a power of two: the splits past SPLITS repeat the last
+    GROUPS: tl.constexpr,  # groups of 32 a K split (the layer's k_per_split / 32)
+    CODE_BITS: tl.constexpr = 4,
+    PDL: tl.constexpr = False,
+    rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
+    ROPE: tl.constexpr = 0,
+    CACHE_BLOCK: tl.constexpr = 0,
+    timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
+):
+    """`_int4_int8_splits_kernel`'s arithmetic (int4 codes, row major, K = SPLITS * GROUPS * 32) with the
+    code words spread over the threads as memory holds them: a program's BLOCK_N outputs' whole rows
+    [BLOCK_N, splits, groups, 4 words] in one load, consecutive words on consecutive threads (a warp
+    reads 128 bytes and more of one row, where one output a thread reads 32 rows' 16 bytes), every
+    word's products summed alone (`_word_dots`) and a group's four words added in integers: the exact
+    sums of `group_dot`. Then, as that kernel, for each split (all at once) the groups' float steps one
+    after another, fma(scale * d, sum, total) and fma(s, min, total), and the splits added in split
+    order: its bits, for any number of rows up to BLOCK_M (each row's own arithmetic)."""
+    stamp(timeline, ENTRY, INTERPRET)
+    tl.static_assert(CODE_BITS == 4, "int4 codes, four words a group")
+    R: tl.constexpr = BLOCK_N * BLOCK_M  # (output, row) pairs, output major
+    pair = tl.arange(0, R)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    col64 = tl.minimum(tl.program_id(1) * BLOCK_N + pair // BLOCK_M, N - 1).to(tl.int64)[:, None, None]  # [R, 1, 1]
+    row64 = tl.minimum(pair % BLOCK_M, M - 1).to(tl.int64)[:, None, None]
+    split = tl.minimum(tl.arange(0, PADDED), SPLITS - 1)[None, :, None]  # [1, P, 1]
+    group = split * GROUPS + tl.arange(0, GROUPS)[None, None, :]  # [1, P, G]: each split's groups
+    wait_for_prior(PDL)
+    stamp(timeline, WAITED, INTERPRET)
+    t = tl.arange(0, 4)[None, None, None, :]
+    w = tl.load(words_ptr + (col64 * stride_wn + group * 4)[:, :, :, None] + t)  # [R, P, G, 4]
+    x_words = x_ptr + (row64 * stride_xm + group * 8)[:, :, :, None] + t  # a group's 8 input words
+    isum = tl.sum(_word_dots(w, tl.load(x_words), tl.load(x_words + 4), INTERPRET), axis=3)  # [R, P, G]
+    scales = tl.load(scales_ptr + col64 * stride_sn + group).to(tl.float32)  # [R, P, G]
+    lows = tl.load(mins_ptr + col64 * stride_mn + group).to(tl.float32)
+    d = tl.load(d_ptr + row64 * (K // 32) + group)  # [R, P, G]
+    s = tl.load(s_ptr + row64 * (K // 32) + group)
+    # each split's groups in order, every split at once, from columns each thread holds
+    pairs: tl.constexpr = R * PADDED
+    steps = _columns(tl.reshape(scales * d, (pairs, GROUPS)), GROUPS)  # scale * d rounded, as the splits kernel
+    sums = _columns(tl.reshape(isum.to(tl.float32), (pairs, GROUPS)), GROUPS)
+    s = _columns(tl.reshape(s, (pairs, GROUPS)), GROUPS)
+    lows = _columns(tl.reshape(lows, (pairs, GROUPS)), GROUPS)
+    acc = tl.zeros((R * PADDED,), tl.float32)
+    for g in tl.static_range(GROUPS):
+        acc = tl.fma(steps[g], sums[g], acc)
+        acc = tl.fma(s[g], lows[g], acc)
+    acc = tl.reshape(acc, (R, PADDED))
+    stamp_after(timeline, LOOPED, acc, INTERPRET)
+    splits = _columns(acc, PADDED)
+    total = splits[0]  # [R]
+    for i in tl.static_range(1, SPLITS):  # ((split 0 + split 1) + split 2) + ..., as _finish_tile adds them
+        total += splits[i]
+    _finish_tile(
+        tl.trans(tl.reshape(total, (BLOCK_N, BLOCK_M))),
+        out_ptr,
+        partial_ptr,
+        counters_ptr,
+        bias_ptr,
+        rows,
+        cols,
+        M,
+        N,
+        stride_om,
+        stride_os,
+        HAS_BIAS,
+        False,
+        False,
+        INTERPRET,
+        0,
+        rope,
+        ROPE,
+        CACHE_BLOCK,
+    )
+    stamp(timeline, DONE, INTERPRET)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_int8_mma_kernel(
     x_ptr,
@@ -1588,7 +1763,21 @@ def _int8_inputs_launch(
         splits = k // config.k_per_split
         padded = next_power_of_2(splits)
         whole = k % config.k_per_split == 0 and splits > 1 and padded <= SPLITS_IN_PROGRAM
-        if code_bits == 4 and whole:
+        groups = config.k_per_split // 32  # a split's, for the words kernel's `_columns`: 4, 8 or 16
+        if (
+            code_bits == 4
+            and WORDS_IN_THREADS
+            and not group_major
+            and k % config.k_per_split == 0
+            and groups in (4, 8, 16)
+        ):
+            # the program's outputs' rows [BLOCK_N, splits, groups, 4 words] over its threads, as they lie
+            row_words = config.block_m * padded * (config.k_per_split // 32) * 4
+            block_n = max(1, WORDS_IN_THREADS // row_words)
+            constexprs.update(SPLITS=splits, PADDED=padded, GROUPS=groups)
+            kernel = _int4_int8_words_kernel
+            config = dataclasses.replace(config, block_n=block_n, k_per_split=0, num_warps=4)
+        elif code_bits == 4 and whole:
             # one (split, output) pair a thread, SPLITS_IN_PROGRAM threads a program (an output's splits
             # at most), the splits padded to a power of two
             assert SPLITS_IN_PROGRAM & (SPLITS_IN_PROGRAM - 1) == 0, SPLITS_IN_PROGRAM
@@ -1613,7 +1802,7 @@ def _int8_inputs_launch(
         k=k,
         counters=counters,
         weight=None
-        if group_major or kernel is _int4_int8_splits_kernel
+        if group_major or kernel in (_int4_int8_splits_kernel, _int4_int8_words_kernel)
         else words,  # the L2 prefetch: row-major splits
         rope=rope,
         CODE_BITS=code_bits,
