@@ -26,7 +26,8 @@ as `bf16-sync`; bf16 with --batch-invariant off; 4-bit; 4-bit with int8 inputs (
 dp4a) as `q4-int8`; 4-bit through PyTorch's own int4 kernel (`_weight_int4pack_mm`, "tinygemm": bfloat16
 scales and zeros) as `q4-tinygemm`; 4-bit and 4-bit with int8 inputs with the codes group major (the same
 bits, `matmul.to_group_major`) as `q4-gm` and `q4-int8-gm`; 4-bit with int8 inputs with each K split a
-program of its own (`matmul.SPLITS_IN_PROGRAM` 0, the kernel before, the same bits) as `q4-int8-partials`;
+program of its own (`matmul.SPLITS_IN_PROGRAM` 0, the kernel before, the same bits) as `q4-int8-partials`,
+and with a program's code words over its threads (`matmul.WORDS_IN_THREADS`, the same bits) as `q4-int8-words`;
 4-bit with float16 scales and two roundings a weight (the int4 kernel before its
 packed-bfloat16 FMAs became the default for bfloat16 models) as `q4-fp16`; bf16,
 q4 and q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl`, `q4-pdl` and `q4-int8-pdl`, and with the
@@ -255,24 +256,29 @@ def _free(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+WORDS_IN_THREADS = 1024  # `q4-int8-words`' words a program (gpu_kernels.py times 512, 1024 and 2048)
+
+
 @contextlib.contextmanager
 def int4_candidate(weights: str):
     """GpuInt4Linear's form that `weights` names for the layers loaded inside: without packed bfloat16
     FMAs (`q4-fp16`, float16 scales), PyTorch's int4 kernel (`q4-tinygemm`), group major (`-gm`), and
-    with int8 inputs each K split a program of its own (`-partials`, matmul.SPLITS_IN_PROGRAM 0)."""
+    with int8 inputs each K split a program of its own (`-partials`, matmul.SPLITS_IN_PROGRAM 0) or a
+    program's code words over its threads (`-words`, matmul.WORDS_IN_THREADS)."""
     from kvserve.kernels.gpu import matmul
     from kvserve.layers.gpu import GpuInt4Linear
 
     GpuInt4Linear.packed_bf16 = False if weights == "q4-fp16" else None
     GpuInt4Linear.tinygemm = weights == "q4-tinygemm"
     GpuInt4Linear.group_major = "-gm" in weights
-    programs = matmul.SPLITS_IN_PROGRAM
+    programs, words = matmul.SPLITS_IN_PROGRAM, matmul.WORDS_IN_THREADS
     matmul.SPLITS_IN_PROGRAM = 0 if weights.endswith("-partials") else programs
+    matmul.WORDS_IN_THREADS = WORDS_IN_THREADS if weights.endswith("-words") else words
     try:
         yield
     finally:
         GpuInt4Linear.packed_bf16, GpuInt4Linear.tinygemm, GpuInt4Linear.group_major = None, False, False
-        matmul.SPLITS_IN_PROGRAM = programs
+        matmul.SPLITS_IN_PROGRAM, matmul.WORDS_IN_THREADS = programs, words
 
 
 def run_kvserve(
@@ -593,7 +599,8 @@ def main() -> None:
         default="",
         help="comma-separated: only these runs, by engine (kvserve, transformers-eager, transformers-compiled) or"
         " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, bf16-pdl-prefetch, q4, q4-pdl,"
-        " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-tinygemm, q4-gm, q4-int8-gm, q4-int8-partials, q4-fp16)",
+        " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-tinygemm, q4-gm, q4-int8-gm, q4-int8-partials,"
+        " q4-int8-words, q4-fp16)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run not done by then is stopped")
     parser.add_argument("--skip-tests", action="store_true")
@@ -645,7 +652,8 @@ def main() -> None:
             plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
         plan.append(("transformers-eager", shape, "bf16", False))
         if "q4" in models[shape]:  # PyTorch's own int4 kernel; the codes group major, both inputs
-            plan += [("kvserve", shape, w, True) for w in ("q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials")]
+            candidates = ("q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials", "q4-int8-words")
+            plan += [("kvserve", shape, w, True) for w in candidates]
         plan.append(("kvserve", shape, "bf16-sync", True))  # without async scheduling: what it gains
         plan.append(("kvserve", shape, "bf16-pdl", True))  # programmatic dependent launch: what it gains
         if "q4" in models[shape]:  # 4-bit both ways: the launches weigh more there than in bf16
@@ -770,6 +778,7 @@ def targets(runs: list[dict]) -> list[dict]:
             ("q4-tinygemm", "bf16"),
             ("q4-gm", "bf16"),
             ("q4-int8-gm", "bf16"),
+            ("q4-int8-words", "bf16"),
             ("q4-pdl", "bf16-pdl"),
             ("q4-int8-pdl", "bf16-pdl"),
             ("q4-int8-pdl-prefetch", "bf16-pdl-prefetch"),
@@ -780,6 +789,7 @@ def targets(runs: list[dict]) -> list[dict]:
             value = ratio(tok_s(shape, "kvserve", weights, one), tok_s(shape, "kvserve", "q4", one))
             add(shape, f"{weights} / q4, {one} stream", value, None)
         same_bits = [("q4-gm", "q4"), ("q4-int8-gm", "q4-int8"), ("q4-int8", "q4-int8-partials")]
+        same_bits.append(("q4-int8-words", "q4-int8"))
         for weights, base in same_bits:  # the same bits as the base: any gain decides
             for n in counts:
                 value = ratio(tok_s(shape, "kvserve", weights, n), tok_s(shape, "kvserve", base, n))

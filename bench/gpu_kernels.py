@@ -15,7 +15,9 @@ with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`). Cand
 (`same_bits`): `int4-bf16x2-gm` and `int4-int8-gm`, the codes, scales and mins group major
 (`matmul.to_group_major`: a warp's outputs read one block); `int4-int8-partials`, up to 8 rows each K
 split a program of its own with its partial sums in memory (`matmul.SPLITS_IN_PROGRAM` 0, the kernel
-before an int4 layer's splits went into one program); on the gate and up projection, `float-gated` and
+before an int4 layer's splits went into one program); `int4-int8-words512`, `-words1024` and `-words2048`,
+up to 8 rows with a program's code words over its threads as memory holds them (`matmul.WORDS_IN_THREADS`,
+about that many words a program, `_int4_int8_words_kernel`); on the gate and up projection, `float-gated` and
 `int4-bf16x2-gated`, the SiLU applied in the matmul's epilogue (the engine's default), against
 `float-gated-kernel` and `int4-bf16x2-gated-kernel`, the matmul and then the activation's own kernel; on
 the q/k/v projection, `float-rope` and `int4-bf16x2-rope`, RoPE and the KV cache's write in the epilogue,
@@ -308,6 +310,10 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             # up to 8 rows, each K split a program of its own (the kernel before SPLITS_IN_PROGRAM)
             ("int4-int8-partials", None, switched(int4_int8_calls(x, None), "SPLITS_IN_PROGRAM", 0)),
         ]
+        runs += [  # up to 8 rows, a program's code words over its threads (WORDS_IN_THREADS): the same bits
+            (f"int4-int8-words{w}", None, switched(int4_int8_calls(x, None), "WORDS_IN_THREADS", w))
+            for w in (512, 1024, 2048)
+        ]
         runs += [  # kvserve's configs with the sum kernel launched after each split call
             ("float-sum-kernel", None, float_calls(x, None, tile_sums=False)),
             ("int4-sum-kernel", None, int4_calls(x, None, tile_sums=False)),
@@ -344,14 +350,18 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             # int4-bf16x2 rounds scales and mins to bfloat16 first, int4-int8 the inputs: other bits by design
             same_as = kind.removesuffix("-sum-kernel") if kind.endswith("-sum-kernel") else base
             same_bits_as = ("-gm", "-partials")  # the same bits as the kind without them
-            if kind.endswith(same_bits_as):
+            if kind.startswith("int4-int8-words"):
+                same_as = "int4-int8"
+            elif kind.endswith(same_bits_as):
                 same_as = kind
                 while same_as.endswith(same_bits_as):
                     same_as = same_as.rpartition("-")[0]
             if kind.endswith(("-gated", "-rope")):  # the same bits as the matmul and then the epilogue's kernel
                 same_as = f"{kind}-kernel"
             compared = cfg is None and (
-                kind.endswith((*same_bits_as, "-gated", "-rope")) or kind in ("int4-convert", *SUM_KERNEL_KINDS)
+                kind.endswith((*same_bits_as, "-gated", "-rope"))
+                or kind in ("int4-convert", *SUM_KERNEL_KINDS)
+                or kind.startswith("int4-int8-words")
             )
             compared = compared and same_as in outputs
             same_bits = torch.equal(outputs[kind], outputs[same_as]) if compared else None

@@ -16,9 +16,15 @@ the kernel before, after its K loop and at its end. Per launch, in microseconds:
   count and, for the tile's last, the other splits' sums), `tail_max` the longest;
 - `span`: first start to last end.
 
+With programmatic dependent launch (`KVSERVE_PDL=1`, the JSON's `pdl`) a kernel's programs enter while
+the one before still runs: then read `waits_spread` and `work_p50` (from the wait) for `starts_spread`
+and `program_p50`. Where the global timer ticks coarsely (`timer_step_ns`), `cycles_p50`,
+`loop_cycles_p50` and `tail_cycles_p50` time the same in the multiprocessor's cycles.
+
 Kinds: `float` (bf16 weights, kvserve's kernels), `int4-bf16x2` (the 4-bit default: bf16 inputs, the
-Q8_0 lm_head with float inputs), `int4-int8` (`--activations int8`: the inputs' quantization kernels
-are in the graph but record nothing). `graph_us` is the graph's replay time without the stamps and
+Q8_0 lm_head with float inputs), `int4-int8` (`--activations int8`; the inputs' int8 form made before
+the graph, as the kernel before makes it in the engine), `int4-int8-words` (the same with
+`matmul.WORDS_IN_THREADS`, a candidate). `graph_us` is the graph's replay time without the stamps and
 `graph_us_recorded` with them (the stamps' own cost: a reduction a program after its loop).
 
     PYTHONPATH=. python bench/gpu_timeline.py --out $OUT/timeline.json
@@ -47,10 +53,12 @@ SHAPES = {
         "down": (2048, 8192),
         "lm_head": (49152, 2048),
     },
-    "tiny": {"qkv": (128, 64), "o": (64, 64), "gate_up": (256, 64), "down": (64, 128), "lm_head": (96, 64)},
+    # K of whole splits, for every kernel of the 1B shapes (the interpreter's plumbing run)
+    "tiny": {"qkv": (128, 256), "o": (256, 256), "gate_up": (256, 256), "down": (256, 512), "lm_head": (96, 256)},
 }
 HEADS = {"llama1b": (32, 8, 64), "tiny": (4, 2, 16)}
-KINDS = ("float", "int4-bf16x2", "int4-int8")
+KINDS = ("float", "int4-bf16x2", "int4-int8", "int4-int8-words")
+WORDS_IN_THREADS = 1024  # int4-int8-words: matmul.WORDS_IN_THREADS, a candidate (as bench/gpu.py's q4-int8-words)
 
 
 def step_calls(kind: str, shape: str, layers: int, rows: int, device: str, gen: torch.Generator):
@@ -69,21 +77,26 @@ def step_calls(kind: str, shape: str, layers: int, rows: int, device: str, gen: 
             x = torch.randn(rows, k, device=device, generator=gen).to(torch.bfloat16)
             counters = mm.split_counters(device)
             out_dtype = torch.float32 if name == "lm_head" else None
-            act = "silu" if name == "gate_up" and kind != "int4-int8" else None  # int8 inputs: the activation's kernel
+            int8_inputs = kind.startswith("int4-int8")
+            act = "silu" if name == "gate_up" and not int8_inputs else None  # int8 inputs: the activation's kernel
             epilogue = {"rope": rope} if name == "qkv" else {}
+            if int8_inputs:  # made by the kernel before, as in the engine (not a launch of the matmul's own)
+                epilogue["quantized"] = mm.quantize_int8(x)
             if kind == "float":
                 w = torch.randn(n, k, device=device, generator=gen).to(torch.bfloat16)
                 call = partial(mm.matmul, x, w, None, out_dtype, counters, act, **epilogue)
             elif name == "lm_head":  # the 4-bit GGUF's Q8_0 embedding
                 codes = torch.randint(-128, 128, (n, k), device=device, generator=gen, dtype=torch.int8)
                 scales = torch.rand(n, k // 32, device=device, generator=gen) * 0.01
-                q8 = mm.int8_int8_matmul if kind == "int4-int8" else mm.int8_group_matmul
-                call = partial(q8, x, codes, scales, torch.float32, counters=counters)
+                if int8_inputs:
+                    call = partial(mm.int8_int8_matmul, x, codes, scales, torch.float32, counters=counters, **epilogue)
+                else:
+                    call = partial(mm.int8_group_matmul, x, codes, scales, torch.float32, counters=counters)
             else:
                 packed = mm.pack_int4(torch.randint(0, 16, (n, k), device=device, generator=gen))
                 scales = torch.rand(n, k // 32, device=device, generator=gen).to(torch.bfloat16)
                 mins = -8 * scales
-                if kind == "int4-int8":  # scales as stored (float16)
+                if int8_inputs:  # scales as stored (float16)
                     call = partial(
                         mm.int4_int8_matmul, x, packed, scales.half(), mins.half(), counters=counters, **epilogue
                     )
@@ -127,7 +140,7 @@ def summarize(recorder) -> list[dict]:
     for launch in recorder.launches:
         stamps = recorder.stamps(launch)
         entry, waited, looped, done = (stamps[:, slot].double() for slot in range(4))
-        cycles = (stamps[:, timeline.CLOCKS.value + 3] - stamps[:, timeline.CLOCKS.value]).double()
+        clock = [stamps[:, timeline.CLOCKS.value + slot].double() for slot in range(4)]
         program = done - entry
         tail = done - looped
         record = {
@@ -138,13 +151,18 @@ def summarize(recorder) -> list[dict]:
             "sms": int(stamps[:, timeline.SM.value].unique().numel()),
             "gap_before": None if previous_end is None else us(entry.min().item() - previous_end),
             "starts_spread": us(entry.max().item() - entry.min().item()),
+            "waits_spread": us(waited.max().item() - waited.min().item()),  # with PDL: after the kernel before
             "program_p50": us(program.median().item()),
             "program_max": us(program.max().item()),
+            "work_p50": us((done - waited).median().item()),  # without the wait (PDL)
             "loop_p50": us((looped - waited).median().item()),
             "tail_p50": us(tail.median().item()),
             "tail_max": us(tail.max().item()),
             "span": us(done.max().item() - entry.min().item()),
-            "cycles_p50": int(cycles.median().item()),
+            # the same in the multiprocessor's cycles (where the global timer ticks coarsely)
+            "cycles_p50": int((clock[3] - clock[0]).median().item()),
+            "loop_cycles_p50": int((clock[2] - clock[1]).median().item()),
+            "tail_cycles_p50": int((clock[3] - clock[2]).median().item()),
         }
         previous_end = done.max().item()
         records.append(record)
@@ -156,7 +174,10 @@ def per_layer(launches: list[dict]) -> dict:
     names: dict[str, list[dict]] = {}
     for launch in launches:
         names.setdefault(f"{launch['label'].split('.')[0]} {launch['kernel']}", []).append(launch)
-    fields = ("gap_before", "starts_spread", "program_p50", "program_max", "loop_p50", "tail_p50", "tail_max", "span")
+    fields = (
+        "gap_before", "starts_spread", "waits_spread", "program_p50", "program_max", "work_p50", "loop_p50",
+        "tail_p50", "tail_max", "span", "cycles_p50", "loop_cycles_p50", "tail_cycles_p50",
+    )  # fmt: skip
     return {
         name: {
             "launches": len(group),
@@ -190,7 +211,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_timeline.json"))
     args = parser.parse_args()
 
-    from kvserve.kernels.gpu import timeline
+    import kvserve.kernels.gpu as gpu
+    from kvserve.kernels.gpu import matmul, timeline
 
     started = time.perf_counter()
     gen = torch.Generator(device=args.device).manual_seed(0)
@@ -202,11 +224,15 @@ def main() -> None:
         "commit": commit,
         "shapes": args.shapes,
         "layers": args.layers,
+        # programmatic dependent launch (KVSERVE_PDL): programs then enter before the kernel before ends
+        "pdl": gpu.uses_pdl(torch.device(args.device)),
+        "weight_prefetch": gpu.uses_pdl(torch.device(args.device)) and gpu.PREFETCH,
         "runs": [],
         "errors": [],
     }
     for kind in args.kinds.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
+            matmul.WORDS_IN_THREADS = WORDS_IN_THREADS if kind.endswith("-words") else 0
             try:
                 calls = step_calls(kind, args.shapes, args.layers, rows, args.device, gen)
                 with timeline.recording(timeline.Timeline(args.device)) as warm:  # compiles the stamped kernels

@@ -40,12 +40,10 @@ def _program_index():
 @triton.jit
 def _write(timeline, SLOT: tl.constexpr, after, INTERPRET: tl.constexpr):
     base = timeline + _program_index().to(tl.int64) * SLOTS
-    if INTERPRET:
-        zero = after.to(tl.int64) * 0
-        tl.store(base + SLOT, zero)
-        tl.store(base + CLOCKS + SLOT, zero)
-        if SLOT == 0:
-            tl.store(base + SM, zero)
+    if INTERPRET:  # no clock: zeros, which still show that the program came here
+        now = after.to(tl.int64) * 0
+        cycles = now
+        sm = now
     else:  # `after` makes each read wait for the value it is given; volatile, so none is dropped or merged
         now = tl.inline_asm_elementwise(
             "mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64, is_pure=False, pack=1
@@ -53,11 +51,14 @@ def _write(timeline, SLOT: tl.constexpr, after, INTERPRET: tl.constexpr):
         cycles = tl.inline_asm_elementwise(
             "mov.u64 $0, %clock64;", "=l,r", [after], dtype=tl.int64, is_pure=False, pack=1
         )
-        tl.store(base + SLOT, now)
-        tl.store(base + CLOCKS + SLOT, cycles)
         if SLOT == 0:
-            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [after], dtype=tl.int32, is_pure=False, pack=1)
-            tl.store(base + SM, sm.to(tl.int64))
+            sm = tl.inline_asm_elementwise(
+                "mov.u32 $0, %smid;", "=r,r", [after], dtype=tl.int32, is_pure=False, pack=1
+            ).to(tl.int64)
+    tl.store(base + SLOT, now)
+    tl.store(base + CLOCKS + SLOT, cycles)
+    if SLOT == 0:
+        tl.store(base + SM, sm)
 
 
 @triton.jit
