@@ -17,7 +17,8 @@ with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`). Cand
 split a program of its own with its partial sums in memory (`matmul.SPLITS_IN_PROGRAM` 0, the kernel
 before an int4 layer's splits went into one program); `int4-int8-words512`, `-words1024` and `-words2048`,
 up to 8 rows with a program's code words over its threads as memory holds them (`matmul.WORDS_IN_THREADS`,
-about that many words a program, `_int4_int8_words_kernel`); on the gate and up projection, `float-gated` and
+about that many words a program, `_int4_int8_words_kernel`), and on the Q8_0 lm_head `int8-int8-words512`
+to `-words2048`; on the gate and up projection, `float-gated` and
 `int4-bf16x2-gated`, the SiLU applied in the matmul's epilogue (the engine's default), against
 `float-gated-kernel` and `int4-bf16x2-gated-kernel`, the matmul and then the activation's own kernel; on
 the q/k/v projection, `float-rope` and `int4-bf16x2-rope`, RoPE and the KV cache's write in the epilogue,
@@ -334,6 +335,10 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             ]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
             runs += [("int8", None, int8_calls(x)), ("int8-int8", None, int8_calls(x, int8_inputs=True))]
+            runs += [  # up to 8 rows, the code words over the threads: the same bits
+                (f"int8-int8-words{w}", None, switched(int8_calls(x, int8_inputs=True), "WORDS_IN_THREADS", w))
+                for w in (512, 1024, 2048)
+            ]
         runs = [
             run for run in runs if (kinds is None or run[0] in kinds) and not (own and run[1] not in (None, "cublas"))
         ]
@@ -350,8 +355,8 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             # int4-bf16x2 rounds scales and mins to bfloat16 first, int4-int8 the inputs: other bits by design
             same_as = kind.removesuffix("-sum-kernel") if kind.endswith("-sum-kernel") else base
             same_bits_as = ("-gm", "-partials")  # the same bits as the kind without them
-            if kind.startswith("int4-int8-words"):
-                same_as = "int4-int8"
+            if kind.startswith(("int4-int8-words", "int8-int8-words")):
+                same_as = kind.partition("-words")[0]
             elif kind.endswith(same_bits_as):
                 same_as = kind
                 while same_as.endswith(same_bits_as):
@@ -361,7 +366,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             compared = cfg is None and (
                 kind.endswith((*same_bits_as, "-gated", "-rope"))
                 or kind in ("int4-convert", *SUM_KERNEL_KINDS)
-                or kind.startswith("int4-int8-words")
+                or "-words" in kind
             )
             compared = compared and same_as in outputs
             same_bits = torch.equal(outputs[kind], outputs[same_as]) if compared else None

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dataclasses
+from functools import partial
 
 import pytest
 
@@ -543,42 +544,47 @@ def test_a_layers_k_splits_in_one_program_give_the_bits_of_their_partial_sums(mo
 
 @pytest.mark.parametrize("words", [256, 2048])
 def test_the_code_words_over_the_threads_give_the_splits_kernels_bits(monkeypatch, words):
-    """matmul.WORDS_IN_THREADS (a candidate, off by default): up to 8 rows of an int4 layer with int8
-    inputs, a program's rows of code words spread over its threads, each word's products summed alone and
-    a group's words added in integers, then the splits kernel's float steps: its bits, for 1 to 8 rows, 1
-    to 32 splits (3 and 5 padded), a column a program or 8, a last tile cut short, bias or not, float32 or
-    bfloat16 out. Group-major codes, int8 codes and K off the splits keep their kernels."""
+    """matmul.WORDS_IN_THREADS (a candidate, off by default): up to 8 rows of an int4 or int8 (Q8_0) layer
+    with int8 inputs, a program's rows of code words spread over its threads, each word's products summed
+    alone and a group's words added in integers, then the float steps of the kernels before (the splits
+    in one program, or a program a split and their partial sums): their bits, for 1 to 8 rows, 1 to 32
+    splits (3 and 5 padded), a column a program or 8, a last tile cut short, bias or not, float32 or
+    bfloat16 out. Group-major codes and K off the splits keep their kernels, as do 9 rows and more."""
     cases = [(1, 2048, 24), (3, 768, 40), (8, 1024, 16), (5, 8192, 8), (1, 256, 20), (2, 1280, 12)]
     launches = []
     launch = matmul._launch
     for m, k, n in cases:
         codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=80)
         packed = matmul.pack_int4(codes)
+        codes8, scales8, _ = _int8_weight(n, k, seed=84)
         x = _randn(m, k, seed=81)
         bias = _randn(n, seed=82)
-        calls = [(out_dtype, b) for out_dtype in (torch.float32, torch.bfloat16) for b in (None, bias)]
-        expected = [matmul.int4_int8_matmul(x, packed, scales, mins, out_dtype, b) for out_dtype, b in calls]
+        weights = [(matmul.int4_int8_matmul, (packed, scales, mins)), (matmul.int8_int8_matmul, (codes8, scales8))]
+        calls = [
+            (partial(run, x, *weight), out_dtype, b)
+            for run, weight in weights
+            for out_dtype in (torch.float32, torch.bfloat16)
+            for b in (None, bias)
+        ]
+        expected = [call(out_dtype, b) for call, out_dtype, b in calls]
         monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
         monkeypatch.setattr(
             matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or launch(kernel, *a, **kw)
         )
-        got = [matmul.int4_int8_matmul(x, packed, scales, mins, out_dtype, b) for out_dtype, b in calls]
+        got = [call(out_dtype, b) for call, out_dtype, b in calls]
         monkeypatch.undo()
         assert all(_same_bits(a, b) for a, b in zip(got, expected, strict=True)), (m, k, n)
     assert launches == ["_int4_int8_words_kernel"] * len(calls) * len(cases)
-    # not for group-major codes, int8 codes, a K that is not a whole number of splits, nor 9 rows and more
+    # not for group-major codes, a K that is not a whole number of splits, nor 9 rows and more
     codes, scales, mins, _ = _int4_weight(16, 1184, torch.float16, seed=83)
-    codes8, scales8, _ = _int8_weight(16, 1024, seed=84)
     monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
     monkeypatch.setattr(
         matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or launch(kernel, *a, **kw)
     )
     launches.clear()
     x = _randn(9, 1184, seed=85)
-    matmul.int4_int8_matmul(
-        x[:1, :1024], *matmul.to_group_major(matmul.pack_int4(codes[:, :1024]), scales[:, :32], mins[:, :32])
-    )
-    matmul.int8_int8_matmul(x[:1, :1024], codes8, scales8)
+    gm = matmul.to_group_major(matmul.pack_int4(codes[:, :1024]), scales[:, :32], mins[:, :32])
+    matmul.int4_int8_matmul(x[:1, :1024], *gm)
     matmul.int4_int8_matmul(x[:1], matmul.pack_int4(codes), scales, mins)
     matmul.int4_int8_matmul(x[:, :1024], matmul.pack_int4(codes[:, :1024]), scales[:, :32], mins[:, :32])
     assert "_int4_int8_words_kernel" not in launches, launches
@@ -715,7 +721,7 @@ def test_a_gate_up_matmul_with_its_activation_gives_the_gated_activations_bits(m
 KINDS_WITH_ROPE = ["float", "int4", "int4-bf16x2", "int8", "int4-int8", "int4-int8-mma", "int8-int8", "int8-int8-mma"]
 
 
-@pytest.mark.parametrize("kind", [*KINDS_WITH_ROPE, "int4-int8-one-column", "int4-int8-words"])
+@pytest.mark.parametrize("kind", [*KINDS_WITH_ROPE, "int4-int8-one-column", "int4-int8-words", "int8-int8-words"])
 def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
     """A q/k/v projection's matmul with `rope` over q's and k's rows paired (`interleave_rope`) gives the
     rotated q and writes k and v into the caches: the bits of the plain matmul and then
@@ -727,7 +733,7 @@ def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
     monkeypatch.setattr(matmul, "FLOAT_CONFIG", dataclasses.replace(matmul.FLOAT_CONFIG, k_per_split=512))
     if kind == "int4-int8-one-column":  # four splits in one program of four pairs: a column a tile
         monkeypatch.setattr(matmul, "SPLITS_IN_PROGRAM", 4)
-    if kind == "int4-int8-words":  # the code words over the threads: tiles of 2 and 8 columns
+    if kind.endswith("-words"):  # the code words over the threads: tiles of 1 to 8 columns
         monkeypatch.setattr(matmul, "WORDS_IN_THREADS", 2048)
     m, heads, kv_heads, head_dim = 20 if kind.endswith("mma") else 5, 3, 1, 40  # q | k at column 120, k | v at 160
     n = (heads + 2 * kv_heads) * head_dim
@@ -1280,16 +1286,25 @@ def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kin
 @pytest.mark.parametrize("words", [512, 1024, 2048])
 def test_the_code_words_over_the_threads_at_model_sizes_give_the_splits_kernels_bits(monkeypatch, words):
     """matmul.WORDS_IN_THREADS at a 1B model's int4 layers (q/k/v, gate and up, down: 8, 16 and 8 groups a
-    split, 8, 4 and 32 splits) for 1 to 8 rows, compiled: the splits kernel's bits."""
+    split, 8, 4 and 32 splits) and its Q8_0 lm_head, for 1 to 8 rows, compiled: the bits of the kernels
+    before."""
     x = _randn(8, 8192, seed=86, dtype=torch.bfloat16)
+    layers = []
     for n, k in ((3072, 2048), (16384, 2048), (2048, 8192)):
         codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=87)
-        packed = matmul.pack_int4(codes)
+        layers.append(
+            (n, k, partial(matmul.int4_int8_matmul, packed=matmul.pack_int4(codes), scales=scales, mins=mins))
+        )
+    codes8, scales8, _ = _int8_weight(49152, 2048, seed=88)
+    layers.append(
+        (49152, 2048, partial(matmul.int8_int8_matmul, codes=codes8, scales=scales8, out_dtype=torch.float32))
+    )
+    for n, k, run in layers:
         for m in (1, 2, 5, 8):
             monkeypatch.setattr(matmul, "WORDS_IN_THREADS", 0)
-            expected = matmul.int4_int8_matmul(x[:m, :k], packed, scales, mins)
+            expected = run(x[:m, :k])
             monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
-            assert _same_bits(matmul.int4_int8_matmul(x[:m, :k], packed, scales, mins), expected), (n, k, m)
+            assert _same_bits(run(x[:m, :k]), expected), (n, k, m)
 
 
 @on_gpu
@@ -1568,6 +1583,7 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     matmul.SPLITS_IN_PROGRAM = 128
     matmul.WORDS_IN_THREADS = 1024  # the code words over the threads (a candidate)
     call = f"int4-int8-words-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
+    call = f"int8-int8-words-{m}"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float())
     matmul.WORDS_IN_THREADS = 0
     # a gate and up projection with its activation in the epilogue: a tile's last split, the sum kernel
     call = f"gate_up-tiles-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters, activation="silu")
@@ -1771,6 +1787,10 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int4-int8-words", "_int4_int8_words_kernel"),
         ("int4-int8-words", "_int4_int8_mma_kernel"),  # 37 rows: the tensor cores, their splits' sum kernel
         ("int4-int8-words", "_sum_splits_kernel"),
+        ("int8-int8-words", "_quantize_int8_kernel"),
+        ("int8-int8-words", "_int4_int8_words_kernel"),
+        ("int8-int8-words", "_int4_int8_mma_kernel"),
+        ("int8-int8-words", "_sum_splits_kernel"),
         ("gate_up-tiles", "_float_kernel"),  # the activation applied by a tile's last split
         ("gate_up-int4-tiles", "_int4_kernel"),
         ("gate_up-int8", "_int8_kernel"),

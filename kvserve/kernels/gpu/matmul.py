@@ -979,6 +979,21 @@ def _word_dots(w, x_low, x_high, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _byte_dots(w, x, INTERPRET: tl.constexpr):
+    """Per int32 word of int8 codes (inputs 4t..4t+3) and the int8 input word it meets, elementwise: the
+    exact sum of its four products, `int8_group_dot`'s arithmetic one word at a time. On a GPU one dp4a."""
+    if INTERPRET:
+        total = w * 0
+        for j in tl.static_range(4):
+            total += ((w << (24 - 8 * j)) >> 24) * ((x << (24 - 8 * j)) >> 24)
+        return total
+    else:
+        return tl.inline_asm_elementwise(
+            asm="dp4a.s32.s32 $0, $1, $2, 0;", constraints="=r,r,r", args=[w, x], dtype=tl.int32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
 def _split8(x):
     """[R, 8] -> its eight columns [R] in order (`split4` twice: the even columns, then the odd)."""
     even, odd = tl.split(tl.reshape(x, (x.shape[0], 4, 2)))
@@ -1054,16 +1069,16 @@ def _int4_int8_words_kernel(
     CACHE_BLOCK: tl.constexpr = 0,
     timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
 ):
-    """`_int4_int8_splits_kernel`'s arithmetic (int4 codes, row major, K = SPLITS * GROUPS * 32) with the
+    """`_int4_int8_splits_kernel`'s arithmetic (int4 codes, row major, K = SPLITS * GROUPS * 32; and with
+    CODE_BITS 8, int8 codes, `_int4_int8_kernel`'s) with the
     code words spread over the threads as memory holds them: a program's BLOCK_N outputs' whole rows
-    [BLOCK_N, splits, groups, 4 words] in one load, consecutive words on consecutive threads (a warp
+    [BLOCK_N, splits, groups, 4 (or 8) words] in one load, consecutive words on consecutive threads (a warp
     reads 128 bytes and more of one row, where one output a thread reads 32 rows' 16 bytes), every
     word's products summed alone (`_word_dots`) and a group's four words added in integers: the exact
     sums of `group_dot`. Then, as that kernel, for each split (all at once) the groups' float steps one
     after another, fma(scale * d, sum, total) and fma(s, min, total), and the splits added in split
     order: its bits, for any number of rows up to BLOCK_M (each row's own arithmetic)."""
     stamp(timeline, ENTRY, INTERPRET)
-    tl.static_assert(CODE_BITS == 4, "int4 codes, four words a group")
     R: tl.constexpr = BLOCK_N * BLOCK_M  # (output, row) pairs, output major
     pair = tl.arange(0, R)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1074,24 +1089,31 @@ def _int4_int8_words_kernel(
     group = split * GROUPS + tl.arange(0, GROUPS)[None, None, :]  # [1, P, G]: each split's groups
     wait_for_prior(PDL)
     stamp(timeline, WAITED, INTERPRET)
-    t = tl.arange(0, 4)[None, None, None, :]
-    w = tl.load(words_ptr + (col64 * stride_wn + group * 4)[:, :, :, None] + t)  # [R, P, G, 4]
+    WORDS: tl.constexpr = CODE_BITS  # code words a group
+    t = tl.arange(0, WORDS)[None, None, None, :]
+    w = tl.load(words_ptr + (col64 * stride_wn + group * WORDS)[:, :, :, None] + t)  # [R, P, G, WORDS]
     x_words = x_ptr + (row64 * stride_xm + group * 8)[:, :, :, None] + t  # a group's 8 input words
-    isum = tl.sum(_word_dots(w, tl.load(x_words), tl.load(x_words + 4), INTERPRET), axis=3)  # [R, P, G]
+    if CODE_BITS == 4:  # word t meets input words t and t + 4
+        isum = tl.sum(_word_dots(w, tl.load(x_words), tl.load(x_words + 4), INTERPRET), axis=3)  # [R, P, G]
+    else:  # int8 codes: word t meets input word t
+        isum = tl.sum(_byte_dots(w, tl.load(x_words), INTERPRET), axis=3)
     scales = tl.load(scales_ptr + col64 * stride_sn + group).to(tl.float32)  # [R, P, G]
-    lows = tl.load(mins_ptr + col64 * stride_mn + group).to(tl.float32)
     d = tl.load(d_ptr + row64 * (K // 32) + group)  # [R, P, G]
-    s = tl.load(s_ptr + row64 * (K // 32) + group)
     # each split's groups in order, every split at once, from columns each thread holds
     pairs: tl.constexpr = R * PADDED
     steps = _columns(tl.reshape(scales * d, (pairs, GROUPS)), GROUPS)  # scale * d rounded, as the splits kernel
     sums = _columns(tl.reshape(isum.to(tl.float32), (pairs, GROUPS)), GROUPS)
-    s = _columns(tl.reshape(s, (pairs, GROUPS)), GROUPS)
-    lows = _columns(tl.reshape(lows, (pairs, GROUPS)), GROUPS)
     acc = tl.zeros((R * PADDED,), tl.float32)
-    for g in tl.static_range(GROUPS):
-        acc = tl.fma(steps[g], sums[g], acc)
-        acc = tl.fma(s[g], lows[g], acc)
+    if CODE_BITS == 4:
+        lows = tl.load(mins_ptr + col64 * stride_mn + group).to(tl.float32)
+        s = _columns(tl.reshape(tl.load(s_ptr + row64 * (K // 32) + group), (pairs, GROUPS)), GROUPS)
+        lows = _columns(tl.reshape(lows, (pairs, GROUPS)), GROUPS)
+        for g in tl.static_range(GROUPS):
+            acc = tl.fma(steps[g], sums[g], acc)
+            acc = tl.fma(s[g], lows[g], acc)
+    else:
+        for g in tl.static_range(GROUPS):
+            acc = tl.fma(steps[g], sums[g], acc)
     acc = tl.reshape(acc, (R, PADDED))
     stamp_after(timeline, LOOPED, acc, INTERPRET)
     splits = _columns(acc, PADDED)
@@ -1764,15 +1786,9 @@ def _int8_inputs_launch(
         padded = next_power_of_2(splits)
         whole = k % config.k_per_split == 0 and splits > 1 and padded <= SPLITS_IN_PROGRAM
         groups = config.k_per_split // 32  # a split's, for the words kernel's `_columns`: 4, 8 or 16
-        if (
-            code_bits == 4
-            and WORDS_IN_THREADS
-            and not group_major
-            and k % config.k_per_split == 0
-            and groups in (4, 8, 16)
-        ):
-            # the program's outputs' rows [BLOCK_N, splits, groups, 4 words] over its threads, as they lie
-            row_words = config.block_m * padded * (config.k_per_split // 32) * 4
+        if WORDS_IN_THREADS and not group_major and k % config.k_per_split == 0 and groups in (4, 8, 16):
+            # the program's outputs' rows [BLOCK_N, splits, groups, words] over its threads, as they lie
+            row_words = config.block_m * padded * groups * code_bits
             block_n = max(1, WORDS_IN_THREADS // row_words)
             constexprs.update(SPLITS=splits, PADDED=padded, GROUPS=groups)
             kernel = _int4_int8_words_kernel
