@@ -324,6 +324,24 @@ def test_four_bit_codes_group_major_give_the_same_tokens_and_logprobs(
     assert results[1] == results[0]
 
 
+def test_the_code_words_over_the_threads_give_the_same_tokens_and_logprobs(tmp_path, triton_kernels, monkeypatch):
+    """matmul.WORDS_IN_THREADS (a candidate, off) through the engine with int8 inputs, where every int4
+    layer's K is a whole number of its splits (hidden 256, an MLP of 512): the words kernel runs them,
+    alone, batched and behind a prefix hit, with the tokens and logprobs of the kernels before it."""
+    from tests.conftest import make_tiny_llama, write_byte_tokenizer
+
+    shapes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    make_tiny_llama(tmp_path, seed=9, initializer_range=0.2, **shapes)
+    write_byte_tokenizer(tmp_path)
+    options = dict(weights="q4", activations="int8", batch_invariant=True)
+    before = _alone_then_a_prefix_hit(tmp_path, **options)
+    launched = _Launches(matmul._int4_int8_words_kernel)
+    monkeypatch.setattr(matmul, "_int4_int8_words_kernel", launched)
+    monkeypatch.setattr(matmul, "WORDS_IN_THREADS", 1024)
+    assert _alone_then_a_prefix_hit(tmp_path, **options) == before
+    assert launched.launches > 0
+
+
 class _Launches:
     """Stands in for a Triton kernel, counting its launches and running it."""
 
