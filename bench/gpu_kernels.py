@@ -108,14 +108,16 @@ def candidates():
     return floats, int4s, int4_int8s
 
 
-def timed(fn, device: str, replays: int = 20) -> float:
-    """Seconds per run of fn (which makes one call per layer), replayed as a CUDA graph."""
+def timed(fn, device: str, replays: int = 20, warm: bool = True) -> float:
+    """Seconds per run of fn (which makes one call per layer), replayed as a CUDA graph; `warm`: fn run
+    once before the capture (not where the capture alone must call it: a timeline's recording)."""
     if device != "cuda":
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
-    fn()
-    torch.cuda.synchronize()
+    if warm:
+        fn()
+        torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
