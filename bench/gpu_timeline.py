@@ -44,19 +44,15 @@ from pathlib import Path
 
 import torch
 
-# (N, K) of each matmul of a decoder layer, the lm_head's, and the q/k/v projection's heads (q, kv, dim)
+from bench import gpu_kernels
+
+# (N, K) of each matmul of a decoder layer and the lm_head's (gpu_kernels.py's), and its q/k/v heads
 SHAPES = {
-    "llama1b": {
-        "qkv": (3072, 2048),
-        "o": (2048, 2048),
-        "gate_up": (16384, 2048),
-        "down": (2048, 8192),
-        "lm_head": (49152, 2048),
-    },
+    "llama1b": gpu_kernels.SHAPES["llama1b"],
     # K of whole splits, for every kernel of the 1B shapes (the interpreter's plumbing run)
     "tiny": {"qkv": (128, 256), "o": (256, 256), "gate_up": (256, 256), "down": (256, 512), "lm_head": (96, 256)},
 }
-HEADS = {"llama1b": (32, 8, 64), "tiny": (4, 2, 16)}
+HEADS = gpu_kernels.HEADS
 KINDS = ("float", "int4-bf16x2", "int4-int8", "int4-int8-words")
 WORDS_IN_THREADS = 1024  # int4-int8-words: matmul.WORDS_IN_THREADS, a candidate (as bench/gpu.py's q4-int8-words)
 
@@ -198,7 +194,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import kvserve.kernels.gpu as gpu
-    from bench.gpu_kernels import timed  # a CUDA graph of fn, captured once and replayed
     from kvserve.kernels.gpu import matmul, timeline
 
     started = time.perf_counter()
@@ -227,10 +222,10 @@ def main() -> None:
                 run = {"kind": kind, "rows": rows}
                 recorder = timeline.Timeline(args.device)
                 if args.device == "cuda":
-                    run["graph_us"] = round(timed(partial(run_all, calls), args.device) * 1e6, 2)
+                    run["graph_us"] = round(gpu_kernels.timed(partial(run_all, calls), args.device) * 1e6, 2)
                     with timeline.recording(recorder):
                         recorded = partial(run_all, calls, recorder)  # its slices taken once, by the capture
-                        run["graph_us_recorded"] = round(timed(recorded, args.device, warm=False) * 1e6, 2)
+                        run["graph_us_recorded"] = round(gpu_kernels.timed(recorded, args.device, warm=False) * 1e6, 2)
                 else:
                     with timeline.recording(recorder):
                         run_all(calls, recorder)
