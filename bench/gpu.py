@@ -652,7 +652,7 @@ def main() -> None:
             plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
         plan.append(("transformers-eager", shape, "bf16", False))
         if "q4" in models[shape]:  # PyTorch's own int4 kernel; the codes group major, both inputs
-            candidates = ("q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials", "q4-int8-words")
+            candidates = ("q4-int8-words", "q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials")  # newest first
             plan += [("kvserve", shape, w, True) for w in candidates]
         plan.append(("kvserve", shape, "bf16-sync", True))  # without async scheduling: what it gains
         plan.append(("kvserve", shape, "bf16-pdl", True))  # programmatic dependent launch: what it gains
