@@ -542,15 +542,22 @@ def test_a_layers_k_splits_in_one_program_give_the_bits_of_their_partial_sums(mo
     assert launches == per_case * len(cases)
 
 
-@pytest.mark.parametrize("words", [256, 2048])
-def test_the_code_words_over_the_threads_give_the_splits_kernels_bits(monkeypatch, words):
+@pytest.mark.parametrize("words, split", [(256, 512), (2048, 512), (1024, 256), (1024, 1024)])
+def test_the_code_words_over_the_threads_give_the_splits_kernels_bits(monkeypatch, words, split):
     """matmul.WORDS_IN_THREADS (a candidate, off by default): up to 8 rows of an int4 or int8 (Q8_0) layer
     with int8 inputs, a program's rows of code words spread over its threads, each word's products summed
     alone and a group's words added in integers, then the float steps of the kernels before (the splits
     in one program, or a program a split and their partial sums): their bits, for 1 to 8 rows, 1 to 32
     splits (3 and 5 padded), a column a program or 8, a last tile cut short, bias or not, float32 or
-    bfloat16 out. Group-major codes and K off the splits keep their kernels, as do 9 rows and more."""
+    bfloat16 out; K splits of 4, 8 and 16 groups (INT4_INT8_CONFIG's 256, 512 and 1,024 inputs, halved for
+    these narrow layers). Group-major codes, K off the splits and more than 32 splits keep their kernels,
+    as do 9 rows and more."""
+    config = dataclasses.replace(matmul.INT4_INT8_CONFIG, k_per_split=split)
+    monkeypatch.setattr(matmul, "INT4_INT8_CONFIG", config)
     cases = [(1, 2048, 24), (3, 768, 40), (8, 1024, 16), (5, 8192, 8), (1, 256, 20), (2, 1280, 12)]
+    if split != 512:  # fewer cases for the other split lengths (the interpreter's time)
+        cases = cases[1:3] + cases[4:5]
+    cases = [(m, k, n) for m, k, n in cases if k % (split // 2) == 0 and k // (split // 2) <= 32]
     launches = []
     launch = matmul._launch
     for m, k, n in cases:
@@ -573,9 +580,12 @@ def test_the_code_words_over_the_threads_give_the_splits_kernels_bits(monkeypatc
         )
         got = [call(out_dtype, b) for call, out_dtype, b in calls]
         monkeypatch.undo()
+        monkeypatch.setattr(matmul, "INT4_INT8_CONFIG", config)
         assert all(_same_bits(a, b) for a, b in zip(got, expected, strict=True)), (m, k, n)
-    assert launches == ["_int4_int8_words_kernel"] * len(calls) * len(cases)
-    # not for group-major codes, a K that is not a whole number of splits, nor 9 rows and more
+    assert cases and launches == ["_int4_int8_words_kernel"] * len(calls) * len(cases)
+    if split != 512:
+        return
+    # not for group-major codes, a K that is not a whole number of splits, 33 splits, nor 9 rows and more
     codes, scales, mins, _ = _int4_weight(16, 1184, torch.float16, seed=83)
     monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
     monkeypatch.setattr(
@@ -587,7 +597,10 @@ def test_the_code_words_over_the_threads_give_the_splits_kernels_bits(monkeypatc
     matmul.int4_int8_matmul(x[:1, :1024], *gm)
     matmul.int4_int8_matmul(x[:1], matmul.pack_int4(codes), scales, mins)
     matmul.int4_int8_matmul(x[:, :1024], matmul.pack_int4(codes[:, :1024]), scales[:, :32], mins[:, :32])
-    assert "_int4_int8_words_kernel" not in launches, launches
+    codes8, scales8, _ = _int8_weight(4, 33 * 256, seed=86)
+    matmul.int8_int8_matmul(_randn(1, 33 * 256, seed=87), codes8, scales8)
+    kept = ["_int4_int8_splits_kernel", "_int4_int8_kernel", "_int4_int8_mma_kernel", "_int4_int8_kernel"]
+    assert launches == kept, launches
 
 
 def _int8_weight(n: int, k: int, seed: int):
@@ -733,8 +746,13 @@ def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
     monkeypatch.setattr(matmul, "FLOAT_CONFIG", dataclasses.replace(matmul.FLOAT_CONFIG, k_per_split=512))
     if kind == "int4-int8-one-column":  # four splits in one program of four pairs: a column a tile
         monkeypatch.setattr(matmul, "SPLITS_IN_PROGRAM", 4)
+    launches = []
     if kind.endswith("-words"):  # the code words over the threads: tiles of 1 to 8 columns
         monkeypatch.setattr(matmul, "WORDS_IN_THREADS", 2048)
+        launch = matmul._launch
+        monkeypatch.setattr(
+            matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or launch(kernel, *a, **kw)
+        )
     m, heads, kv_heads, head_dim = 20 if kind.endswith("mma") else 5, 3, 1, 40  # q | k at column 120, k | v at 160
     n = (heads + 2 * kv_heads) * head_dim
     x = _randn(m, 1024 + 160, seed=63, dtype=torch.bfloat16)  # three K splits, the last one short
@@ -788,6 +806,7 @@ def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
             got = run(short, *[pair(w) for w in ws], pair(bias), counters, rope=rope)
             assert got.shape == (m, heads * head_dim) and torch.equal(got.view(m, heads, head_dim), expected)
             assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1]), counters is None
+    assert ("_int4_int8_words_kernel" in launches) == kind.endswith("-words")
 
 
 @pytest.mark.parametrize("rotary_dim", [64, 32], ids=["whole-head", "partial"])
@@ -1286,25 +1305,32 @@ def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kin
 @pytest.mark.parametrize("words", [512, 1024, 2048])
 def test_the_code_words_over_the_threads_at_model_sizes_give_the_splits_kernels_bits(monkeypatch, words):
     """matmul.WORDS_IN_THREADS at a 1B model's int4 layers (q/k/v, gate and up, down: 8, 16 and 8 groups a
-    split, 8, 4 and 32 splits) and its Q8_0 lm_head, for 1 to 8 rows, compiled: the bits of the kernels
-    before."""
+    split, 8, 4 and 32 splits; and 3 splits padded to 4), with a bias, and its Q8_0 lm_head, for 1 to 8
+    rows, compiled: the bits of the kernels before, and the words kernel ran each."""
     x = _randn(8, 8192, seed=86, dtype=torch.bfloat16)
     layers = []
-    for n, k in ((3072, 2048), (16384, 2048), (2048, 8192)):
+    for n, k in ((3072, 2048), (16384, 2048), (2048, 8192), (2048, 768)):  # the last: 3 splits, padded
         codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=87)
-        layers.append(
-            (n, k, partial(matmul.int4_int8_matmul, packed=matmul.pack_int4(codes), scales=scales, mins=mins))
-        )
+        weight = dict(packed=matmul.pack_int4(codes), scales=scales, mins=mins)
+        bias = _randn(n, seed=89, dtype=torch.bfloat16)
+        layers.append((n, k, partial(matmul.int4_int8_matmul, **weight, bias=bias)))
     codes8, scales8, _ = _int8_weight(49152, 2048, seed=88)
     layers.append(
         (49152, 2048, partial(matmul.int8_int8_matmul, codes=codes8, scales=scales8, out_dtype=torch.float32))
     )
+    launches = []
+    launch = matmul._launch
     for n, k, run in layers:
         for m in (1, 2, 5, 8):
             monkeypatch.setattr(matmul, "WORDS_IN_THREADS", 0)
             expected = run(x[:m, :k])
             monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
+            monkeypatch.setattr(
+                matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or launch(kernel, *a, **kw)
+            )
             assert _same_bits(run(x[:m, :k]), expected), (n, k, m)
+            monkeypatch.setattr(matmul, "_launch", launch)
+    assert launches == ["_int4_int8_words_kernel"] * 4 * len(layers), launches
 
 
 @on_gpu
@@ -1600,6 +1626,12 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
     call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
     call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
+matmul.WORDS_IN_THREADS = 1024  # the code words over the threads: 32 splits of 8 groups, 4 of 16; 1 and 8 rows
+for rows in (1, 8):
+    for name, (n, k) in (("32-splits", (256, 8192)), ("16-groups", (4224, 2048))):
+        wide = matmul.pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8))
+        call = f"words-{name}-r{rows}-x"; matmul.int4_int8_matmul(torch.randn(rows, k).to(bf16), wide, torch.rand(n, k // 32).half(), torch.rand(n, k // 32).half())
+matmul.WORDS_IN_THREADS = 0
 k_cache = torch.zeros(8, 16, 2, 128, dtype=bf16)
 for t in (1, 3):  # a decode of one token, a prefill tile of 3, the metadata at odd offsets of one buffer
     meta = torch.arange(100, dtype=torch.int32)
@@ -1641,8 +1673,9 @@ def matmuls(tag):  # every matmul kernel, each tile of int4 x int8, and RoPE's e
     matmul.SPLITS_IN_PROGRAM = 0  # each K split a program of its own
     call = f"{tag}-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales)
     matmul.SPLITS_IN_PROGRAM = 128
-    matmul.WORDS_IN_THREADS = 1024  # the code words over the threads, RoPE's epilogue too
+    matmul.WORDS_IN_THREADS = 1024  # the code words over the threads, RoPE's epilogue too; 8 rows
     call = f"{tag}-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, rope=rope)
+    call = f"{tag}-8"; matmul.int4_int8_matmul(torch.randn(8, 2048).to(bf16), matmul.pack_int4(codes), scales, scales)
     matmul.WORDS_IN_THREADS = 0
 
 call = "pdl-1"; norm.add_rms_norm(x, x, torch.ones(2048, dtype=bf16), 1e-6, [])
@@ -1791,6 +1824,12 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int8-int8-words", "_int4_int8_words_kernel"),
         ("int8-int8-words", "_int4_int8_mma_kernel"),
         ("int8-int8-words", "_sum_splits_kernel"),
+        *[
+            (f"words-{name}-r{rows}", kernel)
+            for name in ("32-splits", "16-groups")
+            for rows in (1, 8)
+            for kernel in ("_quantize_int8_kernel", "_int4_int8_words_kernel")
+        ],
         ("gate_up-tiles", "_float_kernel"),  # the activation applied by a tile's last split
         ("gate_up-int4-tiles", "_int4_kernel"),
         ("gate_up-int8", "_int8_kernel"),

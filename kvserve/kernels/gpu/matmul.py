@@ -91,11 +91,12 @@ INT4_INT8_MMA_ROWS = 9
 # program a split. With 256 pairs a program, or group-major codes, the decoder layers were slower (the
 # 4-bit lm_head faster: 22.5 us group major). A power of two; layers of more splits keep a program a split.
 SPLITS_IN_PROGRAM = 128
-# A candidate for up to 8 rows of an int4 layer with int8 inputs, off (0) until a GPU measures it
+# A candidate for up to 8 rows of an int4 or int8 (Q8_0) layer with int8 inputs, off (0) until a GPU measures it
 # (bench/gpu_kernels.py's `int4-int8-words`, bench/gpu.py's `q4-int8-words`): `_int4_int8_words_kernel`,
-# the splits kernel's bits with a program's code words spread over its threads as memory holds them
-# (consecutive words on consecutive threads: 128-byte reads of one row, where a thread an output reads
-# 16 bytes of each of 32 rows), about this many words (times rows) a program of 4 warps. A power of two.
+# the bits of the kernels before it with a program's code words spread over its threads as memory holds
+# them (consecutive words on consecutive threads: 128-byte reads of one row, where a thread an output
+# reads 16 bytes of each of 32 rows), about this many words (times rows) a program of 4 warps; for
+# layers of 4, 8 or 16 groups a K split and at most 32 splits. A power of two.
 WORDS_IN_THREADS = 0
 INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
@@ -1786,8 +1787,15 @@ def _int8_inputs_launch(
         padded = next_power_of_2(splits)
         whole = k % config.k_per_split == 0 and splits > 1 and padded <= SPLITS_IN_PROGRAM
         groups = config.k_per_split // 32  # a split's, for the words kernel's `_columns`: 4, 8 or 16
-        if WORDS_IN_THREADS and not group_major and k % config.k_per_split == 0 and groups in (4, 8, 16):
+        if (
+            WORDS_IN_THREADS
+            and not group_major
+            and k % config.k_per_split == 0
+            and groups in (4, 8, 16)  # and at most 32 splits: `_columns`' sizes
+            and padded <= 32
+        ):
             # the program's outputs' rows [BLOCK_N, splits, groups, words] over its threads, as they lie
+            assert WORDS_IN_THREADS & (WORDS_IN_THREADS - 1) == 0 and x.shape[0] <= config.block_m, WORDS_IN_THREADS
             row_words = config.block_m * padded * groups * code_bits
             block_n = max(1, WORDS_IN_THREADS // row_words)
             constexprs.update(SPLITS=splits, PADDED=padded, GROUPS=groups)
