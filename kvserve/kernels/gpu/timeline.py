@@ -7,7 +7,7 @@ sums. While a `Timeline` is recording (`recording`), every matmul launch (`matmu
 kernel a slice of the timeline's buffer, and each program writes there the GPU's global timer
 (`%globaltimer`, nanoseconds, the same clock on every multiprocessor), its multiprocessor's cycle
 counter (`%clock64`) and its multiprocessor (`%smid`) at four points (`ENTRY`, `WAITED` after the wait
-for the kernel before, `LOOPED` once its K loop's sums are done, `DONE` after its stores). Without a
+for the kernel before, `LOOPED` once its K loop's sums are done, `DONE` once its stores are issued). Without a
 recording the kernels take no timeline (a compile-time None) and their machine code has none of it.
 The interpreter has no clock: there every stamp is 0, which still shows that each program passed
 each point. bench/gpu_timeline.py records a decode step's matmuls and summarizes them.
@@ -25,7 +25,6 @@ import triton.language as tl
 # the stamps' slots (constexprs, as the kernels name them); a program's SLOTS int64 hold the global times
 # at 0-3, the cycle counts at CLOCKS + 0-3 and the multiprocessor at SM
 ENTRY, WAITED, LOOPED, DONE = (tl.constexpr(slot) for slot in range(4))
-STAMPS = ("entry", "waited", "looped", "done")
 SLOTS = tl.constexpr(16)
 CLOCKS = tl.constexpr(8)
 SM = tl.constexpr(15)
