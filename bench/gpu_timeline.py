@@ -175,9 +175,10 @@ def per_layer(launches: list[dict]) -> dict:
     }
 
 
-def timer_step_ns(recorder) -> int | None:
-    """The global timer's smallest step seen (its resolution, where it is coarser than the programs)."""
-    times = recorder.buffer[: sum(launch.programs for launch in recorder.launches), :4].flatten().unique()
+def timer_step_ns(stamps: torch.Tensor) -> int | None:
+    """The global timer's smallest step seen in `stamps` (its resolution, where it is coarser than the
+    programs)."""
+    times = stamps[:, :4].flatten().unique()
     steps = times[1:] - times[:-1]
     steps = steps[steps > 0]
     return int(steps.min().item()) if steps.numel() else None
@@ -230,10 +231,10 @@ def main() -> None:
                     with timeline.recording(recorder):
                         run_all(calls, recorder)
                 launches = summarize(recorder)
-                first = min(recorder.stamps(launch)[:, 0].min().item() for launch in recorder.launches)
-                last = max(recorder.stamps(launch)[:, 3].max().item() for launch in recorder.launches)
-                run["recorded_step_us"] = us(last - first)  # the first program's start to the last one's end
-                run["timer_step_ns"] = timer_step_ns(recorder)
+                stamps = recorder.buffer[: sum(launch.programs for launch in recorder.launches)].cpu()
+                # the first program's start to the last one's end
+                run["recorded_step_us"] = us(stamps[:, 3].max().item() - stamps[:, 0].min().item())
+                run["timer_step_ns"] = timer_step_ns(stamps)
                 run["gaps_us"] = round(sum(x["gap_before"] or 0 for x in launches), 2)
                 run["spans_us"] = round(sum(x["span"] for x in launches), 2)
                 run["layers"] = per_layer(launches)
