@@ -995,15 +995,6 @@ def _byte_dots(w, x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _split8(x):
-    """[R, 8] -> its eight columns [R] in order (`split4` twice: the even columns, then the odd)."""
-    even, odd = tl.split(tl.reshape(x, (x.shape[0], 4, 2)))
-    c0, c2, c4, c6 = split4(even)
-    c1, c3, c5, c7 = split4(odd)
-    return c0, c1, c2, c3, c4, c5, c6, c7
-
-
-@triton.jit
 def _columns(x, C: tl.constexpr):
     """x [R, C] -> its C columns [R] in order, C a power of two up to 32: moved so that each thread holds
     its rows' every column (a few exchanges through shared memory, where taking a column from across a
@@ -1014,14 +1005,14 @@ def _columns(x, C: tl.constexpr):
         return tl.split(x)
     elif C == 4:
         return split4(x)
-    elif C == 8:
-        return _split8(x)
-    else:
+    else:  # the even columns' columns, and the odd ones', interleaved
         even, odd = tl.split(tl.reshape(x, (x.shape[0], C // 2, 2)))
         e = _columns(even, C // 2)
         o = _columns(odd, C // 2)
-        tl.static_assert(C == 16 or C == 32, "up to 32 columns")
-        if C == 16:
+        tl.static_assert(C == 8 or C == 16 or C == 32, "up to 32 columns")
+        if C == 8:
+            return e[0], o[0], e[1], o[1], e[2], o[2], e[3], o[3]
+        elif C == 16:
             return e[0], o[0], e[1], o[1], e[2], o[2], e[3], o[3], e[4], o[4], e[5], o[5], e[6], o[6], e[7], o[7]
         else:
             return (
