@@ -490,6 +490,16 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
 
 
+_LAUNCH = matmul._launch  # as imported, whatever a test patches
+
+
+def _record_launches(monkeypatch, launches: list) -> None:
+    """matmul._launch patched to append each kernel's name to `launches`, then launch it."""
+    monkeypatch.setattr(
+        matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or _LAUNCH(kernel, *a, **kw)
+    )
+
+
 def _int8_input_calls(x, packed, scales, mins, codes8, scales8, bias):
     """int4 and int8 codes times x's int8 form, as calls of (out_dtype, counters)."""
 
@@ -512,7 +522,6 @@ def test_a_layers_k_splits_in_one_program_give_the_bits_of_their_partial_sums(mo
     # m, k, n, rows; N <= 4096: splits of 256
     cases = [(13, 2048, 80, 3), (8, 1024, 40, 8), (1, 8192, 24, 1), (2, 768, 40, 2), (5, 1536, 72, 5)]
     launches = []
-    launch = matmul._launch
     for m, k, n, rows in cases:
         codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=76)
         packed = matmul.pack_int4(codes)
@@ -529,9 +538,7 @@ def test_a_layers_k_splits_in_one_program_give_the_bits_of_their_partial_sums(mo
                 assert torch.equal(run(out_dtype, matmul.split_counters(DEVICE)), expected[-1])
             expected.append(expected[-2])  # the group-major layout: the row-major bits
         monkeypatch.setattr(matmul, "SPLITS_IN_PROGRAM", pairs)
-        monkeypatch.setattr(
-            matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or launch(kernel, *a, **kw)
-        )
+        _record_launches(monkeypatch, launches)
         got = []
         for out_dtype in (torch.float32, torch.bfloat16):
             got += [run(out_dtype, None) for run in runs]
@@ -559,7 +566,6 @@ def test_the_code_words_over_the_threads_give_the_splits_kernels_bits(monkeypatc
         cases = cases[1:3] + cases[4:5]
     cases = [(m, k, n) for m, k, n in cases if k % (split // 2) == 0 and k // (split // 2) <= 32]
     launches = []
-    launch = matmul._launch
     for m, k, n in cases:
         codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=80)
         packed = matmul.pack_int4(codes)
@@ -575,9 +581,7 @@ def test_the_code_words_over_the_threads_give_the_splits_kernels_bits(monkeypatc
         ]
         expected = [call(out_dtype, b) for call, out_dtype, b in calls]
         monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
-        monkeypatch.setattr(
-            matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or launch(kernel, *a, **kw)
-        )
+        _record_launches(monkeypatch, launches)
         got = [call(out_dtype, b) for call, out_dtype, b in calls]
         monkeypatch.undo()
         monkeypatch.setattr(matmul, "INT4_INT8_CONFIG", config)
@@ -588,9 +592,7 @@ def test_the_code_words_over_the_threads_give_the_splits_kernels_bits(monkeypatc
     # not for group-major codes, a K that is not a whole number of splits, 33 splits, nor 9 rows and more
     codes, scales, mins, _ = _int4_weight(16, 1184, torch.float16, seed=83)
     monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
-    monkeypatch.setattr(
-        matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or launch(kernel, *a, **kw)
-    )
+    _record_launches(monkeypatch, launches)
     launches.clear()
     x = _randn(9, 1184, seed=85)
     gm = matmul.to_group_major(matmul.pack_int4(codes[:, :1024]), scales[:, :32], mins[:, :32])
@@ -749,10 +751,7 @@ def test_a_qkv_matmul_with_rope_gives_rotate_and_stores_bits(monkeypatch, kind):
     launches = []
     if kind.endswith("-words"):  # the code words over the threads: tiles of 1 to 8 columns
         monkeypatch.setattr(matmul, "WORDS_IN_THREADS", 2048)
-        launch = matmul._launch
-        monkeypatch.setattr(
-            matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or launch(kernel, *a, **kw)
-        )
+        _record_launches(monkeypatch, launches)
     m, heads, kv_heads, head_dim = 20 if kind.endswith("mma") else 5, 3, 1, 40  # q | k at column 120, k | v at 160
     n = (heads + 2 * kv_heads) * head_dim
     x = _randn(m, 1024 + 160, seed=63, dtype=torch.bfloat16)  # three K splits, the last one short
@@ -1319,17 +1318,14 @@ def test_the_code_words_over_the_threads_at_model_sizes_give_the_splits_kernels_
         (49152, 2048, partial(matmul.int8_int8_matmul, codes=codes8, scales=scales8, out_dtype=torch.float32))
     )
     launches = []
-    launch = matmul._launch
     for n, k, run in layers:
         for m in (1, 2, 5, 8):
             monkeypatch.setattr(matmul, "WORDS_IN_THREADS", 0)
             expected = run(x[:m, :k])
             monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
-            monkeypatch.setattr(
-                matmul, "_launch", lambda kernel, *a, **kw: launches.append(kernel.__name__) or launch(kernel, *a, **kw)
-            )
+            _record_launches(monkeypatch, launches)
             assert _same_bits(run(x[:m, :k]), expected), (n, k, m)
-            monkeypatch.setattr(matmul, "_launch", launch)
+            monkeypatch.setattr(matmul, "_launch", _LAUNCH)
     assert launches == ["_int4_int8_words_kernel"] * 4 * len(layers), launches
 
 
