@@ -357,7 +357,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             # int4-bf16x2 rounds scales and mins to bfloat16 first, int4-int8 the inputs: other bits by design
             same_as = kind.removesuffix("-sum-kernel") if kind.endswith("-sum-kernel") else base
             same_bits_as = ("-gm", "-partials")  # the same bits as the kind without them
-            if kind.startswith(("int4-int8-words", "int8-int8-words")):
+            if "-words" in kind:  # int4-int8-words*, int8-int8-words*: their base kind's bits
                 same_as = kind.partition("-words")[0]
             elif kind.endswith(same_bits_as):
                 same_as = kind
