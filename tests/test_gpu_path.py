@@ -409,6 +409,39 @@ def test_the_gate_up_projections_kernel_applies_the_activation_with_its_bits(
     _with_and_without(tiny_model_dir, monkeypatch, "_gated_kernel", "FUSE_GATED_ACTIVATIONS", **options)
 
 
+@pytest.mark.parametrize(
+    "weights, dtype, batch_invariant, activations",
+    [*((*form, "auto") for form in FORMS.args[1]), ("q4", "float32", True, "int8")],
+    ids=[*FORMS.kwargs["ids"], "q4-int8"],
+)
+def test_the_norms_in_the_matmuls_prologues_give_the_tokens_and_logprobs_of_their_kernel(
+    tiny_model_dir, triton_kernels, monkeypatch, weights, dtype, batch_invariant, activations
+):
+    """With FUSE_NORMS each decoder layer's two norms hand up to NORM_IN_MATMUL_ROWS rows to the q/k/v and
+    gate/up matmuls, which normalize them in their own kernels (kernels/gpu/norm.NormedRows): the tokens and
+    logprobs, alone, batched and behind a prefix hit (whose few new rows take that path in a prefill too),
+    are those of a fresh LLM with the norm's kernel, which then runs fewer times. Not through cuBLAS (no
+    batch invariance), nor where the norm makes int8 inputs: there nothing changes."""
+    from kvserve.kernels.gpu import norm
+    from kvserve.layers import gpu
+
+    options = dict(weights=weights, dtype=dtype, batch_invariant=batch_invariant, activations=activations)
+    fusable = batch_invariant and activations != "int8"
+    launched = _Launches(norm._rms_norm_kernel)
+    monkeypatch.setattr(norm, "_rms_norm_kernel", launched)
+    monkeypatch.setattr(gpu, "FUSE_NORMS", True)
+    with _llm(tiny_model_dir, **options) as llm:
+        layers = llm.model.layers
+        assert all(layer.attn_norm.into_matmul == layer.ffn_norm.into_matmul == fusable for layer in layers)
+        assert not llm.model.norm.into_matmul  # (the final norm's rows are picked before the lm_head)
+        wait_idle_and_check(llm)
+    fused = _alone_then_a_prefix_hit(tiny_model_dir, **options)
+    launches = launched.launches
+    monkeypatch.setattr(gpu, "FUSE_NORMS", False)
+    assert _alone_then_a_prefix_hit(tiny_model_dir, **options) == fused
+    assert (launched.launches - launches > launches) == fusable, (launches, launched.launches)
+
+
 def test_int8_inputs_and_the_switches_off_keep_the_activations_and_ropes_kernels(
     tiny_model_dir, triton_kernels, monkeypatch
 ):

@@ -86,7 +86,7 @@ def test_the_sped_up_interpreter_computes_what_tritons_own_does(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rms_norm_matches_the_formula_and_each_row_alone(dtype):
-    rows, hidden, eps = 9, 1100, 1e-5  # hidden > norm.BLOCK: the sum runs over two steps
+    rows, hidden, eps = 9, 1100, 1e-5  # not a power of two: the row padded with zeros to 2,048
     x = _randn(rows, hidden, seed=0, dtype=dtype) * 3
     weight = _randn(hidden, seed=1, dtype=dtype)
     out = norm.rms_norm(x, weight, eps)
@@ -102,6 +102,54 @@ def test_rms_norm_matches_the_formula_and_each_row_alone(dtype):
         assert (out == expected).double().mean() > 0.99  # y is rounded before the weight multiplies it
     for row in range(rows):
         assert torch.equal(norm.rms_norm(x[row : row + 1], weight, eps)[0], out[row])
+
+
+@pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int8"])
+def test_a_matmul_given_normed_rows_gives_the_bits_of_the_norm_kernel_then_the_matmul(monkeypatch, kind):
+    """A float-input matmul given `NormedRows` normalizes each row in its prologue and K loop: the bits of
+    add_rms_norm (or rms_norm, without a delta) and then the matmul, x + delta stored as add_rms_norm
+    stores it, for 1 to 8 rows (one program of the row tile stores the sum), rows padded to a power of
+    two (480 and 1,184 inputs), one K split and three (their partial sums added by the sum kernel or by
+    the tile's last split), with a bias, and with the gated activation's epilogue."""
+    for config in ("FLOAT_CONFIG", "INT4_CONFIG", "INT8_CONFIG"):
+        monkeypatch.setattr(matmul, config, dataclasses.replace(getattr(matmul, config), k_per_split=512))
+    bf16, n = torch.bfloat16, 74
+    bias = _randn(n, seed=73, dtype=bf16)
+    checked = 0
+    for hidden in (480, 1024 + 160):  # one K split, three
+        x, delta = _randn(8, hidden, seed=70, dtype=bf16) * 3, _randn(8, hidden, seed=71, dtype=bf16)
+        weight = _randn(hidden, seed=72, dtype=bf16)
+        if kind == "float":
+            args = (_randn(n, hidden, seed=74, dtype=bf16),)
+            run = lambda x, activation, counters, args=args: matmul.matmul(  # noqa: E731
+                x, *args, bias, None, counters, activation
+            )
+        elif kind == "int8":
+            args = _int8_weight(n, hidden, seed=74)[:2]
+            run = lambda x, activation, counters, args=args: matmul.int8_group_matmul(  # noqa: E731
+                x, *args, None, bias, counters, activation
+            )
+        else:
+            codes, scales, mins, _ = _int4_weight(n, hidden, bf16, seed=74)
+            args = (matmul.pack_int4(codes), scales, mins)
+            run = lambda x, activation, counters, args=args: matmul.int4_matmul(  # noqa: E731
+                x, *args, None, bias, kind == "int4-bf16x2", counters, activation
+            )
+        for m in (1, 3, 8):
+            for d in (delta[:m], None):
+                if d is None:
+                    total, normed = None, norm.rms_norm(x[:m], weight, 1e-5)
+                else:
+                    total, normed = norm.add_rms_norm(x[:m], d, weight, 1e-5)
+                for activation in (None, "silu"):
+                    for counters in (None, matmul.split_counters(DEVICE)):
+                        expected = run(normed, activation, counters)
+                        rows_total, rows = norm.normed_rows(x[:m], d, weight, 1e-5)
+                        assert torch.equal(run(rows, activation, counters), expected), (hidden, m, activation)
+                        assert (rows_total is None) == (total is None)
+                        assert rows_total is None or torch.equal(rows_total, total)
+                        checked += 1
+    assert checked == 2 * 3 * 2 * 2 * 2
 
 
 # --- Matmuls
@@ -853,7 +901,7 @@ def test_rotate_and_store_is_the_bits_of_rotate_then_store_kv(cache_dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_add_rms_norm_is_the_bits_of_the_add_then_the_norm(dtype):
-    x = _randn(9, 1100, seed=43, dtype=dtype) * 3  # hidden > norm.BLOCK: two steps a row
+    x = _randn(9, 1100, seed=43, dtype=dtype) * 3  # the row padded with zeros to 2,048
     delta = _randn(9, 1100, seed=44, dtype=dtype)
     weight = _randn(1100, seed=45, dtype=dtype)
     total, out = norm.add_rms_norm(x, delta, weight, 1e-5)
@@ -1619,6 +1667,11 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"qkv-int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), rope=rope)
     call = f"qkv-int4-int8-tiles-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales, scales, counters=counters, rope=rope)
     call = f"qkv-int8-int8-tiles-{m}"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float(), counters=counters, rope=rope)
+    # the norm before a q/k/v or gate and up projection in the matmul's prologue (NormedRows)
+    g = torch.ones(2048, dtype=bf16)
+    call = f"normed-rope-{m}"; matmul.matmul(norm.normed_rows(x, x, g, 1e-6)[1], torch.randn(256, 2048).to(bf16), counters=counters, rope=rope)
+    call = f"normed-int4-tiles-{m}"; matmul.int4_matmul(norm.normed_rows(x, x, g, 1e-6)[1], matmul.pack_int4(codes), scales.to(bf16), scales.to(bf16), packed_bf16=True, counters=counters, activation="silu")
+    call = f"normed-int8-{m}"; matmul.int8_group_matmul(norm.normed_rows(x, None, g, 1e-6)[1], codes.to(torch.int8), scales.float())
     call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
     call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
     call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
@@ -1841,6 +1894,10 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("qkv-int8-int8-tiles", "_quantize_int8_kernel"),  # int8 codes: a program a K split
         ("qkv-int8-int8-tiles", "_int4_int8_kernel"),
         ("qkv-int8-int8-tiles", "_int4_int8_mma_kernel"),
+        ("normed-rope", "_float_kernel"),  # the norm in the prologue, RoPE in the epilogue (one K split)
+        ("normed-int4-tiles", "_int4_kernel"),  # and the activation by a tile's last split
+        ("normed-int8", "_int8_kernel"),
+        ("normed-int8", "_sum_splits_kernel"),
         ("store_kv", "_store_kv_kernel"),
         ("attention", "_attention_kernel"),
         ("attention-splits", "_attention_kernel"),

@@ -114,9 +114,9 @@ class GpuLinear(_RowLayouts):
         """`rope` (a q/k/v projection with `rope_heads`: matmul.RopeStore): q rotated, k and v written."""
         from kvserve.kernels.gpu.matmul import matmul
 
-        x2 = x.reshape(-1, self.in_features)  # [M, K]
-        out_dtype = self.out_dtype or x.dtype
-        if self.batch_invariant or out_dtype != x.dtype:
+        x2 = _rows(x, self.in_features, self.batch_invariant)  # [M, K]
+        out_dtype = self.out_dtype or x2.dtype
+        if self.batch_invariant or out_dtype != x2.dtype:
             out = matmul(x2, self.weight, self.bias, out_dtype, self.split_counters, self.activation, rope)
             out = self._rows_in_order(out, rope)
         else:  # cuBLAS: no epilogue of kvserve's, the layouts undone (fuse_epilogues, by the runner)
@@ -129,6 +129,17 @@ class GpuLinear(_RowLayouts):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}{self._layouts_repr()}"
+
+
+def _rows(x, in_features: int, takes_normed: bool):
+    """A layer's input as its kernel takes it: x [..., K] as [M, K], or a norm's `NormedRows`
+    (GpuRMSNorm's `into_matmul`) as they are where the layer's kernel normalizes them itself
+    (`takes_normed`), else made by the norm's kernel first."""
+    from kvserve.kernels.gpu.norm import NormedRows
+
+    if isinstance(x, NormedRows):
+        return x if takes_normed else x.made()
+    return x.reshape(-1, in_features)
 
 
 def _split_counters(device: torch.device) -> torch.Tensor:
@@ -225,8 +236,8 @@ class GpuInt4Linear(_RowLayouts):
         """`rope` as GpuLinear's."""
         from kvserve.kernels.gpu.matmul import int4_int8_matmul, int4_matmul
 
-        x2 = x.reshape(-1, self.in_features)
-        out_dtype = self.out_dtype or x.dtype
+        x2 = _rows(x, self.in_features, not (self.tinygemm or self.int8_activations))
+        out_dtype = self.out_dtype or x2.dtype
         # PyTorch's int4 kernel has no epilogue of kvserve's; the int8-input ones have RoPE's only
         assert not (self.tinygemm and self.rope_heads), "fuse_rope_into_qkv"
         assert not ((self.tinygemm or self.int8_activations) and self.activation), "fuse_gated_activations"
@@ -304,8 +315,8 @@ class GpuInt8GroupLinear(_RowLayouts):
         """`rope` as GpuLinear's."""
         from kvserve.kernels.gpu.matmul import int8_group_matmul, int8_int8_matmul
 
-        x2 = x.reshape(-1, self.in_features)
-        out_dtype = self.out_dtype or x.dtype
+        x2 = _rows(x, self.in_features, not self.int8_activations)
+        out_dtype = self.out_dtype or x2.dtype
         assert not (self.int8_activations and self.activation), "the int8-input kernels have RoPE's epilogue only"
         if self.int8_activations:
             quantized = getattr(x, INT8_FORM, None)  # made by the kernel that made x, if any
@@ -331,14 +342,34 @@ class GpuInt8GroupLinear(_RowLayouts):
 class GpuRMSNorm(RMSNorm):
     """RMSNorm through the Triton kernel (one program per row, its sum in one order) while batch
     invariant; PyTorch's reduction otherwise, whose split of a row may follow the number of rows.
-    With `int8_output` (`set_int8_inputs`) the kernel also makes its output's int8 form."""
+    With `int8_output` (`set_int8_inputs`) the kernel also makes its output's int8 form. With
+    `into_matmul` (`fuse_norms`) a call of at most NORM_IN_MATMUL_ROWS rows launches nothing and gives
+    `NormedRows`, which the matmul after it normalizes in its own kernel: the same bits, one launch fewer."""
 
     batch_invariant = True
     int8_output = False
+    into_matmul = False
+
+    def _normed_rows(self, x: torch.Tensor, delta: torch.Tensor | None):
+        """(x + delta or None, NormedRows) where this call may hand its rows to the matmul, else None."""
+        from kvserve.kernels.gpu.norm import NORM_IN_MATMUL_ROWS, normed_rows
+
+        if not (
+            self.into_matmul
+            and self.batch_invariant
+            and x.dim() == 2
+            and x.shape[0] <= NORM_IN_MATMUL_ROWS
+            and self.weight.dtype == x.dtype  # (else the norm's output is promoted: its kernel's)
+        ):
+            return None
+        return normed_rows(x, delta, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
             return super().forward(x)
+        deferred = self._normed_rows(x, None)
+        if deferred is not None:
+            return deferred[1]
         from kvserve.kernels.gpu.norm import rms_norm
 
         quantized = [] if self.int8_output else None
@@ -348,6 +379,9 @@ class GpuRMSNorm(RMSNorm):
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.batch_invariant:
             return super().add_and_norm(x, delta)
+        deferred = self._normed_rows(x, delta)
+        if deferred is not None:
+            return deferred
         from kvserve.kernels.gpu.norm import add_rms_norm
 
         hidden = x.shape[-1]
@@ -404,6 +438,7 @@ def fuse_epilogues(model: nn.Module) -> None:
     without GPU forms is left as it is."""
     fuse_gated_activations(model)
     fuse_rope_into_qkv(model)
+    fuse_norms(model)
 
 
 # The gated activation in the gate and up projection's epilogue (`fuse_gated_activations`): on, as it is the
@@ -471,6 +506,29 @@ def fuse_rope_into_qkv(model: nn.Module) -> None:
         heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim) if fused else None
         attn.qkv_proj.pair_rope_rows(heads)
         attn.qkv_rope = qkv_with_rope if fused else None
+
+
+# A decoder layer's two norms in the prologues of the matmuls after them (`fuse_norms`): off until a GPU
+# measures it (bench/gpu.py's `bf16-norms` and `q4-norms` runs); the same bits, two launches a layer
+# fewer at up to NORM_IN_MATMUL_ROWS rows, each of the matmul's programs reading its rows whole.
+FUSE_NORMS = False
+
+
+def fuse_norms(model: nn.Module) -> None:
+    """Have each decoder layer's attention and MLP norms hand their rows to q/k/v's and gate/up's matmul
+    (`GpuRMSNorm.into_matmul`), which normalizes them in its own kernel (kernels/gpu/norm.NormedRows), where
+    that matmul is kvserve's with float inputs (`_has_epilogues`) and the norm makes no int8 form, while
+    FUSE_NORMS. `fuse_epilogues` ends with this."""
+    from kvserve.models.decoder import DecoderLayer
+
+    for layer in model.modules():
+        if not isinstance(layer, DecoderLayer):
+            continue
+        for norm, consumer in ((layer.attn_norm, layer.self_attn.qkv_proj), (layer.ffn_norm, layer.mlp.gate_up_proj)):
+            if isinstance(norm, GpuRMSNorm):
+                norm.into_matmul = (
+                    FUSE_NORMS and norm.batch_invariant and not norm.int8_output and _has_epilogues(consumer)
+                )
 
 
 def qkv_with_rope(

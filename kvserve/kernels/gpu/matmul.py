@@ -37,6 +37,7 @@ from kvserve.kernels.gpu.common import (
     store_groups,
     wait_for_prior,
 )
+from kvserve.kernels.gpu.norm import NormedRows, normed_inputs, normed_rows_rstd, row_width
 from kvserve.kernels.gpu.timeline import DONE, ENTRY, LOOPED, WAITED, active_timeline, stamp, stamp_after
 
 GROUP_SIZE = 32  # inputs per scale (and min) of the quantized weights
@@ -359,6 +360,9 @@ def _float_kernel(
     rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
     ROPE: tl.constexpr = 0,
     CACHE_BLOCK: tl.constexpr = 0,
+    norm=(),  # with NORM (`row_width` of K): x is `NormedRows`' x, normalized here (`NormedRows.args`)
+    NORM: tl.constexpr = 0,
+    NORM_ADD: tl.constexpr = False,  # NormedRows with a delta
     timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
 ):
     stamp(timeline, ENTRY, INTERPRET)
@@ -369,12 +373,19 @@ def _float_kernel(
     prefetch_rows(w_ptr, cols, N, stride_wn, k_begin, k_end - k_begin, PREFETCH_LINES)
     wait_for_prior(PDL)
     stamp(timeline, WAITED, INTERPRET)
+    if NORM:  # each row's 1 / rms, as the norm kernel sums it
+        rstd = normed_rows_rstd(
+            x_ptr, stride_xm, tl.program_id(0) * BLOCK_M, M, norm, BLOCK_M, NORM, NORM_ADD, INTERPRET
+        )
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + ks[None, :], mask=(rows < M)[:, None] & _below(ks, k_end, EVEN_K)[None, :], other=0.0)
+        x_mask = (rows < M)[:, None] & _below(ks, k_end, EVEN_K)[None, :]
+        x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        if NORM:
+            x = normed_inputs(x, rows, ks, x_mask, rstd, norm, NORM_ADD, INTERPRET)
         w = tl.load(
             w_cols + ks[:, None], mask=_below(ks, k_end, EVEN_K)[:, None] & (cols < N)[None, :], other=0.0
         )  # [BK, BN]
@@ -453,6 +464,9 @@ def _int4_kernel(
     rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
     ROPE: tl.constexpr = 0,
     CACHE_BLOCK: tl.constexpr = 0,
+    norm=(),  # with NORM (`row_width` of K): x is `NormedRows`' x, normalized here (`NormedRows.args`)
+    NORM: tl.constexpr = 0,
+    NORM_ADD: tl.constexpr = False,  # NormedRows with a delta
     timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
 ):
     stamp(timeline, ENTRY, INTERPRET)
@@ -466,6 +480,10 @@ def _int4_kernel(
         prefetch_rows(mins_ptr, cols, N, stride_mn, k_begin // 32, tl.cdiv(k_end - k_begin, 32), 2)
     wait_for_prior(PDL)
     stamp(timeline, WAITED, INTERPRET)
+    if NORM:  # each row's 1 / rms, as the norm kernel sums it
+        rstd = normed_rows_rstd(
+            x_ptr, stride_xm, tl.program_id(0) * BLOCK_M, M, norm, BLOCK_M, NORM, NORM_ADD, INTERPRET
+        )
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     cols64 = cols.to(tl.int64)[None, :]
     # byte i of a tile holds the codes of inputs k_lo[i] (low nibble) and k_lo[i] + 16 (high nibble)
@@ -495,16 +513,24 @@ def _int4_kernel(
             scale = _repeat_rows(scale, 16)
             low = _repeat_rows(low, 16)
             x = tl.load(x_rows + k_lo[None, :], mask=x_mask, other=0.0)  # [BM, BK/2]
+            if NORM:
+                x = normed_inputs(x, rows, k_lo, x_mask, rstd, norm, NORM_ADD, INTERPRET)
             acc = dot(x, nibble_fma_bf16(byte, scale, low, False, INTERPRET), acc, INTERPRET)
             x = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
+            if NORM:
+                x = normed_inputs(x, rows, k_lo + 16, x_mask, rstd, norm, NORM_ADD, INTERPRET)
             acc = dot(x, nibble_fma_bf16(byte, scale, low, True, INTERPRET), acc, INTERPRET)
         else:
             scale = _repeat_rows(scale.to(tl.float32), 16)
             low = _repeat_rows(low.to(tl.float32), 16)
             x = tl.load(x_rows + k_lo[None, :], mask=x_mask, other=0.0)  # [BM, BK/2]
+            if NORM:
+                x = normed_inputs(x, rows, k_lo, x_mask, rstd, norm, NORM_ADD, INTERPRET)
             w = cast(tl.fma(scale, nibble_to_float(byte, False, PERMUTE, INTERPRET), low), x.dtype, INTERPRET)
             acc = dot(x, w, acc, INTERPRET)
             x = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
+            if NORM:
+                x = normed_inputs(x, rows, k_lo + 16, x_mask, rstd, norm, NORM_ADD, INTERPRET)
             w = cast(tl.fma(scale, nibble_to_float(byte, True, PERMUTE, INTERPRET), low), x.dtype, INTERPRET)
             acc = dot(x, w, acc, INTERPRET)
     stamp_after(timeline, LOOPED, acc, INTERPRET)
@@ -1315,6 +1341,9 @@ def _int8_kernel(
     rope=(),  # with ROPE (a q/k/v projection's head dim): `_rope_args`, for `_store_rope`
     ROPE: tl.constexpr = 0,
     CACHE_BLOCK: tl.constexpr = 0,
+    norm=(),  # with NORM (`row_width` of K): x is `NormedRows`' x, normalized here (`NormedRows.args`)
+    NORM: tl.constexpr = 0,
+    NORM_ADD: tl.constexpr = False,  # NormedRows with a delta
     timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
 ):
     stamp(timeline, ENTRY, INTERPRET)
@@ -1327,6 +1356,10 @@ def _int8_kernel(
         prefetch_rows(scales_ptr, cols, N, stride_sn, k_begin // 32, tl.cdiv(k_end - k_begin, 32), 2)
     wait_for_prior(PDL)
     stamp(timeline, WAITED, INTERPRET)
+    if NORM:  # each row's 1 / rms, as the norm kernel sums it
+        rstd = normed_rows_rstd(
+            x_ptr, stride_xm, tl.program_id(0) * BLOCK_M, M, norm, BLOCK_M, NORM, NORM_ADD, INTERPRET
+        )
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     cols64 = cols.to(tl.int64)[None, :]
     g = tl.arange(0, BLOCK_K // 32)
@@ -1334,7 +1367,10 @@ def _int8_kernel(
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w_mask = _below(ks, k_end, EVEN_K)[:, None] & (cols < N)[None, :]
-        x = tl.load(x_rows + ks[None, :], mask=(rows < M)[:, None] & _below(ks, k_end, EVEN_K)[None, :], other=0.0)
+        x_mask = (rows < M)[:, None] & _below(ks, k_end, EVEN_K)[None, :]
+        x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        if NORM:
+            x = normed_inputs(x, rows, ks, x_mask, rstd, norm, NORM_ADD, INTERPRET)
         codes = tl.load(codes_ptr + cols64 * stride_cn + ks[:, None], mask=w_mask, other=0)  # [BK, BN]
         groups = k0 // 32 + g
         g_mask = _below(groups, k_end // 32, EVEN_K)[:, None] & (cols < N)[None, :]
@@ -1488,7 +1524,12 @@ def _launch(
     splits a program may prefetch (`prefetch_lines`); `activation` (the float-input kernels), a gated
     activation of interleaved rows into [M, n / 2] (`GATED_ACTIVATIONS`); `rope` (every matmul kernel),
     RoPE and the KV cache's write of a q/k/v projection, giving q [M, H * D] (`RopeStore`);
-    `constexprs`, the kernel's other compile-time switches."""
+    `constexprs`, the kernel's other compile-time switches. x may be `NormedRows` (the float-input
+    kernels): the norm made in the kernel's prologue and K loop, with its bits."""
+    source = x
+    if isinstance(x, NormedRows):
+        assert kernel in (_float_kernel, _int4_kernel, _int8_kernel) and k is None, kernel
+        x = x.x
     assert x.dim() == 2, x.shape
     x = _row_major(x)
     m = x.shape[0]
@@ -1512,10 +1553,12 @@ def _launch(
         # the sum kernel stores the output, or a tile would cut a pair (int8 inputs' splits in one program
         # of 128: one column a program): the RoPE kernel follows
         if (is_split and not sum_in_tile) or config.block_n % 2:
-            plain = _launch(kernel, config, x, n, weight_args, bias, out_dtype, k, counters, weight, **constexprs)
+            plain = _launch(kernel, config, source, n, weight_args, bias, out_dtype, k, counters, weight, **constexprs)
             return _rotate_and_store_output(plain, rope)
         constexprs.update(rope=_rope_args(rope), ROPE=head_dim, CACHE_BLOCK=block_size)
         width = rope.num_heads * head_dim
+    if source is not x:
+        constexprs.update(norm=source.args(), NORM=row_width(k), NORM_ADD=source.delta is not None)
     out = torch.empty(m, width, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out

@@ -1,6 +1,9 @@
-"""RMSNorm, one program per row (batch invariant: a row's sum never depends on the other rows)."""
+"""RMSNorm, one program per row, or in the prologue of the matmul that takes its output (`NormedRows`).
+Batch invariant: a row's sum never depends on the other rows, nor on the kernel that makes it."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -9,8 +12,122 @@ import triton.language as tl
 from kvserve.kernels.gpu import INTERPRET, launch_options
 from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups, wait_for_prior
 
-BLOCK = 1024  # elements of a row per step; the row's squares are summed per lane, then across lanes
-NUM_WARPS = 4  # per row; fixed, as the lanes' final sum follows the layout
+
+def row_width(hidden: int) -> int:
+    """The elements a program holds of a row: `hidden` padded with zeros to a power of two."""
+    return triton.next_power_of_2(hidden)
+
+
+def num_warps_for(hidden: int) -> int:
+    """The norm kernel's warps for a row of `hidden`: at most 32 elements a thread. Any number gives the
+    same bits, as the row's sum is a fixed tree (`sum_of_squares`), not the layout's reduction."""
+    return max(4, min(16, row_width(hidden) // 256))
+
+
+@triton.jit
+def _tree_sum(values):
+    """values [R, W] (W a power of two) -> [R]: neighbours added in pairs, then those sums in pairs, and so
+    on: one order of additions whatever the kernel and its layout (tl.sum's follows the layout)."""
+    R: tl.constexpr = values.shape[0]
+    W: tl.constexpr = values.shape[1]
+    for level in tl.static_range(1, 32):
+        if (W >> level) > 0:
+            low, high = tl.split(tl.reshape(values, (R, W >> level, 2)))
+            values = low + high
+    return tl.reshape(values, (R,))
+
+
+@triton.jit
+def sum_of_squares(s):
+    """The sum of squares of each row of s [R, W] (float32, W a power of two, at least 2; zeros past the
+    row's end) in `_tree_sum`'s order, each first pair as one fma (a * a + b * b, b * b rounded first):
+    the contraction a compiler may make of it is made here, always the same."""
+    R: tl.constexpr = s.shape[0]
+    W: tl.constexpr = s.shape[1]
+    a, b = tl.split(tl.reshape(s, (R, W // 2, 2)))
+    return _tree_sum(tl.fma(a, a, b * b))
+
+
+@triton.jit
+def _summed_rows(
+    x_ptr,
+    delta_ptr,
+    rows,
+    row_ok,
+    stride_x,
+    stride_d,
+    hidden,
+    ADD: tl.constexpr,
+    WIDTH: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Rows [R] of x (ADD: of x + delta rounded to x's dtype) as float32 [R, WIDTH], zeros past `hidden`."""
+    cols = tl.arange(0, WIDTH)
+    mask = row_ok[:, None] & (cols < hidden)[None, :]
+    s = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        d = tl.load(delta_ptr + rows.to(tl.int64)[:, None] * stride_d + cols[None, :], mask=mask, other=0.0)
+        s = cast(s + d.to(tl.float32), x_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _reciprocal_rms(s, hidden, eps):
+    """1 / sqrt(mean(s ** 2) + eps) of each row of s [R, W] (`sum_of_squares`)."""
+    return 1.0 / tl.sqrt_rn(sum_of_squares(s) / hidden + eps)
+
+
+@triton.jit
+def _normalized(s, rstd, g, dtype: tl.constexpr, out_dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """g * (s * rstd rounded to `dtype`, x's), rounded once to `out_dtype`: s [R, C] float32, rstd [R], g [C]
+    float32 (the norm's weight). The product with the weight is exact in float32, as PyTorch's."""
+    y = cast(s * rstd[:, None], dtype, INTERPRET).to(tl.float32)
+    return cast(g[None, :] * y, out_dtype, INTERPRET)
+
+
+@triton.jit
+def normed_rows_rstd(
+    x_ptr,
+    stride_x,
+    row0,
+    M,
+    norm,
+    BLOCK_M: tl.constexpr,
+    WIDTH: tl.constexpr,
+    ADD: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """A matmul's prologue for `NormedRows` inputs: 1 / rms of each row of its tile (rows row0 ..
+    row0 + BLOCK_M, those below M), each row summed as the norm kernel sums it, so the same bits; the
+    tile's first program along N and K also stores x + delta (ADD) in `total`. `norm`: `NormedRows.args`.
+    Each program reads its rows whole (2 x 4 KB a row of 2,048 in bfloat16, from L2), so the layers
+    hand it at most NORM_IN_MATMUL_ROWS rows."""
+    delta_ptr, stride_d, _, total_ptr, hidden, eps = norm
+    lanes = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, WIDTH)
+    stores = (cols < hidden) & (tl.zeros((WIDTH,), tl.int32) + tl.program_id(1) + tl.program_id(2) == 0)
+    rstd = tl.zeros((BLOCK_M,), tl.float32)
+    for r in range(0, tl.minimum(BLOCK_M, M - row0)):
+        row = row0 + r + tl.zeros((1,), tl.int32)
+        s = _summed_rows(x_ptr, delta_ptr, row, row >= 0, stride_x, stride_d, hidden, ADD, WIDTH, INTERPRET)
+        if ADD:
+            at = total_ptr + row.to(tl.int64)[:, None] * hidden + cols[None, :]
+            tl.store(at, s, mask=stores[None, :])
+        rstd = tl.where(lanes == r, _reciprocal_rms(s, hidden, eps), rstd)
+    return rstd
+
+
+@triton.jit
+def normed_inputs(x, rows, ks, mask, rstd, norm, ADD: tl.constexpr, INTERPRET: tl.constexpr):
+    """A matmul's inputs [BM, BK] at rows [BM] and ks [BK] for `NormedRows`: x as loaded (mask: where
+    it was) made the norm's output there, `rstd` from `normed_rows_rstd`: the norm kernel's arithmetic."""
+    delta_ptr, stride_d, weight_ptr, _, hidden, _ = norm
+    s = x.to(tl.float32)
+    if ADD:
+        d = tl.load(delta_ptr + rows.to(tl.int64)[:, None] * stride_d + ks[None, :], mask=mask, other=0.0)
+        s = cast(s + d.to(tl.float32), x.dtype, INTERPRET).to(tl.float32)
+    g = tl.load(weight_ptr + ks, mask=ks < hidden, other=0.0).to(tl.float32)
+    return _normalized(s, rstd, g, x.dtype, x.dtype, INTERPRET)
 
 
 @triton.jit
@@ -30,46 +147,86 @@ def _rms_norm_kernel(
     s_ptr,
     ADD: tl.constexpr,
     QUANTIZE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    WIDTH: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """RMSNorm of a row of x, or (ADD) of x + delta rounded to x's dtype, that sum also stored; with
     QUANTIZE the output as stored also quantized per group of 32 (`quantize_groups`: the int4 x int8
-    matmul's inputs, `matmul.quantize_int8`'s bits, without its own launch)."""
+    matmul's inputs, `matmul.quantize_int8`'s bits, without its own launch). The whole row at once
+    (WIDTH: `row_width`), its sum `sum_of_squares`', as a matmul's prologue sums it (`normed_inputs`)."""
     wait_for_prior(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    lanes = tl.arange(0, BLOCK)
-    squares = tl.zeros((BLOCK,), tl.float32)  # lane i sums elements i, i + BLOCK, ... in that order
-    for start in range(0, hidden, BLOCK):
-        mask = start + lanes < hidden
-        x = tl.load(x_row + start + lanes, mask=mask, other=0.0).to(tl.float32)
-        if ADD:
-            d = tl.load(delta_ptr + row * stride_d + start + lanes, mask=mask, other=0.0).to(tl.float32)
-            x = cast(x + d, x_ptr.dtype.element_ty, INTERPRET)
-            tl.store(sum_ptr + row * hidden + start + lanes, x, mask=mask)
-            x = x.to(tl.float32)
-        squares += x * x
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / hidden + eps)
-    for start in range(0, hidden, BLOCK):
-        mask = start + lanes < hidden
-        x = tl.load(x_row + start + lanes, mask=mask, other=0.0).to(tl.float32)
-        if ADD:  # the sum again, the same bits as the one stored
-            d = tl.load(delta_ptr + row * stride_d + start + lanes, mask=mask, other=0.0).to(tl.float32)
-            x = cast(x + d, x_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
-        y = cast(x * rstd, x_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # rounded to x's dtype first
-        w = tl.load(weight_ptr + start + lanes, mask=mask, other=0.0).to(tl.float32)
-        out = cast(w * y, out_ptr.dtype.element_ty, INTERPRET)
-        tl.store(out_ptr + row * stride_out + start + lanes, out, mask=mask)
-        if QUANTIZE:  # (hidden a multiple of 32: a group is all in the row or all past it)
-            words, d, s = quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK // 32, 32)), INTERPRET)
-            groups = (start // 32 + tl.arange(0, BLOCK // 32))[None, :]  # [1, BLOCK / 32]
-            g_ok = groups < hidden // 32
-            store_groups(words, d, s, row * (hidden // 32) + groups, g_ok, words_ptr, d_ptr, s_ptr)
+    row = tl.program_id(0) + tl.zeros((1,), tl.int32)
+    cols = tl.arange(0, WIDTH)
+    mask = cols < hidden
+    s = _summed_rows(x_ptr, delta_ptr, row, row >= 0, stride_x, stride_d, hidden, ADD, WIDTH, INTERPRET)  # [1, W]
+    if ADD:
+        tl.store(sum_ptr + row.to(tl.int64)[:, None] * hidden + cols[None, :], s, mask=mask[None, :])
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = _normalized(
+        s, _reciprocal_rms(s, hidden, eps), w, x_ptr.dtype.element_ty, out_ptr.dtype.element_ty, INTERPRET
+    )
+    out = tl.reshape(out, (WIDTH,))
+    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_out + cols, out, mask=mask)
+    if QUANTIZE:  # (hidden a multiple of 32: a group is all in the row or all past it)
+        words, group_d, group_s = quantize_groups(tl.reshape(out.to(tl.float32), (WIDTH // 32, 32)), INTERPRET)
+        groups = tl.arange(0, WIDTH // 32)[None, :]  # [1, WIDTH / 32]
+        at = tl.program_id(0).to(tl.int64) * (hidden // 32) + groups
+        store_groups(words, group_d, group_s, at, groups < hidden // 32, words_ptr, d_ptr, s_ptr)
 
 
 Int8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # matmul.quantize_int8's (words, d, s)
+
+# Rows handed to a matmul as `NormedRows` at most (layers/gpu.GpuRMSNorm): each of its programs reads
+# them whole, so a decode step's few rows; more (a prefill) take the norm's own kernel, the same bits.
+NORM_IN_MATMUL_ROWS = 8
+
+
+@dataclass(frozen=True)
+class NormedRows:
+    """`rms_norm(x, weight, eps)`, or with delta `add_rms_norm(x, delta, weight, eps)`, not yet made: the
+    float-input matmuls (matmul.matmul, int4_matmul, int8_group_matmul) take it as x and normalize
+    each row in their prologue and K loop with the norm kernel's arithmetic (the same bits), one launch
+    fewer; they store x + delta in `total` (add_rms_norm's first result) on the way. `made()` runs the
+    norm's kernel instead, for anything else."""
+
+    x: torch.Tensor  # [M, H], row major
+    delta: torch.Tensor | None  # [M, H] of x's dtype, row major
+    weight: torch.Tensor  # [H] of x's dtype
+    eps: float
+    total: torch.Tensor | None  # [M, H], contiguous, where there is a delta
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    def made(self) -> torch.Tensor:
+        """The norm's output [M, H], by its own kernel (x + delta stored in `total` as the matmul would)."""
+        return _launch(self.x, self.delta, self.weight, self.eps, None, self.total)[1]
+
+    def args(self) -> tuple:
+        """The kernels' `norm` tuple (`normed_rows_rstd`, `normed_inputs`)."""
+        delta = self.x if self.delta is None else self.delta  # (not read without a delta)
+        total = self.x if self.total is None else self.total  # (not written without one)
+        return (delta, delta.stride(0), self.weight, total, self.x.shape[1], self.eps)
+
+
+def normed_rows(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor | None, NormedRows]:
+    """(x + delta, to be written by the matmul, or None without delta; the `NormedRows` to hand it) for
+    x, delta [M, H] (M at most NORM_IN_MATMUL_ROWS, weight of x's dtype)."""
+    assert x.dim() == 2 and weight.shape == (x.shape[1],) and weight.dtype == x.dtype, (x.shape, weight.dtype)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if delta is not None:
+        assert delta.shape == x.shape and delta.dtype == x.dtype, (x.shape, delta.shape, delta.dtype)
+        delta = delta if delta.stride(-1) == 1 else delta.contiguous()
+    total = None if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    return total, NormedRows(x, delta, weight.contiguous(), eps, total)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantized: list[Int8] | None = None) -> torch.Tensor:
@@ -93,7 +250,12 @@ def add_rms_norm(
 
 
 def _launch(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quantized: list[Int8] | None
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    quantized: list[Int8] | None,
+    total: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     assert x.dim() == 2 and weight.shape == (x.shape[1],), (x.shape, weight.shape)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -101,7 +263,8 @@ def _launch(
         delta = delta.contiguous()
     weight = weight.contiguous()
     rows, hidden = x.shape
-    total = None if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if delta is not None and total is None:
+        total = torch.empty_like(x, memory_format=torch.contiguous_format)
     out = torch.empty(rows, hidden, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if quantized is not None:
         assert hidden % 32 == 0, hidden
@@ -125,9 +288,9 @@ def _launch(
             s,
             ADD=delta is not None,
             QUANTIZE=quantized is not None,
-            BLOCK=BLOCK,
+            WIDTH=row_width(hidden),
             INTERPRET=INTERPRET,
-            num_warps=NUM_WARPS,
+            num_warps=num_warps_for(hidden),
             **launch_options(x.device),
         )
     return total, out
