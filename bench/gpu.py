@@ -28,6 +28,8 @@ scales and zeros) as `q4-tinygemm`; 4-bit and 4-bit with int8 inputs with the co
 bits, `matmul.to_group_major`) as `q4-gm` and `q4-int8-gm`; 4-bit with int8 inputs with each K split a
 program of its own (`matmul.SPLITS_IN_PROGRAM` 0, the kernel before, the same bits) as `q4-int8-partials`,
 and with a program's code words over its threads (`matmul.WORDS_IN_THREADS`, the same bits) as `q4-int8-words`;
+bf16 and 4-bit with each decoder layer's two norms in the prologues of the matmuls after them
+(`layers/gpu.FUSE_NORMS`, the same bits) as `bf16-norms` and `q4-norms`;
 4-bit with float16 scales and two roundings a weight (the int4 kernel before its
 packed-bfloat16 FMAs became the default for bfloat16 models) as `q4-fp16`; bf16,
 q4 and q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl`, `q4-pdl` and `q4-int8-pdl`, and with the
@@ -534,6 +536,10 @@ def _child(results, name: str, kwargs: dict, timeout: float) -> None:
 
                 kvserve.kernels.gpu.PDL = True
                 kvserve.kernels.gpu.PREFETCH = weights.endswith("-prefetch")
+            if weights.endswith("-norms"):  # each layer's norms in its matmuls' prologues (the same bits)
+                import kvserve.layers.gpu
+
+                kvserve.layers.gpu.FUSE_NORMS = True
             with int4_candidate(weights):
                 results.put(("ok", run_kvserve(**kwargs)))
         else:
@@ -600,7 +606,7 @@ def main() -> None:
         help="comma-separated: only these runs, by engine (kvserve, transformers-eager, transformers-compiled) or"
         " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, bf16-pdl-prefetch, q4, q4-pdl,"
         " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-tinygemm, q4-gm, q4-int8-gm, q4-int8-partials,"
-        " q4-int8-words, q4-fp16)",
+        " q4-int8-words, q4-norms, bf16-norms, q4-fp16)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run not done by then is stopped")
     parser.add_argument("--skip-tests", action="store_true")
@@ -651,9 +657,10 @@ def main() -> None:
         if "q4" in models[shape]:  # and with int8 inputs (dp4a), on the same file
             plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
         plan.append(("transformers-eager", shape, "bf16", False))
-        if "q4" in models[shape]:  # PyTorch's own int4 kernel; the codes group major, both inputs
-            candidates = ("q4-int8-words", "q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials")  # newest first
-            plan += [("kvserve", shape, w, True) for w in candidates]
+        if "q4" in models[shape]:  # the norms in the matmuls; PyTorch's own int4 kernel; group major, both inputs
+            candidates = ("q4-norms", "q4-int8-words", "q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials")
+            plan += [("kvserve", shape, w, True) for w in candidates]  # newest first
+        plan.append(("kvserve", shape, "bf16-norms", True))
         plan.append(("kvserve", shape, "bf16-sync", True))  # without async scheduling: what it gains
         plan.append(("kvserve", shape, "bf16-pdl", True))  # programmatic dependent launch: what it gains
         if "q4" in models[shape]:  # 4-bit both ways: the launches weigh more there than in bf16
@@ -779,6 +786,7 @@ def targets(runs: list[dict]) -> list[dict]:
             ("q4-gm", "bf16"),
             ("q4-int8-gm", "bf16"),
             ("q4-int8-words", "bf16"),
+            ("q4-norms", "bf16-norms"),
             ("q4-pdl", "bf16-pdl"),
             ("q4-int8-pdl", "bf16-pdl"),
             ("q4-int8-pdl-prefetch", "bf16-pdl-prefetch"),
@@ -793,6 +801,8 @@ def targets(runs: list[dict]) -> list[dict]:
             ("q4-int8-gm", "q4-int8"),
             ("q4-int8", "q4-int8-partials"),
             ("q4-int8-words", "q4-int8"),
+            ("q4-norms", "q4"),
+            ("bf16-norms", "bf16"),
         ]
         for weights, base in same_bits:  # the same bits as the base: any gain decides
             for n in counts:

@@ -22,7 +22,9 @@ to `-words2048`; on the gate and up projection, `float-gated` and
 `int4-bf16x2-gated`, the SiLU applied in the matmul's epilogue (the engine's default), against
 `float-gated-kernel` and `int4-bf16x2-gated-kernel`, the matmul and then the activation's own kernel; on
 the q/k/v projection, `float-rope` and `int4-bf16x2-rope`, RoPE and the KV cache's write in the epilogue,
-against `-rope-kernel`, the matmul and then the RoPE kernel (q's bits compared).
+against `-rope-kernel`, the matmul and then the RoPE kernel (q's bits compared); on both,
+`float-normed` and `int4-bf16x2-normed`, the norm before them (with the residual add) in the matmul's
+prologue (`NormedRows`, layers/gpu.FUSE_NORMS), against `-normed-kernel`, add_rms_norm's kernel first.
 Each layer has its own tile counters, as in the engine, so that a K split's last program adds the
 splits; `float-sum-kernel`, `int4-sum-kernel` and `int4-int8-sum-kernel` time kvserve's configs with
 `_sum_splits_kernel` launched instead, as before 2026-11-29 (the same bits, `same_bits`).
@@ -223,7 +225,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         return lambda: [tinygemm.matmul(x, p, sz) for p, sz in layers]
 
     interleaved = {}  # the projections' tensors in the layout for their epilogue, made once
-    tables = {}  # the q/k/v projection's cos, sin, caches and slots per row count
+    tables = {}  # the q/k/v projection's cos, sin, caches and slots per row count; a norm's delta and weight
 
     def gated_calls(x, kind, fused):
         """A gate and up projection (`kind` float or int4-bf16x2) with its SiLU: in the matmul's epilogue over
@@ -282,6 +284,30 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             interleaved[key] = [pair(w) if kind == "float" else tuple(pair(t) for t in w) for w in layers]
         return lambda: [call(w, c) for w, c in zip(interleaved[key], counters, strict=True)]
 
+    def normed_calls(x, kind, fused):
+        """A projection after a norm (`kind` float or int4-bf16x2): the norm with the residual add in the
+        matmul's prologue (`NormedRows`, `fused`: layers/gpu.FUSE_NORMS), or add_rms_norm's kernel before
+        the matmul (the default): the same bits."""
+        from kvserve.kernels.gpu import norm
+
+        if ("norm", x.shape[0]) not in tables:  # one delta and norm weight a row count, for both ways
+            delta = torch.randn(x.shape[0], k, device=device, generator=gen).to(torch.bfloat16)
+            tables["norm", x.shape[0]] = delta, (torch.rand(k, device=device, generator=gen) + 0.5).to(torch.bfloat16)
+        delta, g = tables["norm", x.shape[0]]
+        if kind == "float":
+            call = lambda w, c, rows: mm.matmul(rows, w, None, None, c)  # noqa: E731
+            layers = weights
+        else:
+            call = lambda w, c, rows: mm.int4_matmul(rows, *w, None, None, True, c)  # noqa: E731
+            layers = list(zip(packed, scales16, mins16, strict=True))
+        if fused:
+            return lambda: [
+                call(w, c, norm.normed_rows(x, delta, g, 1e-5)[1]) for w, c in zip(layers, counters, strict=True)
+            ]
+        return lambda: [
+            call(w, c, norm.add_rms_norm(x, delta, g, 1e-5)[1]) for w, c in zip(layers, counters, strict=True)
+        ]
+
     def int8_calls(x, int8_inputs=False):
         layers = list(zip(codes8, scales8, counters, strict=False))
         if int8_inputs:  # --activations int8: the inputs' quantization included
@@ -329,6 +355,12 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
                 for kind in ("float", "int4-bf16x2")
                 for how in ("-kernel", "")
             ]
+        if name in ("qkv", "gate_up"):  # the norm before them in their prologues, against its own kernel
+            runs += [
+                (f"{kind}-normed{how}", None, normed_calls(x, kind, fused=not how))
+                for kind in ("float", "int4-bf16x2")
+                for how in ("-kernel", "")
+            ]
         if name == "qkv":  # RoPE and the KV cache's write in the matmul's epilogue, against the RoPE kernel
             runs += [
                 (f"{kind}-rope{how}", None, rope_calls(x, kind, fused=not how))
@@ -363,10 +395,10 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
                 same_as = kind
                 while same_as.endswith(same_bits_as):
                     same_as = same_as.rpartition("-")[0]
-            if kind.endswith(("-gated", "-rope")):  # the same bits as the matmul and then the epilogue's kernel
+            if kind.endswith(("-gated", "-rope", "-normed")):  # the same bits as with the other kernel
                 same_as = f"{kind}-kernel"
             compared = cfg is None and (
-                kind.endswith((*same_bits_as, "-gated", "-rope"))
+                kind.endswith((*same_bits_as, "-gated", "-rope", "-normed"))
                 or kind in ("int4-convert", *SUM_KERNEL_KINDS)
                 or "-words" in kind
             )
