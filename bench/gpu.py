@@ -657,10 +657,14 @@ def main() -> None:
         if "q4" in models[shape]:  # and with int8 inputs (dp4a), on the same file
             plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
         plan.append(("transformers-eager", shape, "bf16", False))
-        if "q4" in models[shape]:  # the norms in the matmuls; PyTorch's own int4 kernel; group major, both inputs
-            candidates = ("q4-norms", "q4-int8-words", "q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials")
-            plan += [("kvserve", shape, w, True) for w in candidates]  # newest first
+        # the candidates, newest first: the norms in the matmuls (4-bit and bf16); the code words over the
+        # threads; PyTorch's own int4 kernel; group major, both inputs; each K split a program
+        if "q4" in models[shape]:
+            plan.append(("kvserve", shape, "q4-norms", True))
         plan.append(("kvserve", shape, "bf16-norms", True))
+        if "q4" in models[shape]:
+            candidates = ("q4-int8-words", "q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials")
+            plan += [("kvserve", shape, w, True) for w in candidates]
         plan.append(("kvserve", shape, "bf16-sync", True))  # without async scheduling: what it gains
         plan.append(("kvserve", shape, "bf16-pdl", True))  # programmatic dependent launch: what it gains
         if "q4" in models[shape]:  # 4-bit both ways: the launches weigh more there than in bf16

@@ -211,6 +211,27 @@ def test_the_projections_epilogues_give_the_tokens_and_logprobs_of_their_kernels
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("weights", ["bf16", "q4"])
+def test_the_norms_in_the_matmuls_give_the_tokens_and_logprobs_of_their_kernel(tiny_model_dir, monkeypatch, weights):
+    """Each layer's two norms in the prologues of the matmuls after them (layers/gpu.FUSE_NORMS), in the
+    CUDA graphs (up to 8 rows), batched and behind cached prefixes: the tokens and logprobs of the same
+    engine with the norm's own kernel."""
+    from kvserve.layers import gpu
+
+    texts = [prompt(i, 30 + 11 * i) for i in range(16)]
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+    options = dict(device="cuda", weights=weights, max_num_seqs=16, progress=False)
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(gpu, "FUSE_NORMS", fused)
+        with LLM(str(tiny_model_dir), kv_cache_tokens=4096, session_db=False, **options) as llm:
+            assert llm.model.layers[0].attn_norm.into_matmul == fused
+            runs.append([[(r.token_ids, r.logprobs) for r in llm.generate(texts[:n], params)] for n in (1, 4, 16)])
+            assert llm.stats()["prefix_cache_hit_tokens_total"] > 0
+            wait_idle_and_check(llm)
+    assert runs[0] == runs[1]
+
+
 def test_four_bit_model_serves_sixteen_concurrent_calls_like_solo(tiny_model_dir):
     """The fourth failure report: a 4-bit model on a GPU crashed under two concurrent calls. Here 16
     threads call at once; each gets the tokens it gets alone, and the weights stay packed."""

@@ -1408,6 +1408,42 @@ def test_a_gate_up_matmul_at_model_sizes_applies_the_activation_with_its_kernels
 
 
 @on_gpu
+@pytest.mark.parametrize("kind", ["float", "int4-bf16x2", "int8"])
+def test_the_norm_in_a_matmuls_prologue_at_model_sizes_gives_its_kernels_bits(kind):
+    """A 1B model's norms in the q/k/v and gate/up matmuls' prologues (`NormedRows`): on the GPU, compiled
+    apart, the bits of add_rms_norm's kernel (and rms_norm's, without a delta) and then the matmul, for 1
+    and 8 rows, with the gated activation's epilogue on gate/up; x + delta as add_rms_norm stores it."""
+    bf16, k = torch.bfloat16, 2048
+    x, delta = _randn(8, k, seed=80, dtype=bf16) * 4, _randn(8, k, seed=81, dtype=bf16)
+    weight = _randn(k, seed=82, dtype=bf16).abs() + 0.5
+    counters = matmul.split_counters(DEVICE)
+    for n, act in ((3072, None), (16384, "silu")):
+        if kind == "float":
+            w = _randn(n, k, seed=83, dtype=bf16) / 32
+            run = lambda rows, w=w, act=act: matmul.matmul(rows, w, None, None, counters, act)  # noqa: E731
+        elif kind == "int8":
+            codes, scales, _ = _int8_weight(n, k, seed=83)
+            run = lambda rows, c=codes, s=scales, act=act: matmul.int8_group_matmul(  # noqa: E731
+                rows, c, s, None, None, counters, act
+            )
+        else:
+            codes, scales, mins, _ = _int4_weight(n, k, bf16, seed=83)
+            packed = matmul.pack_int4(codes)
+            run = lambda rows, p=packed, s=scales, mn=mins, act=act: matmul.int4_matmul(  # noqa: E731
+                rows, p, s, mn, None, None, True, counters, act
+            )
+        for m in (1, 8):
+            total, normed = norm.add_rms_norm(x[:m], delta[:m], weight, 1e-5)
+            rows_total, rows = norm.normed_rows(x[:m], delta[:m], weight, 1e-5)
+            assert torch.equal(run(rows), run(normed)), (n, m)
+            assert torch.equal(rows_total, total)
+            assert torch.equal(
+                run(norm.normed_rows(x[:m], None, weight, 1e-5)[1]), run(norm.rms_norm(x[:m], weight, 1e-5))
+            )
+    assert not counters.any()
+
+
+@on_gpu
 @pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int4-int8"])
 def test_a_qkv_matmul_at_model_sizes_applies_rope_with_its_kernels_bits(kind):
     """A 1B model's q/k/v projection (2048 -> (32 + 2 x 8) x 64) with RoPE and the KV cache's write in its
