@@ -214,7 +214,7 @@ def test_the_projections_epilogues_give_the_tokens_and_logprobs_of_their_kernels
 @pytest.mark.parametrize("weights", ["bf16", "q4"])
 def test_the_norms_in_the_matmuls_give_the_tokens_and_logprobs_of_their_kernel(tiny_model_dir, monkeypatch, weights):
     """Each layer's two norms in the prologues of the matmuls after them (layers/gpu.FUSE_NORMS), in the
-    CUDA graphs (up to 8 rows), batched and behind cached prefixes: the tokens and logprobs of the same
+    CUDA graphs (one stream's rows), batched and behind cached prefixes: the tokens and logprobs of the same
     engine with the norm's own kernel."""
     from kvserve.layers import gpu
 

@@ -435,11 +435,14 @@ def test_the_norms_in_the_matmuls_prologues_give_the_tokens_and_logprobs_of_thei
         assert all(layer.attn_norm.into_matmul == layer.ffn_norm.into_matmul == fusable for layer in layers)
         assert not llm.model.norm.into_matmul  # (the final norm's rows are picked before the lm_head)
         wait_idle_and_check(llm)
+    launched.launches = 0
     fused = _alone_then_a_prefix_hit(tiny_model_dir, **options)
     launches = launched.launches
     monkeypatch.setattr(gpu, "FUSE_NORMS", False)
+    launched.launches = 0
     assert _alone_then_a_prefix_hit(tiny_model_dir, **options) == fused
-    assert (launched.launches - launches > launches) == fusable, (launches, launched.launches)
+    # each LLM starts alike (its warm-up as well), so the counts differ by the calls handed to the matmuls
+    assert (launched.launches > launches) == fusable and launched.launches >= launches, (launches, launched.launches)
 
 
 def test_int8_inputs_and_the_switches_off_keep_the_activations_and_ropes_kernels(

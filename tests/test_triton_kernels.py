@@ -149,7 +149,21 @@ def test_a_matmul_given_normed_rows_gives_the_bits_of_the_norm_kernel_then_the_m
                         assert (rows_total is None) == (total is None)
                         assert rows_total is None or torch.equal(rows_total, total)
                         checked += 1
-    assert checked == 2 * 3 * 2 * 2 * 2
+            # a q/k/v projection (2 + 2 x 1 heads of 16) with RoPE and the cache's write: in the epilogue,
+            # and (K splits without counters) by the RoPE kernel after the sum kernel
+            w_qkv = _randn(64, hidden, seed=75, dtype=bf16)
+            cos, sin = _randn(m, 1, 16, seed=76, dtype=bf16), _randn(m, 1, 16, seed=77, dtype=bf16)
+            slots = torch.arange(m, dtype=torch.int32, device=DEVICE)
+            for counters in (None, matmul.split_counters(DEVICE)):
+                got, want = [], []
+                with_delta = norm.add_rms_norm(x[:m], delta[:m], weight, 1e-5)[1]
+                for inputs, caches in ((norm.normed_rows(x[:m], delta[:m], weight, 1e-5)[1], got), (with_delta, want)):
+                    caches += [torch.zeros(1, 16, 1, 16, dtype=bf16, device=DEVICE) for _ in range(2)]
+                    rope = matmul.RopeStore(cos, sin, *caches, slots, 2)
+                    caches.append(matmul.matmul(inputs, w_qkv, None, None, counters, rope=rope))
+                assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (hidden, m, counters)
+                checked += 1
+    assert checked == 2 * 3 * (2 * 2 * 2 + 2)
 
 
 # --- Matmuls
@@ -1411,35 +1425,48 @@ def test_a_gate_up_matmul_at_model_sizes_applies_the_activation_with_its_kernels
 @pytest.mark.parametrize("kind", ["float", "int4-bf16x2", "int8"])
 def test_the_norm_in_a_matmuls_prologue_at_model_sizes_gives_its_kernels_bits(kind):
     """A 1B model's norms in the q/k/v and gate/up matmuls' prologues (`NormedRows`): on the GPU, compiled
-    apart, the bits of add_rms_norm's kernel (and rms_norm's, without a delta) and then the matmul, for 1
-    and 8 rows, with the gated activation's epilogue on gate/up; x + delta as add_rms_norm stores it."""
-    bf16, k = torch.bfloat16, 2048
-    x, delta = _randn(8, k, seed=80, dtype=bf16) * 4, _randn(8, k, seed=81, dtype=bf16)
-    weight = _randn(k, seed=82, dtype=bf16).abs() + 0.5
+    apart, the bits of add_rms_norm's kernel (and rms_norm's, without a delta) and then the matmul, for 1, 2
+    and 8 rows, with the engine's epilogues (RoPE with the cache's write on q/k/v, SiLU on gate/up), at
+    hidden 2,048 and 4,096 (two float K splits); x + delta as add_rms_norm stores it."""
+    bf16, heads, kv_heads, head_dim = torch.bfloat16, 32, 8, 64
     counters = matmul.split_counters(DEVICE)
-    for n, act in ((3072, None), (16384, "silu")):
-        if kind == "float":
-            w = _randn(n, k, seed=83, dtype=bf16) / 32
-            run = lambda rows, w=w, act=act: matmul.matmul(rows, w, None, None, counters, act)  # noqa: E731
-        elif kind == "int8":
-            codes, scales, _ = _int8_weight(n, k, seed=83)
-            run = lambda rows, c=codes, s=scales, act=act: matmul.int8_group_matmul(  # noqa: E731
-                rows, c, s, None, None, counters, act
-            )
-        else:
-            codes, scales, mins, _ = _int4_weight(n, k, bf16, seed=83)
-            packed = matmul.pack_int4(codes)
-            run = lambda rows, p=packed, s=scales, mn=mins, act=act: matmul.int4_matmul(  # noqa: E731
-                rows, p, s, mn, None, None, True, counters, act
-            )
-        for m in (1, 8):
-            total, normed = norm.add_rms_norm(x[:m], delta[:m], weight, 1e-5)
-            rows_total, rows = norm.normed_rows(x[:m], delta[:m], weight, 1e-5)
-            assert torch.equal(run(rows), run(normed)), (n, m)
-            assert torch.equal(rows_total, total)
-            assert torch.equal(
-                run(norm.normed_rows(x[:m], None, weight, 1e-5)[1]), run(norm.rms_norm(x[:m], weight, 1e-5))
-            )
+    for k in (2048, 4096):
+        x, delta = _randn(8, k, seed=80, dtype=bf16) * 4, _randn(8, k, seed=81, dtype=bf16)
+        weight = _randn(k, seed=82, dtype=bf16).abs() + 0.5
+        for n, act in (((heads + 2 * kv_heads) * head_dim, None), (16384, "silu")):
+            if kind == "float":
+                args = (_randn(n, k, seed=83, dtype=bf16) / 32,)
+                run = lambda rows, rope=None, a=args, act=act: matmul.matmul(  # noqa: E731
+                    rows, *a, None, None, counters, act, rope
+                )
+            elif kind == "int8":
+                args = _int8_weight(n, k, seed=83)[:2]
+                run = lambda rows, rope=None, a=args, act=act: matmul.int8_group_matmul(  # noqa: E731
+                    rows, *a, None, None, counters, act, rope
+                )
+            else:
+                codes, scales, mins, _ = _int4_weight(n, k, bf16, seed=83)
+                args = (matmul.pack_int4(codes), scales, mins)
+                run = lambda rows, rope=None, a=args, act=act: matmul.int4_matmul(  # noqa: E731
+                    rows, *a, None, None, True, counters, act, rope
+                )
+            for m in (1, 2, 8):
+                total, normed = norm.add_rms_norm(x[:m], delta[:m], weight, 1e-5)
+                rows_total, rows = norm.normed_rows(x[:m], delta[:m], weight, 1e-5)
+                if act is None:  # q/k/v: q rotated, k and v written into the caches
+                    cos, sin = _randn(m, 1, head_dim, seed=84, dtype=bf16), _randn(m, 1, head_dim, seed=85, dtype=bf16)
+                    slots = torch.arange(m, dtype=torch.int32, device=DEVICE)
+                    results = []
+                    for inputs in (rows, normed):
+                        caches = [torch.zeros(1, 16, kv_heads, head_dim, dtype=bf16, device=DEVICE) for _ in range(2)]
+                        q = run(inputs, matmul.RopeStore(cos, sin, *caches, slots, heads))
+                        results.append([q, *caches])
+                    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), (k, n, m)
+                else:
+                    assert torch.equal(run(rows), run(normed)), (k, n, m)
+                assert torch.equal(rows_total, total)
+                without_delta = norm.normed_rows(x[:m], None, weight, 1e-5)[1]
+                assert torch.equal(run(without_delta), run(norm.rms_norm(x[:m], weight, 1e-5))), (k, n, m)
     assert not counters.any()
 
 

@@ -1526,7 +1526,7 @@ def _launch(
     RoPE and the KV cache's write of a q/k/v projection, giving q [M, H * D] (`RopeStore`);
     `constexprs`, the kernel's other compile-time switches. x may be `NormedRows` (the float-input
     kernels): the norm made in the kernel's prologue and K loop, with its bits."""
-    source = x
+    source, k_given = x, k  # (as given, for the call again without RoPE's epilogue)
     if isinstance(x, NormedRows):
         assert kernel in (_float_kernel, _int4_kernel, _int8_kernel) and k is None, kernel
         x = x.x
@@ -1553,7 +1553,9 @@ def _launch(
         # the sum kernel stores the output, or a tile would cut a pair (int8 inputs' splits in one program
         # of 128: one column a program): the RoPE kernel follows
         if (is_split and not sum_in_tile) or config.block_n % 2:
-            plain = _launch(kernel, config, source, n, weight_args, bias, out_dtype, k, counters, weight, **constexprs)
+            plain = _launch(
+                kernel, config, source, n, weight_args, bias, out_dtype, k_given, counters, weight, **constexprs
+            )
             return _rotate_and_store_output(plain, rope)
         constexprs.update(rope=_rope_args(rope), ROPE=head_dim, CACHE_BLOCK=block_size)
         width = rope.num_heads * head_dim

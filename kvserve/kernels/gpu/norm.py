@@ -74,8 +74,11 @@ def _summed_rows(
 
 @triton.jit
 def _reciprocal_rms(s, hidden, eps):
-    """1 / sqrt(mean(s ** 2) + eps) of each row of s [R, W] (`sum_of_squares`)."""
-    return 1.0 / tl.sqrt_rn(sum_of_squares(s) / hidden + eps)
+    """1 / sqrt(mean(s ** 2) + eps) of each row of s [R, W] (`sum_of_squares`), each step rounded as IEEE
+    says: `/` would be an approximate division, whose reciprocal and product ptxas may fuse with the
+    `+ eps` in one kernel and not in another."""
+    mean = tl.math.div_rn(sum_of_squares(s), hidden * 1.0)
+    return tl.math.div_rn(1.0 + tl.zeros_like(mean), tl.sqrt_rn(mean + eps))
 
 
 @triton.jit
@@ -102,7 +105,7 @@ def normed_rows_rstd(
     row0 + BLOCK_M, those below M), each row summed as the norm kernel sums it, so the same bits; the
     tile's first program along N and K also stores x + delta (ADD) in `total`. `norm`: `NormedRows.args`.
     Each program reads its rows whole (2 x 4 KB a row of 2,048 in bfloat16, from L2), so the layers
-    hand it at most NORM_IN_MATMUL_ROWS rows."""
+    hand it at most NORM_IN_MATMUL_ROWS rows (any number gives the same bits)."""
     delta_ptr, stride_d, _, total_ptr, hidden, eps = norm
     lanes = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, WIDTH)
@@ -179,8 +182,9 @@ def _rms_norm_kernel(
 Int8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # matmul.quantize_int8's (words, d, s)
 
 # Rows handed to a matmul as `NormedRows` at most (layers/gpu.GpuRMSNorm): each of its programs reads
-# them whole, so a decode step's few rows; more (a prefill) take the norm's own kernel, the same bits.
-NORM_IN_MATMUL_ROWS = 8
+# them whole from L2 (a 1B 4-bit gate/up's 512 programs 4 MB a row, against its 18.9 MB of weights), so
+# one stream's rows; more take the norm's own kernel, the same bits.
+NORM_IN_MATMUL_ROWS = 2
 
 
 @dataclass(frozen=True)
