@@ -104,6 +104,41 @@ def test_rms_norm_matches_the_formula_and_each_row_alone(dtype):
         assert torch.equal(norm.rms_norm(x[row : row + 1], weight, eps)[0], out[row])
 
 
+def _tree_rms_norm(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The norm kernel's arithmetic in PyTorch, for rows s: squares in `norm.sum_of_squares`' tree
+    (zeros up to a power of two; neighbours a * a + b * b as one fma, b * b rounded first; then their
+    sums in pairs), each float32 step rounded as IEEE says."""
+    s32 = s.float()
+    width = 1 << (s.shape[1] - 1).bit_length()
+    padded = torch.nn.functional.pad(s32, (0, width - s.shape[1]))
+    a, b = padded[:, 0::2].double(), padded[:, 1::2]
+    sums = (a * a + (b * b).double()).float()  # a * a exact in float64: the fma's one rounding
+    while sums.shape[1] > 1:
+        sums = sums[:, 0::2] + sums[:, 1::2]
+    # each step in float64 then rounded to float32: the correctly rounded float32 step (PyTorch's own
+    # float32 sqrt on a CPU may be off by an ulp)
+    rounded = lambda v: v.float().double()  # noqa: E731
+    eps32 = rounded(torch.tensor(eps, dtype=torch.float64))
+    mean = rounded(sums[:, 0].double() / s.shape[1])
+    rstd = rounded(1.0 / rounded(torch.sqrt(rounded(mean + eps32)))).float()
+    return (weight.float() * (s32 * rstd[:, None]).to(s.dtype).float()).to(s.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [1100, 2048])
+def test_the_norm_kernel_sums_a_row_in_its_fixed_tree(hidden, dtype):
+    """The norm kernel's bits are the fixed tree's (`sum_of_squares`), computed apart in PyTorch: the
+    order that a matmul's prologue repeats for `NormedRows` in another layout (on a GPU, this test
+    checks that the compiled kernel keeps it: no layout's reduction, no contraction of its own). float32
+    rows show 1 / rms's every bit, which bfloat16 outputs round away."""
+    x, delta = _randn(6, hidden, seed=90, dtype=dtype) * 3, _randn(6, hidden, seed=91, dtype=dtype)
+    weight = _randn(hidden, seed=92, dtype=dtype)
+    total, out = norm.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(out.cpu(), _tree_rms_norm(total.cpu(), weight.cpu(), 1e-5))
+    assert torch.equal(norm.rms_norm(x, weight, 1e-5).cpu(), _tree_rms_norm(x.cpu(), weight.cpu(), 1e-5))
+
+
 @pytest.mark.parametrize("kind", ["float", "int4", "int4-bf16x2", "int8"])
 def test_a_matmul_given_normed_rows_gives_the_bits_of_the_norm_kernel_then_the_matmul(monkeypatch, kind):
     """A float-input matmul given `NormedRows` normalizes each row in its prologue and K loop: the bits of
