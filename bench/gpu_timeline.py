@@ -24,7 +24,8 @@ and `program_p50`. Where the global timer ticks coarsely (`timer_step_ns`), `cyc
 Kinds: `float` (bf16 weights, kvserve's kernels), `int4-bf16x2` (the 4-bit default: bf16 inputs, the
 Q8_0 lm_head with float inputs), `int4-int8` (`--activations int8`; the inputs' int8 form made before
 the graph, as the kernel before makes it in the engine), `int4-int8-words` (the same with
-`matmul.WORDS_IN_THREADS`, a candidate). `graph_us` is the graph's replay time without the stamps and
+`matmul.WORDS_IN_THREADS`, a candidate), `float-normed` and `int4-bf16x2-normed` (the norms before q/k/v and
+gate/up in those matmuls' prologues, `NormedRows`: their `loop_p50` holds the prologue). `graph_us` is the graph's replay time without the stamps and
 `graph_us_recorded` with them (the stamps' own cost: a reduction a program after its loop).
 
     PYTHONPATH=. python bench/gpu_timeline.py --out $OUT/timeline.json
@@ -53,14 +54,17 @@ SHAPES = {
     "tiny": {"qkv": (128, 256), "o": (256, 256), "gate_up": (256, 256), "down": (256, 512), "lm_head": (96, 256)},
 }
 HEADS = gpu_kernels.HEADS
-KINDS = ("float", "int4-bf16x2", "int4-int8", "int4-int8-words")
+# `-normed`: the norms before q/k/v and gate/up in those matmuls' prologues (`NormedRows`, layers/gpu.FUSE_NORMS)
+KINDS = ("float", "int4-bf16x2", "int4-int8", "int4-int8-words", "float-normed", "int4-bf16x2-normed")
 WORDS_IN_THREADS = 1024  # int4-int8-words: matmul.WORDS_IN_THREADS, a candidate (as bench/gpu.py's q4-int8-words)
 
 
 def step_calls(kind: str, shape: str, layers: int, rows: int, device: str, gen: torch.Generator):
     """The matmul calls of one decode step of `rows` rows, in order, each labelled with its layer."""
     from kvserve.kernels.gpu import matmul as mm
+    from kvserve.kernels.gpu import norm
 
+    normed, kind = kind.endswith("-normed"), kind.removesuffix("-normed")
     heads, kv_heads, head_dim = HEADS[shape]
     cos, sin = torch.randn(2, rows, 1, head_dim, device=device, generator=gen).to(torch.bfloat16)
     caches = torch.zeros(2, (rows + 15) // 16, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
@@ -71,6 +75,10 @@ def step_calls(kind: str, shape: str, layers: int, rows: int, device: str, gen: 
             if (name == "lm_head") != (layer == layers):
                 continue
             x = torch.randn(rows, k, device=device, generator=gen).to(torch.bfloat16)
+            if normed and name in ("qkv", "gate_up"):  # x + delta, normalized in the matmul's prologue
+                delta = torch.randn(rows, k, device=device, generator=gen).to(torch.bfloat16)
+                weight = (torch.rand(k, device=device, generator=gen) + 0.5).to(torch.bfloat16)
+                x = norm.normed_rows(x, delta, weight, 1e-5)[1]
             counters = mm.split_counters(device)
             out_dtype = torch.float32 if name == "lm_head" else None
             int8_inputs = kind.startswith("int4-int8")
