@@ -28,13 +28,14 @@ def num_warps_for(hidden: int) -> int:
 @triton.jit
 def _tree_sum(values):
     """values [R, W] (W a power of two) -> [R]: neighbours added in pairs, then those sums in pairs, and so
-    on: one order of additions whatever the kernel and its layout (tl.sum's follows the layout)."""
+    on: one order of additions whatever the kernel and its layout (a whole row's tl.sum follows the
+    layout). Each level sums an axis of two, one addition whichever comes first; tl.split per level
+    instead compiled to 6,552 instructions and a spill with Triton 3.6 (the GPU machine's), 136 this way."""
     R: tl.constexpr = values.shape[0]
     W: tl.constexpr = values.shape[1]
     for level in tl.static_range(1, 32):
         if (W >> level) > 0:
-            low, high = tl.split(tl.reshape(values, (R, W >> level, 2)))
-            values = low + high
+            values = tl.sum(tl.reshape(values, (R, W >> level, 2)), axis=2)
     return tl.reshape(values, (R,))
 
 
