@@ -651,17 +651,19 @@ def test_the_code_words_over_the_threads_give_the_splits_kernels_bits(monkeypatc
     """matmul.WORDS_IN_THREADS (a candidate, off by default): up to 8 rows of an int4 or int8 (Q8_0) layer
     with int8 inputs, a program's rows of code words spread over its threads, each word's products summed
     alone and a group's words added in integers, then the float steps of the kernels before (the splits
-    in one program, or a program a split and their partial sums): their bits, for 1 to 8 rows, 1 to 32
+    in one program, or a program a split and their partial sums): their bits, for 1 to 8 rows, 1 to 8
     splits (3 and 5 padded), a column a program or 8, a last tile cut short, bias or not, float32 or
     bfloat16 out; K splits of 4, 8 and 16 groups (INT4_INT8_CONFIG's 256, 512 and 1,024 inputs, halved for
-    these narrow layers). Group-major codes, K off the splits and more than 32 splits keep their kernels,
-    as do 9 rows and more."""
+    these narrow layers), up to WORDS_GROUPS (64) groups a row. Group-major codes, K off the splits and
+    more groups keep their kernels, as do 9 rows and more."""
     config = dataclasses.replace(matmul.INT4_INT8_CONFIG, k_per_split=split)
     monkeypatch.setattr(matmul, "INT4_INT8_CONFIG", config)
     cases = [(1, 2048, 24), (3, 768, 40), (8, 1024, 16), (5, 8192, 8), (1, 256, 20), (2, 1280, 12)]
     if split != 512:  # fewer cases for the other split lengths (the interpreter's time)
         cases = cases[1:3] + cases[4:5]
-    cases = [(m, k, n) for m, k, n in cases if k % (split // 2) == 0 and k // (split // 2) <= 32]
+    groups = split // 2 // 32  # a K split's (halved for these narrow layers); the splits padded
+    fits = lambda k: k % (split // 2) == 0 and gpu.next_power_of_2(k // (split // 2)) * groups <= matmul.WORDS_GROUPS  # noqa: E731
+    cases = [(m, k, n) for m, k, n in cases if fits(k)]
     launches = []
     for m, k, n in cases:
         codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=80)
@@ -686,7 +688,8 @@ def test_the_code_words_over_the_threads_give_the_splits_kernels_bits(monkeypatc
     assert cases and launches == ["_int4_int8_words_kernel"] * len(calls) * len(cases)
     if split != 512:
         return
-    # not for group-major codes, a K that is not a whole number of splits, 33 splits, nor 9 rows and more
+    # not for group-major codes, a K that is not a whole number of splits, more than WORDS_GROUPS groups
+    # (33 splits of 8), nor 9 rows and more
     codes, scales, mins, _ = _int4_weight(16, 1184, torch.float16, seed=83)
     monkeypatch.setattr(matmul, "WORDS_IN_THREADS", words)
     _record_launches(monkeypatch, launches)
@@ -1402,7 +1405,8 @@ def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kin
 def test_the_code_words_over_the_threads_at_model_sizes_give_the_splits_kernels_bits(monkeypatch, words):
     """matmul.WORDS_IN_THREADS at a 1B model's int4 layers (q/k/v, gate and up, down: 8, 16 and 8 groups a
     split, 8, 4 and 32 splits; and 3 splits padded to 4), with a bias, and its Q8_0 lm_head, for 1 to 8
-    rows, compiled: the bits of the kernels before, and the words kernel ran each."""
+    rows, compiled: the bits of the kernels before, and the words kernel ran each but the down projection
+    (256 groups a row, past WORDS_GROUPS: the splits kernel)."""
     x = _randn(8, 8192, seed=86, dtype=torch.bfloat16)
     layers = []
     for n, k in ((3072, 2048), (16384, 2048), (2048, 8192), (2048, 768)):  # the last: 3 splits, padded
@@ -1423,7 +1427,8 @@ def test_the_code_words_over_the_threads_at_model_sizes_give_the_splits_kernels_
             _record_launches(monkeypatch, launches)
             assert _same_bits(run(x[:m, :k]), expected), (n, k, m)
             monkeypatch.setattr(matmul, "_launch", _LAUNCH)
-    assert launches == ["_int4_int8_words_kernel"] * 4 * len(layers), launches
+    words = ["_int4_int8_words_kernel"] * 4
+    assert launches == words * 2 + ["_int4_int8_splits_kernel"] * 4 + words * 2, launches
 
 
 @on_gpu
@@ -1773,7 +1778,7 @@ for m in (1, 37):  # the same binaries for 1 row and for 37
     call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"))
     call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
     call = f"pick-random-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
-matmul.WORDS_IN_THREADS = 1024  # the code words over the threads: 32 splits of 8 groups, 4 of 16; 1 and 8 rows
+matmul.WORDS_IN_THREADS = 1024  # the code words over the threads: 4 splits of 16 groups (32 of 8: past WORDS_GROUPS)
 for rows in (1, 8):
     for name, (n, k) in (("32-splits", (256, 8192)), ("16-groups", (4224, 2048))):
         wide = matmul.pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8))
@@ -1973,9 +1978,12 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         ("int8-int8-words", "_sum_splits_kernel"),
         *[
             (f"words-{name}-r{rows}", kernel)
-            for name in ("32-splits", "16-groups")
+            for name, words_kernel in (
+                ("32-splits", "_int4_int8_splits_kernel"),
+                ("16-groups", "_int4_int8_words_kernel"),
+            )
             for rows in (1, 8)
-            for kernel in ("_quantize_int8_kernel", "_int4_int8_words_kernel")
+            for kernel in ("_quantize_int8_kernel", words_kernel)
         ],
         ("gate_up-tiles", "_float_kernel"),  # the activation applied by a tile's last split
         ("gate_up-int4-tiles", "_int4_kernel"),

@@ -97,8 +97,13 @@ SPLITS_IN_PROGRAM = 128
 # the bits of the kernels before it with a program's code words spread over its threads as memory holds
 # them (consecutive words on consecutive threads: 128-byte reads of one row, where a thread an output
 # reads 16 bytes of each of 32 rows), about this many words (times rows) a program of 4 warps; for
-# layers of 4, 8 or 16 groups a K split and at most 32 splits. A power of two.
+# layers of 4, 8 or 16 groups a K split and at most WORDS_GROUPS groups a row. A power of two.
 WORDS_IN_THREADS = 0
+# The words kernel's groups a row (K / 32, its splits padded to a power of two) at most: for one row, 16
+# splits of 8 groups or more compiled for sm_90 to 32 registers and 2.2-9 KB of stack a thread (Triton 3.6
+# and 3.9; a 1B down projection's 32 x 8: 4.3 KB), where 64 (q/k/v and o, 8 x 8; gate/up, 4 x 16) take
+# 184-254 registers and no stack; such layers keep the splits kernel.
+WORDS_GROUPS = 64
 INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
     (32, {"block_m": 32, "block_n": 128, "num_warps": 8}),
@@ -1828,7 +1833,7 @@ def _int8_inputs_launch(
             and not group_major
             and k % config.k_per_split == 0
             and groups in (4, 8, 16)  # and at most 32 splits: `_columns`' sizes
-            and padded <= 32
+            and padded * groups <= WORDS_GROUPS
         ):
             # the program's outputs' rows [BLOCK_N, splits, groups, words] over its threads, as they lie
             assert WORDS_IN_THREADS & (WORDS_IN_THREADS - 1) == 0 and x.shape[0] <= config.block_m, WORDS_IN_THREADS
