@@ -1701,6 +1701,16 @@ def waits_first(compiled):
         return False  # the prefetches, all before the wait
     return "prefetch" if prefetches else "wait"
 
+# The bytes of stack a thread of the compiled kernel has (registers spilled to local memory), by cuobjdump
+CUOBJDUMP = NVDISASM.parent / "cuobjdump"
+
+def spilled(compiled):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
 def launch(kernel, grid):
     def warmup(*args, **kwargs):
         compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
@@ -1710,7 +1720,8 @@ def launch(kernel, grid):
         counts = len(re.findall(r"\batom\.global\.gpu\.acq_rel\.add", ptx))
         pdl = waits_first(compiled)
         fused = compiled.metadata.enable_fp_fusion
-        print(json.dumps([call, kernel.__name__, mma, tf32, counts, ordered(ptx), pdl, compiled.hash, fused]), flush=True)
+        stack = spilled(compiled)
+        print(json.dumps([call, kernel.__name__, mma, tf32, counts, ordered(ptx), pdl, compiled.hash, stack, fused]), flush=True)
     return warmup
 
 JITFunction.__getitem__ = launch
@@ -1896,6 +1907,18 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     # FP contraction on at every launch (`launch_options`), the arithmetic every GPU run has measured
     assert [launch[:2] for launch in launches if launch[-1] is not True] == []
     launches = [launch[:-1] for launch in launches]
+    # no registers spilled to the stack (which a one-row kernel pays at every step) but where named here:
+    # Q8_0 with float inputs (16 bytes), and two candidates that are off, group-major codes on the tensor
+    # cores (37 rows: 408 bytes) and the code words over the threads with RoPE's epilogue (one row, in the
+    # PDL pass: 2,664 bytes; docs/performance.md). Triton 3.6, the GPU machine's, spills elsewhere too.
+    stacks = {(launch[0].rpartition("-")[0], launch[1]): launch[-1] for launch in launches if launch[-1]}
+    launches = [launch[:-1] for launch in launches]
+    known = {
+        *((call, "_int8_kernel") for call in ("int8", "gate_up-int8", "qkv-int8", "normed-int8", "pdl", "prefetch")),
+        ("int4-int8-gm-tiles", "_int4_int8_mma_kernel"),
+        *((call, "_int4_int8_words_kernel") for call in ("pdl", "prefetch")),
+    }
+    assert set(stacks) <= known, "; ".join(f"{c} {k} {s}" for (c, k), s in sorted(stacks.items()))
     # programmatic dependent launch (KVSERVE_PDL=1): every kernel waits for the one before it before it
     # touches memory, then lets the next one start; without it, no grid dependency control at all
     with_pdl = [launch for launch in launches if launch[0].startswith("pdl-")]
