@@ -135,11 +135,12 @@ def _rows(x, in_features: int, takes_normed: bool):
     """A layer's input as its kernel takes it: x [..., K] as [M, K], or a norm's `NormedRows`
     (GpuRMSNorm's `into_matmul`) as they are where the layer's kernel normalizes them itself
     (`takes_normed`), else made by the norm's kernel first."""
+    if isinstance(x, torch.Tensor):  # (every call but a norm's rows: no import on the eager step's path)
+        return x.reshape(-1, in_features)
     from kvserve.kernels.gpu.norm import NormedRows
 
-    if isinstance(x, NormedRows):
-        return x if takes_normed else x.made()
-    return x.reshape(-1, in_features)
+    assert isinstance(x, NormedRows), type(x)
+    return x if takes_normed else x.made()
 
 
 def _split_counters(device: torch.device) -> torch.Tensor:
@@ -352,11 +353,12 @@ class GpuRMSNorm(RMSNorm):
 
     def _normed_rows(self, x: torch.Tensor, delta: torch.Tensor | None):
         """(x + delta or None, NormedRows) where this call may hand its rows to the matmul, else None."""
+        if not self.into_matmul:  # (the default: no import on the eager step's path)
+            return None
         from kvserve.kernels.gpu.norm import NORM_IN_MATMUL_ROWS, normed_rows
 
         if not (
-            self.into_matmul
-            and self.batch_invariant
+            self.batch_invariant
             and x.dim() == 2
             and x.shape[0] <= NORM_IN_MATMUL_ROWS
             and self.weight.dtype == x.dtype  # (else the norm's output is promoted: its kernel's)
