@@ -300,13 +300,8 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         else:
             call = lambda w, c, rows: mm.int4_matmul(rows, *w, None, None, True, c)  # noqa: E731
             layers = list(zip(packed, scales16, mins16, strict=True))
-        if fused:
-            return lambda: [
-                call(w, c, norm.normed_rows(x, delta, g, 1e-5)[1]) for w, c in zip(layers, counters, strict=True)
-            ]
-        return lambda: [
-            call(w, c, norm.add_rms_norm(x, delta, g, 1e-5)[1]) for w, c in zip(layers, counters, strict=True)
-        ]
+        normed = norm.normed_rows if fused else norm.add_rms_norm  # each gives (x + delta, the matmul's x)
+        return lambda: [call(w, c, normed(x, delta, g, 1e-5)[1]) for w, c in zip(layers, counters, strict=True)]
 
     def int8_calls(x, int8_inputs=False):
         layers = list(zip(codes8, scales8, counters, strict=False))

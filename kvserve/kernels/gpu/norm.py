@@ -55,7 +55,6 @@ def _summed_rows(
     x_ptr,
     delta_ptr,
     rows,
-    row_ok,
     stride_x,
     stride_d,
     hidden,
@@ -65,7 +64,7 @@ def _summed_rows(
 ):
     """Rows [R] of x (ADD: of x + delta rounded to x's dtype) as float32 [R, WIDTH], zeros past `hidden`."""
     cols = tl.arange(0, WIDTH)
-    mask = row_ok[:, None] & (cols < hidden)[None, :]
+    mask = (cols < hidden)[None, :]
     s = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if ADD:
         d = tl.load(delta_ptr + rows.to(tl.int64)[:, None] * stride_d + cols[None, :], mask=mask, other=0.0)
@@ -114,7 +113,7 @@ def normed_rows_rstd(
     rstd = tl.zeros((BLOCK_M,), tl.float32)
     for r in range(0, tl.minimum(BLOCK_M, M - row0)):
         row = row0 + r + tl.zeros((1,), tl.int32)
-        s = _summed_rows(x_ptr, delta_ptr, row, row >= 0, stride_x, stride_d, hidden, ADD, WIDTH, INTERPRET)
+        s = _summed_rows(x_ptr, delta_ptr, row, stride_x, stride_d, hidden, ADD, WIDTH, INTERPRET)
         if ADD:
             at = total_ptr + row.to(tl.int64)[:, None] * hidden + cols[None, :]
             tl.store(at, s, mask=stores[None, :])
@@ -164,7 +163,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0) + tl.zeros((1,), tl.int32)
     cols = tl.arange(0, WIDTH)
     mask = cols < hidden
-    s = _summed_rows(x_ptr, delta_ptr, row, row >= 0, stride_x, stride_d, hidden, ADD, WIDTH, INTERPRET)  # [1, W]
+    s = _summed_rows(x_ptr, delta_ptr, row, stride_x, stride_d, hidden, ADD, WIDTH, INTERPRET)  # [1, W]
     if ADD:
         tl.store(sum_ptr + row.to(tl.int64)[:, None] * hidden + cols[None, :], s, mask=mask[None, :])
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
