@@ -13,7 +13,10 @@ configuration, bfloat16 scales and zeros: other bits by design; kernels/gpu/tiny
 only; and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding),
 with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`). Candidates with the same bits
 (`same_bits`): `int4-bf16x2-gm` and `int4-int8-gm`, the codes, scales and mins group major
-(`matmul.to_group_major`: a warp's outputs read one block); `int4-int8-partials`, up to 8 rows each K
+(`matmul.to_group_major`: a warp's outputs read one block); from 17 rows `int4-bf16x2-1tile`, `-2tile` and
+`-4tile`, programs of that many tiles of 16 rows, each weight dequantized once a program (kvserve's
+int4 kernel takes up to `matmul.INT4_ROW_TILES` tiles a program, fewer where the layer would have fewer
+than `INT4_ROW_TILE_PROGRAMS` programs); `int4-int8-partials`, up to 8 rows each K
 split a program of its own with its partial sums in memory (`matmul.SPLITS_IN_PROGRAM` 0, the kernel
 before an int4 layer's splits went into one program); `int4-int8-words512`, `-words1024` and `-words2048`,
 up to 8 rows with a program's code words over its threads as memory holds them (`matmul.WORDS_IN_THREADS`,
@@ -172,14 +175,16 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             mm._launch(mm._float_kernel, cfg, x, n, (w, w.stride(0)), None, out_dtype, counters=c) for w, c in layers
         ]
 
-    def int4_calls(x, cfg, permute=True, packed_bf16=False, tile_sums=True, group_major=False):
+    def int4_calls(x, cfg, permute=True, packed_bf16=False, tile_sums=True, group_major=False, row_tiles=None):
         cfg = cfg or mm.config_for(mm.INT4_CONFIG, n, k)
+        row_tiles = row_tiles or mm.int4_row_tiles(x.shape[0], n, k, cfg)  # kvserve's where not given
         groups = zip(packed, scales16, mins16, strict=True) if packed_bf16 else zip(packed, scales, mins, strict=True)
         if group_major:
             groups = [mm.to_group_major(*g) for g in groups]
         layers = [(p, s, mn, p.stride(0), s.stride(0), mn.stride(0)) for p, s, mn in groups]
         layers = list(zip(layers, counters if tile_sums else [None] * count, strict=True))
         switches = {"PERMUTE": permute, "PACKED_BF16": packed_bf16, **({"GROUP_MAJOR": True} if group_major else {})}
+        switches.update({"ROW_TILES": row_tiles} if row_tiles > 1 else {})
         return lambda: [
             mm._launch(mm._int4_kernel, cfg, x, n, a, None, out_dtype, counters=c, **switches) for a, c in layers
         ]
@@ -330,6 +335,12 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         runs += [("int4-bf16x2", cfg, int4_calls(x, cfg, packed_bf16=True)) for cfg in int4s + int4_wide]
         runs += [  # the codes, scales and mins group major (matmul.to_group_major): the same bits
             ("int4-bf16x2-gm", None, int4_calls(x, None, packed_bf16=True, group_major=True)),
+            # from 17 rows, programs of 1, 2 and 4 row tiles whatever the layer's programs (`int4_row_tiles`)
+            *[
+                (f"int4-bf16x2-{tiles}tile", None, int4_calls(x, None, packed_bf16=True, row_tiles=tiles))
+                for tiles in (1, 2, 4)
+                if m > 16 * max(1, tiles // 2)
+            ],
             ("int4-int8-gm", None, int4_int8_calls(x, None, group_major=True)),
             # up to 8 rows, each K split a program of its own (the kernel before SPLITS_IN_PROGRAM)
             ("int4-int8-partials", None, switched(int4_int8_calls(x, None), "SPLITS_IN_PROGRAM", 0)),
@@ -383,7 +394,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             base = kind.split("-")[0]
             # int4-bf16x2 rounds scales and mins to bfloat16 first, int4-int8 the inputs: other bits by design
             same_as = kind.removesuffix("-sum-kernel") if kind.endswith("-sum-kernel") else base
-            same_bits_as = ("-gm", "-partials")  # the same bits as the kind without them
+            same_bits_as = ("-gm", "-partials", "-1tile", "-2tile", "-4tile")  # the same bits as without them
             if "-words" in kind:  # int4-int8-words*, int8-int8-words*: their base kind's bits
                 same_as = kind.partition("-words")[0]
             elif kind.endswith(same_bits_as):

@@ -66,7 +66,8 @@ def loop_body(sass: str) -> list[str]:
 
 def variants():
     """(name, kernel, config, scale dtype, kernel switches): the default kernel and the packed-bfloat16
-    candidate, with the layer's scales as stored (float16) or as bfloat16, at 64 and 128 columns; the
+    candidate, with the layer's scales as stored (float16) or as bfloat16, at 64 and 128 columns and in
+    programs of 2 and 4 row tiles; the
     int8-input kernel (dp4a) for one row at 128 (its own), 64 and 256 columns, and for 16 rows, and
     its tensor-core kernel (int8 wgmma) in its tiles; and int8 codes (Q8_0) times int8 inputs for one row."""
     from kvserve.kernels.gpu import matmul as mm
@@ -79,6 +80,10 @@ def variants():
         ("default", mm._int4_kernel, base, half, {}),
         ("packed-bf16, float16 scales", mm._int4_kernel, base, half, {"PACKED_BF16": True}),
         ("packed-bf16", mm._int4_kernel, base, bf16, {"PACKED_BF16": True}),
+        # a program's 2 or 4 row tiles (`int4_row_tiles`: 17 to 32 rows, and more), each weight dequantized once
+        ("packed-bf16, 2 row tiles", mm._int4_kernel, base, bf16, {"PACKED_BF16": True, "ROW_TILES": 2}),
+        ("packed-bf16, 4 row tiles", mm._int4_kernel, base, bf16, {"PACKED_BF16": True, "ROW_TILES": 4}),
+        ("default, 4 row tiles", mm._int4_kernel, base, half, {"ROW_TILES": 4}),
         ("packed-bf16, 128 columns", mm._int4_kernel, wide, bf16, {"PACKED_BF16": True}),
         ("default, 128 columns", mm._int4_kernel, wide, half, {}),
         ("int8 inputs (dp4a), one row", mm._int4_int8_kernel, dp4a, half, {}),
@@ -147,7 +152,11 @@ def main() -> None:
         cubin = work / "kernel.cubin"
         cubin.write_bytes(current["compiled"].asm["cubin"])
         sass = subprocess.run([BIN / "nvdisasm", "-c", cubin], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run(
+            [BIN / "cuobjdump", "--dump-resource-usage", cubin], capture_output=True, text=True, check=True
+        ).stdout
         body = loop_body(sass)
+        rows = config.block_m * switches.get("ROW_TILES", 1)  # a program's
         weights_per_thread = config.block_k * config.block_n / (32 * config.num_warps)
         counts = collections.Counter(op.split(".")[0] for op in body)
         records.append(
@@ -157,13 +166,18 @@ def main() -> None:
                 "scales": str(scale_dtype).removeprefix("torch."),
                 "loop_instructions": len(body),
                 "per_weight": round(len(body) / weights_per_thread, 2),
-                # the tile's rows share each weight's unpacking (the MMA kernels' tiles are 16 rows)
-                "per_weight_and_row": round(len(body) / weights_per_thread / config.block_m, 3),
+                # the program's rows share each weight's unpacking (the MMA kernels' tiles are 16 rows)
+                "per_weight_and_row": round(len(body) / weights_per_thread / rows, 3),
                 "shared_bytes": current["compiled"].metadata.shared,
+                "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+                "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),  # spilled registers
                 "opcodes": dict(counts.most_common(14)),
             }
         )
-        print(f"{name:42} {len(body):4} instructions in the loop, {records[-1]['per_weight']:.2f} per weight")
+        record = records[-1]
+        print(
+            f"{name:42} {len(body):4} instructions in the loop, {record['per_weight']:.2f} per weight, {record['per_weight_and_row']:.3f} per weight and row, {record['registers']} registers, {record['stack_bytes']} bytes of stack"
+        )
     result = {"target": "sm_90", "triton": triton.__version__, "layer": {"N": N, "K": K}, "records": records}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -329,6 +329,24 @@ def _int4_weight(n: int, k: int, scale_dtype: torch.dtype, seed: int):
     return codes.to(DEVICE), scales.to(DEVICE), mins.to(DEVICE), dequantized.to(DEVICE)
 
 
+def test_an_int4_program_takes_the_most_row_tiles_that_leave_the_layer_its_programs():
+    """`int4_row_tiles` on the 1B shapes (16 rows a tile, 64 columns; K splits of 1,024, or 512 up to
+    NARROW_N outputs): up to 4 tiles a program while a call keeps 256 programs (about two a
+    multiprocessor), so that a small layer keeps its parallelism and a wide one dequantizes once."""
+    layers = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
+    expected = {  # rows -> row tiles a program, per layer
+        1: dict(qkv=1, o=1, gate_up=1, down=1),
+        16: dict(qkv=1, o=1, gate_up=1, down=1),
+        20: dict(qkv=1, o=1, gate_up=2, down=2),  # qkv's 48 x 4 programs already fewer than 256
+        64: dict(qkv=2, o=2, gate_up=4, down=4),
+        1024: dict(qkv=4, o=4, gate_up=4, down=4),
+    }
+    for m, tiles in expected.items():
+        for name, (n, k) in layers.items():
+            config = matmul.config_for(matmul.INT4_CONFIG, n, k)
+            assert matmul.int4_row_tiles(m, n, k, config) == tiles[name], (m, name)
+
+
 def test_pack_int4_layout():
     codes = torch.randint(0, 16, (3, 64), generator=_generator(10), dtype=torch.uint8)
     packed = matmul.pack_int4(codes.to(DEVICE)).cpu()
@@ -588,6 +606,64 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 _LAUNCH = matmul._launch  # as imported, whatever a test patches
+
+
+@pytest.mark.parametrize("layout", ["row-major", "bf16x2-group-major"])
+def test_an_int4_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program(monkeypatch, layout):
+    """The int4 kernel's programs of 2 and 4 row tiles (`int4_row_tiles`: 20 rows, and 40 with the last
+    tile partly past M), each weight tile dequantized once for all of them, give the bits of a program a
+    tile: with a bias and no K split, and through three K splits (the sum kernel, a tile's last split)
+    with the output plain, the gated activation's epilogue and RoPE's with the cache write; float16
+    scales as stored, and packed bfloat16 FMAs on group-major codes."""
+    monkeypatch.setattr(matmul, "INT4_ROW_TILE_PROGRAMS", 1)  # row tiles by the rows alone at this small layer
+    tiles = []
+    monkeypatch.setattr(
+        matmul,
+        "_launch",
+        lambda kernel, *a, **kw: tiles.append(kw.get("ROW_TILES", 1)) or _LAUNCH(kernel, *a, **kw),
+    )
+    heads, kv_heads, head_dim = 3, 1, 40
+    n, k = (heads + 2 * kv_heads) * head_dim, 1024 + 160  # 200 outputs: 4 column tiles; 3 K splits of 512
+    scale_dtype = torch.float16 if layout == "row-major" else torch.bfloat16
+    codes, scales, mins, _ = _int4_weight(n, k, scale_dtype, seed=80)
+    weight = (matmul.pack_int4(codes), scales, mins)
+    bias = _randn(n, seed=81, dtype=torch.bfloat16)
+
+    def run(x, counters, epilogue=None, rope=None):
+        ws, b = [t[:, : t.shape[1] * x.shape[1] // k] for t in weight], bias
+        if epilogue == "silu":
+            ws, b = [matmul.interleave_gate_up(t) for t in ws], matmul.interleave_gate_up(b)
+        elif epilogue == "rope":
+            pair = partial(matmul.interleave_rope, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+            ws, b = [pair(t) for t in ws], pair(b)
+        if layout != "row-major":
+            ws = matmul.to_group_major(*ws)
+        bf16x2 = layout != "row-major"
+        return matmul.int4_matmul(
+            x, *ws, None, b, bf16x2, counters, activation=epilogue if epilogue != "rope" else None, rope=rope
+        )
+
+    for m, row_tiles in ((20, 2), (40, 4)):
+        x = _randn(m, k, seed=82, dtype=torch.bfloat16)
+        slots = (torch.arange(m, dtype=torch.int32) * 7 % 48).to(DEVICE)
+        cos, sin = (_randn(m, 1, head_dim, seed=seed, dtype=torch.bfloat16) for seed in (83, 84))
+        calls = [
+            (x[:, :512], None, None),
+            *((x, counters, e) for counters in (None, matmul.split_counters(DEVICE)) for e in (None, "silu", "rope")),
+        ]
+        for short, counters, epilogue in calls:
+            outs = []
+            for most in (row_tiles, 1):
+                monkeypatch.setattr(matmul, "INT4_ROW_TILES", most)
+                caches = [
+                    torch.full((6, 8, kv_heads, head_dim), 7.0, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)
+                ]
+                rope = matmul.RopeStore(cos, sin, *caches, slots, heads) if epilogue == "rope" else None
+                tiles.clear()
+                outs.append((run(short, counters, epilogue, rope), *caches))
+                assert set(tiles) == {most}, (m, epilogue, tiles)
+            for got, expected in zip(*outs, strict=True):
+                assert torch.equal(got, expected), (m, short.shape, counters is None, epilogue)
 
 
 def _record_launches(monkeypatch, launches: list) -> None:
@@ -1365,14 +1441,20 @@ on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes n
 
 
 @on_gpu
-@pytest.mark.parametrize("kind", ["float", "lm_head", "int4", "int8", "int4-int8", "int8-int8"])
+@pytest.mark.parametrize("kind", ["float", "lm_head", "int4", "int4-bf16x2", "int8", "int4-int8", "int8-int8"])
 def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kind):
+    """A row's bits whatever the call's other rows, at a model's sizes on the GPU: for int4 weights
+    through programs of 1, 2 and 4 row tiles (`int4_row_tiles`: up to 16 rows, 37 and 64, 300)."""
     m, k, n = 300, 4096, 1024
     x = _randn(m, k, seed=70, dtype=torch.bfloat16)
     if kind in ("float", "lm_head"):
         w = _randn(n, k, seed=71, dtype=torch.bfloat16)
         out_dtype = torch.float32 if kind == "lm_head" else None
         run = lambda rows: matmul.matmul(rows, w, out_dtype=out_dtype)  # noqa: E731
+    elif kind == "int4-bf16x2":  # GpuInt4Linear's default for bfloat16 models
+        codes, scales, mins, _ = _int4_weight(n, k, torch.bfloat16, seed=72)
+        packed = matmul.pack_int4(codes)
+        run = lambda rows: matmul.int4_matmul(rows, packed, scales, mins, packed_bf16=True)  # noqa: E731
     elif kind == "int4":
         codes, scales, mins, w = _int4_weight(n, k, torch.float16, seed=72)
         packed = matmul.pack_int4(codes)
@@ -1393,9 +1475,9 @@ def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kin
         _check_matmul(
             out[:8], (q.double().reshape(8, -1, 32) * d[..., None]).reshape(8, k).to(DEVICE), w.double(), None
         )
-    else:
+    elif kind != "int4-bf16x2":  # (its weights, bfloat16 FMAs, have a test of their own)
         _check_matmul(out[:8], x[:8], w.to(x.dtype), None)
-    for rows in ([0], [1], [15], [16], [63], [64], [299], list(range(5, 42)), list(range(64, 128))):
+    for rows in ([0], [1], [15], [16], [63], [64], [299], list(range(5, 25)), list(range(5, 42)), list(range(64, 128))):
         part = run(x[rows])
         assert torch.equal(part, out[rows]), rows
 
@@ -1715,7 +1797,7 @@ def launch(kernel, grid):
     def warmup(*args, **kwargs):
         compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
         ptx = compiled.asm["ptx"]
-        mma = len(re.findall(r"\bw?gmma\.mma_async|\bmma\.sync", ptx))
+        mma = [len(re.findall(r"\bmma\.sync", ptx)), len(re.findall(r"\bwgmma\.mma_async", ptx))]  # Ampere's, Hopper's
         tf32 = len(re.findall(r"tf32", ptx))
         counts = len(re.findall(r"\batom\.global\.gpu\.acq_rel\.add", ptx))
         pdl = waits_first(compiled)
@@ -1732,6 +1814,7 @@ bf16 = torch.bfloat16
 
 # The launches as they are by default (no grid dependency control)
 _COMPILE_PLAIN = r"""
+matmul.INT4_ROW_TILE_PROGRAMS = 1  # the int4 kernel's row tiles by the rows alone, at these small layers
 for m in (1, 37):  # the same binaries for 1 row and for 37
     x = torch.randn(m, 2048).to(bf16)
     call = f"rms_norm-{m}"; norm.rms_norm(x, torch.ones(2048, dtype=bf16), 1e-6)
@@ -1947,8 +2030,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     kernels: dict[tuple[str, str], set[str]] = {}
     for call, kernel, mma, tf32, counts, ordered, waits_first, binary in launches:
         assert waits_first is None, (call, kernel)
-        call = call.rpartition("-")[0]  # without the batch size
-        kernels.setdefault((call, kernel), set()).add(binary)
+        call, _, rows = call.rpartition("-")  # without the batch size
         assert tf32 == 0, (call, kernel)
         # a tile's splits counted by one atomic add, released and acquired across the GPU
         # (or the attention's; the splits kernel adds a layer's K splits in one program, uncounted)
@@ -1964,7 +2046,11 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
             "_attention_kernel",
             "_int4_int8_mma_kernel",
         )
-        assert (mma > 0) == (uses_dot and call != "matmul-fp32"), (call, kernel, mma)
+        assert (sum(mma) > 0) == (uses_dot and call != "matmul-fp32"), (call, kernel, mma)
+        if kernel == "_int4_kernel":  # every row tile a program holds on mma.sync's 16-row tiles, as one row's
+            assert mma[0] > 0 and mma[1] == 0, (call, kernel, mma)
+            binary = (binary, 1 if rows == "1" or call.startswith("normed") else 4)  # NormedRows: one tile
+        kernels.setdefault((call, kernel), set()).add(binary)
     assert set(kernels) == {
         ("rms_norm", "_rms_norm_kernel"),
         ("add_rms_norm", "_rms_norm_kernel"),
@@ -2051,7 +2137,19 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     # one binary per call whatever the batch's size: nothing compiled differently for one row (int4 x
     # int8 runs dp4a for one row and the tensor cores for 37, with the same bits: its rows' sums are
     # exact and their float steps their own, test_int4_int8_matmul_on_the_tensor_cores_gives_the_bits_of_dp4a)
-    assert all(len(binaries) == 1 for binaries in kernels.values()), kernels
+    # The int4 kernel compiles once for each count of row tiles a program holds (`int4_row_tiles`: 1 for
+    # one row, 4 for 37), each tile's dots the same instructions in the same order (the bits:
+    # test_an_int4_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program, and on a GPU
+    # test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows)
+    for (call, kernel), binaries in kernels.items():
+        if kernel == "_int4_kernel":
+            by_tiles = {}
+            for binary, tiles in binaries:
+                by_tiles.setdefault(tiles, set()).add(binary)
+            expected = [1] if call.startswith("normed") else [1, 4]
+            assert sorted(by_tiles) == expected and all(len(b) == 1 for b in by_tiles.values()), (call, by_tiles)
+        else:
+            assert len(binaries) == 1, (call, kernel, binaries)
 
 
 # Each matmul kernel with and without a timeline recording (kvserve/kernels/gpu/timeline.py): the PTX's reads
