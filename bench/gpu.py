@@ -30,8 +30,8 @@ program of its own (`matmul.SPLITS_IN_PROGRAM` 0, the kernel before, the same bi
 and with a program's code words over its threads (`matmul.WORDS_IN_THREADS`, the same bits) as `q4-int8-words`;
 bf16 and 4-bit with each decoder layer's two norms in the prologues of the matmuls after them
 (`layers/gpu.FUSE_NORMS`, the same bits) as `bf16-norms` and `q4-norms`;
-4-bit with a program of the int4 kernel a tile of 16 rows (`matmul.INT4_ROW_TILES` 1: each weight dequantized
-once a tile, as before, the same bits) as `q4-1tile`;
+4-bit with a program of the int4 and int8 kernels a tile of 16 rows (`matmul.MAX_ROW_TILES` 1: each weight
+dequantized once a tile, as before, the same bits) as `q4-1tile`;
 4-bit with float16 scales and two roundings a weight (the int4 kernel before its
 packed-bfloat16 FMAs became the default for bfloat16 models) as `q4-fp16`; bf16,
 q4 and q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl`, `q4-pdl` and `q4-int8-pdl`, and with the
@@ -269,22 +269,22 @@ def int4_candidate(weights: str):
     FMAs (`q4-fp16`, float16 scales), PyTorch's int4 kernel (`q4-tinygemm`), group major (`-gm`), and
     with int8 inputs each K split a program of its own (`-partials`, matmul.SPLITS_IN_PROGRAM 0) or a
     program's code words over its threads (`-words`, matmul.WORDS_IN_THREADS), and a program of the int4
-    kernel a row tile (`-1tile`, matmul.INT4_ROW_TILES 1)."""
+    and int8 kernels a row tile (`-1tile`, matmul.MAX_ROW_TILES 1)."""
     from kvserve.kernels.gpu import matmul
     from kvserve.layers.gpu import GpuInt4Linear
 
     GpuInt4Linear.packed_bf16 = False if weights == "q4-fp16" else None
     GpuInt4Linear.tinygemm = weights == "q4-tinygemm"
     GpuInt4Linear.group_major = "-gm" in weights
-    programs, words, row_tiles = matmul.SPLITS_IN_PROGRAM, matmul.WORDS_IN_THREADS, matmul.INT4_ROW_TILES
+    programs, words, row_tiles = matmul.SPLITS_IN_PROGRAM, matmul.WORDS_IN_THREADS, matmul.MAX_ROW_TILES
     matmul.SPLITS_IN_PROGRAM = 0 if weights.endswith("-partials") else programs
     matmul.WORDS_IN_THREADS = WORDS_IN_THREADS if weights.endswith("-words") else words
-    matmul.INT4_ROW_TILES = 1 if weights.endswith("-1tile") else row_tiles
+    matmul.MAX_ROW_TILES = 1 if weights.endswith("-1tile") else row_tiles
     try:
         yield
     finally:
         GpuInt4Linear.packed_bf16, GpuInt4Linear.tinygemm, GpuInt4Linear.group_major = None, False, False
-        matmul.SPLITS_IN_PROGRAM, matmul.WORDS_IN_THREADS, matmul.INT4_ROW_TILES = programs, words, row_tiles
+        matmul.SPLITS_IN_PROGRAM, matmul.WORDS_IN_THREADS, matmul.MAX_ROW_TILES = programs, words, row_tiles
 
 
 def run_kvserve(

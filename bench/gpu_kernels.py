@@ -15,8 +15,8 @@ with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`). Cand
 (`same_bits`): `int4-bf16x2-gm` and `int4-int8-gm`, the codes, scales and mins group major
 (`matmul.to_group_major`: a warp's outputs read one block); from 17 rows `int4-bf16x2-1tile`, `-2tile` and
 `-4tile`, programs of that many tiles of 16 rows, each weight dequantized once a program (kvserve's
-int4 kernel takes up to `matmul.INT4_ROW_TILES` tiles a program, fewer where the layer would have fewer
-than `INT4_ROW_TILE_PROGRAMS` programs); `int4-int8-partials`, up to 8 rows each K
+int4 and int8 kernels take up to `matmul.MAX_ROW_TILES` tiles a program, fewer where the layer would have
+fewer than `ROW_TILE_PROGRAMS` programs), and `int8-1tile` on the lm_head; `int4-int8-partials`, up to 8 rows each K
 split a program of its own with its partial sums in memory (`matmul.SPLITS_IN_PROGRAM` 0, the kernel
 before an int4 layer's splits went into one program); `int4-int8-words512`, `-words1024` and `-words2048`,
 up to 8 rows with a program's code words over its threads as memory holds them (`matmul.WORDS_IN_THREADS`,
@@ -177,7 +177,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
 
     def int4_calls(x, cfg, permute=True, packed_bf16=False, tile_sums=True, group_major=False, row_tiles=None):
         cfg = cfg or mm.config_for(mm.INT4_CONFIG, n, k)
-        row_tiles = row_tiles or mm.int4_row_tiles(x.shape[0], n, k, cfg)  # kvserve's where not given
+        row_tiles = row_tiles or mm.row_tiles_for(x.shape[0], n, k, cfg)  # kvserve's where not given
         groups = zip(packed, scales16, mins16, strict=True) if packed_bf16 else zip(packed, scales, mins, strict=True)
         if group_major:
             groups = [mm.to_group_major(*g) for g in groups]
@@ -335,7 +335,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         runs += [("int4-bf16x2", cfg, int4_calls(x, cfg, packed_bf16=True)) for cfg in int4s + int4_wide]
         runs += [  # the codes, scales and mins group major (matmul.to_group_major): the same bits
             ("int4-bf16x2-gm", None, int4_calls(x, None, packed_bf16=True, group_major=True)),
-            # from 17 rows, programs of 1, 2 and 4 row tiles whatever the layer's programs (`int4_row_tiles`)
+            # from 17 rows, programs of 1, 2 and 4 row tiles whatever the layer's programs (`row_tiles_for`)
             *[
                 (f"int4-bf16x2-{tiles}tile", None, int4_calls(x, None, packed_bf16=True, row_tiles=tiles))
                 for tiles in (1, 2, 4)
@@ -375,6 +375,8 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             ]
         if codes8:  # the 4-bit GGUF's Q8_0 embedding is its lm_head
             runs += [("int8", None, int8_calls(x)), ("int8-int8", None, int8_calls(x, int8_inputs=True))]
+            if m > 16:  # a program a row tile, each weight dequantized once a tile (as before MAX_ROW_TILES)
+                runs += [("int8-1tile", None, switched(int8_calls(x), "MAX_ROW_TILES", 1))]
             runs += [  # up to 8 rows, the code words over the threads: the same bits
                 (f"int8-int8-words{w}", None, switched(int8_calls(x, int8_inputs=True), "WORDS_IN_THREADS", w))
                 for w in (512, 1024, 2048)

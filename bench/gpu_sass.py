@@ -69,18 +69,20 @@ def variants():
     candidate, with the layer's scales as stored (float16) or as bfloat16, at 64 and 128 columns and in
     programs of 2 and 4 row tiles; the
     int8-input kernel (dp4a) for one row at 128 (its own), 64 and 256 columns, and for 16 rows, and
-    its tensor-core kernel (int8 wgmma) in its tiles; and int8 codes (Q8_0) times int8 inputs for one row."""
+    its tensor-core kernel (int8 wgmma) in its tiles; and int8 codes (Q8_0) times int8 inputs for one row,
+    and times float inputs in programs of one and four row tiles."""
     from kvserve.kernels.gpu import matmul as mm
 
     base = mm.config_for(mm.INT4_CONFIG, N, K)
     wide = dataclasses.replace(base, block_n=128)
     dp4a = dataclasses.replace(mm.config_for(mm.INT4_INT8_CONFIG, N, K), block_m=1)
+    q8 = mm.config_for(mm.INT8_CONFIG, N, K)
     half, bf16 = torch.float16, torch.bfloat16
     return [
         ("default", mm._int4_kernel, base, half, {}),
         ("packed-bf16, float16 scales", mm._int4_kernel, base, half, {"PACKED_BF16": True}),
         ("packed-bf16", mm._int4_kernel, base, bf16, {"PACKED_BF16": True}),
-        # a program's 2 or 4 row tiles (`int4_row_tiles`: 17 to 32 rows, and more), each weight dequantized once
+        # a program's 2 or 4 row tiles (`row_tiles_for`: 17 to 32 rows, and more), each weight dequantized once
         ("packed-bf16, 2 row tiles", mm._int4_kernel, base, bf16, {"PACKED_BF16": True, "ROW_TILES": 2}),
         ("packed-bf16, 4 row tiles", mm._int4_kernel, base, bf16, {"PACKED_BF16": True, "ROW_TILES": 4}),
         ("default, 4 row tiles", mm._int4_kernel, base, half, {"ROW_TILES": 4}),
@@ -104,6 +106,9 @@ def variants():
         ("int8 inputs (dp4a), 8 rows", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_m=8), half, {}),
         ("int8 inputs (dp4a), 16 rows", mm._int4_int8_kernel, dataclasses.replace(dp4a, block_m=16), half, {}),
         ("int8 codes, int8 inputs (dp4a), one row", mm._int4_int8_kernel, dp4a, torch.float32, {"CODE_BITS": 8}),
+        # int8 codes (Q8_0) times float inputs on the tensor cores, a program of one row tile and of four
+        ("int8 codes, float inputs", mm._int8_kernel, q8, torch.float32, {}),
+        ("int8 codes, float inputs, 4 row tiles", mm._int8_kernel, q8, torch.float32, {"ROW_TILES": 4}),
     ] + [
         (
             f"int8 inputs, tensor cores, {tile['block_m']} rows",
@@ -130,7 +135,7 @@ def main() -> None:
     def compile_only(kernel, grid):
         def warmup(*a, **kw):
             compiled = kernel.run(*a, grid=grid, warmup=True, **kw)
-            if kernel in (mm._int4_kernel, mm._int4_int8_kernel, mm._int4_int8_mma_kernel):
+            if kernel in (mm._int4_kernel, mm._int8_kernel, mm._int4_int8_kernel, mm._int4_int8_mma_kernel):
                 current["compiled"], current["kw"] = compiled, kw
 
         return warmup
@@ -141,7 +146,10 @@ def main() -> None:
     codes8 = torch.randint(-128, 128, (N, K), dtype=torch.int8)  # a Q8_0 layer's
     for name, kernel, config, scale_dtype, switches in variants():
         scales = torch.rand(N, K // 32).to(scale_dtype)
-        if kernel is not mm._int4_kernel:  # x as quantize_int8 gives it (that kernel compiles, not counted)
+        if kernel is mm._int8_kernel:
+            weight = (codes8, scales, codes8.stride(0), scales.stride(0))
+            mm._launch(kernel, config, x, N, weight, None, None, **switches)
+        elif kernel is not mm._int4_kernel:  # x as quantize_int8 gives it (that kernel compiles, not counted)
             words, d, s = mm.quantize_int8(x)
             codes = (codes8 if switches.get("CODE_BITS") == 8 else packed).view(torch.int32)
             weight = (d, s, codes, scales, scales, codes.stride(0), scales.stride(0), scales.stride(0))

@@ -306,6 +306,37 @@ def test_four_bit_bfloat16_models_take_packed_bfloat16_fmas_batched_like_solo(ti
         wait_idle_and_check(q4)
 
 
+@pytest.mark.parametrize("weights", ["q4", "q8"])
+def test_programs_of_several_row_tiles_give_the_tokens_and_logprobs_of_a_tile_a_program(
+    tiny_model_dir, triton_kernels, monkeypatch, weights
+):
+    """The int4 and int8 kernels' programs of up to 4 row tiles (`matmul.row_tiles_for`, here by the
+    rows alone: the tiny model's layers have few programs) through the engine: a batch's prefill of 5
+    prompts (up to 71 tokens) runs programs of 4 tiles, and every request's tokens and logprobs, alone
+    and batched, are those of a program a tile."""
+    monkeypatch.setattr(matmul, "ROW_TILE_PROGRAMS", 1)
+    tiles = []
+    launch = matmul._launch
+    monkeypatch.setattr(
+        matmul, "_launch", lambda kernel, *a, **kw: tiles.append(kw.get("ROW_TILES", 1)) or launch(kernel, *a, **kw)
+    )
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)
+    results = []
+    for most in (4, 1):
+        monkeypatch.setattr(matmul, "MAX_ROW_TILES", most)
+        with _llm(tiny_model_dir, weights=weights, dtype="bfloat16", activations="float") as llm:
+            kind = GpuInt4Linear if weights == "q4" else GpuInt8GroupLinear
+            assert isinstance(llm.model.layers[0].mlp.gate_up_proj, kind)
+            tiles.clear()
+            batched = llm.generate(PROMPTS, params)
+            assert max(tiles) == most, tiles
+            alone = llm.generate(PROMPTS[3], params)  # the 70-token prompt's prefill alone: 5 tiles of 16
+            results.append(([(r.token_ids, r.logprobs) for r in batched], (alone.token_ids, alone.logprobs)))
+            wait_idle_and_check(llm)
+    assert results[0] == results[1]
+    assert results[0][1] == results[0][0][3]
+
+
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_four_bit_codes_group_major_give_the_same_tokens_and_logprobs(
     tiny_model_dir, triton_kernels, monkeypatch, activations

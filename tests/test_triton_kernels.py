@@ -330,7 +330,7 @@ def _int4_weight(n: int, k: int, scale_dtype: torch.dtype, seed: int):
 
 
 def test_an_int4_program_takes_the_most_row_tiles_that_leave_the_layer_its_programs():
-    """`int4_row_tiles` on the 1B shapes (16 rows a tile, 64 columns; K splits of 1,024, or 512 up to
+    """`row_tiles_for` on the 1B shapes (16 rows a tile, 64 columns; K splits of 1,024, or 512 up to
     NARROW_N outputs): up to 4 tiles a program while a call keeps 256 programs (about two a
     multiprocessor), so that a small layer keeps its parallelism and a wide one dequantizes once."""
     layers = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
@@ -344,7 +344,7 @@ def test_an_int4_program_takes_the_most_row_tiles_that_leave_the_layer_its_progr
     for m, tiles in expected.items():
         for name, (n, k) in layers.items():
             config = matmul.config_for(matmul.INT4_CONFIG, n, k)
-            assert matmul.int4_row_tiles(m, n, k, config) == tiles[name], (m, name)
+            assert matmul.row_tiles_for(m, n, k, config) == tiles[name], (m, name)
 
 
 def test_pack_int4_layout():
@@ -608,14 +608,14 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 _LAUNCH = matmul._launch  # as imported, whatever a test patches
 
 
-@pytest.mark.parametrize("layout", ["row-major", "bf16x2-group-major"])
-def test_an_int4_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program(monkeypatch, layout):
-    """The int4 kernel's programs of 2 and 4 row tiles (`int4_row_tiles`: 20 rows, and 40 with the last
-    tile partly past M), each weight tile dequantized once for all of them, give the bits of a program a
-    tile: with a bias and no K split, and through three K splits (the sum kernel, a tile's last split)
-    with the output plain, the gated activation's epilogue and RoPE's with the cache write; float16
-    scales as stored, and packed bfloat16 FMAs on group-major codes."""
-    monkeypatch.setattr(matmul, "INT4_ROW_TILE_PROGRAMS", 1)  # row tiles by the rows alone at this small layer
+@pytest.mark.parametrize("layout", ["int4", "int4-bf16x2-group-major", "int8"])
+def test_a_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program(monkeypatch, layout):
+    """The int4 and int8 (Q8_0) kernels' programs of 2 and 4 row tiles (`row_tiles_for`: 20 rows, and 40
+    with the last tile partly past M), each weight tile dequantized once for all of them, give the bits
+    of a program a tile: with a bias and no K split, and through three K splits (the sum kernel, a
+    tile's last split) with the output plain, the gated activation's epilogue and RoPE's with the cache
+    write; int4 codes with float16 scales as stored, and by packed bfloat16 FMAs group major."""
+    monkeypatch.setattr(matmul, "ROW_TILE_PROGRAMS", 1)  # row tiles by the rows alone at this small layer
     tiles = []
     monkeypatch.setattr(
         matmul,
@@ -624,9 +624,12 @@ def test_an_int4_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program
     )
     heads, kv_heads, head_dim = 3, 1, 40
     n, k = (heads + 2 * kv_heads) * head_dim, 1024 + 160  # 200 outputs: 4 column tiles; 3 K splits of 512
-    scale_dtype = torch.float16 if layout == "row-major" else torch.bfloat16
-    codes, scales, mins, _ = _int4_weight(n, k, scale_dtype, seed=80)
-    weight = (matmul.pack_int4(codes), scales, mins)
+    if layout == "int8":
+        codes, scales, _ = _int8_weight(n, k, seed=80)
+        weight = (codes, scales)
+    else:
+        codes, scales, mins, _ = _int4_weight(n, k, torch.float16 if layout == "int4" else torch.bfloat16, seed=80)
+        weight = (matmul.pack_int4(codes), scales, mins)
     bias = _randn(n, seed=81, dtype=torch.bfloat16)
 
     def run(x, counters, epilogue=None, rope=None):
@@ -636,12 +639,12 @@ def test_an_int4_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program
         elif epilogue == "rope":
             pair = partial(matmul.interleave_rope, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
             ws, b = [pair(t) for t in ws], pair(b)
-        if layout != "row-major":
+        activation = epilogue if epilogue != "rope" else None
+        if layout == "int8":
+            return matmul.int8_group_matmul(x, *ws, None, b, counters, activation, rope)
+        if layout != "int4":
             ws = matmul.to_group_major(*ws)
-        bf16x2 = layout != "row-major"
-        return matmul.int4_matmul(
-            x, *ws, None, b, bf16x2, counters, activation=epilogue if epilogue != "rope" else None, rope=rope
-        )
+        return matmul.int4_matmul(x, *ws, None, b, layout != "int4", counters, activation, rope)
 
     for m, row_tiles in ((20, 2), (40, 4)):
         x = _randn(m, k, seed=82, dtype=torch.bfloat16)
@@ -654,7 +657,7 @@ def test_an_int4_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program
         for short, counters, epilogue in calls:
             outs = []
             for most in (row_tiles, 1):
-                monkeypatch.setattr(matmul, "INT4_ROW_TILES", most)
+                monkeypatch.setattr(matmul, "MAX_ROW_TILES", most)
                 caches = [
                     torch.full((6, 8, kv_heads, head_dim), 7.0, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)
                 ]
@@ -1444,7 +1447,7 @@ on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes n
 @pytest.mark.parametrize("kind", ["float", "lm_head", "int4", "int4-bf16x2", "int8", "int4-int8", "int8-int8"])
 def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kind):
     """A row's bits whatever the call's other rows, at a model's sizes on the GPU: for int4 weights
-    through programs of 1, 2 and 4 row tiles (`int4_row_tiles`: up to 16 rows, 37 and 64, 300)."""
+    through programs of 1, 2 and 4 row tiles (`row_tiles_for`: up to 16 rows, 37 and 64, 300)."""
     m, k, n = 300, 4096, 1024
     x = _randn(m, k, seed=70, dtype=torch.bfloat16)
     if kind in ("float", "lm_head"):
@@ -1814,7 +1817,7 @@ bf16 = torch.bfloat16
 
 # The launches as they are by default (no grid dependency control)
 _COMPILE_PLAIN = r"""
-matmul.INT4_ROW_TILE_PROGRAMS = 1  # the int4 kernel's row tiles by the rows alone, at these small layers
+matmul.ROW_TILE_PROGRAMS = 1  # the int4 and int8 kernels' row tiles by the rows alone, at these small layers
 for m in (1, 37):  # the same binaries for 1 row and for 37
     x = torch.randn(m, 2048).to(bf16)
     call = f"rms_norm-{m}"; norm.rms_norm(x, torch.ones(2048, dtype=bf16), 1e-6)
@@ -2047,7 +2050,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
             "_int4_int8_mma_kernel",
         )
         assert (sum(mma) > 0) == (uses_dot and call != "matmul-fp32"), (call, kernel, mma)
-        if kernel == "_int4_kernel":  # every row tile a program holds on mma.sync's 16-row tiles, as one row's
+        if kernel in ("_int4_kernel", "_int8_kernel"):  # each row tile on mma.sync's 16 rows, as one row's
             assert mma[0] > 0 and mma[1] == 0, (call, kernel, mma)
             binary = (binary, 1 if rows == "1" or call.startswith("normed") else 4)  # NormedRows: one tile
         kernels.setdefault((call, kernel), set()).add(binary)
@@ -2137,12 +2140,12 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     # one binary per call whatever the batch's size: nothing compiled differently for one row (int4 x
     # int8 runs dp4a for one row and the tensor cores for 37, with the same bits: its rows' sums are
     # exact and their float steps their own, test_int4_int8_matmul_on_the_tensor_cores_gives_the_bits_of_dp4a)
-    # The int4 kernel compiles once for each count of row tiles a program holds (`int4_row_tiles`: 1 for
-    # one row, 4 for 37), each tile's dots the same instructions in the same order (the bits:
-    # test_an_int4_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program, and on a GPU
+    # The int4 and int8 kernels compile once for each count of row tiles a program holds (`row_tiles_for`:
+    # 1 for one row, 4 for 37), each tile's dots the same instructions in the same order (the bits:
+    # test_a_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program, and on a GPU
     # test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows)
     for (call, kernel), binaries in kernels.items():
-        if kernel == "_int4_kernel":
+        if kernel in ("_int4_kernel", "_int8_kernel"):
             by_tiles = {}
             for binary, tiles in binaries:
                 by_tiles.setdefault(tiles, set()).add(binary)

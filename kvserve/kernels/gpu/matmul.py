@@ -66,25 +66,26 @@ FLOAT_CONFIG = TileConfig(block_m=64, block_n=64, block_k=128, k_per_split=2048,
 # 64-column tiles times K splits of 1024 give a 4096 x 4096 layer 256 programs for M = 1, and a tile
 # step reads 64 weight rows x 128 inputs (4 KiB of int4 codes).
 INT4_CONFIG = TileConfig(block_m=16, block_n=64, block_k=128, k_per_split=1024, num_warps=4, num_stages=3)
-# A program of the int4 kernel takes up to this many tiles of BLOCK_M rows (1, 2 or 4; `int4_row_tiles`)
-# and dequantizes each weight tile once for all of them. Each row tile's sums are its own dots, the
-# same instructions in the same order as in a program of one tile, so the same bits for every row count
-# (R7). On the H200 at aead1aa a 1B gate/up projection took 57 us for 64 rows, a program a tile, against
-# bfloat16's 19.6; for sm_90 (bench/gpu_sass.py) the packed-bfloat16 loop takes 0.295 instructions per
-# weight and row in a program of one tile, 0.191 of two and 0.146 of four.
-INT4_ROW_TILES = 4
+# A program of the int4 and int8 (Q8_0) kernels with float inputs takes up to this many tiles of BLOCK_M
+# rows (1, 2 or 4; `row_tiles_for`) and dequantizes each weight tile once for all of them. Each row
+# tile's sums are its own dots, the same instructions in the same order as in a program of one tile, so
+# the same bits for every row count (R7). On the H200 at aead1aa a 1B gate/up projection took 57 us for
+# 64 rows in 4-bit, a program a tile, against bfloat16's 19.6; for sm_90 (bench/gpu_sass.py) the
+# packed-bfloat16 loop takes 0.295 instructions per weight and row in a program of one tile, 0.191 of
+# two and 0.146 of four.
+MAX_ROW_TILES = 4
 # ... while the call keeps at least this many programs (about two a multiprocessor of an H100 or H200)
-INT4_ROW_TILE_PROGRAMS = 256
+ROW_TILE_PROGRAMS = 256
 
 
-def int4_row_tiles(m: int, n: int, k: int, config: TileConfig) -> int:
-    """Row tiles a program of the int4 kernel takes for `m` rows of a layer of `n` outputs and `k` inputs:
-    the most, up to INT4_ROW_TILES, that leave the call INT4_ROW_TILE_PROGRAMS programs."""
+def row_tiles_for(m: int, n: int, k: int, config: TileConfig) -> int:
+    """Row tiles a program of the int4 or int8 kernel takes for `m` rows of a layer of `n` outputs and `k` inputs:
+    the most, up to MAX_ROW_TILES, that leave the call ROW_TILE_PROGRAMS programs."""
     tiles, columns = cdiv(m, config.block_m), cdiv(n, config.block_n)
     splits = cdiv(k, config.k_per_split or k)
     row_tiles = 1
-    while row_tiles < min(INT4_ROW_TILES, tiles):
-        if cdiv(tiles, 2 * row_tiles) * columns * splits < INT4_ROW_TILE_PROGRAMS:
+    while row_tiles < min(MAX_ROW_TILES, tiles):
+        if cdiv(tiles, 2 * row_tiles) * columns * splits < ROW_TILE_PROGRAMS:
             break
         row_tiles *= 2
     return row_tiles
@@ -1407,9 +1408,12 @@ def _int8_kernel(
     NORM: tl.constexpr = 0,
     NORM_ADD: tl.constexpr = False,  # NormedRows with a delta
     timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
+    ROW_TILES: tl.constexpr = 1,  # row tiles of BLOCK_M a program, each weight tile dequantized once for them
 ):
     stamp(timeline, ENTRY, INTERPRET)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.static_assert((ROW_TILES == 1) | (ROW_TILES == 2) | (ROW_TILES == 4))
+    tl.static_assert((NORM == 0) | (ROW_TILES == 1))
+    rows = tl.program_id(0) * (BLOCK_M * ROW_TILES) + tl.arange(0, BLOCK_M)  # the first row tile's
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
@@ -1418,29 +1422,41 @@ def _int8_kernel(
         prefetch_rows(scales_ptr, cols, N, stride_sn, k_begin // 32, tl.cdiv(k_end - k_begin, 32), 2)
     wait_for_prior(PDL)
     stamp(timeline, WAITED, INTERPRET)
+    rstd = 0.0  # without NORM, unused
     if NORM:  # each row's 1 / rms, as the norm kernel sums it
         rstd = normed_rows_rstd(
             x_ptr, stride_xm, tl.program_id(0) * BLOCK_M, M, norm, BLOCK_M, NORM, NORM_ADD, INTERPRET
         )
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     cols64 = cols.to(tl.int64)[None, :]
     g = tl.arange(0, BLOCK_K // 32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # a row tile's sums each (those past ROW_TILES unused)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        w_mask = _below(ks, k_end, EVEN_K)[:, None] & (cols < N)[None, :]
-        x_mask = (rows < M)[:, None] & _below(ks, k_end, EVEN_K)[None, :]
-        x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-        if NORM:
-            x = normed_inputs(x, rows, ks, x_mask, rstd, norm, NORM_ADD, INTERPRET)
+        k_ok = _below(ks, k_end, EVEN_K)
+        w_mask = k_ok[:, None] & (cols < N)[None, :]
         codes = tl.load(codes_ptr + cols64 * stride_cn + ks[:, None], mask=w_mask, other=0)  # [BK, BN]
         groups = k0 // 32 + g
         g_mask = _below(groups, k_end // 32, EVEN_K)[:, None] & (cols < N)[None, :]
         scale = tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0)
         scale = _repeat_rows(scale.to(tl.float32), 32)
-        w = cast(codes.to(tl.float32) * scale, x.dtype, INTERPRET)
-        acc = dot(x, w, acc, INTERPRET)
+        w = cast(codes.to(tl.float32) * scale, x_ptr.dtype.element_ty, INTERPRET)
+        # each row tile's dot with the same weights, dequantized once (as `_int4_kernel`)
+        acc = _rows_dot(x_ptr, rows, stride_xm, ks, k_ok, M, w, acc, rstd, norm, NORM_ADD, NORM, INTERPRET)
+        if ROW_TILES > 1:
+            rows1 = rows + BLOCK_M
+            acc1 = _rows_dot(x_ptr, rows1, stride_xm, ks, k_ok, M, w, acc1, rstd, norm, NORM_ADD, 0, INTERPRET)
+        if ROW_TILES > 2:
+            rows2 = rows + 2 * BLOCK_M
+            acc2 = _rows_dot(x_ptr, rows2, stride_xm, ks, k_ok, M, w, acc2, rstd, norm, NORM_ADD, 0, INTERPRET)
+            rows3 = rows + 3 * BLOCK_M
+            acc3 = _rows_dot(x_ptr, rows3, stride_xm, ks, k_ok, M, w, acc3, rstd, norm, NORM_ADD, 0, INTERPRET)
     stamp_after(timeline, LOOPED, acc, INTERPRET)
+    if ROW_TILES > 1:
+        acc = _stacked_rows(acc, acc1, acc2, acc3, ROW_TILES)
+        rows = tl.program_id(0) * (BLOCK_M * ROW_TILES) + tl.arange(0, BLOCK_M * ROW_TILES)
     _finish_tile(
         acc,
         out_ptr,
@@ -1788,7 +1804,7 @@ def int4_matmul(
     args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
     config = config_for(INT4_CONFIG, n, x.shape[1])
     switches = {"PACKED_BF16": packed_bf16, **({"GROUP_MAJOR": True} if group_major else {})}
-    row_tiles = 1 if isinstance(x, NormedRows) else int4_row_tiles(x.shape[0], n, x.shape[1], config)
+    row_tiles = 1 if isinstance(x, NormedRows) else row_tiles_for(x.shape[0], n, x.shape[1], config)
     switches.update({"ROW_TILES": row_tiles} if row_tiles > 1 else {})
     weight = None if group_major else packed  # the prefetch into L2 reads row-major splits
     return _launch(
@@ -1962,6 +1978,7 @@ def int8_group_matmul(
     codes, scales = _row_major(codes), _row_major(scales)
     args = (codes, scales, codes.stride(0), scales.stride(0))
     config = config_for(INT8_CONFIG, n, k)
+    row_tiles = 1 if isinstance(x, NormedRows) else row_tiles_for(x.shape[0], n, k, config)
     return _launch(
         _int8_kernel,
         config,
@@ -1974,4 +1991,5 @@ def int8_group_matmul(
         weight=codes,
         activation=activation,
         rope=rope,
+        **({"ROW_TILES": row_tiles} if row_tiles > 1 else {}),
     )
