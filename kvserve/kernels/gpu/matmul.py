@@ -469,8 +469,42 @@ def _rows_dot(x_ptr, rows, stride_xm, ks, k_ok, M, w, acc, rstd, norm, NORM_ADD,
 
 
 @triton.jit
+def _tiles_dots(
+    x_ptr,
+    rows,
+    stride_xm,
+    ks,
+    k_ok,
+    M,
+    w,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    rstd,
+    norm,
+    NORM_ADD,
+    NORM: tl.constexpr,
+    ROW_TILES: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The first ROW_TILES row tiles' sums (acc0 .. acc3 [BM, BN], the first tile at rows [BM]) plus their
+    inputs times the same weight tile w [BK, BN], dequantized once: each tile's dot that of a program of
+    one tile, its products and sums in its order."""
+    BM: tl.constexpr = acc0.shape[0]
+    acc0 = _rows_dot(x_ptr, rows, stride_xm, ks, k_ok, M, w, acc0, rstd, norm, NORM_ADD, NORM, INTERPRET)
+    if ROW_TILES > 1:  # (NormedRows take one tile)
+        acc1 = _rows_dot(x_ptr, rows + BM, stride_xm, ks, k_ok, M, w, acc1, rstd, norm, NORM_ADD, 0, INTERPRET)
+    if ROW_TILES > 2:
+        acc2 = _rows_dot(x_ptr, rows + 2 * BM, stride_xm, ks, k_ok, M, w, acc2, rstd, norm, NORM_ADD, 0, INTERPRET)
+        acc3 = _rows_dot(x_ptr, rows + 3 * BM, stride_xm, ks, k_ok, M, w, acc3, rstd, norm, NORM_ADD, 0, INTERPRET)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _stacked_rows(acc0, acc1, acc2, acc3, ROW_TILES: tl.constexpr):
-    """The first ROW_TILES of a program's row tiles' sums [BM, BN], one under the other: [ROW_TILES * BM, BN]."""
+    """The first ROW_TILES of a program's row tiles' sums [BM, BN], one under the other: [ROW_TILES * BM, BN],
+    and their rows."""
     BM: tl.constexpr = acc0.shape[0]
     BN: tl.constexpr = acc0.shape[1]
     if ROW_TILES == 2:  # join adds a last axis (tile), brought to the front
@@ -478,7 +512,7 @@ def _stacked_rows(acc0, acc1, acc2, acc3, ROW_TILES: tl.constexpr):
     else:  # [BM, BN, i, j] holds tile 2j + i
         pairs = tl.join(tl.join(acc0, acc1), tl.join(acc2, acc3))
         stacked = tl.reshape(tl.permute(pairs, (3, 2, 0, 1)), (4 * BM, BN))
-    return stacked
+    return stacked, tl.program_id(0) * (BM * ROW_TILES) + tl.arange(0, BM * ROW_TILES)
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every number of rows
@@ -581,22 +615,13 @@ def _int4_kernel(
             else:
                 w = nibble_to_float(byte, high == 1, PERMUTE, INTERPRET)
                 w = cast(tl.fma(scale, w, low), x_ptr.dtype.element_ty, INTERPRET)
-            ks = k_lo + 16 * high
-            # each row tile's dot with the same weights, dequantized once: the products and sums of a
-            # program of one row tile, in its order
-            acc = _rows_dot(x_ptr, rows, stride_xm, ks, k_ok, M, w, acc, rstd, norm, NORM_ADD, NORM, INTERPRET)
-            if ROW_TILES > 1:
-                rows1 = rows + BLOCK_M
-                acc1 = _rows_dot(x_ptr, rows1, stride_xm, ks, k_ok, M, w, acc1, rstd, norm, NORM_ADD, 0, INTERPRET)
-            if ROW_TILES > 2:
-                rows2 = rows + 2 * BLOCK_M
-                acc2 = _rows_dot(x_ptr, rows2, stride_xm, ks, k_ok, M, w, acc2, rstd, norm, NORM_ADD, 0, INTERPRET)
-                rows3 = rows + 3 * BLOCK_M
-                acc3 = _rows_dot(x_ptr, rows3, stride_xm, ks, k_ok, M, w, acc3, rstd, norm, NORM_ADD, 0, INTERPRET)
+            acc, acc1, acc2, acc3 = _tiles_dots(
+                x_ptr, rows, stride_xm, k_lo + 16 * high, k_ok, M, w, acc, acc1, acc2, acc3, rstd, norm,
+                NORM_ADD, NORM, ROW_TILES, INTERPRET,
+            )  # fmt: skip
     stamp_after(timeline, LOOPED, acc, INTERPRET)
     if ROW_TILES > 1:
-        acc = _stacked_rows(acc, acc1, acc2, acc3, ROW_TILES)
-        rows = tl.program_id(0) * (BLOCK_M * ROW_TILES) + tl.arange(0, BLOCK_M * ROW_TILES)
+        acc, rows = _stacked_rows(acc, acc1, acc2, acc3, ROW_TILES)
     _finish_tile(
         acc,
         out_ptr,
@@ -1443,20 +1468,13 @@ def _int8_kernel(
         scale = tl.load(scales_ptr + cols64 * stride_sn + groups[:, None], mask=g_mask, other=0.0)
         scale = _repeat_rows(scale.to(tl.float32), 32)
         w = cast(codes.to(tl.float32) * scale, x_ptr.dtype.element_ty, INTERPRET)
-        # each row tile's dot with the same weights, dequantized once (as `_int4_kernel`)
-        acc = _rows_dot(x_ptr, rows, stride_xm, ks, k_ok, M, w, acc, rstd, norm, NORM_ADD, NORM, INTERPRET)
-        if ROW_TILES > 1:
-            rows1 = rows + BLOCK_M
-            acc1 = _rows_dot(x_ptr, rows1, stride_xm, ks, k_ok, M, w, acc1, rstd, norm, NORM_ADD, 0, INTERPRET)
-        if ROW_TILES > 2:
-            rows2 = rows + 2 * BLOCK_M
-            acc2 = _rows_dot(x_ptr, rows2, stride_xm, ks, k_ok, M, w, acc2, rstd, norm, NORM_ADD, 0, INTERPRET)
-            rows3 = rows + 3 * BLOCK_M
-            acc3 = _rows_dot(x_ptr, rows3, stride_xm, ks, k_ok, M, w, acc3, rstd, norm, NORM_ADD, 0, INTERPRET)
+        acc, acc1, acc2, acc3 = _tiles_dots(
+            x_ptr, rows, stride_xm, ks, k_ok, M, w, acc, acc1, acc2, acc3, rstd, norm, NORM_ADD, NORM, ROW_TILES,
+            INTERPRET,
+        )  # fmt: skip
     stamp_after(timeline, LOOPED, acc, INTERPRET)
     if ROW_TILES > 1:
-        acc = _stacked_rows(acc, acc1, acc2, acc3, ROW_TILES)
-        rows = tl.program_id(0) * (BLOCK_M * ROW_TILES) + tl.arange(0, BLOCK_M * ROW_TILES)
+        acc, rows = _stacked_rows(acc, acc1, acc2, acc3, ROW_TILES)
     _finish_tile(
         acc,
         out_ptr,
