@@ -1620,7 +1620,8 @@ def _launch(
     splits a program may prefetch (`prefetch_lines`); `activation` (the float-input kernels), a gated
     activation of interleaved rows into [M, n / 2] (`GATED_ACTIVATIONS`); `rope` (every matmul kernel),
     RoPE and the KV cache's write of a q/k/v projection, giving q [M, H * D] (`RopeStore`);
-    `constexprs`, the kernel's other compile-time switches. x may be `NormedRows` (the float-input
+    `constexprs`, the kernel's other compile-time switches (ROW_TILES: row tiles a program, the grid's
+    rows so many fewer). x may be `NormedRows` (the float-input
     kernels): the norm made in the kernel's prologue and K loop, with its bits."""
     source, k_given = x, k  # (as given, for the call again without RoPE's epilogue)
     if isinstance(x, NormedRows):
