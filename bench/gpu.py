@@ -661,12 +661,14 @@ def main() -> None:
         if "q4" in models[shape]:  # and with int8 inputs (dp4a), on the same file
             plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
         plan.append(("transformers-eager", shape, "bf16", False))
-        # the candidates, newest first: the int4 kernel a row tile a program (the default before); the
-        # norms in the matmuls (4-bit and bf16); the code words over the threads; PyTorch's own int4
-        # kernel; group major, both inputs; each K split a program
+        # the candidates, the one-stream target's first: the norms in the matmuls (4-bit and bf16); the
+        # int4 kernel a row tile a program (the default before, for 64 streams); the code words over the
+        # threads; PyTorch's own int4 kernel; group major, both inputs; each K split a program
         if "q4" in models[shape]:
-            plan += [("kvserve", shape, "q4-1tile", True), ("kvserve", shape, "q4-norms", True)]
+            plan.append(("kvserve", shape, "q4-norms", True))
         plan.append(("kvserve", shape, "bf16-norms", True))
+        if "q4" in models[shape]:
+            plan.append(("kvserve", shape, "q4-1tile", True))
         if "q4" in models[shape]:
             candidates = ("q4-int8-words", "q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials")
             plan += [("kvserve", shape, w, True) for w in candidates]
