@@ -176,8 +176,10 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         ]
 
     def int4_calls(x, cfg, permute=True, packed_bf16=False, tile_sums=True, group_major=False, row_tiles=None):
-        cfg = cfg or mm.config_for(mm.INT4_CONFIG, n, k)
-        row_tiles = row_tiles or mm.row_tiles_for(x.shape[0], n, k, cfg)  # kvserve's where not given
+        if cfg is None:  # kvserve's configuration, and its row tiles where not given
+            cfg = mm.config_for(mm.INT4_CONFIG, n, k)
+            row_tiles = row_tiles or mm.row_tiles_for(x.shape[0], n, k, cfg)
+        row_tiles = row_tiles or 1  # a candidate's tiles: a program a tile of its rows
         groups = zip(packed, scales16, mins16, strict=True) if packed_bf16 else zip(packed, scales, mins, strict=True)
         if group_major:
             groups = [mm.to_group_major(*g) for g in groups]

@@ -610,9 +610,9 @@ _LAUNCH = matmul._launch  # as imported, whatever a test patches
 
 @pytest.mark.parametrize("layout", ["int4", "int4-bf16x2-group-major", "int8"])
 def test_a_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program(monkeypatch, layout):
-    """The int4 and int8 (Q8_0) kernels' programs of 2 and 4 row tiles (`row_tiles_for`: 20 rows, and 40
-    with the last tile partly past M), each weight tile dequantized once for all of them, give the bits
-    of a program a tile: with a bias and no K split, and through three K splits (the sum kernel, a
+    """The int4 and int8 (Q8_0) kernels' programs of 2 and 4 row tiles (`row_tiles_for`: 20 rows; 40, the
+    third tile partly and the fourth wholly past M; 72, two programs of 4 tiles), each weight tile
+    dequantized once for all of them, give the bits of a program a tile: with a bias and no K split, and through three K splits (the sum kernel, a
     tile's last split) with the output plain, the gated activation's epilogue and RoPE's with the cache
     write; int4 codes with float16 scales as stored, and by packed bfloat16 FMAs group major."""
     monkeypatch.setattr(matmul, "ROW_TILE_PROGRAMS", 1)  # row tiles by the rows alone at this small layer
@@ -646,7 +646,7 @@ def test_a_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program(monke
             ws = matmul.to_group_major(*ws)
         return matmul.int4_matmul(x, *ws, None, b, layout != "int4", counters, activation, rope)
 
-    for m, row_tiles in ((20, 2), (40, 4)):
+    for m, row_tiles in ((20, 2), (40, 4), (72, 4)):
         x = _randn(m, k, seed=82, dtype=torch.bfloat16)
         slots = (torch.arange(m, dtype=torch.int32) * 7 % 48).to(DEVICE)
         cos, sin = (_randn(m, 1, head_dim, seed=seed, dtype=torch.bfloat16) for seed in (83, 84))
@@ -667,6 +667,13 @@ def test_a_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program(monke
                 assert set(tiles) == {most}, (m, epilogue, tiles)
             for got, expected in zip(*outs, strict=True):
                 assert torch.equal(got, expected), (m, short.shape, counters is None, epilogue)
+    monkeypatch.setattr(matmul, "MAX_ROW_TILES", 4)  # float32 inputs (FMA dots, not the tensor cores): one tile
+    tiles.clear()
+    x = _randn(40, k, seed=85)
+    (matmul.int8_group_matmul if layout == "int8" else matmul.int4_matmul)(
+        x[:, :512], *[t[:, : t.shape[1] * 512 // k] for t in weight]
+    )
+    assert tiles == [1], tiles
 
 
 def _record_launches(monkeypatch, launches: list) -> None:
@@ -1447,7 +1454,8 @@ on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes n
 @pytest.mark.parametrize("kind", ["float", "lm_head", "int4", "int4-bf16x2", "int8", "int4-int8", "int8-int8"])
 def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kind):
     """A row's bits whatever the call's other rows, at a model's sizes on the GPU: for int4 weights
-    through programs of 1, 2 and 4 row tiles (`row_tiles_for`: up to 16 rows, 37 and 64, 300)."""
+    through programs of 1, 2 and 4 row tiles (`row_tiles_for` at this layer: up to 20 rows 1, 37 and 64
+    rows 2, 300 rows 4)."""
     m, k, n = 300, 4096, 1024
     x = _randn(m, k, seed=70, dtype=torch.bfloat16)
     if kind in ("float", "lm_head"):
@@ -2052,7 +2060,7 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
         assert (sum(mma) > 0) == (uses_dot and call != "matmul-fp32"), (call, kernel, mma)
         if kernel in ("_int4_kernel", "_int8_kernel"):  # each row tile on mma.sync's 16 rows, as one row's
             assert mma[0] > 0 and mma[1] == 0, (call, kernel, mma)
-            binary = (binary, 1 if rows == "1" or call.startswith("normed") else 4)  # NormedRows: one tile
+            binary = (binary, 1 if rows == "1" or call.startswith("normed") else 4, mma[0])  # NormedRows: one
         kernels.setdefault((call, kernel), set()).add(binary)
     assert set(kernels) == {
         ("rms_norm", "_rms_norm_kernel"),
@@ -2147,10 +2155,13 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     for (call, kernel), binaries in kernels.items():
         if kernel in ("_int4_kernel", "_int8_kernel"):
             by_tiles = {}
-            for binary, tiles in binaries:
-                by_tiles.setdefault(tiles, set()).add(binary)
+            for binary, tiles, mma_sync in binaries:
+                by_tiles.setdefault(tiles, set()).add((binary, mma_sync))
             expected = [1] if call.startswith("normed") else [1, 4]
             assert sorted(by_tiles) == expected and all(len(b) == 1 for b in by_tiles.values()), (call, by_tiles)
+            if 4 in by_tiles:  # 37 rows: four tiles' dots in each program, one row's one
+                ((_, one),), ((_, four),) = by_tiles[1], by_tiles[4]
+                assert four == 4 * one, (call, kernel, one, four)
         else:
             assert len(binaries) == 1, (call, kernel, binaries)
 

@@ -80,7 +80,9 @@ ROW_TILE_PROGRAMS = 256
 
 def row_tiles_for(m: int, n: int, k: int, config: TileConfig) -> int:
     """Row tiles a program of the int4 or int8 kernel takes for `m` rows of a layer of `n` outputs and `k` inputs:
-    the most, up to MAX_ROW_TILES, that leave the call ROW_TILE_PROGRAMS programs."""
+    the most, up to MAX_ROW_TILES, that leave the call ROW_TILE_PROGRAMS programs (33 to 48 rows: 4, the
+    last tile's dots on masked rows, as a tile's count is a power of two)."""
+    assert MAX_ROW_TILES in (1, 2, 4), MAX_ROW_TILES
     tiles, columns = cdiv(m, config.block_m), cdiv(n, config.block_n)
     splits = cdiv(k, config.k_per_split or k)
     row_tiles = 1
@@ -89,6 +91,13 @@ def row_tiles_for(m: int, n: int, k: int, config: TileConfig) -> int:
             break
         row_tiles *= 2
     return row_tiles
+
+
+def _tiled_rows(x: torch.Tensor | NormedRows) -> bool:
+    """Whether a call's rows may share programs of several row tiles: 16-bit inputs, whose dots are the
+    tensor cores' (float32 inputs take FMA dots, whose registers spill more with every tile), and not
+    `NormedRows` (their prologue normalizes one tile's rows)."""
+    return not isinstance(x, NormedRows) and x.dtype in (torch.bfloat16, torch.float16)
 
 
 # int8 codes are twice the bytes of int4: the same tiles, each step reading 8 KiB of codes.
@@ -158,9 +167,11 @@ def config_for(base: TileConfig, n: int, k: int) -> TileConfig:
 SUM_BLOCK = 1024  # outputs per program of the kernel that adds the K splits' partial sums
 
 # Tiles a layer's call may have for its last split to add the partial sums itself (`_finish_tile`'s
-# SUM_IN_TILE), one int32 counter each: a 16384-output int4 layer in 64-column tiles up to 256 rows.
-# A decode step saves `_sum_splits_kernel`'s launches: on the 1B shapes 16 a step in bfloat16 (the down
-# projections), 64 in 4-bit (every projection); a long prefill, for which a launch is nothing, takes it.
+# SUM_IN_TILE), one int32 counter each (a tile: a program's rows, ROW_TILES x BLOCK_M in the quantized
+# kernels, by its columns): a 16384-output int4 layer in 64-column tiles up to 256 program rows (1,024
+# rows in programs of 4 row tiles). A decode step saves `_sum_splits_kernel`'s launches: on the 1B shapes
+# 16 a step in bfloat16 (the down projections), 64 in 4-bit (every projection); a longer prefill, for
+# which a launch is nothing, takes it.
 SPLIT_COUNTERS = 4096
 
 
@@ -285,7 +296,7 @@ def _finish_tile(
 ):
     """Store a tile's float32 sums: as the output (+ bias; GATED and ROPE, `_store_output`'s), or as this K
     split's partial sums (workspace [splits, M, N]). With SUM_IN_TILE the tile's last split to finish,
-    counted on the tile's counter, adds every split's partial sums in split order and stores the
+    counted on the tile's counter (a program's rows by its columns), adds every split's partial sums in split order and stores the
     output: `_sum_splits_kernel`'s additions in its order, so its bits, without its launch; it leaves
     the counter at 0 for the next call."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -619,9 +630,9 @@ def _int4_kernel(
                 x_ptr, rows, stride_xm, k_lo + 16 * high, k_ok, M, w, acc, acc1, acc2, acc3, rstd, norm,
                 NORM_ADD, NORM, ROW_TILES, INTERPRET,
             )  # fmt: skip
-    stamp_after(timeline, LOOPED, acc, INTERPRET)
     if ROW_TILES > 1:
         acc, rows = _stacked_rows(acc, acc1, acc2, acc3, ROW_TILES)
+    stamp_after(timeline, LOOPED, acc, INTERPRET)  # (every tile's sums)
     _finish_tile(
         acc,
         out_ptr,
@@ -1472,9 +1483,9 @@ def _int8_kernel(
             x_ptr, rows, stride_xm, ks, k_ok, M, w, acc, acc1, acc2, acc3, rstd, norm, NORM_ADD, NORM, ROW_TILES,
             INTERPRET,
         )  # fmt: skip
-    stamp_after(timeline, LOOPED, acc, INTERPRET)
     if ROW_TILES > 1:
         acc, rows = _stacked_rows(acc, acc1, acc2, acc3, ROW_TILES)
+    stamp_after(timeline, LOOPED, acc, INTERPRET)  # (every tile's sums)
     _finish_tile(
         acc,
         out_ptr,
@@ -1823,7 +1834,7 @@ def int4_matmul(
     args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
     config = config_for(INT4_CONFIG, n, x.shape[1])
     switches = {"PACKED_BF16": packed_bf16, **({"GROUP_MAJOR": True} if group_major else {})}
-    row_tiles = 1 if isinstance(x, NormedRows) else row_tiles_for(x.shape[0], n, x.shape[1], config)
+    row_tiles = row_tiles_for(x.shape[0], n, x.shape[1], config) if _tiled_rows(x) else 1
     switches.update({"ROW_TILES": row_tiles} if row_tiles > 1 else {})
     weight = None if group_major else packed  # the prefetch into L2 reads row-major splits
     return _launch(
@@ -1997,7 +2008,7 @@ def int8_group_matmul(
     codes, scales = _row_major(codes), _row_major(scales)
     args = (codes, scales, codes.stride(0), scales.stride(0))
     config = config_for(INT8_CONFIG, n, k)
-    row_tiles = 1 if isinstance(x, NormedRows) else row_tiles_for(x.shape[0], n, k, config)
+    row_tiles = row_tiles_for(x.shape[0], n, k, config) if _tiled_rows(x) else 1
     return _launch(
         _int8_kernel,
         config,
