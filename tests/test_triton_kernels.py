@@ -612,9 +612,10 @@ _LAUNCH = matmul._launch  # as imported, whatever a test patches
 def test_a_program_of_several_row_tiles_gives_the_bits_of_a_tile_a_program(monkeypatch, layout):
     """The int4 and int8 (Q8_0) kernels' programs of 2 and 4 row tiles (`row_tiles_for`: 20 rows; 40, the
     third tile partly and the fourth wholly past M; 72, two programs of 4 tiles), each weight tile
-    dequantized once for all of them, give the bits of a program a tile: with a bias and no K split, and through three K splits (the sum kernel, a
-    tile's last split) with the output plain, the gated activation's epilogue and RoPE's with the cache
-    write; int4 codes with float16 scales as stored, and by packed bfloat16 FMAs group major."""
+    dequantized once for all of them, give the bits of a program a tile: with a bias and no K split, and
+    through three K splits (the sum kernel, a tile's last split) with the output plain, the gated
+    activation's epilogue and RoPE's with the cache write; int4 codes with float16 scales as stored, and
+    by packed bfloat16 FMAs group major. float32 inputs keep a tile a program."""
     monkeypatch.setattr(matmul, "ROW_TILE_PROGRAMS", 1)  # row tiles by the rows alone at this small layer
     tiles = []
     monkeypatch.setattr(
@@ -1453,8 +1454,8 @@ on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes n
 @on_gpu
 @pytest.mark.parametrize("kind", ["float", "lm_head", "int4", "int4-bf16x2", "int8", "int4-int8", "int8-int8"])
 def test_matmul_rows_at_model_sizes_are_the_same_bits_for_any_number_of_rows(kind):
-    """A row's bits whatever the call's other rows, at a model's sizes on the GPU: for int4 weights
-    through programs of 1, 2 and 4 row tiles (`row_tiles_for` at this layer: up to 20 rows 1, 37 and 64
+    """A row's bits whatever the call's other rows, at a model's sizes on the GPU: for int4 and Q8_0
+    weights through programs of 1, 2 and 4 row tiles (`row_tiles_for` at this layer: up to 20 rows 1, 37 and 64
     rows 2, 300 rows 4)."""
     m, k, n = 300, 4096, 1024
     x = _randn(m, k, seed=70, dtype=torch.bfloat16)
