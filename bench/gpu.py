@@ -668,9 +668,7 @@ def main() -> None:
             plan.append(("kvserve", shape, "q4-norms", True))
         plan.append(("kvserve", shape, "bf16-norms", True))
         if "q4" in models[shape]:
-            plan.append(("kvserve", shape, "q4-1tile", True))
-        if "q4" in models[shape]:
-            candidates = ("q4-int8-words", "q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials")
+            candidates = ("q4-1tile", "q4-int8-words", "q4-tinygemm", "q4-gm", "q4-int8-gm", "q4-int8-partials")
             plan += [("kvserve", shape, w, True) for w in candidates]
         plan.append(("kvserve", shape, "bf16-sync", True))  # without async scheduling: what it gains
         plan.append(("kvserve", shape, "bf16-pdl", True))  # programmatic dependent launch: what it gains

@@ -93,11 +93,14 @@ def row_tiles_for(m: int, n: int, k: int, config: TileConfig) -> int:
     return row_tiles
 
 
-def _tiled_rows(x: torch.Tensor | NormedRows) -> bool:
-    """Whether a call's rows may share programs of several row tiles: 16-bit inputs, whose dots are the
-    tensor cores' (float32 inputs take FMA dots, whose registers spill more with every tile), and not
-    `NormedRows` (their prologue normalizes one tile's rows)."""
-    return not isinstance(x, NormedRows) and x.dtype in (torch.bfloat16, torch.float16)
+def _row_tiles(x: torch.Tensor | NormedRows, n: int, config: TileConfig) -> dict:
+    """The int4 or int8 kernel's ROW_TILES switch for a call on x [M, K] (none for one tile): `row_tiles_for`
+    for 16-bit inputs, whose dots are the tensor cores' (float32 inputs take FMA dots, whose registers
+    spill more with every tile), one tile for `NormedRows` (their prologue normalizes one tile's rows)."""
+    if isinstance(x, NormedRows) or x.dtype not in (torch.bfloat16, torch.float16):
+        return {}
+    row_tiles = row_tiles_for(x.shape[0], n, x.shape[1], config)
+    return {"ROW_TILES": row_tiles} if row_tiles > 1 else {}
 
 
 # int8 codes are twice the bytes of int4: the same tiles, each step reading 8 KiB of codes.
@@ -296,8 +299,8 @@ def _finish_tile(
 ):
     """Store a tile's float32 sums: as the output (+ bias; GATED and ROPE, `_store_output`'s), or as this K
     split's partial sums (workspace [splits, M, N]). With SUM_IN_TILE the tile's last split to finish,
-    counted on the tile's counter (a program's rows by its columns), adds every split's partial sums in split order and stores the
-    output: `_sum_splits_kernel`'s additions in its order, so its bits, without its launch; it leaves
+    counted on the tile's counter (a program's rows by its columns), adds every split's partial sums in
+    split order and stores the output: `_sum_splits_kernel`'s additions in its order, so its bits, without its launch; it leaves
     the counter at 0 for the next call."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -1834,8 +1837,7 @@ def int4_matmul(
     args = (packed, scales, mins, packed.stride(0), scales.stride(0), mins.stride(0))
     config = config_for(INT4_CONFIG, n, x.shape[1])
     switches = {"PACKED_BF16": packed_bf16, **({"GROUP_MAJOR": True} if group_major else {})}
-    row_tiles = row_tiles_for(x.shape[0], n, x.shape[1], config) if _tiled_rows(x) else 1
-    switches.update({"ROW_TILES": row_tiles} if row_tiles > 1 else {})
+    switches.update(_row_tiles(x, n, config))
     weight = None if group_major else packed  # the prefetch into L2 reads row-major splits
     return _launch(
         _int4_kernel,
@@ -2008,7 +2010,6 @@ def int8_group_matmul(
     codes, scales = _row_major(codes), _row_major(scales)
     args = (codes, scales, codes.stride(0), scales.stride(0))
     config = config_for(INT8_CONFIG, n, k)
-    row_tiles = row_tiles_for(x.shape[0], n, k, config) if _tiled_rows(x) else 1
     return _launch(
         _int8_kernel,
         config,
@@ -2021,5 +2022,5 @@ def int8_group_matmul(
         weight=codes,
         activation=activation,
         rope=rope,
-        **({"ROW_TILES": row_tiles} if row_tiles > 1 else {}),
+        **_row_tiles(x, n, config),
     )
