@@ -177,12 +177,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     topology = _topology(args)
     if topology is not None and not topology.hosts_rank0:  # this host serves stages only, no HTTP
-        import torch
-
-        from kvserve.llm import stage_spec
+        from kvserve.llm import default_device, stage_spec
         from kvserve.pipeline.worker import run_node
 
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = default_device()
         spec = stage_spec(
             args.model,
             args.dtype,

@@ -65,7 +65,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     default there.
     """
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
     mkldnn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return torch.bfloat16 if mkldnn_bf16 is not None and mkldnn_bf16() else torch.float32
 
@@ -78,10 +78,26 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+def default_device() -> torch.device:
+    """The first CUDA device where there is one that the kernels run on, else the CPU (logging why
+    a GPU that is here is passed over)."""
+    from kvserve.kernels.gpu import gpu_problem
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    problem = gpu_problem(0)
+    if problem is not None:
+        logging.getLogger("kvserve.kernels").warning("%s Running on the CPU.", problem)
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
 def _device(device: object) -> torch.device:
-    """The device asked for (None: a CUDA device where there is one, else the CPU), checked now."""
+    """The device asked for (None: `default_device`), checked now."""
+    from kvserve.kernels.gpu import gpu_problem
+
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return default_device()
     try:
         checked = torch.device(device)  # type: ignore[arg-type]
     except (RuntimeError, TypeError, ValueError):
@@ -94,6 +110,9 @@ def _device(device: object) -> torch.device:
             "use 'cpu', or leave device out.",
             "device",
         )
+    problem = None if checked.type == "cpu" else gpu_problem(checked.index or 0)
+    if problem is not None:
+        raise InvalidRequestError(f"{problem} Use device 'cpu'.", "device")
     return checked
 
 

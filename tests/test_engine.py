@@ -291,6 +291,44 @@ def test_a_max_model_len_that_cannot_be_served_is_refused_not_lowered(tiny_model
         assert small.config.max_model_len == 256  # unasked, the pool's
 
 
+def test_a_gpu_the_kernels_cannot_run_on_is_refused_when_asked_for_and_passed_over_when_not(
+    tiny_model_dir, monkeypatch, caplog
+):
+    """This machine made to report one CUDA GPU (torch.cuda's answers, nothing launched). Before, a
+    Tesla T4 (compute capability 7.5) was taken, the model loaded in bfloat16 (which torch emulates
+    there), and ptxas refused the first 4-bit launch's packed bfloat16 FMAs; a ROCm build met the
+    kernels' inline PTX. Asked for by name it is refused with why; unasked, the CPU serves."""
+    import logging
+
+    from kvserve.llm import default_device
+
+    gpu = {"name": "Tesla T4", "capability": (7, 5)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: gpu["name"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: gpu["capability"])
+    monkeypatch.setattr(torch.version, "hip", None)
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(
+            InvalidRequestError, match=r"compute capability 8\.0 or later .*; Tesla T4 has 7\.5\. Use device 'cpu'\."
+        ) as err:
+            LLM(str(tiny_model_dir), device=device, dtype="float32", session_db=False, progress=False)
+        assert err.value.param == "device"
+    settings = dict(dtype="float32", kv_cache_tokens=256, session_db=False, progress=False)
+    with caplog.at_level(logging.WARNING, "kvserve.kernels"), LLM(str(tiny_model_dir), **settings) as llm:
+        assert llm.device == torch.device("cpu")
+        assert len(llm.generate(prompt(0), GREEDY).token_ids) == GREEDY.max_tokens
+        wait_idle_and_check(llm)
+    assert "Tesla T4 has 7.5. Running on the CPU." in caplog.text
+    gpu.update(name="NVIDIA A100-SXM4-80GB", capability=(8, 0))  # Ampere: taken
+    assert default_device() == torch.device("cuda")
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    gpu["name"] = "AMD Instinct MI300X"
+    assert default_device() == torch.device("cpu")
+    with pytest.raises(InvalidRequestError, match=r"written for NVIDIA GPUs .* ROCm build \(HIP 6\.2\.41133\)"):
+        LLM(str(tiny_model_dir), device="cuda", dtype="float32", session_db=False, progress=False)
+
+
 # ----- prefix caching --------------------------------------------------------------------------
 def test_shared_256_token_prefix_is_computed_once(llm):
     shared = list(range(40, 40 + 256))

@@ -60,6 +60,62 @@ def available() -> bool:
     return INTERPRET or torch.cuda.is_available()
 
 
+# The oldest NVIDIA GPUs the kernels run on: Ampere (A100, A10, RTX 30xx). For a Turing GPU (sm_75, a T4)
+# Triton makes every dot an FMA loop (0.4-7 KB of stack a thread), ptxas refuses the packed bfloat16
+# FMAs and Triton the int8 tensor-core tile (tests/test_triton_kernels.py compiles the kernels for sm_80,
+# sm_90, sm_100 and sm_120).
+MIN_CAPABILITY = (8, 0)
+
+
+def unsupported_gpu(name: str, capability: tuple[int, int], hip_version: str | None) -> str | None:
+    """Why the kernels cannot serve on the GPU `name` of compute `capability`, in a sentence, or None
+    where they can; `hip_version`: torch.version.hip (a ROCm build of PyTorch) or None."""
+    if hip_version is not None:
+        return (
+            f"kvserve's GPU kernels are written for NVIDIA GPUs (Triton with inline PTX), and this PyTorch is a "
+            f"ROCm build (HIP {hip_version}) for {name}."
+        )
+    if tuple(capability) < MIN_CAPABILITY:
+        major, minor = capability
+        return (
+            f"kvserve's GPU kernels need an NVIDIA GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+            f" or later (Ampere: A100, A10, RTX 30xx, and newer) for their tensor-core dots; {name} has {major}.{minor}."
+        )
+    return None
+
+
+def gpu_problem(index: int) -> str | None:
+    """`unsupported_gpu` for CUDA device `index` of this machine (which must exist)."""
+    import torch
+
+    return unsupported_gpu(
+        torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index), torch.version.hip
+    )
+
+
+_capabilities: dict[tuple[str, int | None], int] = {}
+
+
+def compiled_capability(device) -> int | None:
+    """The compute capability that launches on `device` compile for, as Triton writes it (major * 10 +
+    minor: 90 for sm_90): the CUDA GPU's; for tensors on the CPU outside the interpreter, the target of
+    Triton's active driver (the offline compile tests, which tell it a GPU); None in the interpreter."""
+    if INTERPRET:
+        return None
+    key = (device.type, device.index)
+    if key not in _capabilities:
+        if device.type == "cuda":
+            import torch
+
+            major, minor = torch.cuda.get_device_capability(device)
+            _capabilities[key] = major * 10 + minor
+        else:
+            from triton.runtime import driver
+
+            _capabilities[key] = driver.active.get_current_target().arch
+    return _capabilities[key]
+
+
 def supports_pdl(device) -> bool:
     """Whether kernels on `device` can launch with programmatic dependent launch: a CUDA GPU of compute
     capability 9.0 or later (never in the interpreter), whatever `PDL` says."""
