@@ -1738,10 +1738,12 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
+CAPABILITY = int(sys.argv[1]) if len(sys.argv) > 1 else 90  # Hopper's sm_90 unless told
+
 class OfflineDriver:
     def get_current_device(self): return 0
     def get_current_stream(self, device=None): return 0
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_current_target(self): return GPUTarget("cuda", CAPABILITY, 32)
 
 driver.set_active(OfflineDriver())
 call = None
@@ -2165,6 +2167,106 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
                 assert four == 4 * one, (call, kernel, one, four)
         else:
             assert len(binaries) == 1, (call, kernel, binaries)
+
+
+# The default path's launches for a bfloat16 model and a 4-bit one (float and int8 inputs), compiled for
+# the GPU given on the command line: one row, and 37 rows where a kernel or its row tiles change. Each
+# launch's tensor-core instructions (Ampere's mma.sync, Hopper's wgmma, Blackwell's tcgen05), traps, TF32.
+_COMPILE_DEFAULTS = r"""
+def launch(kernel, grid):
+    def warmup(*args, **kwargs):
+        ptx = kernel.run(*args, grid=grid, warmup=True, **kwargs).asm["ptx"]
+        body = ptx[ptx.index(".entry"):]
+        mma = [len(re.findall(pattern, body)) for pattern in (r"\bmma\.sync", r"\bwgmma\.mma_async", r"\btcgen05\.mma")]
+        print(json.dumps([call, kernel.__name__, mma, len(re.findall(r"\btrap;", body)), len(re.findall("tf32", body))]), flush=True)
+    return warmup
+
+JITFunction.__getitem__ = launch
+g = torch.ones(2048, dtype=bf16)
+codes = torch.randint(0, 16, (256, 2048), dtype=torch.uint8)
+scales = torch.rand(256, 64).to(bf16)
+for m in (1, 37):
+    x = torch.randn(m, 2048).to(bf16)
+    counters = matmul.split_counters("cpu")
+    rope = matmul.RopeStore(x[:, None, :64], x[:, None, :64], torch.zeros(8, 16, 1, 64, dtype=bf16), torch.zeros(8, 16, 1, 64, dtype=bf16), torch.arange(m, dtype=torch.int32), 2)
+    call = f"add_rms_norm-{m}"; norm.add_rms_norm(x, x, g, 1e-6)
+    call = f"add_rms_norm-int8-{m}"; norm.add_rms_norm(x, x, g, 1e-6, [])
+    call = f"gated-int8-{m}"; elementwise.gated_activation(x, False, [])
+    call = f"qkv-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters, rope=rope)
+    call = f"gate_up-{m}"; matmul.matmul(torch.randn(m, 4096).to(bf16), torch.randn(256, 4096).to(bf16), counters=counters, activation="silu")
+    call = f"lm_head-{m}"; matmul.matmul(x, torch.randn(256, 2048).to(bf16), out_dtype=torch.float32)
+    call = f"qkv-int4-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales, packed_bf16=True, counters=counters, rope=rope)
+    call = f"gate_up-int4-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales, scales, packed_bf16=True, counters=counters, activation="silu")
+    call = f"int4-fp16-{m}"; matmul.int4_matmul(x, matmul.pack_int4(codes), scales.half(), scales.half(), counters=counters)
+    call = f"lm_head-int8-{m}"; matmul.int8_group_matmul(x, codes.to(torch.int8), scales.float(), torch.float32, counters=counters)
+    call = f"qkv-int4-int8-{m}"; matmul.int4_int8_matmul(x, matmul.pack_int4(codes), scales.half(), scales.half(), counters=counters, rope=rope)
+    call = f"lm_head-int8-int8-{m}"; matmul.int8_int8_matmul(x, codes.to(torch.int8), scales.float(), counters=counters)
+    call = f"pick-{m}"; sample.pick(torch.randn(m, 5000), sample.counters("cpu"), torch.arange(m), torch.arange(m), torch.ones(m))
+    call = f"row_cumsum-{m}"; sample.row_cumsum(torch.randn(m, 5000))
+k_cache = torch.zeros(8, 16, 2, 128, dtype=bf16)
+for t in (1, 3):  # a decode of one token, a prefill tile of 3
+    meta = torch.arange(100, dtype=torch.int32)
+    args = (torch.randn(t, 8, 128).to(bf16), k_cache, k_cache, meta[5:9].view(1, 4), meta[:t], meta[t : t + 1], meta[t + 1 : t + 2], meta[t + 2 : t + 3], 0.1)
+    call = f"attention-{t}"; attention.paged_attention(*args, num_splits=2, counters=attention.attention_counters("cpu"))
+"""
+
+
+def test_the_kernels_compile_for_ampere_and_blackwell_on_the_tensor_cores():
+    """The default path (a bfloat16 model, a 4-bit one with float or int8 inputs) lowers to code for
+    the oldest GPUs kvserve serves on (sm_80: A100, A10, RTX 30xx) and the newest (sm_100: B200;
+    sm_120: RTX 50xx), CI having none of them, and each of its dots runs on the tensor cores there.
+    Below sm_80 kvserve refuses the GPU (`kernels.gpu.MIN_CAPABILITY`): for sm_75 Triton makes FMA
+    loops of every dot and ptxas refuses the packed bfloat16 FMAs."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    import triton
+
+    from kvserve.kernels.gpu import MIN_CAPABILITY
+
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton has no ptxas to compile for the GPU with")
+    assert MIN_CAPABILITY == (8, 0)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).resolve().parent.parent
+    # a process a GPU (Triton's JIT keeps one target a device); two at a time, on two cores
+    targets = {capability: None for capability in (80, 100, 120)}
+    for batch in ((80, 100), (120,)):
+        running = {
+            capability: subprocess.Popen(
+                [sys.executable, "-c", _COMPILE_FOR_HOPPER + _COMPILE_DEFAULTS, str(capability)],
+                cwd=root,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for capability in batch
+        }
+        try:
+            for capability, compiling in running.items():
+                stdout, stderr = compiling.communicate(timeout=600)
+                assert compiling.returncode == 0, (capability, stderr[-3000:])
+                targets[capability] = [json.loads(line) for line in stdout.splitlines()]
+        finally:
+            for compiling in running.values():
+                compiling.kill()
+                compiling.wait()
+    dots = {"_float_kernel", "_int4_kernel", "_int8_kernel", "_attention_kernel", "_int4_int8_mma_kernel"}
+    for capability, launches in targets.items():
+        assert {kernel for _, kernel, *_ in launches} >= dots | {"_int4_int8_splits_kernel", "_pick_kernel"}, capability
+        for call, kernel, mma, traps, tf32 in launches:
+            # a kernel LLVM found undefined compiles to a bare `trap` (sm_100's 64-row int8 tile, Triton 3.9)
+            assert traps == 0 and tf32 == 0, (capability, call, kernel, traps, tf32)
+            if kernel in ("_int4_kernel", "_int8_kernel", "_int4_int8_mma_kernel", "_attention_kernel"):
+                # their dequantized (or probability) operand in registers: mma.sync on every GPU
+                assert mma[0] > 0 and mma[1] == mma[2] == 0, (capability, call, kernel, mma)
+            elif kernel == "_float_kernel":  # both operands from memory: Blackwell's tcgen05 on a B200
+                assert mma[2 if capability == 100 else 0] > 0, (capability, call, kernel, mma)
+            else:
+                assert sum(mma) == 0, (capability, call, kernel, mma)
 
 
 # Each matmul kernel with and without a timeline recording (kvserve/kernels/gpu/timeline.py): the PTX's reads

@@ -21,7 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.gpu import INTERPRET, cdiv, launch_options, next_power_of_2, prefetch_lines
+from kvserve.kernels.gpu import (
+    INTERPRET,
+    cdiv,
+    compiled_capability,
+    launch_options,
+    next_power_of_2,
+    prefetch_lines,
+)
 from kvserve.kernels.gpu.common import (
     cast,
     dot,
@@ -145,6 +152,14 @@ INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
     (32, {"block_m": 32, "block_n": 128, "num_warps": 8}),
     (None, {"block_m": 64, "block_n": 128, "num_warps": 8}),
+)
+# Blackwell's datacenter GPUs (compute capability 10.x and 11.x): for sm_100 (B200) Triton 3.9 makes the
+# 64-row tile's int8 dot a tcgen05 MMA with its inputs in tensor memory and compiles the kernel to a bare
+# `trap` (3.6 did not); the 32-row tile is mma.sync on every GPU, and takes any number of rows there (the
+# same bits: its sums are exact)
+INT4_INT8_MMA_TILES_BLACKWELL = (
+    (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
+    (None, {"block_m": 32, "block_n": 128, "num_warps": 8}),
 )
 
 # A layer of at most this many outputs (a 1B model's attention projections and down projection) has
@@ -1927,7 +1942,11 @@ def _int8_inputs_launch(
     config = config_for(INT4_INT8_CONFIG, n, k)  # its K splits, whichever kernel runs: the same sums
     constexprs = {"GROUP_MAJOR": True} if group_major else {}
     if x.shape[0] >= INT4_INT8_MMA_ROWS:
-        tile = next(t for rows, t in INT4_INT8_MMA_TILES if rows is None or x.shape[0] <= rows)
+        capability = compiled_capability(x.device)
+        tiles = (
+            INT4_INT8_MMA_TILES_BLACKWELL if capability is not None and 100 <= capability < 120 else INT4_INT8_MMA_TILES
+        )
+        tile = next(t for rows, t in tiles if rows is None or x.shape[0] <= rows)
         kernel, config = _int4_int8_mma_kernel, dataclasses.replace(config, **tile)
     else:
         kernel, config = _int4_int8_kernel, dataclasses.replace(config, block_m=_row_tile(x.shape[0]))
