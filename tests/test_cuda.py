@@ -55,6 +55,17 @@ def test_engine_runs_on_the_gpu_through_triton_and_graphs(llm):
     assert llm.runner_timings()["graph_steps"] >= before + GREEDY.max_tokens - 1
 
 
+def test_this_gpu_is_taken_by_default_and_its_launches_compile_for_its_capability(llm):
+    """The GPU check (kernels.gpu.MIN_CAPABILITY) lets this GPU serve, unasked; the launch code reads the
+    capability that torch gives it (the 64-row int4 x int8 tile or not: INT4_INT8_MMA_TILES_BLACKWELL)."""
+    from kvserve.kernels.gpu import compiled_capability, gpu_problem
+    from kvserve.llm import default_device
+
+    assert gpu_problem(0) is None and default_device() == torch.device("cuda")
+    major, minor = torch.cuda.get_device_capability(llm.device)
+    assert compiled_capability(llm.device) == major * 10 + minor >= 80
+
+
 def test_greedy_agrees_with_transformers_on_the_same_gpu(llm, tiny_model_dir):
     """The first-divergence rule (DESIGN.md): Triton's float32 sums run in another order than cuBLAS's."""
     from transformers import AutoModelForCausalLM
