@@ -329,6 +329,45 @@ def test_a_gpu_the_kernels_cannot_run_on_is_refused_when_asked_for_and_passed_ov
         LLM(str(tiny_model_dir), device="cuda", dtype="float32", session_db=False, progress=False)
 
 
+def test_weights_or_a_kv_cache_the_device_has_no_room_for_are_refused_with_what_to_lower(tiny_model_dir, monkeypatch):
+    """A GPU's out-of-memory error (torch's, raised here by the load or by the pool's allocation, as a GPU
+    too small raises it) came out of LLM() as torch's RuntimeError; it is now the user's InvalidRequestError
+    naming what to change. Nothing is left behind: the same LLM starts once the fault is gone."""
+    import kvserve.engine.model_runner as model_runner
+    import kvserve.pipeline.stage as stage
+
+    settings = dict(dtype="float32", kv_cache_tokens=256, session_db=False, progress=False)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\nlong allocator state")
+
+    def out_of_memory(*args, **kwargs):
+        raise oom
+
+    for module, name, param, match in (
+        (
+            stage,
+            "load_model",
+            "weights",
+            r"weights \(auto\) do not fit in this machine's memory \(CUDA out of memory\. "
+            r"Tried to allocate 20\.00 GiB\.\); use --weights q4 or q8",
+        ),
+        (
+            model_runner,
+            "allocate_kv_cache",
+            "kv_cache_tokens",
+            r"A KV cache of 256 tokens \(0\.00 GiB\) .* lower "
+            r"kv_cache_tokens or max_num_seqs\.",
+        ),
+    ):
+        with monkeypatch.context() as patched:
+            patched.setattr(module, name, out_of_memory)
+            with pytest.raises(InvalidRequestError, match=match) as err:
+                LLM(str(tiny_model_dir), **settings)
+        assert err.value.param == param and "allocator state" not in str(err.value)
+    with LLM(str(tiny_model_dir), **settings) as llm:
+        assert len(llm.generate(prompt(1), GREEDY).token_ids) == GREEDY.max_tokens
+        wait_idle_and_check(llm)
+
+
 # ----- prefix caching --------------------------------------------------------------------------
 def test_shared_256_token_prefix_is_computed_once(llm):
     shared = list(range(40, 40 + 256))

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.engine.kv_cache import kv_cache_bytes_per_token
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.errors import InvalidRequestError, first_line
 from kvserve.pipeline.rendezvous import EngineSizes
 from kvserve.pipeline.topology import Topology, stage_cpus, stage_layers
 from kvserve.weights.loader import load_config, load_model
@@ -68,24 +70,52 @@ def stage_of(spec: StageSpec, topology: Topology, rank: int) -> tuple[int, int]:
 def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, progress: bool) -> ModelRunner:
     """The model's layers [first, end) and a runner over them; (0, num_hidden_layers) is the whole
     model, as LLM runs it without a pipeline. Call on the thread that computes with it."""
-    model = load_model(
-        spec.model,
-        spec.dtype,
-        torch.device(spec.device),
-        progress=progress,
-        weights=spec.weights,
-        activations=spec.activations,
-        stage=layers,
-    )
-    return ModelRunner(
-        model,
-        sizes.num_kv_blocks,
-        sizes.block_size,
-        sizes.stop_token_ids,
-        spec.kv_cache_dtype,
-        spec.batch_invariant,
-        sizes.max_num_seqs,
-        sizes.max_model_len,
-        spec.cuda_graphs,
-        spec.async_scheduling,
-    )
+    device = torch.device(spec.device)
+    try:
+        model = load_model(
+            spec.model,
+            spec.dtype,
+            device,
+            progress=progress,
+            weights=spec.weights,
+            activations=spec.activations,
+            stage=layers,
+        )
+    except torch.OutOfMemoryError as exc:
+        raise InvalidRequestError(
+            f"{spec.model}'s weights ({spec.weights}) do not fit in {_memory_left(device)} "
+            f"({first_line(str(exc), 'out of memory')}); use --weights q4 or q8, a smaller model, or device 'cpu'.",
+            "weights",
+        ) from None
+    try:
+        return ModelRunner(
+            model,
+            sizes.num_kv_blocks,
+            sizes.block_size,
+            sizes.stop_token_ids,
+            spec.kv_cache_dtype,
+            spec.batch_invariant,
+            sizes.max_num_seqs,
+            sizes.max_model_len,
+            spec.cuda_graphs,
+            spec.async_scheduling,
+        )
+    except torch.OutOfMemoryError as exc:
+        tokens = sizes.num_kv_blocks * sizes.block_size
+        pool = tokens * kv_cache_bytes_per_token(model.config, spec.kv_cache_dtype) * len(model.layers)
+        pool //= model.config.num_hidden_layers  # this stage's layers'
+        del model  # its weights freed before the error reaches the caller
+        raise InvalidRequestError(
+            f"A KV cache of {tokens} tokens ({pool / 2**30:.2f} GiB) and the decode steps' buffers do not fit in "
+            f"{_memory_left(device)} after the weights ({first_line(str(exc), 'out of memory')}); lower "
+            "kv_cache_tokens or max_num_seqs.",
+            "kv_cache_tokens",
+        ) from None
+
+
+def _memory_left(device: torch.device) -> str:
+    """The memory `device` had left when an allocation failed, in words."""
+    if device.type != "cuda":
+        return "this machine's memory"
+    free, total = torch.cuda.mem_get_info(device)
+    return f"{torch.cuda.get_device_name(device)}'s memory ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)"
