@@ -71,6 +71,9 @@ def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, pr
     """The model's layers [first, end) and a runner over them; (0, num_hidden_layers) is the whole
     model, as LLM runs it without a pipeline. Call on the thread that computes with it."""
     device = torch.device(spec.device)
+    # each out-of-memory error is read inside its `except` and raised as ours after it: the error's
+    # traceback (which holds the tensors made so far) is gone by then, so a retry has the memory back
+    failed = None
     try:
         model = load_model(
             spec.model,
@@ -82,11 +85,16 @@ def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, pr
             stage=layers,
         )
     except torch.OutOfMemoryError as exc:
+        failed = first_line(str(exc), "out of memory")
+    if failed is not None:
         raise InvalidRequestError(
-            f"{spec.model}'s weights ({spec.weights}) do not fit in {_memory_left(device)} "
-            f"({first_line(str(exc), 'out of memory')}); use --weights q4 or q8, a smaller model, or device 'cpu'.",
+            f"{spec.model}'s weights ({spec.weights}) do not fit in {_memory_left(device)} ({failed}); use "
+            "--weights q4 or q8, a smaller model, or device 'cpu'.",
             "weights",
-        ) from None
+        )
+    tokens = sizes.num_kv_blocks * sizes.block_size
+    pool = tokens * kv_cache_bytes_per_token(model.config, spec.kv_cache_dtype) * len(model.layers)
+    pool //= model.config.num_hidden_layers  # this stage's layers'
     try:
         return ModelRunner(
             model,
@@ -101,16 +109,13 @@ def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, pr
             spec.async_scheduling,
         )
     except torch.OutOfMemoryError as exc:
-        tokens = sizes.num_kv_blocks * sizes.block_size
-        pool = tokens * kv_cache_bytes_per_token(model.config, spec.kv_cache_dtype) * len(model.layers)
-        pool //= model.config.num_hidden_layers  # this stage's layers'
-        del model  # its weights freed before the error reaches the caller
-        raise InvalidRequestError(
-            f"A KV cache of {tokens} tokens ({pool / 2**30:.2f} GiB) and the decode steps' buffers do not fit in "
-            f"{_memory_left(device)} after the weights ({first_line(str(exc), 'out of memory')}); lower "
-            "kv_cache_tokens or max_num_seqs.",
-            "kv_cache_tokens",
-        ) from None
+        failed = first_line(str(exc), "out of memory")
+    del model
+    raise InvalidRequestError(
+        f"A KV cache of {tokens} tokens ({pool / 2**30:.2f} GiB) and the decode steps' buffers do not fit in "
+        f"{_memory_left(device)} after the weights ({failed}); lower kv_cache_tokens or max_num_seqs.",
+        "kv_cache_tokens",
+    )
 
 
 def _memory_left(device: torch.device) -> str:
