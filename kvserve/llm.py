@@ -79,17 +79,20 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def default_device() -> torch.device:
-    """The first CUDA device where there is one that the kernels run on, else the CPU (logging why
-    a GPU that is here is passed over)."""
+    """The first CUDA device that the kernels run on, else the CPU (logging why each GPU here was passed
+    over)."""
     from kvserve.kernels.gpu import gpu_problem
 
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    problem = gpu_problem(0)
-    if problem is not None:
-        logging.getLogger("kvserve.kernels").warning("%s Running on the CPU.", problem)
-        return torch.device("cpu")
-    return torch.device("cuda")
+    log = logging.getLogger("kvserve.kernels")
+    for index in range(torch.cuda.device_count()):
+        problem = gpu_problem(index)
+        if problem is None:
+            return torch.device("cuda", index)
+        log.warning("cuda:%d passed over: %s", index, problem)
+    log.warning("Running on the CPU: no GPU here can run kvserve's kernels.")
+    return torch.device("cpu")
 
 
 def _device(device: object) -> torch.device:
@@ -112,7 +115,9 @@ def _device(device: object) -> torch.device:
         )
     problem = None if checked.type == "cpu" else gpu_problem(checked.index or 0)
     if problem is not None:
-        raise InvalidRequestError(f"{problem} Use device 'cpu'.", "device")
+        raise InvalidRequestError(
+            f"{problem} Use device 'cpu', or leave device out for the first GPU that can.", "device"
+        )
     return checked
 
 

@@ -56,14 +56,17 @@ def test_engine_runs_on_the_gpu_through_triton_and_graphs(llm):
 
 
 def test_this_gpu_is_taken_by_default_and_its_launches_compile_for_its_capability(llm):
-    """The GPU check (kernels.gpu.MIN_CAPABILITY) lets this GPU serve, unasked; the launch code reads the
-    capability that torch gives it (the 64-row int4 x int8 tile or not: INT4_INT8_MMA_TILES_BLACKWELL)."""
+    """The GPU check (kernels.gpu.MIN_CAPABILITY) lets this GPU serve, unasked; the launch code's
+    capability (the 64-row int4 x int8 tile or not: INT4_INT8_MMA_TILES_BLACKWELL) is the one Triton
+    compiles for."""
+    from triton.runtime import driver
+
     from kvserve.kernels.gpu import compiled_capability, gpu_problem
     from kvserve.llm import default_device
 
-    assert gpu_problem(0) is None and default_device() == torch.device("cuda")
-    major, minor = torch.cuda.get_device_capability(llm.device)
-    assert compiled_capability(llm.device) == major * 10 + minor >= 80
+    assert gpu_problem(0) is None and default_device() == torch.device("cuda", 0)
+    with torch.cuda.device(llm.device):
+        assert compiled_capability(llm.device) == driver.active.get_current_target().arch >= 80
 
 
 def test_greedy_agrees_with_transformers_on_the_same_gpu(llm, tiny_model_dir):

@@ -102,12 +102,13 @@ def compiled_capability(device) -> int | None:
     Triton's active driver (the offline compile tests, which tell it a GPU); None in the interpreter."""
     if INTERPRET:
         return None
-    key = (device.type, device.index)
+    import torch
+
+    index = torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index
+    key = (device.type, index)
     if key not in _capabilities:
         if device.type == "cuda":
-            import torch
-
-            major, minor = torch.cuda.get_device_capability(device)
+            major, minor = torch.cuda.get_device_capability(index)
             _capabilities[key] = major * 10 + minor
         else:
             from triton.runtime import driver
