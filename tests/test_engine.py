@@ -294,75 +294,91 @@ def test_a_max_model_len_that_cannot_be_served_is_refused_not_lowered(tiny_model
 def test_a_gpu_the_kernels_cannot_run_on_is_refused_when_asked_for_and_passed_over_when_not(
     tiny_model_dir, monkeypatch, caplog
 ):
-    """This machine made to report one CUDA GPU (torch.cuda's answers, nothing launched). Before, a
-    Tesla T4 (compute capability 7.5) was taken, the model loaded in bfloat16 (which torch emulates
+    """This machine made to report CUDA GPUs (torch.cuda's answers per device, nothing launched). Before,
+    a Tesla T4 (compute capability 7.5) was taken, the model loaded in bfloat16 (which torch emulates
     there), and ptxas refused the first 4-bit launch's packed bfloat16 FMAs; a ROCm build met the
-    kernels' inline PTX. Asked for by name it is refused with why; unasked, the CPU serves."""
+    kernels' inline PTX. Asked for by name it is refused with why; unasked, the next GPU or the CPU serves."""
     import logging
 
     from kvserve.llm import default_device
 
-    gpu = {"name": "Tesla T4", "capability": (7, 5)}
+    gpus = [("Tesla T4", (7, 5))]  # (name, compute capability) per device index
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: gpu["name"])
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: gpu["capability"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: gpus[index][0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: gpus[index][1])
     monkeypatch.setattr(torch.version, "hip", None)
-    for device in ("cuda", "cuda:0"):
-        with pytest.raises(
-            InvalidRequestError, match=r"compute capability 8\.0 or later .*; Tesla T4 has 7\.5\. Use device 'cpu'\."
-        ) as err:
-            LLM(str(tiny_model_dir), device=device, dtype="float32", session_db=False, progress=False)
-        assert err.value.param == "device"
     settings = dict(dtype="float32", kv_cache_tokens=256, session_db=False, progress=False)
+    refused = r"compute capability 8\.0 or later .*; Tesla T4 has 7\.5\. Use device 'cpu', or leave device out"
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(InvalidRequestError, match=refused) as err:
+            LLM(str(tiny_model_dir), device=device, **settings)
+        assert err.value.param == "device"
     with caplog.at_level(logging.WARNING, "kvserve.kernels"), LLM(str(tiny_model_dir), **settings) as llm:
         assert llm.device == torch.device("cpu")
         assert len(llm.generate(prompt(0), GREEDY).token_ids) == GREEDY.max_tokens
         wait_idle_and_check(llm)
-    assert "Tesla T4 has 7.5. Running on the CPU." in caplog.text
-    gpu.update(name="NVIDIA A100-SXM4-80GB", capability=(8, 0))  # Ampere: taken
-    assert default_device() == torch.device("cuda")
+    assert "cuda:0 passed over: " in caplog.text and "Tesla T4 has 7.5." in caplog.text
+    gpus.append(("NVIDIA A100-SXM4-80GB", (8, 0)))  # Ampere, second: taken unasked, and by its index
+    assert default_device() == torch.device("cuda", 1)
+    with pytest.raises(InvalidRequestError, match=refused):
+        LLM(str(tiny_model_dir), device="cuda:0", **settings)
+    gpus.reverse()  # the A100 first, the T4 second: each index answers for its own GPU
+    assert default_device() == torch.device("cuda", 0)
+    with pytest.raises(InvalidRequestError, match=refused):
+        LLM(str(tiny_model_dir), device="cuda:1", **settings)
     monkeypatch.setattr(torch.version, "hip", "6.2.41133")
-    gpu["name"] = "AMD Instinct MI300X"
+    gpus[:] = [("AMD Instinct MI300X", (9, 4))]
     assert default_device() == torch.device("cpu")
     with pytest.raises(InvalidRequestError, match=r"written for NVIDIA GPUs .* ROCm build \(HIP 6\.2\.41133\)"):
-        LLM(str(tiny_model_dir), device="cuda", dtype="float32", session_db=False, progress=False)
+        LLM(str(tiny_model_dir), device="cuda", **settings)
 
 
 def test_weights_or_a_kv_cache_the_device_has_no_room_for_are_refused_with_what_to_lower(tiny_model_dir, monkeypatch):
-    """A GPU's out-of-memory error (torch's, raised here by the load or by the pool's allocation, as a GPU
-    too small raises it) came out of LLM() as torch's RuntimeError; it is now the user's InvalidRequestError
-    naming what to change. Nothing is left behind: the same LLM starts once the fault is gone."""
+    """An allocation's failure (raised here by the load or by the pool's allocation, as memory too small
+    raises it: torch's on a GPU, the CPU allocator's, Triton's loading a kernel) came out of LLM() as a
+    RuntimeError; it is now the user's InvalidRequestError naming what to change, with the failure's first
+    line. Any other error passes as it was. Nothing is left behind: the same LLM starts after them."""
     import kvserve.engine.model_runner as model_runner
     import kvserve.pipeline.stage as stage
 
-    settings = dict(dtype="float32", kv_cache_tokens=256, session_db=False, progress=False)
-    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\nlong allocator state")
-
-    def out_of_memory(*args, **kwargs):
-        raise oom
-
-    for module, name, param, match in (
+    settings = dict(device="cpu", dtype="float32", kv_cache_tokens=256, session_db=False, progress=False)
+    cpu = "[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't allocate memory: you tried to allocate 2 GB"
+    for module, name, error, param, match in (
         (
             stage,
             "load_model",
+            RuntimeError(cpu + "\nits state"),
             "weights",
-            r"weights \(auto\) do not fit in this machine's memory \(CUDA out of memory\. "
-            r"Tried to allocate 20\.00 GiB\.\); use --weights q4 or q8",
+            r"weights do not fit in this machine's memory \(\[enforce fail .* 2 GB\); use weights=q4 or q8 "
+            r"\(--weights\) or a smaller model\.$",
         ),
         (
             model_runner,
             "allocate_kv_cache",
+            torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\nits state"),
             "kv_cache_tokens",
-            r"A KV cache of 256 tokens \(0\.00 GiB\) .* lower "
-            r"kv_cache_tokens or max_num_seqs\.",
+            r"^A KV cache of 256 tokens \(0\.1 MiB\) .* this machine's memory \(CUDA out of "
+            r"memory\. Tried to allocate 20\.00 GiB\.\); lower kv_cache_tokens or max_num_seqs\.$",
         ),
+        (
+            model_runner,
+            "allocate_kv_cache",
+            RuntimeError("Triton Error [CUDA]: out of memory"),
+            "kv_cache_tokens",
+            r"\(Triton Error \[CUDA\]: out of memory\); lower kv_cache_tokens",
+        ),
+        (stage, "load_model", RuntimeError("a damaged file"), None, "^a damaged file$"),
     ):
+
+        def failing(*args, error=error, **kwargs):
+            raise error
+
         with monkeypatch.context() as patched:
-            patched.setattr(module, name, out_of_memory)
-            with pytest.raises(InvalidRequestError, match=match) as err:
+            patched.setattr(module, name, failing)
+            with pytest.raises(InvalidRequestError if param else RuntimeError, match=match) as err:
                 LLM(str(tiny_model_dir), **settings)
-        assert err.value.param == param and "allocator state" not in str(err.value)
+        assert getattr(err.value, "param", None) == param and "its state" not in str(err.value)
     with LLM(str(tiny_model_dir), **settings) as llm:
         assert len(llm.generate(prompt(1), GREEDY).token_ids) == GREEDY.max_tokens
         wait_idle_and_check(llm)

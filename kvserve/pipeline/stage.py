@@ -73,7 +73,7 @@ def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, pr
     device = torch.device(spec.device)
     # each out-of-memory error is read inside its `except` and raised as ours after it: the error's
     # traceback (which holds the tensors made so far) is gone by then, so a retry has the memory back
-    failed = None
+    failed, free = None, _free_memory(device)
     try:
         model = load_model(
             spec.model,
@@ -84,17 +84,24 @@ def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, pr
             activations=spec.activations,
             stage=layers,
         )
-    except torch.OutOfMemoryError as exc:
-        failed = first_line(str(exc), "out of memory")
+    except RuntimeError as exc:
+        failed = _out_of_memory(exc)
+        if failed is None:
+            raise
     if failed is not None:
+        smaller = [] if spec.weights in ("q4", "q8") else ["weights=q4 or q8 (--weights)"]
+        smaller.append("a smaller model")
+        if device.type == "cuda":
+            smaller.append("the CPU (device='cpu'; for kvserve serve, CUDA_VISIBLE_DEVICES='')")
         raise InvalidRequestError(
-            f"{spec.model}'s weights ({spec.weights}) do not fit in {_memory_left(device)} ({failed}); use "
-            "--weights q4 or q8, a smaller model, or device 'cpu'.",
+            f"{spec.model}'s weights do not fit in {_memory(device, free, 'before them')} ({failed}); use "
+            f"{' or '.join(smaller)}.",
             "weights",
         )
     tokens = sizes.num_kv_blocks * sizes.block_size
     pool = tokens * kv_cache_bytes_per_token(model.config, spec.kv_cache_dtype) * len(model.layers)
     pool //= model.config.num_hidden_layers  # this stage's layers'
+    free = _free_memory(device)
     try:
         return ModelRunner(
             model,
@@ -108,19 +115,39 @@ def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, pr
             spec.cuda_graphs,
             spec.async_scheduling,
         )
-    except torch.OutOfMemoryError as exc:
-        failed = first_line(str(exc), "out of memory")
+    except RuntimeError as exc:
+        failed = _out_of_memory(exc)
+        if failed is None:
+            raise
     del model
     raise InvalidRequestError(
-        f"A KV cache of {tokens} tokens ({pool / 2**30:.2f} GiB) and the decode steps' buffers do not fit in "
-        f"{_memory_left(device)} after the weights ({failed}); lower kv_cache_tokens or max_num_seqs.",
+        f"A KV cache of {tokens} tokens ({_size(pool)}) and the decode steps' buffers do not fit in "
+        f"{_memory(device, free, 'after the weights')} ({failed}); lower kv_cache_tokens or max_num_seqs.",
         "kv_cache_tokens",
     )
 
 
-def _memory_left(device: torch.device) -> str:
-    """The memory `device` had left when an allocation failed, in words."""
-    if device.type != "cuda":
+def _out_of_memory(exc: RuntimeError) -> str | None:
+    """The first line of an allocation's failure: torch's on a GPU, Triton's where a kernel could not be
+    loaded, the CPU allocator's; None for any other error."""
+    text = str(exc)
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text:
+        return first_line(text, "out of memory")
+    return None
+
+
+def _free_memory(device: torch.device) -> tuple[int, int] | None:
+    """A GPU's free and total bytes now (None on the CPU)."""
+    return torch.cuda.mem_get_info(device) if device.type == "cuda" else None
+
+
+def _memory(device: torch.device, free: tuple[int, int] | None, when: str) -> str:
+    """The memory the failed allocations had, in words."""
+    if free is None:
         return "this machine's memory"
-    free, total = torch.cuda.mem_get_info(device)
-    return f"{torch.cuda.get_device_name(device)}'s memory ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)"
+    name = torch.cuda.get_device_name(device)
+    return f"{name}'s memory ({_size(free[0])} of {_size(free[1])} free {when})"
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
