@@ -562,6 +562,29 @@ def test_int4_int8_matmul_on_the_tensor_cores_gives_the_bits_of_dp4a():
         assert torch.equal(run(x[row : row + 1])[0], out[row]), row
 
 
+def test_blackwells_int4_int8_tiles_give_the_bits_of_the_others(monkeypatch):
+    """On compute capability 10.x and 11.x the tensor-core kernel's rows past 32 go in 32-row tiles
+    (INT4_INT8_MMA_TILES_BLACKWELL), never the 64-row tile: the bits every other GPU gives them."""
+    m, k, n = 100, 1024 + 160, 80
+    codes, scales, mins, _ = _int4_weight(n, k, torch.float16, seed=49)
+    x = _randn(m, k, seed=50, dtype=torch.bfloat16)
+    packed = matmul.pack_int4(codes)
+    tiles = []
+    launch = matmul._launch
+
+    def recording(kernel, config, *args, **kwargs):
+        tiles.append((kernel.__name__, config.block_m))
+        return launch(kernel, config, *args, **kwargs)
+
+    monkeypatch.setattr(matmul, "_launch", recording)
+    out = {}
+    for capability in (None, 100):  # as this machine compiles, and as a B200
+        monkeypatch.setattr(matmul, "compiled_capability", lambda device, capability=capability: capability)
+        out[capability] = matmul.int4_int8_matmul(x, packed, scales, mins, counters=matmul.split_counters(DEVICE))
+    assert torch.equal(out[100], out[None])
+    assert [rows for name, rows in tiles if name == "_int4_int8_mma_kernel"] == [64, 32], tiles  # a call each
+
+
 def test_group_major_int4_weights_give_the_row_major_bits():
     """`to_group_major` puts each group's outputs one after another (codes [K / 32, N, 16], scales and
     mins [K / 32, N]); every int4 kernel reads it with the row-major bits: float inputs (float32, and
@@ -2182,6 +2205,7 @@ def launch(kernel, grid):
     return warmup
 
 JITFunction.__getitem__ = launch
+matmul.ROW_TILE_PROGRAMS = 1  # the int4 and int8 kernels' row tiles by the rows alone (37 rows: 4)
 g = torch.ones(2048, dtype=bf16)
 codes = torch.randint(0, 16, (256, 2048), dtype=torch.uint8)
 scales = torch.rand(256, 64).to(bf16)

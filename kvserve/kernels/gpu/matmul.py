@@ -155,8 +155,8 @@ INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
 )
 # Blackwell's datacenter GPUs (compute capability 10.x and 11.x): for sm_100 (B200) Triton 3.9 makes the
 # 64-row tile's int8 dot a tcgen05 MMA with its inputs in tensor memory and compiles the kernel to a bare
-# `trap` (3.6 did not); the 32-row tile is mma.sync on every GPU, and takes any number of rows there (the
-# same bits: its sums are exact)
+# `trap` (3.6 did not; sm_103 and sm_110 still get mma.sync, but take no chance on a later Triton); the
+# 32-row tile is mma.sync on every GPU, and takes any number of rows there (the same bits: exact sums)
 INT4_INT8_MMA_TILES_BLACKWELL = (
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
     (None, {"block_m": 32, "block_n": 128, "num_warps": 8}),
@@ -1888,8 +1888,9 @@ def int4_int8_matmul(
 
     Every row's arithmetic is its own and its sums exact, so the kernel may follow M without changing a
     bit: below INT4_INT8_MMA_ROWS rows dp4a (`_int4_int8_kernel`, its row tile M rounded up), from
-    there the tensor cores (`_int4_int8_mma_kernel`, in INT4_INT8_MMA_TILES); all with the layer's K
-    splits. The weight may be given group major (`to_group_major`): the same bits. `rope` as `matmul`'s."""
+    there the tensor cores (`_int4_int8_mma_kernel`, in INT4_INT8_MMA_TILES, on Blackwell's datacenter GPUs
+    INT4_INT8_MMA_TILES_BLACKWELL); all with the layer's K splits. The weight may be given group major
+    (`to_group_major`): the same bits. `rope` as `matmul`'s."""
     n, group_major, (packed, scales, mins) = _int4_layout(x, packed, scales, mins)
     words = packed.view(torch.int32)  # [N, K / 8] (or [K / 32, N, 4]): four per group of 32
     return _int8_inputs_launch(
@@ -1937,7 +1938,8 @@ def _int8_inputs_launch(
     rope: RopeStore | None = None,
 ) -> torch.Tensor:
     """The int4 x int8 or int8 x int8 kernel for x's row count: dp4a below INT4_INT8_MMA_ROWS rows (its
-    row tile M rounded up), the tensor cores from there (in INT4_INT8_MMA_TILES); the layer's K splits."""
+    row tile M rounded up), the tensor cores from there (in INT4_INT8_MMA_TILES, or
+    INT4_INT8_MMA_TILES_BLACKWELL); the layer's K splits."""
     k = x.shape[1]
     config = config_for(INT4_INT8_CONFIG, n, k)  # its K splits, whichever kernel runs: the same sums
     constexprs = {"GROUP_MAJOR": True} if group_major else {}
