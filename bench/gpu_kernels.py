@@ -139,7 +139,6 @@ def timed(fn, device: str, replays: int = 20, warm: bool = True) -> float:
 def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, result, kinds=None, own=False) -> None:
     """Time cuBLAS and each candidate on `count` layers of n x k weights at each row count, into
     result["records"] (or result["errors"]); `kinds`: only those; `own`: kvserve's configs only."""
-    from kvserve.kernels.gpu import compiled_capability
     from kvserve.kernels.gpu import matmul as mm
 
     floats, int4s, int4_int8s = candidates()
@@ -154,7 +153,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         (64, 32, 4),
         (128, 64, 8),
     ]
-    if 100 <= (compiled_capability(torch.device(device)) or 0) < 120:  # their tiles past 32 rows trap (matmul.py)
+    if mm.int4_int8_mma_tiles(torch.device(device)) is mm.INT4_INT8_MMA_TILES_BLACKWELL:  # tiles past 32 rows trap
         int4_int8_mma_tiles = [tile for tile in int4_int8_mma_tiles if tile[0] <= 32]
     # the packed-bfloat16 candidate's loop for sm_90 has the fewest instructions per weight with 128
     # columns (4.0 against 4.7 for 64, offline ptxas; the default kernel's: 7.0)

@@ -98,9 +98,6 @@ def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, pr
             f"{' or '.join(smaller)}.",
             "weights",
         )
-    tokens = sizes.num_kv_blocks * sizes.block_size
-    pool = tokens * kv_cache_bytes_per_token(model.config, spec.kv_cache_dtype) * len(model.layers)
-    pool //= model.config.num_hidden_layers  # this stage's layers'
     free = _free_memory(device)
     try:
         return ModelRunner(
@@ -119,6 +116,9 @@ def build_stage(spec: StageSpec, layers: tuple[int, int], sizes: EngineSizes, pr
         failed = _out_of_memory(exc)
         if failed is None:
             raise
+    tokens = sizes.num_kv_blocks * sizes.block_size
+    pool = tokens * kv_cache_bytes_per_token(model.config, spec.kv_cache_dtype) * len(model.layers)
+    pool //= model.config.num_hidden_layers  # this stage's layers'
     del model
     raise InvalidRequestError(
         f"A KV cache of {tokens} tokens ({_size(pool)}) and the decode steps' buffers do not fit in "

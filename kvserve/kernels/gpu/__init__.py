@@ -33,7 +33,6 @@ PREFETCH_BYTES = 512
 # GPU run so far measured and tested, which Triton 3.10 turns off by default (3.9 warns at the first compile).
 _FIXED = {"enable_fp_fusion": True}
 _PDL_ON = {**_FIXED, "PDL": True, "launch_pdl": True}
-_pdl_devices: dict[int | None, bool] = {}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -102,12 +101,16 @@ def compiled_capability(device) -> int | None:
     Triton's active driver (the offline compile tests, which tell it a GPU); None in the interpreter."""
     if INTERPRET:
         return None
-    import torch
+    index = device.index
+    if device.type == "cuda" and index is None:
+        import torch
 
-    index = torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index
+        index = torch.cuda.current_device()
     key = (device.type, index)
-    if key not in _capabilities:
+    if key not in _capabilities:  # (asked at every launch: only the first call per device reaches torch)
         if device.type == "cuda":
+            import torch
+
             major, minor = torch.cuda.get_device_capability(index)
             _capabilities[key] = major * 10 + minor
         else:
@@ -120,13 +123,7 @@ def compiled_capability(device) -> int | None:
 def supports_pdl(device) -> bool:
     """Whether kernels on `device` can launch with programmatic dependent launch: a CUDA GPU of compute
     capability 9.0 or later (never in the interpreter), whatever `PDL` says."""
-    if INTERPRET or device.type != "cuda":
-        return False
-    if device.index not in _pdl_devices:
-        import torch
-
-        _pdl_devices[device.index] = torch.cuda.get_device_capability(device)[0] >= 9
-    return _pdl_devices[device.index]
+    return device.type == "cuda" and (compiled_capability(device) or 0) >= 90
 
 
 def uses_pdl(device) -> bool:

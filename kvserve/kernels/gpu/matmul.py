@@ -162,6 +162,14 @@ INT4_INT8_MMA_TILES_BLACKWELL = (
     (None, {"block_m": 32, "block_n": 128, "num_warps": 8}),
 )
 
+
+def int4_int8_mma_tiles(device: torch.device) -> tuple:
+    """The tensor-core int4 x int8 kernel's tiles on `device`: INT4_INT8_MMA_TILES_BLACKWELL on compute
+    capability 10.x and 11.x, else INT4_INT8_MMA_TILES."""
+    capability = compiled_capability(device)
+    return INT4_INT8_MMA_TILES_BLACKWELL if capability is not None and 100 <= capability < 120 else INT4_INT8_MMA_TILES
+
+
 # A layer of at most this many outputs (a 1B model's attention projections and down projection) has
 # too few column tiles to keep 132 multiprocessors reading for one row: its quantized K splits are half
 # as long, and where K makes one float split, its float tiles are half as wide. H200, one row: 2048 ->
@@ -315,8 +323,8 @@ def _finish_tile(
     """Store a tile's float32 sums: as the output (+ bias; GATED and ROPE, `_store_output`'s), or as this K
     split's partial sums (workspace [splits, M, N]). With SUM_IN_TILE the tile's last split to finish,
     counted on the tile's counter (a program's rows by its columns), adds every split's partial sums in
-    split order and stores the output: `_sum_splits_kernel`'s additions in its order, so its bits, without its launch; it leaves
-    the counter at 0 for the next call."""
+    split order and stores the output: `_sum_splits_kernel`'s additions in its order, so its bits, without
+    its launch; it leaves the counter at 0 for the next call."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     if IS_SPLIT:
@@ -1944,11 +1952,7 @@ def _int8_inputs_launch(
     config = config_for(INT4_INT8_CONFIG, n, k)  # its K splits, whichever kernel runs: the same sums
     constexprs = {"GROUP_MAJOR": True} if group_major else {}
     if x.shape[0] >= INT4_INT8_MMA_ROWS:
-        capability = compiled_capability(x.device)
-        tiles = (
-            INT4_INT8_MMA_TILES_BLACKWELL if capability is not None and 100 <= capability < 120 else INT4_INT8_MMA_TILES
-        )
-        tile = next(t for rows, t in tiles if rows is None or x.shape[0] <= rows)
+        tile = next(t for rows, t in int4_int8_mma_tiles(x.device) if rows is None or x.shape[0] <= rows)
         kernel, config = _int4_int8_mma_kernel, dataclasses.replace(config, **tile)
     else:
         kernel, config = _int4_int8_kernel, dataclasses.replace(config, block_m=_row_tile(x.shape[0]))
