@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvserve.errors import UnsupportedModelError
-from kvserve.models.config import ModelConfig
+
+if TYPE_CHECKING:  # (kvserve.models' __init__ imports the decoder, which imports this module)
+    from kvserve.models.config import ModelConfig
 
 TABLE_CHUNK = 4096
 
