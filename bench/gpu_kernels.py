@@ -13,7 +13,9 @@ configuration, bfloat16 scales and zeros: other bits by design; kernels/gpu/tiny
 only; and the int8 kernel on the lm_head (a 4-bit GGUF's Q8_0 embedding),
 with float inputs (`int8`) and int8 ones (`int8-int8`, `int8_int8_matmul`). Candidates with the same bits
 (`same_bits`): `int4-bf16x2-gm` and `int4-int8-gm`, the codes, scales and mins group major
-(`matmul.to_group_major`: a warp's outputs read one block); from 17 rows `int4-bf16x2-1tile`, `-2tile` and
+(`matmul.to_group_major`: a warp's outputs read one block); `int4-bf16x2-waited`, each K step's scales and
+mins loaded in the step (`_int4_kernel`'s ALIGNED_GROUPS off: the kernel before 2026-12-05), against which
+`int4-bf16x2` shows what loading them steps ahead with the codes gains; from 17 rows `int4-bf16x2-1tile`, `-2tile` and
 `-4tile`, programs of that many tiles of 16 rows, each weight dequantized once a program (kvserve's
 int4 and int8 kernels take up to `matmul.MAX_ROW_TILES` tiles a program, fewer where the layer would have
 fewer than `ROW_TILE_PROGRAMS` programs), and `int8-1tile` on the lm_head; `int4-int8-partials`, up to 8 rows each K
@@ -177,7 +179,9 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             mm._launch(mm._float_kernel, cfg, x, n, (w, w.stride(0)), None, out_dtype, counters=c) for w, c in layers
         ]
 
-    def int4_calls(x, cfg, permute=True, packed_bf16=False, tile_sums=True, group_major=False, row_tiles=None):
+    def int4_calls(
+        x, cfg, permute=True, packed_bf16=False, tile_sums=True, group_major=False, row_tiles=None, waited=False
+    ):
         if cfg is None:  # kvserve's configuration, and its row tiles where not given
             cfg = mm.config_for(mm.INT4_CONFIG, n, k)
             row_tiles = row_tiles or mm.row_tiles_for(x.shape[0], n, k, cfg)
@@ -188,6 +192,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         layers = [(p, s, mn, p.stride(0), s.stride(0), mn.stride(0)) for p, s, mn in groups]
         layers = list(zip(layers, counters if tile_sums else [None] * count, strict=True))
         switches = {"PERMUTE": permute, "PACKED_BF16": packed_bf16, **({"GROUP_MAJOR": True} if group_major else {})}
+        switches.update({"ALIGNED_GROUPS": False} if waited else {})
         switches.update({"ROW_TILES": row_tiles} if row_tiles > 1 else {})
         return lambda: [
             mm._launch(mm._int4_kernel, cfg, x, n, a, None, out_dtype, counters=c, **switches) for a, c in layers
@@ -339,6 +344,8 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
         runs += [("int4-bf16x2", cfg, int4_calls(x, cfg, packed_bf16=True)) for cfg in int4s + int4_wide]
         runs += [  # the codes, scales and mins group major (matmul.to_group_major): the same bits
             ("int4-bf16x2-gm", None, int4_calls(x, None, packed_bf16=True, group_major=True)),
+            # each step's scales and mins loaded in the step, as before 2026-12-05 (ALIGNED_GROUPS): the same bits
+            ("int4-bf16x2-waited", None, int4_calls(x, None, packed_bf16=True, waited=True)),
             # from 17 rows, programs of 1, 2 and 4 row tiles whatever the layer's programs (`row_tiles_for`)
             *[
                 (f"int4-bf16x2-{tiles}tile", None, int4_calls(x, None, packed_bf16=True, row_tiles=tiles))
@@ -400,7 +407,7 @@ def time_layer(shape, name, n, k, count, rows, device, gen, started, budget_s, r
             base = kind.split("-")[0]
             # int4-bf16x2 rounds scales and mins to bfloat16 first, int4-int8 the inputs: other bits by design
             same_as = kind.removesuffix("-sum-kernel") if kind.endswith("-sum-kernel") else base
-            same_bits_as = ("-gm", "-partials", "-1tile", "-2tile", "-4tile")  # the same bits as without them
+            same_bits_as = ("-gm", "-partials", "-1tile", "-2tile", "-4tile", "-waited")  # the bits without them
             if "-words" in kind:  # int4-int8-words*, int8-int8-words*: their base kind's bits
                 same_as = kind.partition("-words")[0]
             elif kind.endswith(same_bits_as):

@@ -44,7 +44,7 @@ from kvserve.kernels.gpu.common import (
     store_groups,
     wait_for_prior,
 )
-from kvserve.kernels.gpu.norm import NormedRows, normed_inputs, normed_rows_rstd, row_width
+from kvserve.kernels.gpu.norm import NormedRows, norm_weight, normed_inputs, normed_rows_rstd, row_width
 from kvserve.kernels.gpu.timeline import DONE, ENTRY, LOOPED, WAITED, active_timeline, stamp, stamp_after
 
 GROUP_SIZE = 32  # inputs per scale (and min) of the quantized weights
@@ -447,12 +447,15 @@ def _float_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    gamma_next = norm_weight(norm, k_begin + tl.arange(0, BLOCK_K), NORM)  # (zeros without NORM)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x_mask = (rows < M)[:, None] & _below(ks, k_end, EVEN_K)[None, :]
         x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-        if NORM:
-            x = normed_inputs(x, rows, ks, x_mask, rstd, norm, NORM_ADD, INTERPRET)
+        if NORM:  # the norm's weight for this step, loaded in the step before, and the next step's
+            gamma = gamma_next
+            gamma_next = norm_weight(norm, ks + BLOCK_K, NORM)
+            x = normed_inputs(x, rows, ks, x_mask, rstd, norm, gamma, NORM_ADD, INTERPRET)
         w = tl.load(
             w_cols + ks[:, None], mask=_below(ks, k_end, EVEN_K)[:, None] & (cols < N)[None, :], other=0.0
         )  # [BK, BN]
@@ -495,13 +498,13 @@ def _repeat_rows(values, TIMES: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(x_ptr, rows, stride_xm, ks, k_ok, M, w, acc, rstd, norm, NORM_ADD, NORM: tl.constexpr, INTERPRET):
+def _rows_dot(x_ptr, rows, stride_xm, ks, k_ok, M, w, acc, rstd, norm, gamma, NORM_ADD, NORM: tl.constexpr, INTERPRET):
     """acc + x[rows, ks] @ w: a row tile's inputs loaded (for `NormedRows`, NORM: made the norm's output
-    with `rstd`) and its dot with a weight tile w [BK, BN]."""
+    with `rstd` and its weight gamma at ks) and its dot with a weight tile w [BK, BN]."""
     mask = (rows < M)[:, None] & k_ok[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
     if NORM:
-        x = normed_inputs(x, rows, ks, mask, rstd, norm, NORM_ADD, INTERPRET)
+        x = normed_inputs(x, rows, ks, mask, rstd, norm, gamma, NORM_ADD, INTERPRET)
     return dot(x, w, acc, INTERPRET)
 
 
@@ -520,6 +523,7 @@ def _tiles_dots(
     acc3,
     rstd,
     norm,
+    gamma,
     NORM_ADD,
     NORM: tl.constexpr,
     ROW_TILES: tl.constexpr,
@@ -527,14 +531,19 @@ def _tiles_dots(
 ):
     """The first ROW_TILES row tiles' sums (acc0 .. acc3 [BM, BN], the first tile at rows [BM]) plus their
     inputs times the same weight tile w [BK, BN], dequantized once: each tile's dot that of a program of
-    one tile, its products and sums in its order."""
+    one tile, its products and sums in its order. `rstd`, `norm` and gamma (the norm's weight at ks) for
+    `NormedRows` (NORM), which take one tile."""
     BM: tl.constexpr = acc0.shape[0]
-    acc0 = _rows_dot(x_ptr, rows, stride_xm, ks, k_ok, M, w, acc0, rstd, norm, NORM_ADD, NORM, INTERPRET)
-    if ROW_TILES > 1:  # (NormedRows take one tile)
-        acc1 = _rows_dot(x_ptr, rows + BM, stride_xm, ks, k_ok, M, w, acc1, rstd, norm, NORM_ADD, 0, INTERPRET)
+    acc0 = _rows_dot(x_ptr, rows, stride_xm, ks, k_ok, M, w, acc0, rstd, norm, gamma, NORM_ADD, NORM, INTERPRET)
+    if ROW_TILES > 1:
+        acc1 = _rows_dot(x_ptr, rows + BM, stride_xm, ks, k_ok, M, w, acc1, rstd, norm, gamma, NORM_ADD, 0, INTERPRET)
     if ROW_TILES > 2:
-        acc2 = _rows_dot(x_ptr, rows + 2 * BM, stride_xm, ks, k_ok, M, w, acc2, rstd, norm, NORM_ADD, 0, INTERPRET)
-        acc3 = _rows_dot(x_ptr, rows + 3 * BM, stride_xm, ks, k_ok, M, w, acc3, rstd, norm, NORM_ADD, 0, INTERPRET)
+        acc2 = _rows_dot(
+            x_ptr, rows + 2 * BM, stride_xm, ks, k_ok, M, w, acc2, rstd, norm, gamma, NORM_ADD, 0, INTERPRET
+        )
+        acc3 = _rows_dot(
+            x_ptr, rows + 3 * BM, stride_xm, ks, k_ok, M, w, acc3, rstd, norm, gamma, NORM_ADD, 0, INTERPRET
+        )
     return acc0, acc1, acc2, acc3
 
 
@@ -594,6 +603,7 @@ def _int4_kernel(
     NORM_ADD: tl.constexpr = False,  # NormedRows with a delta
     timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
     ROW_TILES: tl.constexpr = 1,  # row tiles of BLOCK_M a program, each weight tile dequantized once for them
+    ALIGNED_GROUPS: tl.constexpr = True,  # a step's scales and mins a step ahead; False (bench): loaded in the step
 ):
     stamp(timeline, ENTRY, INTERPRET)
     tl.static_assert((ROW_TILES == 1) | (ROW_TILES == 2) | (ROW_TILES == 4))
@@ -626,6 +636,9 @@ def _int4_kernel(
         k_ok = _below(k_lo, k_end, EVEN_K)
         w_mask = k_ok[:, None] & (cols < N)[None, :]
         groups = k0 // 32 + g
+        if ALIGNED_GROUPS:  # k0 is a multiple of BLOCK_K: a column's groups of a step are aligned words, which
+            # the pipeliner loads steps ahead with the codes (unknown, they were 2-byte loads waited on in the step)
+            groups = tl.max_contiguous(tl.multiple_of(groups, BLOCK_K // 32), BLOCK_K // 32)
         g_mask = _below(groups, k_end // 32, EVEN_K)[:, None] & (cols < N)[None, :]
         if GROUP_MAJOR:  # a group's bytes of consecutive outputs are consecutive
             byte_at = ((k0 // 32 + i // 16).to(tl.int64) * N)[:, None] * 16 + cols64 * 16 + (i % 16)[:, None]
@@ -652,9 +665,10 @@ def _int4_kernel(
             else:
                 w = nibble_to_float(byte, high == 1, PERMUTE, INTERPRET)
                 w = cast(tl.fma(scale, w, low), x_ptr.dtype.element_ty, INTERPRET)
+            ks = k_lo + 16 * high  # (the norm's weight there in runs of 16, which the pipeliner loads a step ahead)
             acc, acc1, acc2, acc3 = _tiles_dots(
-                x_ptr, rows, stride_xm, k_lo + 16 * high, k_ok, M, w, acc, acc1, acc2, acc3, rstd, norm,
-                NORM_ADD, NORM, ROW_TILES, INTERPRET,
+                x_ptr, rows, stride_xm, ks, k_ok, M, w, acc, acc1, acc2, acc3, rstd, norm,
+                norm_weight(norm, ks, NORM), NORM_ADD, NORM, ROW_TILES, INTERPRET,
             )  # fmt: skip
     if ROW_TILES > 1:
         acc, rows = _stacked_rows(acc, acc1, acc2, acc3, ROW_TILES)
@@ -1495,8 +1509,12 @@ def _int8_kernel(
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    gamma_next = norm_weight(norm, k_begin + tl.arange(0, BLOCK_K), NORM)  # (zeros without NORM)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
+        gamma = gamma_next  # the norm's weight for this step, loaded in the step before, and the next step's
+        if NORM:
+            gamma_next = norm_weight(norm, ks + BLOCK_K, NORM)
         k_ok = _below(ks, k_end, EVEN_K)
         w_mask = k_ok[:, None] & (cols < N)[None, :]
         codes = tl.load(codes_ptr + cols64 * stride_cn + ks[:, None], mask=w_mask, other=0)  # [BK, BN]
@@ -1506,8 +1524,8 @@ def _int8_kernel(
         scale = _repeat_rows(scale.to(tl.float32), 32)
         w = cast(codes.to(tl.float32) * scale, x_ptr.dtype.element_ty, INTERPRET)
         acc, acc1, acc2, acc3 = _tiles_dots(
-            x_ptr, rows, stride_xm, ks, k_ok, M, w, acc, acc1, acc2, acc3, rstd, norm, NORM_ADD, NORM, ROW_TILES,
-            INTERPRET,
+            x_ptr, rows, stride_xm, ks, k_ok, M, w, acc, acc1, acc2, acc3, rstd, norm, gamma, NORM_ADD, NORM,
+            ROW_TILES, INTERPRET,
         )  # fmt: skip
     if ROW_TILES > 1:
         acc, rows = _stacked_rows(acc, acc1, acc2, acc3, ROW_TILES)

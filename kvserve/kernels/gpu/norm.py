@@ -122,15 +122,28 @@ def normed_rows_rstd(
 
 
 @triton.jit
-def normed_inputs(x, rows, ks, mask, rstd, norm, ADD: tl.constexpr, INTERPRET: tl.constexpr):
+def norm_weight(norm, ks, NORM: tl.constexpr):
+    """The norm's weight at ks [BK] in float32, 0 past its width, for `normed_inputs` (zeros without NORM,
+    where `norm` is empty). A 2-byte load a thread, which Triton's pipeliner leaves in its step: the float
+    and Q8_0 kernels load the next step's before this step's dots, hiding its latency behind them."""
+    if NORM:
+        _, _, weight_ptr, _, hidden, _ = norm
+        g = tl.load(weight_ptr + ks, mask=ks < hidden, other=0.0).to(tl.float32)
+    else:
+        g = tl.zeros(ks.shape, tl.float32)
+    return g
+
+
+@triton.jit
+def normed_inputs(x, rows, ks, mask, rstd, norm, g, ADD: tl.constexpr, INTERPRET: tl.constexpr):
     """A matmul's inputs [BM, BK] at rows [BM] and ks [BK] for `NormedRows`: x as loaded (mask: where
-    it was) made the norm's output there, `rstd` from `normed_rows_rstd`: the norm kernel's arithmetic."""
-    delta_ptr, stride_d, weight_ptr, _, hidden, _ = norm
+    it was) made the norm's output there, `rstd` from `normed_rows_rstd` and g the norm's weight at ks
+    (`norm_weight`): the norm kernel's arithmetic."""
+    delta_ptr, stride_d, _, _, _, _ = norm
     s = x.to(tl.float32)
     if ADD:
         d = tl.load(delta_ptr + rows.to(tl.int64)[:, None] * stride_d + ks[None, :], mask=mask, other=0.0)
         s = cast(s + d.to(tl.float32), x.dtype, INTERPRET).to(tl.float32)
-    g = tl.load(weight_ptr + ks, mask=ks < hidden, other=0.0).to(tl.float32)
     return _normalized(s, rstd, g, x.dtype, x.dtype, INTERPRET)
 
 
