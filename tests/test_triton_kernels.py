@@ -2046,8 +2046,9 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     # The K loops of the matmuls with float inputs (the default path) wait on no load of their own step: their
     # weights, scales, mins, inputs and the norm's weight come a step ahead (the 4-bit kernel's scales and mins
     # were 2-byte loads in the step until their columns' groups were known to be aligned: an H200 would wait a
-    # trip to memory at each K step). Known to wait: the attention kernel (its K and V rows found through the
-    # block table) and the int4 x int8 tensor-core kernel (`--activations int8` from 9 rows).
+    # trip to memory at each K step). Known to wait: the attention kernel (the next chunk's block-table entries,
+    # before its K and V rows can be asked for) and the int4 x int8 tensor-core kernel (`--activations int8`
+    # from 9 rows).
     waits = {(launch[0].rpartition("-")[0], launch[1]): launch[-1] for launch in launches if launch[-1]}
     launches = [launch[:-1] for launch in launches]
     assert {kernel for _, kernel in waits} <= {"_attention_kernel", "_int4_int8_mma_kernel"}, waits
