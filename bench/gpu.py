@@ -31,7 +31,8 @@ and with a program's code words over its threads (`matmul.WORDS_IN_THREADS`, the
 bf16 and 4-bit with each decoder layer's two norms in the prologues of the matmuls after them
 (`layers/gpu.FUSE_NORMS`, the same bits) as `bf16-norms` and `q4-norms`;
 4-bit with a program of the int4 and int8 kernels a tile of 16 rows (`matmul.MAX_ROW_TILES` 1: each weight
-dequantized once a tile, as before, the same bits) as `q4-1tile`;
+dequantized once a tile, as before, the same bits) as `q4-1tile`; 4-bit with each K step's scales and mins
+loaded in the step (`matmul.ALIGNED_GROUPS` False, the kernel before 2026-12-05, the same bits) as `q4-waited`;
 4-bit with float16 scales and two roundings a weight (the int4 kernel before its
 packed-bfloat16 FMAs became the default for bfloat16 models) as `q4-fp16`; bf16,
 q4 and q4-int8 with programmatic dependent launch (KVSERVE_PDL=1) as `bf16-pdl`, `q4-pdl` and `q4-int8-pdl`, and with the
@@ -268,8 +269,9 @@ def int4_candidate(weights: str):
     """GpuInt4Linear's form that `weights` names for the layers loaded inside: without packed bfloat16
     FMAs (`q4-fp16`, float16 scales), PyTorch's int4 kernel (`q4-tinygemm`), group major (`-gm`), and
     with int8 inputs each K split a program of its own (`-partials`, matmul.SPLITS_IN_PROGRAM 0) or a
-    program's code words over its threads (`-words`, matmul.WORDS_IN_THREADS), and a program of the int4
-    and int8 kernels a row tile (`-1tile`, matmul.MAX_ROW_TILES 1)."""
+    program's code words over its threads (`-words`, matmul.WORDS_IN_THREADS), a program of the int4
+    and int8 kernels a row tile (`-1tile`, matmul.MAX_ROW_TILES 1), and the int4 kernel's scales and
+    mins loaded in each K step, as before 2026-12-05 (`-waited`, matmul.ALIGNED_GROUPS False)."""
     from kvserve.kernels.gpu import matmul
     from kvserve.layers.gpu import GpuInt4Linear
 
@@ -280,11 +282,13 @@ def int4_candidate(weights: str):
     matmul.SPLITS_IN_PROGRAM = 0 if weights.endswith("-partials") else programs
     matmul.WORDS_IN_THREADS = WORDS_IN_THREADS if weights.endswith("-words") else words
     matmul.MAX_ROW_TILES = 1 if weights.endswith("-1tile") else row_tiles
+    matmul.ALIGNED_GROUPS = not weights.endswith("-waited")
     try:
         yield
     finally:
         GpuInt4Linear.packed_bf16, GpuInt4Linear.tinygemm, GpuInt4Linear.group_major = None, False, False
         matmul.SPLITS_IN_PROGRAM, matmul.WORDS_IN_THREADS, matmul.MAX_ROW_TILES = programs, words, row_tiles
+        matmul.ALIGNED_GROUPS = True
 
 
 def run_kvserve(
@@ -610,7 +614,7 @@ def main() -> None:
         help="comma-separated: only these runs, by engine (kvserve, transformers-eager, transformers-compiled) or"
         " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, bf16-pdl-prefetch, q4, q4-pdl,"
         " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-tinygemm, q4-gm, q4-int8-gm, q4-int8-partials,"
-        " q4-int8-words, q4-norms, bf16-norms, q4-1tile, q4-fp16)",
+        " q4-int8-words, q4-norms, bf16-norms, q4-1tile, q4-waited, q4-fp16)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run not done by then is stopped")
     parser.add_argument("--skip-tests", action="store_true")
@@ -661,6 +665,8 @@ def main() -> None:
         if "q4" in models[shape]:  # and with int8 inputs (dp4a), on the same file
             plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
         plan.append(("transformers-eager", shape, "bf16", False))
+        if "q4" in models[shape]:  # the 4-bit kernel before its scales came steps ahead: what that gave
+            plan.append(("kvserve", shape, "q4-waited", True))
         # the candidates, the one-stream target's first: the norms in the matmuls (4-bit and bf16); the
         # int4 kernel a row tile a program (the default before, for 64 streams); the code words over the
         # threads; PyTorch's own int4 kernel; group major, both inputs; each K split a program
@@ -813,6 +819,7 @@ def targets(runs: list[dict]) -> list[dict]:
             ("q4-norms", "q4"),
             ("bf16-norms", "bf16"),
             ("q4", "q4-1tile"),
+            ("q4", "q4-waited"),
         ]
         for weights, base in same_bits:  # the same bits as the base: any gain decides
             for n in counts:

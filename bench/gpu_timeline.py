@@ -24,7 +24,8 @@ and `program_p50`. Where the global timer ticks coarsely (`timer_step_ns`), `cyc
 Kinds: `float` (bf16 weights, kvserve's kernels), `int4-bf16x2` (the 4-bit default: bf16 inputs, the
 Q8_0 lm_head with float inputs), `int4-int8` (`--activations int8`; the inputs' int8 form made before
 the graph, as the kernel before makes it in the engine), `int4-int8-words` (the same with
-`matmul.WORDS_IN_THREADS`, a candidate), `float-normed` and `int4-bf16x2-normed` (the norms before q/k/v and
+`matmul.WORDS_IN_THREADS`, a candidate), `int4-bf16x2-waited` (the 4-bit kernel with each K step's scales and
+mins loaded in the step, `matmul.ALIGNED_GROUPS` False: the kernel before 2026-12-05), `float-normed` and `int4-bf16x2-normed` (the norms before q/k/v and
 gate/up in those matmuls' prologues, `NormedRows`: their `loop_p50` holds the prologue). `graph_us` is the graph's replay time without the stamps and
 `graph_us_recorded` with them (the stamps' own cost: a reduction a program after its loop).
 
@@ -55,7 +56,9 @@ SHAPES = {
 }
 HEADS = gpu_kernels.HEADS
 # `-normed`: the norms before q/k/v and gate/up in those matmuls' prologues (`NormedRows`, layers/gpu.FUSE_NORMS)
-KINDS = ("float", "int4-bf16x2", "int4-int8", "int4-int8-words", "float-normed", "int4-bf16x2-normed")
+KINDS = (
+    "float", "int4-bf16x2", "int4-bf16x2-waited", "int4-int8", "int4-int8-words", "float-normed", "int4-bf16x2-normed"
+)  # fmt: skip
 WORDS_IN_THREADS = 1024  # int4-int8-words: matmul.WORDS_IN_THREADS, a candidate (as bench/gpu.py's q4-int8-words)
 
 
@@ -64,7 +67,7 @@ def step_calls(kind: str, shape: str, layers: int, rows: int, device: str, gen: 
     from kvserve.kernels.gpu import matmul as mm
     from kvserve.kernels.gpu import norm
 
-    normed, kind = kind.endswith("-normed"), kind.removesuffix("-normed")
+    normed, kind = kind.endswith("-normed"), kind.removesuffix("-normed").removesuffix("-waited")
     heads, kv_heads, head_dim = HEADS[shape]
     cos, sin = torch.randn(2, rows, 1, head_dim, device=device, generator=gen).to(torch.bfloat16)
     caches = torch.zeros(2, (rows + 15) // 16, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
@@ -224,6 +227,7 @@ def main() -> None:
     for kind in args.kinds.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
             matmul.WORDS_IN_THREADS = WORDS_IN_THREADS if kind.endswith("-words") else 0
+            matmul.ALIGNED_GROUPS = not kind.endswith("-waited")
             try:
                 calls = step_calls(kind, args.shapes, args.layers, rows, args.device, gen)
                 with timeline.recording(timeline.Timeline(args.device)) as warm:  # compiles the stamped kernels

@@ -148,6 +148,10 @@ WORDS_IN_THREADS = 0
 # and 3.9; a 1B down projection's 32 x 8: 4.3 KB), where 64 (q/k/v and o, 8 x 8; gate/up, 4 x 16) take
 # 184-254 registers and no stack; such layers keep the splits kernel.
 WORDS_GROUPS = 64
+# The int4 kernel's scales and mins of a K step loaded with its codes, steps ahead (`_int4_kernel`'s
+# ALIGNED_GROUPS); False (bench/gpu.py's `q4-waited`, gpu_timeline.py's `int4-bf16x2-waited`): 2-byte loads
+# in the step, waited on there, the kernel before 2026-12-05 (docs/performance.md): the same bits.
+ALIGNED_GROUPS = True
 INT4_INT8_MMA_TILES = (  # (up to this many rows, tile changes)
     (16, {"block_m": 16, "block_n": 128, "num_warps": 4}),
     (32, {"block_m": 32, "block_n": 128, "num_warps": 8}),
@@ -603,7 +607,7 @@ def _int4_kernel(
     NORM_ADD: tl.constexpr = False,  # NormedRows with a delta
     timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
     ROW_TILES: tl.constexpr = 1,  # row tiles of BLOCK_M a program, each weight tile dequantized once for them
-    ALIGNED_GROUPS: tl.constexpr = True,  # a step's scales and mins a step ahead; False (bench): loaded in the step
+    ALIGNED_GROUPS: tl.constexpr = True,  # a step's scales and mins steps ahead; False: in the step (ALIGNED_GROUPS)
 ):
     stamp(timeline, ENTRY, INTERPRET)
     tl.static_assert((ROW_TILES == 1) | (ROW_TILES == 2) | (ROW_TILES == 4))
@@ -1879,6 +1883,7 @@ def int4_matmul(
     config = config_for(INT4_CONFIG, n, x.shape[1])
     switches = {"PACKED_BF16": packed_bf16, **({"GROUP_MAJOR": True} if group_major else {})}
     switches.update(_row_tiles(x, n, config))
+    switches.update({} if ALIGNED_GROUPS else {"ALIGNED_GROUPS": False})
     weight = None if group_major else packed  # the prefetch into L2 reads row-major splits
     return _launch(
         _int4_kernel,
