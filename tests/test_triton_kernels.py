@@ -2008,7 +2008,8 @@ def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
     interpreter runs), 16-bit dots use the tensor cores, float32 dots never TF32, and a call compiles
     to the same binary for 1 row (token) as for many. With programmatic dependent launch on, each kernel
     waits for the one before it before it touches memory, but for the matmuls' weights prefetched into
-    L2 where that is on too. Every launch pins FP contraction on, whatever Triton's default."""
+    L2 where that is on too. Every launch pins FP contraction on, whatever Triton's default. The K loops
+    of the matmuls with float inputs wait on no load of their own step."""
     import json
     import pathlib
     import subprocess
