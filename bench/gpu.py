@@ -279,16 +279,17 @@ def int4_candidate(weights: str):
     GpuInt4Linear.tinygemm = weights == "q4-tinygemm"
     GpuInt4Linear.group_major = "-gm" in weights
     programs, words, row_tiles = matmul.SPLITS_IN_PROGRAM, matmul.WORDS_IN_THREADS, matmul.MAX_ROW_TILES
+    aligned = matmul.ALIGNED_GROUPS
     matmul.SPLITS_IN_PROGRAM = 0 if weights.endswith("-partials") else programs
     matmul.WORDS_IN_THREADS = WORDS_IN_THREADS if weights.endswith("-words") else words
     matmul.MAX_ROW_TILES = 1 if weights.endswith("-1tile") else row_tiles
-    matmul.ALIGNED_GROUPS = not weights.endswith("-waited")
+    matmul.ALIGNED_GROUPS = False if weights.endswith("-waited") else aligned
     try:
         yield
     finally:
         GpuInt4Linear.packed_bf16, GpuInt4Linear.tinygemm, GpuInt4Linear.group_major = None, False, False
         matmul.SPLITS_IN_PROGRAM, matmul.WORDS_IN_THREADS, matmul.MAX_ROW_TILES = programs, words, row_tiles
-        matmul.ALIGNED_GROUPS = True
+        matmul.ALIGNED_GROUPS = aligned
 
 
 def run_kvserve(
