@@ -55,8 +55,8 @@ def test_the_hosts_cdiv_and_next_power_of_2_give_tritons_values():
 
 @pytest.mark.skipif(not gpu.INTERPRET, reason="the interpreter's speed-up (tests/triton_interpreter.py)")
 def test_the_sped_up_interpreter_computes_what_tritons_own_does(monkeypatch):
-    """tests/conftest.py skips the interpreter's language patching inside a launch and shares its types
-    (tests/triton_interpreter.py): a kernel whose helpers run in its loop (the matmul's dot, attention's
+    """tests/conftest.py skips the interpreter's language patching inside a launch, shares its types and
+    leaves out integer overflow checks whose assert is off (tests/triton_interpreter.py): a kernel whose helpers run in its loop (the matmul's dot, attention's
     splits) gives the bits of Triton's own."""
     from tests.triton_interpreter import speed_up, tritons_own
 
@@ -79,6 +79,38 @@ def test_the_sped_up_interpreter_computes_what_tritons_own_does(monkeypatch):
         own = run()
     for a, b in zip(sped_up, own, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not gpu.INTERPRET, reason="the interpreter's speed-up (tests/triton_interpreter.py)")
+def test_the_sped_up_bfloat16_conversions_give_tritons_bits():
+    """Every bfloat16 to float32, and a million float32 to bfloat16 (zeros, infinities, NaNs and subnormals
+    among them), give the bits of Triton's `_convert_float`, alone and with a subnormal in the array (which
+    the shift leaves to Triton's)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from tests.triton_interpreter import _SWAPS
+
+    own = next((o for owner, name, o, _ in _SWAPS if name == "_convert_float"), None)
+    if own is None or interpreter._convert_float is own:
+        pytest.skip("this Triton's interpreter is not the one tests/triton_interpreter.py was written for")
+    fast = interpreter._convert_float
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    normal = every[((every & 0x7F80) != 0) | ((every & 0x7F) == 0)]
+    specials = np.array(
+        [0, 1 << 31, 0x7F800000, 0xFF800000, 0x7FC00001, 0x7F800001, 0x7F7FFFFF, 0x00800000, 1], np.uint32
+    )
+    floats = np.concatenate([specials, np.random.default_rng(0).integers(0, 1 << 32, 1 << 20, dtype=np.uint32)])
+    floats_normal = floats[(floats & 0x7F800000) != 0]
+    for bits, src, dst in [
+        (every, tl.bfloat16, tl.float32),
+        (normal.reshape(-1, 2), tl.bfloat16, tl.float32),
+        (floats.view(np.float32), tl.float32, tl.bfloat16),
+        (floats_normal.view(np.float32), tl.float32, tl.bfloat16),
+    ]:
+        mine, tritons = fast(bits, src, dst, None), own(bits, src, dst, None)
+        assert mine.dtype == tritons.dtype and mine.shape == tritons.shape and np.array_equal(mine, tritons)
 
 
 # --- RMSNorm
