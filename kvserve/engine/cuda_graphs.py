@@ -68,10 +68,18 @@ def cuda_capture(fn: Callable[[], torch.Tensor], pool: object) -> tuple[Callable
 
 
 def eager_capture(fn: Callable[[], torch.Tensor], pool: object) -> tuple[Callable[[], None], torch.Tensor]:
-    """Stands in for cuda_capture where there is no GPU (tests of the bookkeeping on a CPU): a replay
-    runs fn again over the static buffers and writes its result into the captured output."""
-    out = fn()
-    return (lambda: out.copy_(fn())), out
+    """Stands in for cuda_capture where there is no GPU (tests of the bookkeeping on a CPU, the kernels in
+    Triton's interpreter): nothing is recorded, and a replay runs fn over the static buffers and writes
+    its result into the captured output, empty until then. So a bucket that no step takes never runs here,
+    where a GPU's capture runs each at start (tests/test_cuda.py); a run at capture cost the interpreter's
+    GPU-path tests a quarter of their time, its result overwritten by the first replay."""
+    out = torch.empty(0)
+
+    def replay() -> None:
+        result = fn()
+        out.resize_(result.shape).copy_(result)
+
+    return replay, out
 
 
 def buckets_for(max_num_seqs: int) -> list[int]:
