@@ -1,8 +1,9 @@
 """The GPU path on a CPU: the model's forward over the Triton kernels (layers/gpu.py,
 layers/attention_triton.py) and the CUDA graphs' bookkeeping (engine/cuda_graphs.py), through the
-whole engine, with Triton's interpreter running the kernels (KVSERVE_KERNELS=triton). A replay here runs
-the captured step again over the static buffers, so everything but the capture itself is what a GPU
-runs: the buckets, the padding rows, the one-copy inputs, the eager steps between graphs.
+whole engine, with Triton's interpreter running the kernels (KVSERVE_KERNELS=triton). The capture here
+records nothing and a replay runs the step over the static buffers (engine/cuda_graphs.eager_capture), so
+everything but the capture itself is what a GPU runs: the buckets, the padding rows, the one-copy inputs,
+the eager steps between graphs.
 
 Checked against independent references: transformers' greedy tokens, each request's solo run (R7), a
 run without graphs, the CPU path's 4-bit arithmetic (first-divergence rule), and the block pool after
