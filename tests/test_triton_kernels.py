@@ -108,9 +108,13 @@ def test_the_sped_up_bfloat16_conversions_give_tritons_bits():
         (normal.reshape(-1, 2), tl.bfloat16, tl.float32),
         (floats.view(np.float32), tl.float32, tl.bfloat16),
         (floats_normal.view(np.float32), tl.float32, tl.bfloat16),
+        (floats_normal[:4096].view(np.float32).reshape(-1, 4)[:, ::2], tl.float32, tl.bfloat16),  # strided
+        (floats_normal[:1].view(np.float32).reshape(()), tl.float32, tl.bfloat16),  # a scalar's
+        (normal[:1].reshape(()), tl.bfloat16, tl.float32),
     ]:
         mine, tritons = fast(bits, src, dst, None), own(bits, src, dst, None)
-        assert mine.dtype == tritons.dtype and mine.shape == tritons.shape and np.array_equal(mine, tritons)
+        assert type(mine) is type(tritons) and mine.dtype == tritons.dtype and mine.shape == tritons.shape
+        assert np.array_equal(mine, tritons)
 
 
 # --- RMSNorm
