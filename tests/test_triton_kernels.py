@@ -55,8 +55,9 @@ def test_the_hosts_cdiv_and_next_power_of_2_give_tritons_values():
 
 @pytest.mark.skipif(not gpu.INTERPRET, reason="the interpreter's speed-up (tests/triton_interpreter.py)")
 def test_the_sped_up_interpreter_computes_what_tritons_own_does(monkeypatch):
-    """tests/conftest.py skips the interpreter's language patching inside a launch, shares its types and
-    leaves out integer overflow checks whose assert is off (tests/triton_interpreter.py): a kernel whose helpers run in its loop (the matmul's dot, attention's
+    """tests/conftest.py skips the interpreter's language patching inside a launch, shares its types, leaves
+    out integer overflow checks whose assert is off and converts bfloat16 by shifting its bits
+    (tests/triton_interpreter.py): a kernel whose helpers run in its loop (the matmul's dot, attention's
     splits) gives the bits of Triton's own."""
     from tests.triton_interpreter import speed_up, tritons_own
 
