@@ -11,7 +11,7 @@
 #
 #   python bench/gpu.py --prepare        # here, right before the device call (`commit` in the JSONs)
 #   bash bench/gpu_session.sh            # the device tool: carry [".gpu_assets"], timeout_s 600
-#   # the plumbing on a CPU (Triton's interpreter, tiny shapes, one engine run; about 15 minutes):
+#   # the plumbing on a CPU (Triton's interpreter, tiny shapes, one engine run; about 6 minutes):
 #   DEVICE=cpu PYTHON=.venv/bin/python LIMIT_S=1800 \
 #       GPU_ARGS="--runs q4-waited --streams 1 --max-tokens 2 --skip-tests --run-timeout-s 1200" bash bench/gpu_session.sh
 set -u
