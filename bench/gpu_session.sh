@@ -2,9 +2,10 @@
 # A GPU session's first device call (issue 32), in one go and in the order that decides the most:
 #   1. gpu_timeline.py: a one-row 1B step's matmuls, program by program, the 4-bit kernel against the one
 #      before 2026-12-05 (`int4-bf16x2-waited`) and the norms in the prologues;
-#   2. gpu_kernels.py, kvserve's own configurations: each layer at one row for the same-bits candidates
+#   2. gpu_persistent.py: what one persistent kernel for a step would save at one row, against a kernel a phase;
+#   3. gpu_kernels.py, kvserve's own configurations: each layer at one row for the same-bits candidates
 #      (docs/performance.md, "What the next GPU run decides"), then at 20 and 64 rows for the row tiles;
-#   3. gpu.py with the time left (at least GPU_RESERVE_S, 420 s): its runs by importance for 200 s less than
+#   4. gpu.py with the time left (at least GPU_RESERVE_S, 420 s): its runs by importance for 200 s less than
 #      that, its tests last, until LIMIT_S (570 s: the device tool's 600 s a call, less the margin to write
 #      back $OUT). What it skips (`skipped` in gpu.json) is a second call's: `python bench/gpu.py --runs ...`.
 # Each step has a deadline; one that fails or runs out leaves the others theirs. Outputs in $OUT.
@@ -52,6 +53,8 @@ step() {  # step NAME SECONDS COMMAND...: at most SECONDS, and never into the la
 
 step timeline 75 "$py" bench/gpu_timeline.py --device "$device" --shapes "$shapes" --layers "$layers" --rows 1 \
     --kinds int4-bf16x2,int4-bf16x2-waited,float,float-normed,int4-bf16x2-normed --out "$out/timeline.json"
+step persistent 40 "$py" bench/gpu_persistent.py --device "$device" --shapes "$shapes" --layers "$layers" \
+    --out "$out/persistent.json"
 step kernels 80 "$py" bench/gpu_kernels.py --device "$device" --shapes "$shapes" --own-configs --budget-s 50 \
     --rows 1 --kinds "$one_row" --out "$out/kernels.json"
 step kernels_tiles 45 "$py" bench/gpu_kernels.py --device "$device" --shapes "$shapes" --own-configs --budget-s 20 \
