@@ -2043,8 +2043,9 @@ call = "prefetch-1"; matmul.int4_int8_matmul(x, matmul.pack_int4(wide), wide_sca
 def test_the_persistent_probe_runs_a_steps_phases_in_one_kernel_with_the_bits_of_a_kernel_a_phase():
     """bench/gpu_persistent.py's plumbing (what a persistent decode step would save, measured on a GPU): its chain
     of one-row 4-bit products (2 layers of 5 phases, each reading the one before's output), a kernel a phase,
-    against the same chain in float64; in one kernel of one program (here each barrier passes at once), the
-    same bits, each phase's barrier counted once and none timed out."""
+    against the same chain in float64; a kernel a phase of fewer programs, each looping over tiles, and one
+    kernel of one program (here each barrier passes at once): the same bits, each phase's barrier counted
+    once and none given up."""
     from bench import gpu_persistent
 
     step = gpu_persistent.Step("tiny", 2, DEVICE, torch.Generator(device=DEVICE).manual_seed(7))
@@ -2052,7 +2053,10 @@ def test_the_persistent_probe_runs_a_steps_phases_in_one_kernel_with_the_bits_of
     launched = step.x.clone()
     assert gpu_persistent.relative(launched, step.reference()) < 1e-5
     step.x.zero_()
-    step.persistent(1, prefetch=False)
+    step.launched(programs=3)  # `launched-looped`: a program taking tiles 3 apart
+    assert torch.equal(step.x, launched)
+    step.x.zero_()
+    step.persistent(1)
     assert torch.equal(step.x, launched)
     assert step.count.item() == 10 and step.timed_out.item() == 0
 
