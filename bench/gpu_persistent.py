@@ -216,9 +216,9 @@ class Step:
     def __init__(self, shapes: str, layers: int, device: str, gen: torch.Generator) -> None:
         self.qkv, self.hidden, self.inter = SHAPES[shapes]
         self.layers, self.device = layers, device
-        self.layer_bytes = (self.qkv + self.hidden + 2 * self.inter) * (self.hidden // 2) + self.hidden * (
-            self.inter // 2
-        )
+        hidden, inter = self.hidden, self.inter
+        # codes of q/k/v, o and gate/up (each `hidden` inputs), then down's (`inter` inputs): two a byte
+        self.layer_bytes = (self.qkv + hidden + 2 * inter) * hidden // 2 + hidden * inter // 2
         self.codes = torch.randint(
             0, 256, (layers * self.layer_bytes,), dtype=torch.uint8, device=device, generator=gen
         )
@@ -253,6 +253,7 @@ class Step:
             _phase_kernel[grid](phase, codes, *self.buffers(), **self.constexprs, LOOP=loop, num_warps=NUM_WARPS)
 
     def persistent(self, programs: int, prefetch: bool = False) -> None:
+        """Every phase in one kernel of `programs` programs, each prefetching its next phase's weights or not."""
         self.x.copy_(self.input)
         self.count.zero_()
         _persistent_kernel[(programs,)](
