@@ -108,6 +108,9 @@ class PipelineRunner:
                     raise PipelineError(f"pipeline stage {key.split('/')[1]} failed to load its layers: {status}")
             group = process_group(store, 0, topology.stages)
             beats = Heartbeats(topology, 0)
+            # each stage's watchdog started: rank 0 stopped before then left a stage waiting in its store
+            # client's connect for the meeting's 10 minutes, with nothing watching
+            _await(store, [f"watching/{r}" for r in range(1, topology.stages)], local, "to watch rank 0")
         except BaseException:
             _stop_processes(workers, wait=0.0)  # they wait for a pipeline that will not come
             raise

@@ -56,6 +56,8 @@ def run_rank(topology: Topology, rank: int, spec: StageSpec, progress: bool = Fa
     beats = Heartbeats(topology, rank)
     watchdog = threading.Thread(target=_watch_rank0, args=(beats, topology), name="kvserve-watch", daemon=True)
     watchdog.start()
+    # rank 0 is ready once every stage watches it: stopped any time after, no stage outlives it
+    store.set(f"watching/{rank}", "ok")
     logger.info("pipeline stage %d ready", rank)
     last = rank == topology.stages - 1
     copies = Mirror(histories=last)  # each request's block table, and at the last stage its sampler's lists
