@@ -60,9 +60,14 @@ def _worker_threads() -> int | None:
 
 def pytest_configure(config) -> None:
     """A worker's torch threads are its share of the CPUs: on 2 cores, 2 workers of 2 threads each spent
-    twice the CPU time of 2 workers of 1 on the same suite."""
+    twice the CPU time of 2 workers of 1 on the same suite. So are those of an engine or server the worker
+    starts in a process of its own (OMP_NUM_THREADS, which torch reads at start): with every core's
+    OpenMP thread spinning (`GOMP_SPINCOUNT`, kvserve/__init__.py) beside the other worker's, each
+    parallel region waited for a descheduled thread, and a test of the bundled model's server took 37-43 s
+    in the suite against 1.7 s alone."""
     if (threads := _worker_threads()) is not None:
         torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 @pytest.fixture(scope="module", autouse=True)
