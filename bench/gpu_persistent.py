@@ -102,15 +102,21 @@ def _attend_tile(x_ptr, y_ptr, tile, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _weight_offsets(QKV: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr):
+    """Where o's, gate/up's and down's codes start in a layer's (after q/k/v's; `Step.layer_bytes` the whole)."""
+    o_at = QKV * (HIDDEN // 2)
+    gate_up_at = o_at + HIDDEN * (HIDDEN // 2)
+    return o_at, gate_up_at, gate_up_at + 2 * INTER * (HIDDEN // 2)
+
+
+@triton.jit
 def _phase(
     phase, codes_ptr, x_ptr, qkv_ptr, attn_ptr, gate_up_ptr, tile,
     QKV: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Tile `tile` of phase `phase` (5 a layer: q/k/v, attention, o, gate and up, down), the layer's codes at
     codes_ptr; x: the layer's input and its output, which the next layer takes."""
-    o_at = QKV * (HIDDEN // 2)
-    gate_up_at = o_at + HIDDEN * (HIDDEN // 2)
-    down_at = gate_up_at + 2 * INTER * (HIDDEN // 2)
+    o_at, gate_up_at, down_at = _weight_offsets(QKV, HIDDEN, INTER)
     step = phase % 5
     if step == 0:
         _gemv_tile(codes_ptr, x_ptr, qkv_ptr, tile, HIDDEN, False, BLOCK_N, BLOCK_K)
@@ -159,9 +165,7 @@ def _prefetch_phase(
     LINES_HIDDEN: tl.constexpr, LINES_INTER: tl.constexpr,
 ):  # fmt: skip
     """`_prefetch_tiles` of phase `phase`'s weights (all of each row: LINES_HIDDEN or LINES_INTER lines), the layer's at codes_ptr."""
-    o_at = QKV * (HIDDEN // 2)
-    gate_up_at = o_at + HIDDEN * (HIDDEN // 2)
-    down_at = gate_up_at + 2 * INTER * (HIDDEN // 2)
+    o_at, gate_up_at, down_at = _weight_offsets(QKV, HIDDEN, INTER)
     step = phase % 5
     if step == 0:
         _prefetch_tiles(codes_ptr, QKV, HIDDEN, BLOCK_N, LINES_HIDDEN)
@@ -375,6 +379,7 @@ def main() -> None:
     cases = [("launched", None)] + [
         (mode, p) for p in per_sm for mode in MODES[1:] if cuda or mode != "persistent-prefetch"
     ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     gave_up = None  # the fewest programs a persistent kernel's barrier gave up at: not all resident
     for mode, programs in cases:
         if mode.startswith("persistent") and gave_up is not None and programs >= gave_up:
@@ -403,7 +408,6 @@ def main() -> None:
             result["errors"].append(f"{mode} programs={programs}: {e!r}"[:500])
             print(result["errors"][-1], flush=True)
         summarize(result)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")  # after every run: a probe cut short leaves its runs
     result["seconds"] = round(time.perf_counter() - started, 1)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
