@@ -256,17 +256,43 @@ def test_preemption_under_a_tight_pool_keeps_outputs(small_llm, llm):
 
 
 def generate_in_threads(llm: LLM, texts: list[str], params: list[SamplingParams]) -> list[list[int] | None]:
-    """Each request from a thread of its own, all at once: their token ids."""
+    """Each request from a thread of its own, all at once: their token ids. The engine takes them in
+    together (their puts into its inbox wait for the last), so that the tests that need them batched
+    never bet on how soon a thread starts: a thread late by a few steps left the first request to
+    run them alone."""
+    from kvserve.engine import core
+
+    engine = llm.engine
+    inbox, held, lock = engine.inbox, [], threading.Lock()
+
+    class GatheringInbox:
+        def put(self, message) -> None:
+            if not isinstance(message, core._Add):
+                inbox.put(message)
+                return
+            with lock:
+                held.append(message)
+                if len(held) == len(texts):
+                    for added in held:
+                        inbox.put(added)
+
+        def __getattr__(self, name):
+            return getattr(inbox, name)
+
     results: list[list[int] | None] = [None] * len(texts)
 
     def worker(i: int) -> None:
         results[i] = llm.generate(texts[i], params[i]).token_ids
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(texts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    engine.inbox = GatheringInbox()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        engine.inbox = inbox
     return results
 
 
@@ -519,7 +545,8 @@ def test_a_failing_step_fails_only_its_requests(llm):
 def test_a_step_that_fails_after_its_draws_is_rerun_with_the_same_seeds(llm):
     """Seeded rows take one seed a step from their streams, a block of 64 at a time. A step whose sampler
     fails after drawing (here the 10th, and the first where a stream drew its second block) puts the
-    seeds back: the reruns give the tokens of runs without a fault."""
+    seeds back: the reruns give the tokens of runs without a fault. Both faults come in steps of both
+    requests (a failed step of one request fails it): `generate_in_threads` hands them in together."""
     params = [SamplingParams(max_tokens=90, temperature=0.9, seed=seed, ignore_eos=True) for seed in (3, 4)]
     texts = [prompt(1, 20), prompt(2, 20)]
     clean = [llm.generate(t, p).token_ids for t, p in zip(texts, params, strict=True)]
