@@ -169,8 +169,9 @@ def test_a_store_write_that_does_not_return_fails_requests_as_a_stopped_engine_d
     process answers no ping while a store write is in progress: past the timeout, requests fail with
     503 and /health says why, and once the write returns it serves again. Here another connection
     holds the database's write lock, so the store's write waits (SQLite's 5 s busy timeout), as it
-    would on a frozen disk; the engine's timeout is a tenth of that."""
-    app = create_app(settings(tiny_model_dir, tmp_path, engine_timeout=0.5))
+    would on a frozen disk; the engine's timeout is 2 s of those 5 (not less: the writes that return, with
+    their syncs, must not outlast it on a loaded machine)."""
+    app = create_app(settings(tiny_model_dir, tmp_path, engine_timeout=2.0))
     with serving(app) as base:
         sid = httpx.post(f"{base}/v1/sessions", json={}).json()["id"]
         message = {"role": "user", "content": "x"}

@@ -128,10 +128,11 @@ def test_a_request_waits_in_the_queue_while_its_grammar_compiles(llm, monkeypatc
     """The compile is held: the constrained request waits (not scheduled) while an unconstrained one
     runs to its end; released, it runs, and a second request of the same schema compiles nothing."""
     grammars = llm.engine.grammars
-    release = threading.Event()
+    release, compiling = threading.Event(), threading.Event()
     compile_original = grammars._compile
 
     def held(grammar):
+        compiling.set()
         assert release.wait(60)
         return compile_original(grammar)
 
@@ -141,6 +142,7 @@ def test_a_request_waits_in_the_queue_while_its_grammar_compiles(llm, monkeypatc
     first: list = []
     reader = threading.Thread(target=lambda: first.extend(stream))
     reader.start()
+    assert compiling.wait(60)  # the stream submits from the reader thread: in the engine before `other`
     other = llm.generate("unconstrained", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert other.finish_reason == "length"
     counts = llm.check_integrity()
