@@ -340,6 +340,9 @@ def test_docs_and_the_schema_need_the_key(keyed, keyless):
         assert httpx.get(f"{keyed}{path}", headers=auth("nope")).status_code in (401, 404), path
     schema = httpx.get(f"{keyed}/openapi.json", headers=auth("alice"))
     assert schema.status_code == 200 and "/v1/completions" in schema.json()["paths"]
+    # One id an operation (GET and HEAD /health shared one, and FastAPI warned as it built the schema)
+    ids = [operation["operationId"] for path in schema.json()["paths"].values() for operation in path.values()]
+    assert len(ids) == len(set(ids)), sorted(ids)
     for path in ("/docs", "/openapi.json"):  # without keys nothing is protected, as before
         assert httpx.get(f"{keyless}{path}").status_code == 200
 
