@@ -61,6 +61,11 @@ def stage_pids(llm: LLM) -> list[int]:
     return [p.pid for p in llm.engine.runner.workers.values()]
 
 
+# The stall tests' stage timeout: the subject is the timeout, not its length; 3 s, not 1, so that a
+# healthy stage's heartbeats (BEAT_INTERVAL apart) starved on a loaded machine are not declared a stall.
+STALL_TIMEOUT = 3.0
+
+
 def wait_for(condition, timeout: float = 60.0):
     """Poll until `condition()` is truthy (returned); fail after `timeout` s (a hang, not a race)."""
     deadline = time.monotonic() + timeout
@@ -319,7 +324,7 @@ def test_a_stage_that_dies_fails_every_request_and_the_engine_says_why(tiny_mode
 
 
 def test_a_stage_that_stops_answering_is_declared_gone_and_stopped(tiny_model_dir):
-    topology = Topology(2, stage_timeout=1.0)
+    topology = Topology(2, stage_timeout=STALL_TIMEOUT)
     llm = LLM(str(tiny_model_dir), session_db=False, pipeline=topology, **OPTIONS)
     (pid,) = stage_pids(llm)
     os.kill(pid, signal.SIGSTOP)  # alive, but computing nothing and beating no more
@@ -339,7 +344,7 @@ def test_a_stage_stopped_mid_stream_ends_every_stream_with_an_error(tiny_model_d
     """Issue 33 (1): with requests running, rank 0's engine thread waits on a send to the stopped stage
     (gloo's send completes only once the peer posts its receive), so it must not be the thread that
     has to hear of the stall: every stream ends with an error, and new requests are refused."""
-    topology = Topology(2, stage_timeout=1.0)  # injected: the subject is the timeout, not its length
+    topology = Topology(2, stage_timeout=STALL_TIMEOUT)
     llm = LLM(str(tiny_model_dir), session_db=False, pipeline=topology, **OPTIONS)
     (pid,) = stage_pids(llm)
     long = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
