@@ -7,6 +7,9 @@ of a faster kernel. The GPU's own timing (bench/gpu_kernels.py) decides.
 
     PYTHONPATH=. python bench/gpu_sass.py --out bench/results/gpu_sass.json
 
+`--digests FILE` instead writes each launch of the 4-bit kernel a refactor must leave alone (`digest_launches`)
+with a digest of its whole SASS, its registers and shared memory: run it before and after, and compare.
+
 Runs on a CPU (nothing is launched); needs Triton's NVIDIA backend binaries (the PyPI wheel has them).
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import hashlib
 import json
 import re
 import subprocess
@@ -121,9 +125,66 @@ def variants():
     ]
 
 
+def digest_launches():
+    """(name, n, k, rows, counters, scale dtype, int4_matmul's options): the 1B gate/up and down shapes and a
+    short K without splits, at 1 to 64 rows; the splits summed in the tile and by the sum kernel; float16 and
+    bfloat16 scales, packed bfloat16 FMAs, SiLU in the epilogue, 4 row tiles, ALIGNED_GROUPS off, PDL with
+    the prefetch."""
+    half, bf16 = torch.float16, torch.bfloat16
+    switches = [
+        ("float", half, {}),
+        ("packed-bf16", bf16, {"PACKED_BF16": True}),
+        ("packed-bf16 silu", bf16, {"PACKED_BF16": True, "activation": "silu"}),
+        ("packed-bf16 4 row tiles", bf16, {"PACKED_BF16": True, "ROW_TILES": 4}),
+        ("scales in the step", half, {"ALIGNED_GROUPS": False}),
+        ("packed-bf16 pdl prefetch", bf16, {"PACKED_BF16": True, "PDL": True, "PREFETCH_LINES": 2}),
+    ]
+    for n, k, counters in ((16384, 2048, True), (2048, 8192, True), (2048, 8192, False), (2048, 512, True)):
+        for rows in (1, 20, 64) if counters and k != 512 else (1,):
+            for name, scale_dtype, options in switches:
+                if ("activation" in options and n != 16384) or ("ROW_TILES" in options and rows != 64):
+                    continue
+                label = f"{n}x{k}, {rows} rows, {'counters' if counters else 'sum kernel'}, {name}"
+                yield label, n, k, rows, counters, scale_dtype, options
+
+
+def sass_of(compiled, work: Path) -> tuple[str, str]:
+    """A compiled kernel's SASS and its resource usage (registers, stack), by Triton's nvdisasm and cuobjdump."""
+    cubin = work / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    sass = subprocess.run([BIN / "nvdisasm", "-c", cubin], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run(
+        [BIN / "cuobjdump", "--dump-resource-usage", cubin], capture_output=True, text=True, check=True
+    ).stdout
+    return sass, usage
+
+
+def digests(out: Path, work: Path, current: dict) -> None:
+    from kvserve.kernels.gpu import matmul as mm
+
+    records = {}
+    for label, n, k, rows, counters, scale_dtype, options in digest_launches():
+        packed = mm.pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8))
+        scales = torch.rand(n, k // 32).to(scale_dtype)
+        weight = (packed, scales, scales, packed.stride(0), scales.stride(0), scales.stride(0))
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        config = mm.config_for(mm.INT4_CONFIG, n, k)
+        layer_counters = mm.split_counters("cpu") if counters else None
+        mm._launch(mm._int4_kernel, config, x, n, weight, None, None, counters=layer_counters, **options)
+        sass, usage = sass_of(current["compiled"], work)
+        records[label] = {
+            "sass_sha256": hashlib.sha256(sass.encode()).hexdigest(),
+            "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "shared_bytes": current["compiled"].metadata.shared,
+        }
+        print(label, records[label]["sass_sha256"][:16], records[label]["registers"], "registers")
+    out.write_text(json.dumps({"target": "sm_90", "triton": triton.__version__, "launches": records}, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_sass.json"))
+    parser.add_argument("--digests", type=Path, help="write the 4-bit kernel's launches' SASS digests here instead")
     args = parser.parse_args()
     from kvserve.kernels.gpu import matmul as mm
 
@@ -141,6 +202,9 @@ def main() -> None:
         return warmup
 
     JITFunction.__getitem__ = compile_only
+    if args.digests:
+        digests(args.digests, work, current)
+        return
     x = torch.randn(64, K).to(torch.bfloat16)
     packed = mm.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8))
     codes8 = torch.randint(-128, 128, (N, K), dtype=torch.int8)  # a Q8_0 layer's
@@ -157,12 +221,7 @@ def main() -> None:
         else:
             weight = (packed, scales, scales, packed.stride(0), scales.stride(0), scales.stride(0))
             mm._launch(kernel, config, x, N, weight, None, None, **switches)
-        cubin = work / "kernel.cubin"
-        cubin.write_bytes(current["compiled"].asm["cubin"])
-        sass = subprocess.run([BIN / "nvdisasm", "-c", cubin], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run(
-            [BIN / "cuobjdump", "--dump-resource-usage", cubin], capture_output=True, text=True, check=True
-        ).stdout
+        sass, usage = sass_of(current["compiled"], work)
         body = loop_body(sass)
         rows = config.block_m * switches.get("ROW_TILES", 1)  # a program's
         weights_per_thread = config.block_k * config.block_n / (32 * config.num_warps)

@@ -622,6 +622,68 @@ def test_blackwells_int4_int8_tiles_give_the_bits_of_the_others(monkeypatch):
     assert [rows for name, rows in tiles if name == "_int4_int8_mma_kernel"] == [64, 32], tiles  # a call each
 
 
+@triton.jit
+def _looping_int4_kernel(
+    x_ptr, out_ptr, partial_ptr, counters_ptr, bias_ptr, M, N, K, stride_xm, stride_om, stride_os, k_per_split,
+    packed_ptr, scales_ptr, mins_ptr, stride_pn, stride_sn, stride_mn,
+    HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_IN_TILE: tl.constexpr, EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PACKED_BF16: tl.constexpr = False, GROUP_MAJOR: tl.constexpr = False, GATED: tl.constexpr = 0,
+    ROW_TILES: tl.constexpr = 1,
+):  # fmt: skip
+    """`_int4_kernel`'s work with fewer programs, each taking tiles pid, pid + programs, ... (as a persistent
+    kernel's programs would): `matmul._int4_tile` given each tile's indices."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    splits = tl.cdiv(K, k_per_split)
+    for t in range(tl.program_id(0), tl.cdiv(M, BLOCK_M * ROW_TILES) * tiles_n * splits, tl.num_programs(0)):
+        matmul._int4_tile(
+            x_ptr, out_ptr, partial_ptr, counters_ptr, bias_ptr, M, N, K, stride_xm, stride_om, stride_os,
+            k_per_split, packed_ptr, scales_ptr, mins_ptr, stride_pn, stride_sn, stride_mn,
+            HAS_BIAS, IS_SPLIT, SUM_IN_TILE, EVEN_K, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K,
+            PACKED_BF16=PACKED_BF16, GROUP_MAJOR=GROUP_MAJOR, GATED=GATED, ROW_TILES=ROW_TILES,
+            tile_m=t // (tiles_n * splits), tile_n=(t // splits) % tiles_n, split=t % splits, tiles_n=tiles_n,
+            splits=splits,
+        )  # fmt: skip
+
+
+def test_the_int4_tile_given_its_indices_gives_the_bits_of_a_program_a_tile(monkeypatch):
+    """`_int4_tile` is the 4-bit kernel's program with its tile's indices given: three programs looping
+    over a layer's tiles and K splits (a persistent decode step's form) give `_int4_kernel`'s bits, with
+    the splits summed by each tile's last split and by the sum kernel, packed bfloat16 FMAs, group-major
+    codes, a gated activation and programs of several row tiles. For sm_90 the launched kernel compiles
+    to the SASS it did before the tile was its own function (docs/performance.md)."""
+    m, k, n = 37, 1024 + 160, 80  # three K splits, two column tiles
+    codes, scales, mins, _ = _int4_weight(n, k, torch.bfloat16, seed=81)
+    packed = matmul.pack_int4(codes)
+    gm = matmul.to_group_major(packed, scales, mins)
+    x = _randn(m, k, seed=82, dtype=torch.bfloat16)
+    bias = _randn(n, seed=83, dtype=torch.bfloat16)
+
+    class Looping:  # launched where _launch launches `_int4_kernel`, on three programs whatever its grid
+        def __getitem__(self, grid):
+            return _looping_int4_kernel[(3,)]
+
+    cases = [
+        dict(rows=x[:1], weight=(packed, scales, mins), options={}),
+        dict(rows=x, weight=(packed, scales, mins), options=dict(packed_bf16=True, bias=bias)),
+        dict(rows=x[:5], weight=gm, options=dict(packed_bf16=True, activation="silu")),
+        dict(rows=x, weight=gm, options=dict(out_dtype=torch.float32)),
+    ]
+    counters = matmul.split_counters(DEVICE)
+    for row_tile_programs in (matmul.ROW_TILE_PROGRAMS, 1):  # 1: a program takes 2 or 4 row tiles from 17 rows
+        monkeypatch.setattr(matmul, "ROW_TILE_PROGRAMS", row_tile_programs)
+        for layer_counters in (counters, None):
+            for case in cases:
+                rows, weight, options = case["rows"], case["weight"], case["options"]
+                launched = matmul.int4_matmul(rows, *weight, counters=layer_counters, **options)
+                with monkeypatch.context() as patch:
+                    patch.setattr(matmul, "_int4_kernel", Looping())
+                    looped = matmul.int4_matmul(rows, *weight, counters=layer_counters, **options)
+                assert torch.equal(looped, launched), (len(rows), options, row_tile_programs, layer_counters is None)
+    assert matmul._row_tiles(x, n, matmul.config_for(matmul.INT4_CONFIG, n, k)) == {"ROW_TILES": 4}
+    assert not counters.any()  # every tile's counter back at 0 for the next call
+
+
 def test_group_major_int4_weights_give_the_row_major_bits():
     """`to_group_major` puts each group's outputs one after another (codes [K / 32, N, 16], scales and
     mins [K / 32, N]); every int4 kernel reads it with the row-major bits: float inputs (float32, and

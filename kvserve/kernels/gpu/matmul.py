@@ -303,6 +303,25 @@ def _store_rope(
 
 
 @triton.jit
+def _tile_index(given, AXIS: tl.constexpr):
+    """A tile's index along grid axis AXIS: `given`, or where None (a program a tile, the launched
+    kernels) this program's, read where it is used, as the kernels always did."""
+    if given is None:
+        return tl.program_id(AXIS)
+    else:
+        return given
+
+
+@triton.jit
+def _tile_count(given, AXIS: tl.constexpr):
+    """The tiles along grid axis AXIS: `given`, or where None the grid's programs along it."""
+    if given is None:
+        return tl.num_programs(AXIS)
+    else:
+        return given
+
+
+@triton.jit
 def _finish_tile(
     acc,
     out_ptr,
@@ -323,24 +342,30 @@ def _finish_tile(
     rope=(),
     ROPE: tl.constexpr = 0,
     CACHE_BLOCK: tl.constexpr = 0,
+    tile_m=None,
+    tile_n=None,
+    split=None,
+    tiles_n=None,
+    splits=None,
 ):
     """Store a tile's float32 sums: as the output (+ bias; GATED and ROPE, `_store_output`'s), or as this K
     split's partial sums (workspace [splits, M, N]). With SUM_IN_TILE the tile's last split to finish,
-    counted on the tile's counter (a program's rows by its columns), adds every split's partial sums in
+    counted on the tile's counter (a tile's rows by its columns), adds every split's partial sums in
     split order and stores the output: `_sum_splits_kernel`'s additions in its order, so its bits, without
-    its launch; it leaves the counter at 0 for the next call."""
+    its launch; it leaves the counter at 0 for the next call. The tile (tile_m, tile_n), K split `split`
+    of `splits`, `tiles_n` tiles across N: where None, this program's (`_tile_index`)."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     if IS_SPLIT:
         partial = partial_ptr + offsets
-        tl.store(partial + tl.program_id(2).to(tl.int64) * stride_os, acc, mask=mask)
+        tl.store(partial + _tile_index(split, 2).to(tl.int64) * stride_os, acc, mask=mask)
         if SUM_IN_TILE:
             tl.debug_barrier()  # every thread's partial sums stored before the count (released with it)
-            counter = counters_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+            counter = counters_ptr + _tile_index(tile_m, 0) * _tile_count(tiles_n, 1) + _tile_index(tile_n, 1)
+            if tl.atomic_add(counter, 1, sem="acq_rel") == _tile_count(splits, 2) - 1:
                 # from L2 (".cg"): the other splits' sums were stored by other multiprocessors
                 acc = tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
-                for _ in range(1, tl.num_programs(2)):
+                for _ in range(1, _tile_count(splits, 2)):
                     partial += stride_os
                     acc += tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.store(counter, 0)
@@ -552,9 +577,9 @@ def _tiles_dots(
 
 
 @triton.jit
-def _stacked_rows(acc0, acc1, acc2, acc3, ROW_TILES: tl.constexpr):
+def _stacked_rows(acc0, acc1, acc2, acc3, ROW_TILES: tl.constexpr, tile_m=None):
     """The first ROW_TILES of a program's row tiles' sums [BM, BN], one under the other: [ROW_TILES * BM, BN],
-    and their rows."""
+    and their rows (of row tile `tile_m`; None, this program's)."""
     BM: tl.constexpr = acc0.shape[0]
     BN: tl.constexpr = acc0.shape[1]
     if ROW_TILES == 2:  # join adds a last axis (tile), brought to the front
@@ -562,11 +587,11 @@ def _stacked_rows(acc0, acc1, acc2, acc3, ROW_TILES: tl.constexpr):
     else:  # [BM, BN, i, j] holds tile 2j + i
         pairs = tl.join(tl.join(acc0, acc1), tl.join(acc2, acc3))
         stacked = tl.reshape(tl.permute(pairs, (3, 2, 0, 1)), (4 * BM, BN))
-    return stacked, tl.program_id(0) * (BM * ROW_TILES) + tl.arange(0, BM * ROW_TILES)
+    return stacked, _tile_index(tile_m, 0) * (BM * ROW_TILES) + tl.arange(0, BM * ROW_TILES)
 
 
-@triton.jit(do_not_specialize=["M"])  # one binary for every number of rows
-def _int4_kernel(
+@triton.jit
+def _int4_tile(
     x_ptr,
     out_ptr,
     partial_ptr,
@@ -608,13 +633,20 @@ def _int4_kernel(
     timeline=None,  # a `timeline.Timeline`'s slice while it records (kernels/gpu/timeline.py)
     ROW_TILES: tl.constexpr = 1,  # row tiles of BLOCK_M a program, each weight tile dequantized once for them
     ALIGNED_GROUPS: tl.constexpr = True,  # a step's scales and mins steps ahead; False: in the step (ALIGNED_GROUPS)
+    tile_m=None,  # the tile (tile_m, tile_n) and K split `split` of `splits`, `tiles_n` tiles across N;
+    tile_n=None,  # None: this program's (a program a tile and split, `_int4_kernel`)
+    split=None,
+    tiles_n=None,
+    splits=None,
 ):
+    """A tile of x @ the 4-bit weights (codes two to a byte, a scale and a min a group of 32): `_int4_kernel`'s
+    program, for any program that takes a tile (a kernel that loops over tiles gives their indices)."""
     stamp(timeline, ENTRY, INTERPRET)
     tl.static_assert((ROW_TILES == 1) | (ROW_TILES == 2) | (ROW_TILES == 4))
     tl.static_assert((NORM == 0) | (ROW_TILES == 1))
-    rows = tl.program_id(0) * (BLOCK_M * ROW_TILES) + tl.arange(0, BLOCK_M)  # the first row tile's
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_begin = tl.program_id(2) * k_per_split
+    rows = _tile_index(tile_m, 0) * (BLOCK_M * ROW_TILES) + tl.arange(0, BLOCK_M)  # the first row tile's
+    cols = _tile_index(tile_n, 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = _tile_index(split, 2) * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
     if PREFETCH_LINES > 0:  # the split's codes, and its first and last groups' scales and mins
         prefetch_rows(packed_ptr, cols, N, stride_pn, k_begin // 2, (k_end - k_begin) // 2, PREFETCH_LINES)
@@ -625,7 +657,7 @@ def _int4_kernel(
     rstd = 0.0  # without NORM, unused
     if NORM:  # each row's 1 / rms, as the norm kernel sums it
         rstd = normed_rows_rstd(
-            x_ptr, stride_xm, tl.program_id(0) * BLOCK_M, M, norm, BLOCK_M, NORM, NORM_ADD, INTERPRET
+            x_ptr, stride_xm, _tile_index(tile_m, 0) * BLOCK_M, M, norm, BLOCK_M, NORM, NORM_ADD, INTERPRET
         )
     cols64 = cols.to(tl.int64)[None, :]
     # byte i of a tile holds the codes of inputs k_lo[i] (low nibble) and k_lo[i] + 16 (high nibble)
@@ -675,7 +707,7 @@ def _int4_kernel(
                 norm_weight(norm, ks, NORM), NORM_ADD, NORM, ROW_TILES, INTERPRET,
             )  # fmt: skip
     if ROW_TILES > 1:
-        acc, rows = _stacked_rows(acc, acc1, acc2, acc3, ROW_TILES)
+        acc, rows = _stacked_rows(acc, acc1, acc2, acc3, ROW_TILES, tile_m)
     stamp_after(timeline, LOOPED, acc, INTERPRET)  # (every tile's sums)
     _finish_tile(
         acc,
@@ -697,8 +729,35 @@ def _int4_kernel(
         rope,
         ROPE,
         CACHE_BLOCK,
+        tile_m,
+        tile_n,
+        split,
+        tiles_n,
+        splits,
     )
     stamp(timeline, DONE, INTERPRET)
+
+
+@triton.jit(do_not_specialize=["M"])  # one binary for every number of rows
+def _int4_kernel(
+    x_ptr, out_ptr, partial_ptr, counters_ptr, bias_ptr, M, N, K, stride_xm, stride_om, stride_os, k_per_split,
+    packed_ptr, scales_ptr, mins_ptr, stride_pn, stride_sn, stride_mn,
+    HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_IN_TILE: tl.constexpr, EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PERMUTE: tl.constexpr = True, PACKED_BF16: tl.constexpr = False, PDL: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr = 0, GROUP_MAJOR: tl.constexpr = False, GATED: tl.constexpr = 0,
+    rope=(), ROPE: tl.constexpr = 0, CACHE_BLOCK: tl.constexpr = 0,
+    norm=(), NORM: tl.constexpr = 0, NORM_ADD: tl.constexpr = False,
+    timeline=None, ROW_TILES: tl.constexpr = 1, ALIGNED_GROUPS: tl.constexpr = True,
+):  # fmt: skip
+    """`_int4_tile` (whose parameters these are), a program a tile and K split: the grid's axes 0, 1, 2."""
+    _int4_tile(
+        x_ptr, out_ptr, partial_ptr, counters_ptr, bias_ptr, M, N, K, stride_xm, stride_om, stride_os, k_per_split,
+        packed_ptr, scales_ptr, mins_ptr, stride_pn, stride_sn, stride_mn,
+        HAS_BIAS, IS_SPLIT, SUM_IN_TILE, EVEN_K, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K,
+        PERMUTE, PACKED_BF16, PDL, PREFETCH_LINES, GROUP_MAJOR, GATED, rope, ROPE, CACHE_BLOCK,
+        norm, NORM, NORM_ADD, timeline, ROW_TILES, ALIGNED_GROUPS,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
