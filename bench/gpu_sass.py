@@ -7,8 +7,9 @@ of a faster kernel. The GPU's own timing (bench/gpu_kernels.py) decides.
 
     PYTHONPATH=. python bench/gpu_sass.py --out bench/results/gpu_sass.json
 
-`--digests FILE` instead writes each launch of the 4-bit kernel a refactor must leave alone (`digest_launches`)
-with a digest of its whole SASS, its registers and shared memory: run it before and after, and compare.
+`--digests FILE` instead writes each launch of the 4-bit kernel and of the attention that a refactor must leave
+alone (`digest_launches`, `attention_digest_launches`) with digests of its whole SASS and of its LLVM IR, its
+registers and shared memory: run it before and after, and compare.
 
 Runs on a CPU (nothing is launched); needs Triton's NVIDIA backend binaries (the PyPI wheel has them).
 """
@@ -148,6 +149,25 @@ def digest_launches():
                 yield label, n, k, rows, counters, scale_dtype, options
 
 
+def attention_digest_launches():
+    """(name, cache dtype, key splits, counters, int8 form): the 1B shapes' decode attention (32 query heads,
+    8 KV heads of 64) for one token at position 200, bfloat16 and float32 caches, its splits merged in one
+    program, by the last split with counters and by the combine kernel, with and without o_proj's int8 form."""
+    for dtype in (torch.bfloat16, torch.float32):
+        for splits, counters in ((1, False), (4, True), (4, False)):
+            for quantized in (False, True):
+                name = f"attention {str(dtype).removeprefix('torch.')}, {splits} splits"
+                name += (", counters" if counters else ", combine kernel") if splits > 1 else ""
+                yield name + (", int8 form" if quantized else ""), dtype, splits, counters, quantized
+
+
+def llvm_ir_digest(compiled) -> str:
+    """A digest of the kernel's LLVM IR without its debug locations: what it computes, where ptxas may
+    still name registers differently when only the lines behind the code moved."""
+    ir = re.sub(r", !dbg !\d+", "", compiled.asm["llir"])
+    return hashlib.sha256("\n".join(line for line in ir.splitlines() if not line.startswith("!")).encode()).hexdigest()
+
+
 def sass_of(compiled, work: Path) -> tuple[str, str]:
     """A compiled kernel's SASS and its resource usage (registers, stack), by Triton's nvdisasm and cuobjdump."""
     cubin = work / "kernel.cubin"
@@ -160,9 +180,21 @@ def sass_of(compiled, work: Path) -> tuple[str, str]:
 
 
 def digests(out: Path, work: Path, current: dict) -> None:
+    from kvserve.kernels.gpu import attention
     from kvserve.kernels.gpu import matmul as mm
 
     records = {}
+
+    def record(label: str) -> None:  # the launch just compiled
+        sass, usage = sass_of(current["compiled"], work)
+        records[label] = {
+            "sass_sha256": hashlib.sha256(sass.encode()).hexdigest(),
+            "llvm_ir_sha256": llvm_ir_digest(current["compiled"]),
+            "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "shared_bytes": current["compiled"].metadata.shared,
+        }
+        print(label, records[label]["sass_sha256"][:16], records[label]["registers"], "registers")
+
     for label, n, k, rows, counters, scale_dtype, options in digest_launches():
         packed = mm.pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8))
         scales = torch.rand(n, k // 32).to(scale_dtype)
@@ -171,13 +203,19 @@ def digests(out: Path, work: Path, current: dict) -> None:
         config = mm.config_for(mm.INT4_CONFIG, n, k)
         layer_counters = mm.split_counters("cpu") if counters else None
         mm._launch(mm._int4_kernel, config, x, n, weight, None, None, counters=layer_counters, **options)
-        sass, usage = sass_of(current["compiled"], work)
-        records[label] = {
-            "sass_sha256": hashlib.sha256(sass.encode()).hexdigest(),
-            "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-            "shared_bytes": current["compiled"].metadata.shared,
-        }
-        print(label, records[label]["sass_sha256"][:16], records[label]["registers"], "registers")
+        record(label)
+    heads, kv_heads, head_dim, block_size = 32, 8, 64, 16
+    for label, dtype, splits, counters, quantized in attention_digest_launches():
+        q = torch.randn(1, heads, head_dim).to(dtype)
+        k_cache = torch.randn(16, block_size, kv_heads, head_dim).to(dtype)
+        table = torch.arange(16, dtype=torch.int32)[None, :]
+        one = torch.zeros(1, dtype=torch.int32)
+        attention.paged_attention(
+            q, k_cache, k_cache.clone(), table, torch.full((1,), 200, dtype=torch.int32), one, one, one + 1,
+            head_dim**-0.5, 0, splits, counters=attention.attention_counters("cpu") if counters else None,
+            quantized=[] if quantized else None,
+        )  # fmt: skip
+        record(label)
     out.write_text(json.dumps({"target": "sm_90", "triton": triton.__version__, "launches": records}, indent=1) + "\n")
 
 
@@ -186,6 +224,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_sass.json"))
     parser.add_argument("--digests", type=Path, help="write the 4-bit kernel's launches' SASS digests here instead")
     args = parser.parse_args()
+    from kvserve.kernels.gpu import attention
     from kvserve.kernels.gpu import matmul as mm
 
     driver.set_active(_Hopper())
@@ -198,6 +237,8 @@ def main() -> None:
             compiled = kernel.run(*a, grid=grid, warmup=True, **kw)
             if kernel in (mm._int4_kernel, mm._int8_kernel, mm._int4_int8_kernel, mm._int4_int8_mma_kernel):
                 current["compiled"], current["kw"] = compiled, kw
+            if kernel is attention._attention_kernel:
+                current["compiled"] = compiled
 
         return warmup
 

@@ -1440,6 +1440,68 @@ def test_attention_makes_quantize_int8s_bits_of_its_output(monkeypatch, num_spli
             assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), counters
 
 
+@triton.jit
+def _looping_attention_kernel(
+    q_ptr, k_cache, v_cache, out_ptr, part_m, part_denom, part_acc, counters_ptr,
+    block_tables, positions, tile_seq, tile_first, tile_len, scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_table, num_heads, part_stride, words_ptr, dq_ptr, sq_ptr,
+    DOT_DTYPE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    IS_SPLIT: tl.constexpr, COMBINE_IN_TILE: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr,
+    TILES: tl.constexpr, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """`_attention_kernel`'s grid (TILES, KV_HEADS, SPLITS) taken by fewer programs, each looping over its
+    (tile, KV head, split)s pid, pid + programs, ...: `attention._attention_tile` given their indices."""
+    for t in range(tl.program_id(0), TILES * KV_HEADS * SPLITS, tl.num_programs(0)):
+        attention._attention_tile(
+            q_ptr, k_cache, v_cache, out_ptr, part_m, part_denom, part_acc, counters_ptr,
+            block_tables, positions, tile_seq, tile_first, tile_len, scale, window,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+            stride_vh, stride_table, num_heads, part_stride, words_ptr, dq_ptr, sq_ptr,
+            DOT_DTYPE, GROUP, ROWS, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SPLIT_KEYS,
+            IS_SPLIT, COMBINE_IN_TILE, QUANTIZE, INTERPRET,
+            tile_at=t // (KV_HEADS * SPLITS), kv_head_at=(t // SPLITS) % KV_HEADS, split_at=t % SPLITS,
+            kv_heads=KV_HEADS, splits=SPLITS,
+        )  # fmt: skip
+
+
+def test_the_attention_tile_given_its_indices_gives_the_bits_of_a_program_a_tile(monkeypatch):
+    """`_attention_tile` is the attention kernel's program with its (tile, KV head, split) given: two
+    programs looping over a call's grid (a persistent decode step's form) give `_attention_kernel`'s bits,
+    decode and prefill tiles, with the splits merged in the program, by the last split and by the
+    combine kernel, and the output's int8 form."""
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 64)  # splits on short sequences
+
+    class Looping:  # launched where paged_attention launches `_attention_kernel`, on two programs
+        def __getitem__(self, grid):
+            tiles, kv_heads, splits = grid
+            return partial(_looping_attention_kernel[(2,)], TILES=tiles, KV_HEADS=kv_heads, SPLITS=splits)
+
+    counters = attention.attention_counters(DEVICE)
+    for case in ("decode-gqa", "chunk-gqa3"):
+        lengths, spans, num_heads, num_kv_heads, head_dim = ATTENTION_CASES[case]
+        cache = PagedCache.make(lengths, num_kv_heads, head_dim, torch.bfloat16, seed=66)
+        q = _randn(sum(n for _, _, n in spans), num_heads, head_dim, seed=67, dtype=torch.bfloat16)
+        for num_splits, layer_counters in ((1, None), (3, counters), (3, None)):
+            for window in (0, 20):
+                launched_int8, looped_int8 = [], []
+                launched = _attend(
+                    cache, Step(spans), q, window, num_splits, counters=layer_counters, quantized=launched_int8
+                )
+                with monkeypatch.context() as patch:
+                    patch.setattr(attention, "_attention_kernel", Looping())
+                    looped = _attend(
+                        cache, Step(spans), q, window, num_splits, counters=layer_counters, quantized=looped_int8
+                    )
+                assert torch.equal(looped, launched), (case, num_splits, layer_counters is None, window)
+                pairs = zip(
+                    looped_int8[0] if looped_int8 else (), launched_int8[0] if launched_int8 else (), strict=True
+                )
+                assert len(looped_int8) == len(launched_int8) and all(torch.equal(a, b) for a, b in pairs)
+    assert not counters.any()  # every (tile, KV head)'s counter back at 0 for the next call
+
+
 # --- The sampler's pick: argmax, or a draw at a temperature
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET, launch_options, next_power_of_2
-from kvserve.kernels.gpu.common import cast, dot, quantize_groups, store_groups, wait_for_prior
+from kvserve.kernels.gpu.common import cast, dot, quantize_groups, store_groups, tile_count, tile_index, wait_for_prior
 
 ROWS = 16  # query rows (tokens x query heads of a KV head) per program, padded; the same for decode and prefill
 BLOCK_N = 64  # keys per chunk, aligned to absolute positions (chunk c holds keys c * BLOCK_N ...)
@@ -271,8 +271,8 @@ def _store_rows(
 _BATCH_ARGS = ["block_tables", "positions", "tile_seq", "tile_first", "tile_len", "part_stride"]
 
 
-@triton.jit(do_not_specialize=[*_BATCH_ARGS, "stride_table"])  # a step's block tables are as wide as its longest
-def _attention_kernel(
+@triton.jit
+def _attention_tile(
     q_ptr,
     k_cache,
     v_cache,
@@ -317,10 +317,17 @@ def _attention_kernel(
     QUANTIZE: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr = False,
+    tile_at=None,  # the (tile, KV head) and key split `split_at` of `splits`, `kv_heads` KV heads; None: this
+    kv_head_at=None,  # program's (a program a tile, KV head and split: `_attention_kernel`)
+    split_at=None,
+    kv_heads=None,
+    splits=None,
 ):
+    """A (tile, KV head, key split) of the attention: `_attention_kernel`'s program, for any program that takes
+    one (a kernel that loops over them gives their indices)."""
     wait_for_prior(PDL)
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    tile = tile_index(tile_at, 0)
+    kv_head = tile_index(kv_head_at, 1)
     num_tokens = tl.load(tile_len + tile)
     if num_tokens > 0:  # a tile of length 0 pads a CUDA graph's batch
         r, is_row, token, pos, first_key, key_begin, key_end = _tile_rows(
@@ -337,7 +344,7 @@ def _attention_kernel(
         k_head = k_cache + kv_head * stride_kh
         v_head = v_cache + kv_head * stride_vh
         if IS_SPLIT:
-            split = tl.program_id(2)
+            split = tile_index(split_at, 2)
             if (split * SPLIT_KEYS < key_end) & ((split + 1) * SPLIT_KEYS > key_begin):  # else: no key of the tile
                 m, denom, acc = _attend_split(
                     q, pos, first_key, key_begin, key_end, split, table, k_head, v_head, scale,
@@ -350,8 +357,8 @@ def _attention_kernel(
                 tl.store(part_acc + state[:, None] * HEAD_DIM + d[None, :], acc, mask=row_mask)
             if COMBINE_IN_TILE:  # the (tile, KV head)'s last split to finish merges them all
                 tl.debug_barrier()  # every thread's state stored before the count (released with it)
-                counter = counters_ptr + tile * tl.num_programs(1) + kv_head
-                if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+                counter = counters_ptr + tile * tile_count(kv_heads, 1) + kv_head
+                if tl.atomic_add(counter, 1, sem="acq_rel") == tile_count(splits, 2) - 1:
                     _combine_splits(
                         out_ptr, part_m, part_denom, part_acc, r, is_row, token, pos, first_key, key_begin,
                         key_end, kv_head, stride_ot, stride_oh, num_heads, part_stride, words_ptr, dq_ptr, sq_ptr,
@@ -373,6 +380,29 @@ def _attention_kernel(
                 out_ptr, acc, denom, is_row, token, head, stride_ot, stride_oh, words_ptr, dq_ptr, sq_ptr, num_heads,
                 HEAD_DIM, QUANTIZE, INTERPRET,
             )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=[*_BATCH_ARGS, "stride_table"])  # a step's block tables are as wide as its longest
+def _attention_kernel(
+    q_ptr, k_cache, v_cache, out_ptr, part_m, part_denom, part_acc, counters_ptr,
+    block_tables, positions, tile_seq, tile_first, tile_len, scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_table, num_heads, part_stride, words_ptr, dq_ptr, sq_ptr,
+    DOT_DTYPE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    IS_SPLIT: tl.constexpr, COMBINE_IN_TILE: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """`_attention_tile` (whose parameters these are), a program a (tile, KV head, key split): the grid's
+    axes 0, 1, 2."""
+    _attention_tile(
+        q_ptr, k_cache, v_cache, out_ptr, part_m, part_denom, part_acc, counters_ptr,
+        block_tables, positions, tile_seq, tile_first, tile_len, scale, window,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_table, num_heads, part_stride, words_ptr, dq_ptr, sq_ptr,
+        DOT_DTYPE, GROUP, ROWS, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SPLIT_KEYS,
+        IS_SPLIT, COMBINE_IN_TILE, QUANTIZE, INTERPRET, PDL,
+    )  # fmt: skip
 
 
 @triton.jit

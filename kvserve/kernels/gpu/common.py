@@ -20,6 +20,26 @@ def wait_for_prior(PDL: tl.constexpr):
 
 
 @triton.jit
+def tile_index(given, AXIS: tl.constexpr):
+    """A tile's index along grid axis AXIS: `given` (a kernel whose programs loop over tiles), or where None
+    (a program a tile) this program's, read where it is used, as the launched kernels always did (read at
+    their entry instead, ptxas orders a kernel's instructions otherwise)."""
+    if given is None:
+        return tl.program_id(AXIS)
+    else:
+        return given
+
+
+@triton.jit
+def tile_count(given, AXIS: tl.constexpr):
+    """The tiles along grid axis AXIS: `given`, or where None the grid's programs along it."""
+    if given is None:
+        return tl.num_programs(AXIS)
+    else:
+        return given
+
+
+@triton.jit
 def prefetch_rows(ptr, cols, N, stride, first, count, LINES: tl.constexpr):
     """Ask L2 for the first LINES 128-byte lines of `count` elements from `first` in each weight row
     `cols` (clamped to N - 1) of ptr [N, stride], up to the last of them, and go on without waiting:

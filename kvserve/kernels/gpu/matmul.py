@@ -42,6 +42,8 @@ from kvserve.kernels.gpu.common import (
     rope_values,
     split4,
     store_groups,
+    tile_count,
+    tile_index,
     wait_for_prior,
 )
 from kvserve.kernels.gpu.norm import NormedRows, norm_weight, normed_inputs, normed_rows_rstd, row_width
@@ -303,25 +305,6 @@ def _store_rope(
 
 
 @triton.jit
-def _tile_index(given, AXIS: tl.constexpr):
-    """A tile's index along grid axis AXIS: `given`, or where None (a program a tile, the launched
-    kernels) this program's, read where it is used, as the kernels always did."""
-    if given is None:
-        return tl.program_id(AXIS)
-    else:
-        return given
-
-
-@triton.jit
-def _tile_count(given, AXIS: tl.constexpr):
-    """The tiles along grid axis AXIS: `given`, or where None the grid's programs along it."""
-    if given is None:
-        return tl.num_programs(AXIS)
-    else:
-        return given
-
-
-@triton.jit
 def _finish_tile(
     acc,
     out_ptr,
@@ -353,19 +336,19 @@ def _finish_tile(
     counted on the tile's counter (a tile's rows by its columns), adds every split's partial sums in
     split order and stores the output: `_sum_splits_kernel`'s additions in its order, so its bits, without
     its launch; it leaves the counter at 0 for the next call. The tile (tile_m, tile_n), K split `split`
-    of `splits`, `tiles_n` tiles across N: where None, this program's (`_tile_index`)."""
+    of `splits`, `tiles_n` tiles across N: where None, this program's (`common.tile_index`)."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     if IS_SPLIT:
         partial = partial_ptr + offsets
-        tl.store(partial + _tile_index(split, 2).to(tl.int64) * stride_os, acc, mask=mask)
+        tl.store(partial + tile_index(split, 2).to(tl.int64) * stride_os, acc, mask=mask)
         if SUM_IN_TILE:
             tl.debug_barrier()  # every thread's partial sums stored before the count (released with it)
-            counter = counters_ptr + _tile_index(tile_m, 0) * _tile_count(tiles_n, 1) + _tile_index(tile_n, 1)
-            if tl.atomic_add(counter, 1, sem="acq_rel") == _tile_count(splits, 2) - 1:
+            counter = counters_ptr + tile_index(tile_m, 0) * tile_count(tiles_n, 1) + tile_index(tile_n, 1)
+            if tl.atomic_add(counter, 1, sem="acq_rel") == tile_count(splits, 2) - 1:
                 # from L2 (".cg"): the other splits' sums were stored by other multiprocessors
                 acc = tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
-                for _ in range(1, _tile_count(splits, 2)):
+                for _ in range(1, tile_count(splits, 2)):
                     partial += stride_os
                     acc += tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.store(counter, 0)
@@ -587,7 +570,7 @@ def _stacked_rows(acc0, acc1, acc2, acc3, ROW_TILES: tl.constexpr, tile_m=None):
     else:  # [BM, BN, i, j] holds tile 2j + i
         pairs = tl.join(tl.join(acc0, acc1), tl.join(acc2, acc3))
         stacked = tl.reshape(tl.permute(pairs, (3, 2, 0, 1)), (4 * BM, BN))
-    return stacked, _tile_index(tile_m, 0) * (BM * ROW_TILES) + tl.arange(0, BM * ROW_TILES)
+    return stacked, tile_index(tile_m, 0) * (BM * ROW_TILES) + tl.arange(0, BM * ROW_TILES)
 
 
 @triton.jit
@@ -644,9 +627,9 @@ def _int4_tile(
     stamp(timeline, ENTRY, INTERPRET)
     tl.static_assert((ROW_TILES == 1) | (ROW_TILES == 2) | (ROW_TILES == 4))
     tl.static_assert((NORM == 0) | (ROW_TILES == 1))
-    rows = _tile_index(tile_m, 0) * (BLOCK_M * ROW_TILES) + tl.arange(0, BLOCK_M)  # the first row tile's
-    cols = _tile_index(tile_n, 1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_begin = _tile_index(split, 2) * k_per_split
+    rows = tile_index(tile_m, 0) * (BLOCK_M * ROW_TILES) + tl.arange(0, BLOCK_M)  # the first row tile's
+    cols = tile_index(tile_n, 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tile_index(split, 2) * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
     if PREFETCH_LINES > 0:  # the split's codes, and its first and last groups' scales and mins
         prefetch_rows(packed_ptr, cols, N, stride_pn, k_begin // 2, (k_end - k_begin) // 2, PREFETCH_LINES)
@@ -657,7 +640,7 @@ def _int4_tile(
     rstd = 0.0  # without NORM, unused
     if NORM:  # each row's 1 / rms, as the norm kernel sums it
         rstd = normed_rows_rstd(
-            x_ptr, stride_xm, _tile_index(tile_m, 0) * BLOCK_M, M, norm, BLOCK_M, NORM, NORM_ADD, INTERPRET
+            x_ptr, stride_xm, tile_index(tile_m, 0) * BLOCK_M, M, norm, BLOCK_M, NORM, NORM_ADD, INTERPRET
         )
     cols64 = cols.to(tl.int64)[None, :]
     # byte i of a tile holds the codes of inputs k_lo[i] (low nibble) and k_lo[i] + 16 (high nibble)
