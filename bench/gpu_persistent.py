@@ -15,7 +15,11 @@ output) runs three ways, with the same tile code and so the same bits:
 - `persistent-prefetch`: the same, each program asking L2 for its next phase's weight rows
   (`prefetch.global.L2`) before it waits at the barrier, so that the loads after it find them there;
 - `launched-looped`: a kernel a phase of as many programs as the persistent kernel, each looping over
-  tiles (and so with about its registers and bytes in flight): against it, the boundaries' cost alone.
+  tiles (and so with about its registers and bytes in flight): against it, the boundaries' cost alone;
+- `launched-real` and `persistent-real` (`RealStep`): the chain's matmuls as kvserve's own 4-bit kernel
+  runs them (`matmul.int4_matmul` a phase in the graph, bfloat16 activations, SiLU in gate/up's epilogue, K
+  splits added by each tile's last split), and the same tiles through `matmul._int4_tile` in one kernel
+  with the barriers: what persistence saves with the code a persistent step would use (`real_saved_us_per_phase`).
 
 Each run's `step_us` (the graph's replay), `phase_us` (per phase) and `tb_s` (the weights' bytes per
 second); `agrees` (its output within float32 rounding of `launched`'s, `same_bits` if equal: a barrier that
@@ -28,7 +32,7 @@ between them (`gpu_timeline.py` says where). `boundary_us_per_phase`, `launched-
 kernel at the same programs, is the boundary's cost alone. A barrier that gives up (`timed_out`: programs
 not all resident) ends that run, and more programs are not tried.
 
-    PYTHONPATH=. python bench/gpu_persistent.py --out $OUT/persistent.json     # well under a minute (not yet timed)
+    PYTHONPATH=. python bench/gpu_persistent.py --out $OUT/persistent.json     # about a minute (not yet timed)
     # the plumbing on a CPU (Triton's interpreter, tiny shapes; one program, so every barrier passes at once):
     PYTHONPATH=. TRITON_INTERPRET=1 python bench/gpu_persistent.py --device cpu --shapes tiny --layers 2
 """
@@ -48,11 +52,15 @@ import triton
 import triton.language as tl
 
 from bench import gpu_kernels
-from kvserve.kernels.gpu.common import prefetch_rows
+from kvserve.kernels.gpu import INTERPRET
+from kvserve.kernels.gpu import matmul as mm
+from kvserve.kernels.gpu.common import cast, prefetch_rows
 
 # (q/k/v outputs, hidden, intermediate): the phases' shapes, as gpu_kernels.py's SHAPES (hidden and intermediate,
 # a K each, multiples of BLOCK_K; q/k/v at least 1.25 hidden, as the attention's stand-in reads v there)
 SHAPES = {"llama1b": (3072, 2048, 8192), "tiny": (384, 256, 512)}
+# RealStep's: every layer K-split as kvserve's config splits the 1B shapes (its tiny shapes are wider than Step's)
+REAL_SHAPES = {"llama1b": SHAPES["llama1b"], "tiny": (1536, 1024, 2048)}
 MODES = ("launched", "launched-looped", "persistent", "persistent-prefetch")
 BLOCK_N = 16  # outputs a tile
 BLOCK_K = 256  # inputs a step of a tile's loop: 128 bytes of each of its rows' codes
@@ -214,6 +222,152 @@ def _persistent_kernel(
         _grid_barrier(count_ptr, (phase + 1) * tl.num_programs(0), timed_out_ptr, SPINS)
 
 
+@triton.jit
+def _real_matmul_tiles(
+    x_ptr, out_ptr, partial_ptr, counters_ptr, N, K, k_per_split, packed_ptr, scales_ptr, mins_ptr, rope, norm,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """This program's tiles of a one-row 4-bit matmul as `matmul.int4_matmul` launches it (packed bfloat16 FMAs,
+    the K splits added by each tile's last split): kvserve's `_int4_tile`, given each tile's indices."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    splits = tl.cdiv(K, k_per_split)
+    for t in range(tl.program_id(0), tiles_n * splits, tl.num_programs(0)):
+        mm._int4_tile(
+            x_ptr, out_ptr, partial_ptr, counters_ptr, None, 1, N, K, K, N, N, k_per_split,
+            packed_ptr, scales_ptr, mins_ptr, K // 2, K // 32, K // 32,
+            False, True, True, True, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K,
+            PACKED_BF16=True, GATED=GATED, rope=rope, norm=norm, tile_m=0, tile_n=t // splits, split=t % splits,
+            tiles_n=tiles_n, splits=splits,
+        )  # fmt: skip
+
+
+@triton.jit
+def _real_attend_tile(x_ptr, y_ptr, tile, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_attend_tile` on bfloat16 q/k/v: in float32, rounded once to y's dtype (as kvserve's kernels round)."""
+    at = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    q = tl.load(x_ptr + at, cache_modifier=".cg").to(tl.float32)
+    v = tl.load(x_ptr + HIDDEN + at % (HIDDEN // 4), cache_modifier=".cg").to(tl.float32)
+    tl.store(y_ptr + at, cast((q + v) * 0.5, y_ptr.dtype.element_ty, INTERPRET))
+
+
+@triton.jit
+def _real_attend_kernel(x_ptr, y_ptr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    _real_attend_tile(x_ptr, y_ptr, tl.program_id(0), HIDDEN, BLOCK_N, INTERPRET)
+
+
+@triton.jit
+def _real_persistent_kernel(
+    input_ptr, x_ptr, qkv_ptr, attn_ptr, act_ptr, partial_ptr, counters_ptr, count_ptr, timed_out_ptr, layers,
+    qkv_w, qkv_s, qkv_m, o_w, o_s, o_m, gate_up_w, gate_up_s, gate_up_m, down_w, down_s, down_m,
+    split_qkv, split_o, split_gate_up, split_down,
+    QKV: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, SPINS: tl.constexpr, rope=(), norm=(),
+):  # fmt: skip
+    """`persistent-real`: `launched-real`'s phases in one kernel, each program taking tiles pid, pid +
+    programs, ... of kvserve's tile code, a grid-wide barrier after each phase (the K splits' counters and
+    workspace shared by the phases: a tile's last split leaves its counter at 0 before the barrier)."""
+    for phase in range(0, 5 * layers):
+        layer = phase // 5
+        step = phase % 5
+        if step == 0:
+            w, g = layer * (QKV * HIDDEN // 2), layer * (QKV * HIDDEN // 32)
+            _real_matmul_tiles(
+                input_ptr, qkv_ptr, partial_ptr, counters_ptr, QKV, HIDDEN, split_qkv, qkv_w + w, qkv_s + g, qkv_m + g,
+                rope, norm, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
+            )  # fmt: skip
+        elif step == 1:
+            for tile in range(tl.program_id(0), HIDDEN // BLOCK_N, tl.num_programs(0)):
+                _real_attend_tile(qkv_ptr, attn_ptr, tile, HIDDEN, BLOCK_N, INTERPRET)
+        elif step == 2:
+            w, g = layer * (HIDDEN * HIDDEN // 2), layer * (HIDDEN * HIDDEN // 32)
+            _real_matmul_tiles(
+                attn_ptr, x_ptr, partial_ptr, counters_ptr, HIDDEN, HIDDEN, split_o, o_w + w, o_s + g, o_m + g,
+                rope, norm, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
+            )  # fmt: skip
+        elif step == 3:
+            w, g = layer * (2 * INTER * HIDDEN // 2), layer * (2 * INTER * HIDDEN // 32)
+            _real_matmul_tiles(
+                x_ptr, act_ptr, partial_ptr, counters_ptr, 2 * INTER, HIDDEN, split_gate_up, gate_up_w + w,
+                gate_up_s + g, gate_up_m + g, rope, norm, 1, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
+            )  # fmt: skip
+        else:
+            w, g = layer * (HIDDEN * INTER // 2), layer * (HIDDEN * INTER // 32)
+            _real_matmul_tiles(
+                act_ptr, x_ptr, partial_ptr, counters_ptr, HIDDEN, INTER, split_down, down_w + w, down_s + g,
+                down_m + g, rope, norm, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
+            )  # fmt: skip
+        _grid_barrier(count_ptr, (phase + 1) * tl.num_programs(0), timed_out_ptr, SPINS)
+
+
+class RealStep:
+    """The chain again with kvserve's own 4-bit kernel (`_int4_kernel`'s code, bfloat16 activations and scales,
+    SiLU in gate/up's epilogue, the K splits added by each tile's last split), each layer's weights of a kind
+    one slice of a buffer: `launched-real`, `matmul.int4_matmul` a phase in a CUDA graph, as the engine's
+    decode graph launches them; `persistent-real`, one kernel of `_int4_tile`s and grid barriers. The same
+    tile code, so the same bits. Each layer's q/k/v reads the step's input: without a residual stream and its
+    norms, act(gate) * up squares the values' scale at every layer (16 layers of it overflow bfloat16)."""
+
+    def __init__(self, shapes: str, layers: int, device: str, gen: torch.Generator) -> None:
+        self.qkv, self.hidden, self.inter = REAL_SHAPES[shapes]
+        self.layers, self.device = layers, device
+        bf16 = torch.bfloat16
+        self.weights = {}
+        self.splits = {}
+        for name, n, k in (
+            ("qkv", self.qkv, self.hidden), ("o", self.hidden, self.hidden),
+            ("gate_up", 2 * self.inter, self.hidden), ("down", self.hidden, self.inter),
+        ):  # fmt: skip
+            codes = torch.randint(0, 256, (layers, n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+            # w = scale * (code - 8): mean 0, and about unit outputs for unit inputs
+            scales = torch.full((layers, n, k // 32), 1 / (4.6 * k**0.5), device=device).to(bf16)
+            self.weights[name] = (codes, scales, (-8 * scales.float()).to(bf16))
+            config = mm.config_for(mm.INT4_CONFIG, n, k)
+            assert k % config.k_per_split == 0 and k > config.k_per_split, (
+                name,
+                config,
+            )  # split, so summed in the tile
+            self.splits[name] = config.k_per_split
+        self.config = mm.INT4_CONFIG
+        self.input = torch.randn(1, self.hidden, device=device, generator=gen).to(bf16)
+        self.x = torch.empty(1, self.hidden, dtype=bf16, device=device)
+        self.qkv_out = torch.empty(1, self.qkv, dtype=bf16, device=device)
+        self.attn = torch.empty(1, self.hidden, dtype=bf16, device=device)
+        self.act = torch.empty(1, self.inter, dtype=bf16, device=device)
+        widest = max(w[0].shape[1] * (w[0].shape[2] * 2 // self.splits[name]) for name, w in self.weights.items())
+        self.partial = torch.empty(widest, dtype=torch.float32, device=device)
+        self.counters = mm.split_counters(device)
+        self.count = torch.zeros(1, dtype=torch.int32, device=device)
+        self.timed_out = torch.zeros(1, dtype=torch.int32, device=device)
+        self.weight_bytes = sum(t.numel() * t.element_size() for w in self.weights.values() for t in w)
+
+    def launched(self, programs: int | None = None) -> None:
+        """`launched-real`: a kernel a phase, as the engine launches them (`programs` unused)."""
+        for layer in range(self.layers):
+            layer_weights = {name: [t[layer] for t in w] for name, w in self.weights.items()}
+            q = mm.int4_matmul(self.input, *layer_weights["qkv"], packed_bf16=True, counters=self.counters)
+            _real_attend_kernel[(self.hidden // BLOCK_N,)](
+                q, self.attn, self.hidden, BLOCK_N, INTERPRET, num_warps=NUM_WARPS, enable_fp_fusion=True
+            )  # fmt: skip
+            o = mm.int4_matmul(self.attn, *layer_weights["o"], packed_bf16=True, counters=self.counters)
+            act = mm.int4_matmul(
+                o, *layer_weights["gate_up"], packed_bf16=True, counters=self.counters, activation="silu"
+            )
+            self.x.copy_(mm.int4_matmul(act, *layer_weights["down"], packed_bf16=True, counters=self.counters))
+
+    def persistent(self, programs: int, prefetch: bool = False) -> None:
+        """`persistent-real`: every phase in one kernel of `programs` programs."""
+        self.count.zero_()
+        weights = [t for name in ("qkv", "o", "gate_up", "down") for t in self.weights[name]]
+        splits = [self.splits[name] for name in ("qkv", "o", "gate_up", "down")]
+        config = self.config
+        _real_persistent_kernel[(programs,)](
+            self.input, self.x, self.qkv_out, self.attn, self.act, self.partial, self.counters, self.count, self.timed_out,
+            self.layers, *weights, *splits, QKV=self.qkv, HIDDEN=self.hidden, INTER=self.inter,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=INTERPRET,
+            SPINS=BARRIER_SPINS, num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True,
+        )  # fmt: skip
+
+
 class Step:
     """A step's weights (one buffer of every layer's codes), activations and barrier count, on `device`."""
 
@@ -330,6 +484,9 @@ def summarize(result: dict) -> None:
     launched, phases = fastest("launched"), result["phases"]
     best = persistent()
     result["saved_us_per_phase"] = round((launched - best) / phases, 3) if launched and best else None
+    real, real_best = fastest("launched-real"), fastest("persistent-real")
+    result["real_saved_us_per_phase"] = round((real - real_best) / phases, 3) if real and real_best else None
+    result["real_persistent_over_launched"] = round(real_best / real, 3) if real and real_best else None
     boundaries = []
     for programs in {r["programs"] for r in result["runs"] if r["mode"] == "launched-looped"}:
         looped, best = fastest("launched-looped", programs), persistent(programs)
@@ -374,32 +531,41 @@ def main() -> None:
     step.launched()
     expected = step.x.clone()
     result["relative_error"] = relative(expected, step.reference())  # float32 sums against float64: about 1e-6
+    real = RealStep(args.shapes, args.layers, args.device, gen)
+    result["real_weight_bytes"] = real.weight_bytes
+    real.launched()
+    expected_real = real.x.clone()
+    result["real_finite"] = bool(expected_real.isfinite().all())
     # the interpreter runs programs one after another, so there one program
     per_sm = dict.fromkeys(sms * int(p) if cuda else 1 for p in args.programs_per_sm.split(","))
     cases = [("launched", None)] + [
         (mode, p) for p in per_sm for mode in MODES[1:] if cuda or mode != "persistent-prefetch"
     ]
+    # then kvserve's own kernel (after the synthetic chain: a probe cut short has that first)
+    cases += [("launched-real", None)] + [("persistent-real", p) for p in per_sm]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     gave_up = None  # the fewest programs a persistent kernel's barrier gave up at: not all resident
     for mode, programs in cases:
         if mode.startswith("persistent") and gave_up is not None and programs >= gave_up:
             continue
         run = {"mode": mode, "programs": programs}
+        chain, want = (real, expected_real) if mode.endswith("-real") else (step, expected)
         try:
             if mode.startswith("launched"):
-                fn = partial(step.launched, programs)
+                fn = partial(chain.launched, programs)
             else:
-                fn = partial(step.persistent, programs, mode == "persistent-prefetch")
-            step.timed_out.zero_()
-            step.x.zero_()
+                fn = partial(chain.persistent, programs, mode == "persistent-prefetch")
+            chain.timed_out.zero_()
+            chain.x.zero_()
             fn()
-            check(run, step, expected, result["phases"])
+            check(run, chain, want, result["phases"])
             seconds = gpu_kernels.timed(fn, args.device)
-            replayed = check({"mode": mode, "programs": programs}, step, expected, result["phases"])
+            replayed = check({"mode": mode, "programs": programs}, chain, want, result["phases"])
             run["replays_agree"] = replayed["agrees"]  # 21 more chances for a barrier to let a read through early
             run["step_us"] = round(seconds * 1e6, 2)
             run["phase_us"] = round(seconds * 1e6 / result["phases"], 3)
-            run["tb_s"] = round(step.codes.numel() / seconds / 1e12, 3)
+            weight_bytes = real.weight_bytes if chain is real else step.codes.numel()
+            run["tb_s"] = round(weight_bytes / seconds / 1e12, 3)
             result["runs"].append(run)
             print(json.dumps(run), flush=True)
         except Exception as e:  # a mode that fails is a finding; the others still run

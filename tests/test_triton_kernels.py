@@ -629,7 +629,7 @@ def _looping_int4_kernel(
     HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_IN_TILE: tl.constexpr, EVEN_K: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PACKED_BF16: tl.constexpr = False, GROUP_MAJOR: tl.constexpr = False, GATED: tl.constexpr = 0,
-    ROW_TILES: tl.constexpr = 1,
+    ROW_TILES: tl.constexpr = 1, rope=(), norm=(),
 ):  # fmt: skip
     """`_int4_kernel`'s work with fewer programs, each taking tiles pid, pid + programs, ... (as a persistent
     kernel's programs would): `matmul._int4_tile` given each tile's indices."""
@@ -640,7 +640,7 @@ def _looping_int4_kernel(
             x_ptr, out_ptr, partial_ptr, counters_ptr, bias_ptr, M, N, K, stride_xm, stride_om, stride_os,
             k_per_split, packed_ptr, scales_ptr, mins_ptr, stride_pn, stride_sn, stride_mn,
             HAS_BIAS, IS_SPLIT, SUM_IN_TILE, EVEN_K, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K,
-            PACKED_BF16=PACKED_BF16, GROUP_MAJOR=GROUP_MAJOR, GATED=GATED, ROW_TILES=ROW_TILES,
+            PACKED_BF16=PACKED_BF16, GROUP_MAJOR=GROUP_MAJOR, GATED=GATED, rope=rope, norm=norm, ROW_TILES=ROW_TILES,
             tile_m=t // (tiles_n * splits), tile_n=(t // splits) % tiles_n, split=t % splits, tiles_n=tiles_n,
             splits=splits,
         )  # fmt: skip
@@ -2183,6 +2183,23 @@ def test_the_persistent_probe_runs_a_steps_phases_in_one_kernel_with_the_bits_of
     step.persistent(1)
     assert torch.equal(step.x, launched)
     assert step.count.item() == 10 and step.timed_out.item() == 0
+
+
+def test_the_persistent_probes_real_chain_runs_kvserves_4bit_tiles_in_one_kernel_with_their_bits():
+    """The probe's chain again with kvserve's own 4-bit kernel: `matmul.int4_matmul` a phase (packed bfloat16
+    FMAs, SiLU in gate/up's epilogue, every layer's K splits added by each tile's last split), against one
+    kernel whose programs loop over the phases' tiles through `_int4_tile` with a grid barrier after each
+    (one program here): the same bits, each barrier counted once, the split counters back at 0."""
+    from bench import gpu_persistent
+
+    step = gpu_persistent.RealStep("tiny", 2, DEVICE, torch.Generator(device=DEVICE).manual_seed(8))
+    step.launched()
+    launched = step.x.clone()
+    assert launched.isfinite().all() and launched.abs().max() > 0.1  # values, not zeros or overflow
+    step.x.zero_()
+    step.persistent(1)
+    assert torch.equal(step.x, launched)
+    assert step.count.item() == 10 and step.timed_out.item() == 0 and not step.counters.any()
 
 
 def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
