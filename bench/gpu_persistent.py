@@ -498,6 +498,13 @@ def summarize(result: dict) -> None:
         result[key] = round(best / launched, 3) if best and launched else None
 
 
+def write(path: Path, result: dict) -> None:
+    """The JSON, whole or not at all: written beside it, then renamed over it (a timeout may kill the probe)."""
+    partial_path = path.with_suffix(".partial")
+    partial_path.write_text(json.dumps(result, indent=1) + "\n")
+    partial_path.replace(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -531,11 +538,7 @@ def main() -> None:
     step.launched()
     expected = step.x.clone()
     result["relative_error"] = relative(expected, step.reference())  # float32 sums against float64: about 1e-6
-    real = RealStep(args.shapes, args.layers, args.device, gen)
-    result["real_weight_bytes"] = real.weight_bytes
-    real.launched()
-    expected_real = real.x.clone()
-    result["real_finite"] = bool(expected_real.isfinite().all())
+    real = expected_real = None  # made at the first real run, inside its try: a failure there costs only those
     # the interpreter runs programs one after another, so there one program
     per_sm = dict.fromkeys(sms * int(p) if cuda else 1 for p in args.programs_per_sm.split(","))
     cases = [("launched", None)] + [
@@ -544,13 +547,21 @@ def main() -> None:
     # then kvserve's own kernel (after the synthetic chain: a probe cut short has that first)
     cases += [("launched-real", None)] + [("persistent-real", p) for p in per_sm]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    gave_up = None  # the fewest programs a persistent kernel's barrier gave up at: not all resident
+    gave_up = {}  # per chain, the fewest programs its persistent kernel's barrier gave up at: not all resident
     for mode, programs in cases:
-        if mode.startswith("persistent") and gave_up is not None and programs >= gave_up:
+        is_real = mode.endswith("-real")
+        if mode.startswith("persistent") and programs >= gave_up.get(is_real, math.inf):
+            result["errors"].append(f"{mode} programs={programs}: not run, a barrier gave up at fewer")
             continue
         run = {"mode": mode, "programs": programs}
-        chain, want = (real, expected_real) if mode.endswith("-real") else (step, expected)
         try:
+            if is_real and real is None:
+                real = RealStep(args.shapes, args.layers, args.device, gen)
+                result["real_weight_bytes"] = real.weight_bytes
+                real.launched()
+                expected_real = real.x.clone()
+                result["real_finite"] = bool(expected_real.isfinite().all())
+            chain, want = (real, expected_real) if is_real else (step, expected)
             if mode.startswith("launched"):
                 fn = partial(chain.launched, programs)
             else:
@@ -570,13 +581,13 @@ def main() -> None:
             print(json.dumps(run), flush=True)
         except Exception as e:  # a mode that fails is a finding; the others still run
             if isinstance(e, BarrierGaveUp):
-                gave_up = min(programs, gave_up or programs)
+                gave_up[is_real] = min(programs, gave_up.get(is_real, programs))
             result["errors"].append(f"{mode} programs={programs}: {e!r}"[:500])
             print(result["errors"][-1], flush=True)
         summarize(result)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")  # after every run: a probe cut short leaves its runs
+        write(args.out, result)  # after every run: a probe cut short leaves its runs
     result["seconds"] = round(time.perf_counter() - started, 1)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
     print(f"wrote {args.out} in {result['seconds']} s")
 

@@ -53,7 +53,7 @@ step() {  # step NAME SECONDS COMMAND...: at most SECONDS, and never into the la
 
 step timeline 75 "$py" bench/gpu_timeline.py --device "$device" --shapes "$shapes" --layers "$layers" --rows 1 \
     --kinds int4-bf16x2,int4-bf16x2-waited,float,float-normed,int4-bf16x2-normed --out "$out/timeline.json"
-step persistent 60 "$py" bench/gpu_persistent.py --device "$device" --shapes "$shapes" --layers "$layers" \
+step persistent 75 "$py" bench/gpu_persistent.py --device "$device" --shapes "$shapes" --layers "$layers" \
     --out "$out/persistent.json"
 step kernels 80 "$py" bench/gpu_kernels.py --device "$device" --shapes "$shapes" --own-configs --budget-s 50 \
     --rows 1 --kinds "$one_row" --out "$out/kernels.json"
