@@ -67,6 +67,7 @@ BLOCK_K = 256  # inputs a step of a tile's loop: 128 bytes of each of its rows' 
 NUM_WARPS = 4
 STAGES = tl.constexpr(4)  # a tile's K steps in flight (Triton's pipeliner: cp.async, steps ahead)
 BARRIER_SPINS = 1 << 16  # polls of the count before a barrier gives up (about 50 ms): a probe must not hang its GPU
+_INTERPRET = tl.constexpr(INTERPRET)  # (a jit function's globals must be constexprs)
 CODE_SCALE = tl.constexpr(1 / math.sqrt((16 * 16 - 1) / 12))  # 1 / the standard deviation of a code (0..15, less 8)
 
 
@@ -102,11 +103,12 @@ def _gemv_tile(
 
 @triton.jit
 def _attend_tile(x_ptr, y_ptr, tile, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The attention's stand-in, a step that reads little (q/k/v [QKV] in, [HIDDEN] out): q + v's head, halved."""
+    """The attention's stand-in, a step that reads little (q/k/v [QKV] in, [HIDDEN] out): q + v's head, halved,
+    in float32 and rounded once to y's dtype (for RealStep's bfloat16, as kvserve's kernels round)."""
     at = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    q = tl.load(x_ptr + at, cache_modifier=".cg")
-    v = tl.load(x_ptr + HIDDEN + at % (HIDDEN // 4), cache_modifier=".cg")
-    tl.store(y_ptr + at, (q + v) * 0.5)
+    q = tl.load(x_ptr + at, cache_modifier=".cg").to(tl.float32)
+    v = tl.load(x_ptr + HIDDEN + at % (HIDDEN // 4), cache_modifier=".cg").to(tl.float32)
+    tl.store(y_ptr + at, cast((q + v) * 0.5, y_ptr.dtype.element_ty, _INTERPRET))
 
 
 @triton.jit
@@ -224,11 +226,15 @@ def _persistent_kernel(
 
 @triton.jit
 def _real_matmul_tiles(
-    x_ptr, out_ptr, partial_ptr, counters_ptr, N, K, k_per_split, packed_ptr, scales_ptr, mins_ptr, rope, norm,
+    x_ptr, out_ptr, partial_ptr, counters_ptr, N, K, k_per_split, layer, packed_ptr, scales_ptr, mins_ptr, rope, norm,
     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """This program's tiles of a one-row 4-bit matmul as `matmul.int4_matmul` launches it (packed bfloat16 FMAs,
-    the K splits added by each tile's last split): kvserve's `_int4_tile`, given each tile's indices."""
+    the K splits added by each tile's last split): kvserve's `_int4_tile`, given each tile's indices; the
+    weights of layer `layer` of the buffers [layers, N, ...] at packed_ptr, scales_ptr and mins_ptr."""
+    packed_ptr += layer * (N * K // 2)
+    scales_ptr += layer * (N * K // 32)
+    mins_ptr += layer * (N * K // 32)
     tiles_n = tl.cdiv(N, BLOCK_N)
     splits = tl.cdiv(K, k_per_split)
     for t in range(tl.program_id(0), tiles_n * splits, tl.num_programs(0)):
@@ -242,17 +248,8 @@ def _real_matmul_tiles(
 
 
 @triton.jit
-def _real_attend_tile(x_ptr, y_ptr, tile, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """`_attend_tile` on bfloat16 q/k/v: in float32, rounded once to y's dtype (as kvserve's kernels round)."""
-    at = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    q = tl.load(x_ptr + at, cache_modifier=".cg").to(tl.float32)
-    v = tl.load(x_ptr + HIDDEN + at % (HIDDEN // 4), cache_modifier=".cg").to(tl.float32)
-    tl.store(y_ptr + at, cast((q + v) * 0.5, y_ptr.dtype.element_ty, INTERPRET))
-
-
-@triton.jit
-def _real_attend_kernel(x_ptr, y_ptr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    _real_attend_tile(x_ptr, y_ptr, tl.program_id(0), HIDDEN, BLOCK_N, INTERPRET)
+def _real_attend_kernel(x_ptr, y_ptr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    _attend_tile(x_ptr, y_ptr, tl.program_id(0), HIDDEN, BLOCK_N)
 
 
 @triton.jit
@@ -270,31 +267,27 @@ def _real_persistent_kernel(
         layer = phase // 5
         step = phase % 5
         if step == 0:
-            w, g = layer * (QKV * HIDDEN // 2), layer * (QKV * HIDDEN // 32)
             _real_matmul_tiles(
-                input_ptr, qkv_ptr, partial_ptr, counters_ptr, QKV, HIDDEN, split_qkv, qkv_w + w, qkv_s + g, qkv_m + g,
+                input_ptr, qkv_ptr, partial_ptr, counters_ptr, QKV, HIDDEN, split_qkv, layer, qkv_w, qkv_s, qkv_m,
                 rope, norm, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
             )  # fmt: skip
         elif step == 1:
             for tile in range(tl.program_id(0), HIDDEN // BLOCK_N, tl.num_programs(0)):
-                _real_attend_tile(qkv_ptr, attn_ptr, tile, HIDDEN, BLOCK_N, INTERPRET)
+                _attend_tile(qkv_ptr, attn_ptr, tile, HIDDEN, BLOCK_N)
         elif step == 2:
-            w, g = layer * (HIDDEN * HIDDEN // 2), layer * (HIDDEN * HIDDEN // 32)
             _real_matmul_tiles(
-                attn_ptr, x_ptr, partial_ptr, counters_ptr, HIDDEN, HIDDEN, split_o, o_w + w, o_s + g, o_m + g,
+                attn_ptr, x_ptr, partial_ptr, counters_ptr, HIDDEN, HIDDEN, split_o, layer, o_w, o_s, o_m,
                 rope, norm, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
             )  # fmt: skip
-        elif step == 3:
-            w, g = layer * (2 * INTER * HIDDEN // 2), layer * (2 * INTER * HIDDEN // 32)
+        elif step == 3:  # SiLU in the epilogue
             _real_matmul_tiles(
-                x_ptr, act_ptr, partial_ptr, counters_ptr, 2 * INTER, HIDDEN, split_gate_up, gate_up_w + w,
-                gate_up_s + g, gate_up_m + g, rope, norm, 1, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
+                x_ptr, act_ptr, partial_ptr, counters_ptr, 2 * INTER, HIDDEN, split_gate_up, layer, gate_up_w,
+                gate_up_s, gate_up_m, rope, norm, 1, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
             )  # fmt: skip
         else:
-            w, g = layer * (HIDDEN * INTER // 2), layer * (HIDDEN * INTER // 32)
             _real_matmul_tiles(
-                act_ptr, x_ptr, partial_ptr, counters_ptr, HIDDEN, INTER, split_down, down_w + w, down_s + g,
-                down_m + g, rope, norm, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
+                act_ptr, x_ptr, partial_ptr, counters_ptr, HIDDEN, INTER, split_down, layer, down_w, down_s, down_m,
+                rope, norm, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
             )  # fmt: skip
         _grid_barrier(count_ptr, (phase + 1) * tl.num_programs(0), timed_out_ptr, SPINS)
 
@@ -346,7 +339,7 @@ class RealStep:
             layer_weights = {name: [t[layer] for t in w] for name, w in self.weights.items()}
             q = mm.int4_matmul(self.input, *layer_weights["qkv"], packed_bf16=True, counters=self.counters)
             _real_attend_kernel[(self.hidden // BLOCK_N,)](
-                q, self.attn, self.hidden, BLOCK_N, INTERPRET, num_warps=NUM_WARPS, enable_fp_fusion=True
+                q, self.attn, self.hidden, BLOCK_N, num_warps=NUM_WARPS, enable_fp_fusion=True
             )  # fmt: skip
             o = mm.int4_matmul(self.attn, *layer_weights["o"], packed_bf16=True, counters=self.counters)
             act = mm.int4_matmul(
