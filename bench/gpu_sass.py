@@ -7,9 +7,10 @@ of a faster kernel. The GPU's own timing (bench/gpu_kernels.py) decides.
 
     PYTHONPATH=. python bench/gpu_sass.py --out bench/results/gpu_sass.json
 
-`--digests FILE` instead writes each launch of the 4-bit kernel and of the attention that a refactor must leave
-alone (`digest_launches`, `attention_digest_launches`) with digests of its whole SASS and of its LLVM IR, its
-registers and shared memory: run it before and after, and compare.
+`--digests FILE` instead writes each launch that a refactor must leave alone (of the 4-bit kernel, the attention,
+and the matmuls that take a norm's rows: `digest_launches`, `attention_digest_launches`, `normed_digest_launches`)
+with digests of its whole SASS and of its LLVM IR, its registers and shared memory: run it before and after, and
+compare.
 
 Runs on a CPU (nothing is launched); needs Triton's NVIDIA backend binaries (the PyPI wheel has them).
 """
@@ -161,6 +162,20 @@ def attention_digest_launches():
                 yield name + (", int8 form" if quantized else ""), dtype, splits, counters, quantized
 
 
+def normed_digest_launches():
+    """(name, kernel, n, rows, with a delta): the matmuls that normalize their rows in their prologue
+    (`norm.NormedRows`) at the 1B shapes' q/k/v and gate/up (K 2,048) for one and two rows, with the residual's
+    delta added (its x + delta stored by one tile) and without; the 4-bit kernel with SiLU in gate/up's epilogue."""
+    for kernel in ("int4", "float", "int8"):
+        for n in (3072, 16384):
+            for rows in (1, 2):
+                for delta in (False, True):
+                    if kernel != "int4" and (n != 3072 or rows != 1):
+                        continue
+                    label = f"normed {kernel} {n}x2048, {rows} rows{', x + delta' if delta else ''}"
+                    yield label, kernel, n, rows, delta
+
+
 def llvm_ir_digest(compiled) -> str:
     """A digest of the kernel's LLVM IR without its debug locations: what it computes, where ptxas may
     still name registers differently when only the lines behind the code moved."""
@@ -180,7 +195,7 @@ def sass_of(compiled, work: Path) -> tuple[str, str]:
 
 
 def digests(out: Path, work: Path, current: dict) -> None:
-    from kvserve.kernels.gpu import attention
+    from kvserve.kernels.gpu import attention, norm
     from kvserve.kernels.gpu import matmul as mm
 
     records = {}
@@ -216,13 +231,31 @@ def digests(out: Path, work: Path, current: dict) -> None:
             quantized=[] if quantized else None,
         )  # fmt: skip
         record(label)
+    for label, kernel, n, rows, delta in normed_digest_launches():
+        hidden = 2048
+        x = torch.randn(rows, hidden).to(torch.bfloat16)
+        _, normed = norm.normed_rows(x, torch.randn_like(x) if delta else None, torch.rand(hidden).to(x.dtype), 1e-5)
+        counters = mm.split_counters("cpu")
+        if kernel == "int4":
+            packed = mm.pack_int4(torch.randint(0, 16, (n, hidden), dtype=torch.uint8))
+            scales = torch.rand(n, hidden // 32).to(torch.bfloat16)
+            activation = "silu" if n == 16384 else None
+            mm.int4_matmul(normed, packed, scales, scales, None, None, True, counters, activation)
+        elif kernel == "float":
+            mm.matmul(normed, torch.randn(n, hidden).to(torch.bfloat16), counters=counters)
+        else:
+            codes = torch.randint(-128, 128, (n, hidden), dtype=torch.int8)
+            mm.int8_group_matmul(normed, codes, torch.rand(n, hidden // 32), counters=counters)
+        record(label)
     out.write_text(json.dumps({"target": "sm_90", "triton": triton.__version__, "launches": records}, indent=1) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_sass.json"))
-    parser.add_argument("--digests", type=Path, help="write the 4-bit kernel's launches' SASS digests here instead")
+    parser.add_argument(
+        "--digests", type=Path, help="write the digests of the launches a refactor must leave alone here instead"
+    )
     args = parser.parse_args()
     from kvserve.kernels.gpu import attention
     from kvserve.kernels.gpu import matmul as mm
@@ -235,7 +268,9 @@ def main() -> None:
     def compile_only(kernel, grid):
         def warmup(*a, **kw):
             compiled = kernel.run(*a, grid=grid, warmup=True, **kw)
-            if kernel in (mm._int4_kernel, mm._int8_kernel, mm._int4_int8_kernel, mm._int4_int8_mma_kernel):
+            if kernel in (
+                mm._int4_kernel, mm._int8_kernel, mm._int4_int8_kernel, mm._int4_int8_mma_kernel, mm._float_kernel
+            ):  # fmt: skip
                 current["compiled"], current["kw"] = compiled, kw
             if kernel is attention._attention_kernel:
                 current["compiled"] = compiled

@@ -640,7 +640,17 @@ def _int4_tile(
     rstd = 0.0  # without NORM, unused
     if NORM:  # each row's 1 / rms, as the norm kernel sums it
         rstd = normed_rows_rstd(
-            x_ptr, stride_xm, tile_index(tile_m, 0) * BLOCK_M, M, norm, BLOCK_M, NORM, NORM_ADD, INTERPRET
+            x_ptr,
+            stride_xm,
+            tile_index(tile_m, 0) * BLOCK_M,
+            M,
+            norm,
+            BLOCK_M,
+            NORM,
+            NORM_ADD,
+            INTERPRET,
+            tile_n,
+            split,
         )
     cols64 = cols.to(tl.int64)[None, :]
     # byte i of a tile holds the codes of inputs k_lo[i] (low nibble) and k_lo[i] + 16 (high nibble)

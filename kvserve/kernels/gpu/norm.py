@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.gpu import INTERPRET, launch_options
-from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups, wait_for_prior
+from kvserve.kernels.gpu.common import cast, quantize_groups, store_groups, tile_index, wait_for_prior
 
 
 def row_width(hidden: int) -> int:
@@ -100,16 +100,19 @@ def normed_rows_rstd(
     WIDTH: tl.constexpr,
     ADD: tl.constexpr,
     INTERPRET: tl.constexpr,
+    tile_n=None,
+    split=None,
 ):
     """A matmul's prologue for `NormedRows` inputs: 1 / rms of each row of its tile (rows row0 ..
     row0 + BLOCK_M, those below M), each row summed as the norm kernel sums it, so the same bits; the
-    tile's first program along N and K also stores x + delta (ADD) in `total`. `norm`: `NormedRows.args`.
-    Each program reads its rows whole (2 x 4 KB a row of 2,048 in bfloat16, from L2), so the layers
-    hand it at most NORM_IN_MATMUL_ROWS rows (any number gives the same bits)."""
+    tile's first along N and K (`tile_n` and `split` where given, else this program's) also stores x + delta
+    (ADD) in `total`. `norm`: `NormedRows.args`. Each program reads its rows whole (2 x 4 KB a row of 2,048
+    in bfloat16, from L2), so the layers hand it at most NORM_IN_MATMUL_ROWS rows (any number gives the same
+    bits)."""
     delta_ptr, stride_d, _, total_ptr, hidden, eps = norm
     lanes = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, WIDTH)
-    stores = (cols < hidden) & (tl.zeros((WIDTH,), tl.int32) + tl.program_id(1) + tl.program_id(2) == 0)
+    stores = (cols < hidden) & (tl.zeros((WIDTH,), tl.int32) + tile_index(tile_n, 1) + tile_index(split, 2) == 0)
     rstd = tl.zeros((BLOCK_M,), tl.float32)
     for r in range(0, tl.minimum(BLOCK_M, M - row0)):
         row = row0 + r + tl.zeros((1,), tl.int32)
