@@ -629,19 +629,21 @@ def _looping_int4_kernel(
     HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_IN_TILE: tl.constexpr, EVEN_K: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PACKED_BF16: tl.constexpr = False, GROUP_MAJOR: tl.constexpr = False, GATED: tl.constexpr = 0,
-    ROW_TILES: tl.constexpr = 1, rope=(), norm=(),
+    ROW_TILES: tl.constexpr = 1, rope=(), norm=(), NORM: tl.constexpr = 0, NORM_ADD: tl.constexpr = False,
 ):  # fmt: skip
-    """`_int4_kernel`'s work with fewer programs, each taking tiles pid, pid + programs, ... (as a persistent
-    kernel's programs would): `matmul._int4_tile` given each tile's indices."""
+    """`_int4_kernel`'s work with fewer programs along the grid's second axis, each taking tiles p + 1, p + 1 +
+    programs, ... (as a persistent kernel's programs would), so that no tile is taken by a program of its own
+    indices: `matmul._int4_tile` given each tile's indices."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     splits = tl.cdiv(K, k_per_split)
-    for t in range(tl.program_id(0), tl.cdiv(M, BLOCK_M * ROW_TILES) * tiles_n * splits, tl.num_programs(0)):
+    first = (tl.program_id(1) + 1) % tl.num_programs(1)
+    for t in range(first, tl.cdiv(M, BLOCK_M * ROW_TILES) * tiles_n * splits, tl.num_programs(1)):
         matmul._int4_tile(
             x_ptr, out_ptr, partial_ptr, counters_ptr, bias_ptr, M, N, K, stride_xm, stride_om, stride_os,
             k_per_split, packed_ptr, scales_ptr, mins_ptr, stride_pn, stride_sn, stride_mn,
             HAS_BIAS, IS_SPLIT, SUM_IN_TILE, EVEN_K, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K,
-            PACKED_BF16=PACKED_BF16, GROUP_MAJOR=GROUP_MAJOR, GATED=GATED, rope=rope, norm=norm, ROW_TILES=ROW_TILES,
-            tile_m=t // (tiles_n * splits), tile_n=(t // splits) % tiles_n, split=t % splits, tiles_n=tiles_n,
+            PACKED_BF16=PACKED_BF16, GROUP_MAJOR=GROUP_MAJOR, GATED=GATED, rope=rope, norm=norm, NORM=NORM,
+            NORM_ADD=NORM_ADD, ROW_TILES=ROW_TILES, tile_m=t // (tiles_n * splits), tile_n=(t // splits) % tiles_n, split=t % splits, tiles_n=tiles_n,
             splits=splits,
         )  # fmt: skip
 
@@ -650,8 +652,9 @@ def test_the_int4_tile_given_its_indices_gives_the_bits_of_a_program_a_tile(monk
     """`_int4_tile` is the 4-bit kernel's program with its tile's indices given: three programs looping
     over a layer's tiles and K splits (a persistent decode step's form) give `_int4_kernel`'s bits, with
     the splits summed by each tile's last split and by the sum kernel, packed bfloat16 FMAs, group-major
-    codes, a gated activation and programs of several row tiles. For sm_90 the launched kernel compiles
-    to the SASS it did before the tile was its own function (docs/performance.md)."""
+    codes, a gated activation, programs of several row tiles, and a norm in the prologue whose x + delta the
+    tile first along N and K stores. For sm_90 the launched kernel compiles to the SASS it did before the
+    tile was its own function (docs/performance.md)."""
     m, k, n = 37, 1024 + 160, 80  # three K splits, two column tiles
     codes, scales, mins, _ = _int4_weight(n, k, torch.bfloat16, seed=81)
     packed = matmul.pack_int4(codes)
@@ -661,7 +664,7 @@ def test_the_int4_tile_given_its_indices_gives_the_bits_of_a_program_a_tile(monk
 
     class Looping:  # launched where _launch launches `_int4_kernel`, on three programs whatever its grid
         def __getitem__(self, grid):
-            return _looping_int4_kernel[(3,)]
+            return _looping_int4_kernel[(1, 3)]
 
     cases = [
         dict(rows=x[:1], weight=(packed, scales, mins), options={}),
@@ -680,6 +683,21 @@ def test_the_int4_tile_given_its_indices_gives_the_bits_of_a_program_a_tile(monk
                     patch.setattr(matmul, "_int4_kernel", Looping())
                     looped = matmul.int4_matmul(rows, *weight, counters=layer_counters, **options)
                 assert torch.equal(looped, launched), (len(rows), options, row_tile_programs, layer_counters is None)
+    # the norm in the prologue, with the residual's delta: x + delta stored by the tile first along N and K
+    delta = _randn(2, k, seed=84, dtype=torch.bfloat16)
+    norm_weight = _randn(k, seed=85, dtype=torch.bfloat16)
+    for layer_counters in (counters, None):
+        results = []
+        for kernel in (matmul._int4_kernel, Looping()):
+            total, normed = norm.normed_rows(x[:2], delta, norm_weight, 1e-5)
+            total.fill_(float("nan"))
+            with monkeypatch.context() as patch:
+                patch.setattr(matmul, "_int4_kernel", kernel)
+                out = matmul.int4_matmul(normed, *gm, packed_bf16=True, counters=layer_counters, activation="silu")
+            results.append((out, total))
+        (launched, launched_total), (looped, looped_total) = results
+        assert torch.equal(launched_total, (x[:2].float() + delta.float()).to(torch.bfloat16))
+        assert torch.equal(looped_total, launched_total) and torch.equal(looped, launched), layer_counters is None
     assert matmul._row_tiles(x, n, matmul.config_for(matmul.INT4_CONFIG, n, k)) == {"ROW_TILES": 4}
     assert not counters.any()  # every tile's counter back at 0 for the next call
 
@@ -2185,20 +2203,30 @@ def test_the_persistent_probe_runs_a_steps_phases_in_one_kernel_with_the_bits_of
     assert step.count.item() == 10 and step.timed_out.item() == 0
 
 
-def test_the_persistent_probes_real_chain_runs_kvserves_4bit_tiles_in_one_kernel_with_their_bits():
-    """The probe's chain again with kvserve's own 4-bit kernel: `matmul.int4_matmul` a phase (packed bfloat16
-    FMAs, SiLU in gate/up's epilogue, every layer's K splits added by each tile's last split), against one
-    kernel whose programs loop over the phases' tiles through `_int4_tile` with a grid barrier after each
-    (one program here): the same bits, each barrier counted once, the split counters back at 0."""
+def test_the_persistent_probes_real_chain_runs_kvserves_decoder_layers_in_one_kernel_with_their_bits():
+    """The probe's chain again as a model's 4-bit decoder layers on kvserve's kernels (two layers, one token
+    after 200 in the cache): the norms with the residual adds in q/k/v's and gate/up's prologues, RoPE and the
+    cache's write in q/k/v's epilogue, the paged attention, SiLU in gate/up's epilogue, every K split added by
+    its tile's last split, a kernel a phase and within bfloat16's rounding of the layers in float64; and one
+    kernel whose programs loop over the phases' tiles through `_int4_tile` and `_attention_tile` with a grid
+    barrier after each (one program here): the same bits and the same cache, each barrier counted once, the
+    split counters back at 0."""
     from bench import gpu_persistent
 
     step = gpu_persistent.RealStep("tiny", 2, DEVICE, torch.Generator(device=DEVICE).manual_seed(8))
     step.launched()
-    launched = step.x.clone()
-    assert launched.isfinite().all() and launched.abs().max() > 0.1  # values, not zeros or overflow
+    launched, cache = step.x.clone(), (step.k_cache.clone(), step.v_cache.clone())
+    # float64 gives 0.015; without RoPE's sines 0.34, the norm's weight 0.18, with other keys before the token 0.17
+    assert gpu_persistent.relative(launched, step.reference()) < 0.05
     step.x.zero_()
+    before, through = slice(0, gpu_persistent.POSITION), slice(0, gpu_persistent.POSITION + 1)
+    for now, then in zip((step.k_cache, step.v_cache), cache, strict=True):  # the token's slot and those after: NaN
+        now.fill_(float("nan"))
+        now.flatten(0, 1)[before] = then.flatten(0, 1)[before]
     step.persistent(1)
     assert torch.equal(step.x, launched)
+    for now, then in zip((step.k_cache, step.v_cache), cache, strict=True):  # the token's k and v written
+        assert torch.equal(now.flatten(0, 1)[through], then.flatten(0, 1)[through])
     assert step.count.item() == 10 and step.timed_out.item() == 0 and not step.counters.any()
 
 
