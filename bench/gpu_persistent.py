@@ -69,7 +69,10 @@ SHAPES = {"llama1b": (3072, 2048, 8192), "tiny": (384, 256, 512)}
 # RealStep's: every layer K-split as kvserve's config splits the 1B shapes (its tiny shapes are wider than Step's)
 REAL_SHAPES = {"llama1b": SHAPES["llama1b"], "tiny": (1536, 1024, 2048)}
 HEAD_DIM = 64  # the real chain's heads: the 1B shapes' 32 query and 8 KV heads (tiny: 16 and 4)
-POSITION = 200  # the real chain's token: 200 keys before it in the cache, one key split (attention.SPLIT_KEYS)
+POSITION = 200  # the real chain's token: 200 keys before it in the cache (the test's: 600, two key splits)
+# the furthest position the engine's one-row decode graph is captured for (gpu.py's models: an 8,192-token context):
+# its attention's key splits, each (KV head, split) a program, the last split of a head merging them (counters)
+MAX_POSITION = 8191
 CACHE_BLOCK = 16  # positions a cache block
 EPS = 1e-5
 CAPPED_PER_SM = 4  # `persistent-real-capped`'s programs a multiprocessor, its registers capped to let them in
@@ -266,21 +269,24 @@ def _real_matmul_tiles(
 
 @triton.jit(noinline=True)  # a call, as `_real_matmul_tiles`
 def _real_attention_tiles(
-    attend, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-    HEAD_DIM: tl.constexpr, KEYS: tl.constexpr, SPLIT_KEYS: tl.constexpr, INTERPRET: tl.constexpr,
+    attend, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, KEYS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """This program's KV heads of the one token's attention over the paged cache (one key split), through
-    kvserve's `attention._attention_tile`; `attend`: `RealStep.attend_args`, `_attention_kernel`'s arguments."""
+    """This program's (KV head, key split)s of the one token's attention over the paged cache, through kvserve's
+    `attention._attention_tile`, each head's last split to finish merging them; `attend`: `RealStep.attend_args`,
+    `_attention_kernel`'s arguments."""
     (q_ptr, k_cache, v_cache, out_ptr, part_m, part_denom, part_acc, counters_ptr, block_tables, positions, tile_seq,
      tile_first, tile_len, scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
      stride_vb, stride_vs, stride_vh, stride_table, num_heads, part_stride, words_ptr, dq_ptr, sq_ptr) = attend  # fmt: skip
-    for kv_head in range(tl.program_id(0), KV_HEADS, tl.num_programs(0)):
+    for t in range(tl.program_id(0), KV_HEADS * SPLITS, tl.num_programs(0)):
         attention._attention_tile(
             q_ptr, k_cache, v_cache, out_ptr, part_m, part_denom, part_acc, counters_ptr, block_tables, positions,
             tile_seq, tile_first, tile_len, scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb,
             stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table, num_heads, part_stride, words_ptr,
             dq_ptr, sq_ptr, tl.bfloat16, GROUP, ROWS, CACHE_BLOCK, HEAD_DIM, HEAD_DIM, KEYS, SPLIT_KEYS,
-            False, False, False, INTERPRET, tile_at=0, kv_head_at=kv_head, split_at=0, kv_heads=KV_HEADS, splits=1,
+            SPLITS > 1, SPLITS > 1, False, INTERPRET, tile_at=0, kv_head_at=t // SPLITS, split_at=t % SPLITS,
+            kv_heads=KV_HEADS, splits=SPLITS,
         )  # fmt: skip
 
 
@@ -291,7 +297,7 @@ def _real_persistent_kernel(
     split_qkv, split_o, split_gate_up, split_down, rope, attn_norm, ffn_norm, attend, empty,
     QKV: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, SPINS: tl.constexpr, NORM: tl.constexpr, KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, KEYS: tl.constexpr,
+    SPLITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, KEYS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
 ):  # fmt: skip
     """`persistent-real`: `launched-real`'s phases in one kernel, each program taking tiles pid, pid +
@@ -308,7 +314,9 @@ def _real_persistent_kernel(
                 rope, attn_norm, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, HEAD_DIM, CACHE_BLOCK, NORM, True,
             )  # fmt: skip
         elif step == 1:
-            _real_attention_tiles(attend, KV_HEADS, GROUP, ROWS, CACHE_BLOCK, HEAD_DIM, KEYS, SPLIT_KEYS, INTERPRET)
+            _real_attention_tiles(
+                attend, KV_HEADS, SPLITS, GROUP, ROWS, CACHE_BLOCK, HEAD_DIM, KEYS, SPLIT_KEYS, INTERPRET
+            )  # fmt: skip
         elif step == 2:
             _real_matmul_tiles(
                 attn_ptr, o_ptr, partial_ptr, counters_ptr, HIDDEN, HIDDEN, split_o, layer, o_w, o_s, o_m,
@@ -329,9 +337,10 @@ def _real_persistent_kernel(
 
 class RealStep:
     """The chain again as a model's 4-bit decoder layers run it on kvserve's kernels, for one token at
-    POSITION: per layer, the attention's norm (adding the last layer's MLP output to the residual stream) in
+    `position` (POSITION): per layer, the attention's norm (adding the last layer's MLP output to the residual stream) in
     q/k/v's prologue, RoPE and the KV cache's write in its epilogue, kvserve's paged attention over the cache
-    (one key split), o, the MLP's norm (adding o's output) in gate/up's prologue, SiLU in its epilogue, down.
+    (its keys in the splits of the engine's one-row graph, MAX_POSITION's, each KV head's merged by its last
+    split), o, the MLP's norm (adding o's output) in gate/up's prologue, SiLU in its epilogue, down.
     bfloat16 activations and scales, packed bfloat16 FMAs, the K splits added by each tile's last split, as
     the engine's decode graph runs them with `layers/gpu.FUSE_NORMS` on. Each layer's weights of a kind are one
     slice of a buffer; the layers share one cache and one norm weight (a step reads 0.4 MB of cache a layer
@@ -340,8 +349,9 @@ class RealStep:
     code, so the same bits, where the attention runs with the matmuls' warps in both (the engine's attention
     kernel has more: a row's reductions may then split otherwise)."""
 
-    def __init__(self, shapes: str, layers: int, device: str, gen: torch.Generator) -> None:
+    def __init__(self, shapes: str, layers: int, device: str, gen: torch.Generator, position: int = POSITION) -> None:
         self.qkv, self.hidden, self.inter = REAL_SHAPES[shapes]
+        self.position = position
         self.layers, self.device = layers, device
         self.heads, self.kv_heads = self.hidden // HEAD_DIM, (self.qkv - self.hidden) // (2 * HEAD_DIM)
         bf16 = torch.bfloat16
@@ -365,14 +375,14 @@ class RealStep:
         randn = partial(torch.randn, device=device, generator=gen)
         self.input = randn(1, self.hidden).to(bf16)
         self.norm_weight = (1 + 0.1 * randn(self.hidden)).to(bf16)
-        # the cache: POSITION keys before the token's (a prompt's), a block table of consecutive blocks
-        cache_shape = (POSITION // CACHE_BLOCK + 1, CACHE_BLOCK, self.kv_heads, HEAD_DIM)
+        # the cache: `position` keys before the token's (a prompt's), a block table of consecutive blocks
+        cache_shape = (position // CACHE_BLOCK + 1, CACHE_BLOCK, self.kv_heads, HEAD_DIM)
         self.k_cache, self.v_cache = randn(*cache_shape).to(bf16), randn(*cache_shape).to(bf16)
         int32 = partial(torch.tensor, dtype=torch.int32, device=device)
         self.table = int32([list(range(cache_shape[0]))])
-        self.positions, self.slots = int32([POSITION]), int32([POSITION])
+        self.positions, self.slots = int32([position]), int32([position])
         self.tile_seq, self.tile_first, self.tile_len = int32([0]), int32([0]), int32([1])
-        angles = POSITION * 10000.0 ** (-torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
+        angles = position * 10000.0 ** (-torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
         self.cos = angles.cos().repeat(2).to(bf16).view(1, 1, HEAD_DIM)
         self.sin_signed = torch.cat((-angles.sin(), angles.sin())).to(bf16).view(1, 1, HEAD_DIM)
         empty = partial(torch.empty, dtype=bf16, device=device)
@@ -383,7 +393,15 @@ class RealStep:
             empty(1, self.hidden),
         )
         self.q, self.attn, self.act = empty(1, self.hidden), empty(1, self.heads, HEAD_DIM), empty(1, self.inter)
-        self.unused = torch.empty(1, dtype=torch.float32, device=device)  # the attention's split workspace: one split
+        # the attention's key splits: each one's running max, sum and output a query head, and a KV head's count
+        self.attention_splits = attention.num_splits_for(MAX_POSITION)
+        part = partial(torch.empty, dtype=torch.float32, device=device)
+        self.part_m, self.part_denom = (
+            part(self.attention_splits, 1, self.heads),
+            part(self.attention_splits, 1, self.heads),
+        )
+        self.part_acc = part(self.attention_splits, 1, self.heads, HEAD_DIM)
+        self.attention_counters = attention.attention_counters(device)
         widest = max(w[0].shape[1] * (w[0].shape[2] * 2 // self.splits[name]) for name, w in self.weights.items())
         self.partial = torch.empty(widest, dtype=torch.float32, device=device)
         self.counters = mm.split_counters(device)
@@ -395,10 +413,9 @@ class RealStep:
             GROUP=group, ROWS=attention._rows(group), CACHE_BLOCK=CACHE_BLOCK, HEAD_DIM=HEAD_DIM,
             KEYS=attention.BLOCK_N, SPLIT_KEYS=attention.SPLIT_KEYS,
         )  # fmt: skip
-        assert POSITION < attention.SPLIT_KEYS  # one key split
 
     def reference(self) -> torch.Tensor:
-        """The same layers in PyTorch (float64, over the cache's keys before POSITION), for the plumbing's check:
+        """The same layers in PyTorch (float64, over the cache's keys before the token's), for the plumbing's check:
         the weights' rows as the kernels' epilogues take them (q's and k's dimensions paired for RoPE, gate and
         up interleaved)."""
         f64, heads, kv_heads = torch.float64, self.heads, self.kv_heads
@@ -417,15 +434,15 @@ class RealStep:
                 f64
             )
 
-        keys = self.k_cache.flatten(0, 1)[:POSITION].to(f64)  # [POSITION, Hkv, D]
-        values = self.v_cache.flatten(0, 1)[:POSITION].to(f64)
+        keys = self.k_cache.flatten(0, 1)[: self.position].to(f64)  # [position, Hkv, D]
+        values = self.v_cache.flatten(0, 1)[: self.position].to(f64)
         x, delta = self.input[0].to(f64), torch.zeros(self.hidden, dtype=f64, device=self.device)
         for layer in range(self.layers):
             x = x + delta
             qkv = mm.deinterleave_rope((weight("qkv", layer) @ norm(x))[None], heads, kv_heads, HEAD_DIM, dim=1)[0]
             q, k, v = (t.view(-1, HEAD_DIM) for t in qkv.split([self.hidden, *2 * [kv_heads * HEAD_DIM]]))
             group = heads // kv_heads
-            k_all = torch.cat((keys, rope(k)[None])).repeat_interleave(group, 1)  # [POSITION + 1, H, D]
+            k_all = torch.cat((keys, rope(k)[None])).repeat_interleave(group, 1)  # [position + 1, H, D]
             v_all = torch.cat((values, v[None])).repeat_interleave(group, 1)
             scores = torch.einsum("hd,phd->hp", rope(q), k_all) * HEAD_DIM**-0.5
             x = x + weight("o", layer) @ torch.einsum("hp,phd->hd", scores.softmax(-1), v_all).flatten()
@@ -435,14 +452,14 @@ class RealStep:
         return delta[None]
 
     def attend_args(self, q: torch.Tensor) -> tuple:
-        """`_attention_kernel`'s arguments for q [1, H * D] into self.attn (one key split, no int8 form)."""
+        """`_attention_kernel`'s arguments for q [1, H * D] into self.attn (no int8 form)."""
         q = q.view(1, self.heads, HEAD_DIM)
-        unused = self.unused
+        unused = self.part_m  # (the int8 form's, not written without it)
         return (
-            q, self.k_cache, self.v_cache, self.attn, unused, unused, unused, unused, self.table, self.positions,
-            self.tile_seq, self.tile_first, self.tile_len, HEAD_DIM**-0.5, 0, *q.stride()[:2], *self.attn.stride()[:2],
-            *self.k_cache.stride()[:3], *self.v_cache.stride()[:3], self.table.stride(0), self.heads, 1,
-            unused, unused, unused,
+            q, self.k_cache, self.v_cache, self.attn, self.part_m, self.part_denom, self.part_acc,
+            self.attention_counters, self.table, self.positions, self.tile_seq, self.tile_first, self.tile_len,
+            HEAD_DIM**-0.5, 0, *q.stride()[:2], *self.attn.stride()[:2], *self.k_cache.stride()[:3],
+            *self.v_cache.stride()[:3], self.table.stride(0), self.heads, self.heads, unused, unused, unused,
         )  # fmt: skip
 
     def _rope(self) -> mm.RopeStore:
@@ -462,10 +479,11 @@ class RealStep:
             w = {name: [t[layer] for t in weights] for name, weights in self.weights.items()}
             normed = NormedRows(self.resid_b, delta, self.norm_weight, EPS, self.resid_a)
             q = mm.int4_matmul(normed, *w["qkv"], packed_bf16=True, counters=self.counters, rope=self._rope())
-            attention._attention_kernel[(1, self.kv_heads, 1)](
+            splits = self.attention_splits
+            attention._attention_kernel[(1, self.kv_heads, splits)](
                 *self.attend_args(q), DOT_DTYPE=tl.bfloat16, GROUP=meta["GROUP"], ROWS=meta["ROWS"],
                 BLOCK_SIZE=CACHE_BLOCK, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, BLOCK_N=meta["KEYS"],
-                SPLIT_KEYS=meta["SPLIT_KEYS"], IS_SPLIT=False, COMBINE_IN_TILE=False, QUANTIZE=False,
+                SPLIT_KEYS=meta["SPLIT_KEYS"], IS_SPLIT=splits > 1, COMBINE_IN_TILE=splits > 1, QUANTIZE=False,
                 INTERPRET=INTERPRET, num_warps=self.config.num_warps, num_stages=attention.NUM_STAGES,
                 enable_fp_fusion=True,
             )  # fmt: skip
@@ -491,7 +509,8 @@ class RealStep:
             self.count, self.timed_out, self.layers, *weights, *splits, rope, attn_norm, ffn_norm,
             self.attend_args(self.q), (), QKV=self.qkv, HIDDEN=self.hidden, INTER=self.inter,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=INTERPRET,
-            SPINS=BARRIER_SPINS, NORM=row_width(self.hidden), KV_HEADS=self.kv_heads, **self.attend_meta,
+            SPINS=BARRIER_SPINS, NORM=row_width(self.hidden), KV_HEADS=self.kv_heads,
+            SPLITS=self.attention_splits, **self.attend_meta,
             num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )  # fmt: skip

@@ -2205,21 +2205,23 @@ def test_the_persistent_probe_runs_a_steps_phases_in_one_kernel_with_the_bits_of
 
 def test_the_persistent_probes_real_chain_runs_kvserves_decoder_layers_in_one_kernel_with_their_bits():
     """The probe's chain again as a model's 4-bit decoder layers on kvserve's kernels (two layers, one token
-    after 200 in the cache): the norms with the residual adds in q/k/v's and gate/up's prologues, RoPE and the
-    cache's write in q/k/v's epilogue, the paged attention, SiLU in gate/up's epilogue, every K split added by
-    its tile's last split, a kernel a phase and within bfloat16's rounding of the layers in float64; and one
-    kernel whose programs loop over the phases' tiles through `_int4_tile` and `_attention_tile` with a grid
-    barrier after each (one program here): the same bits and the same cache, each barrier counted once, the
-    split counters back at 0."""
+    after 600 in the cache): the norms with the residual adds in q/k/v's and gate/up's prologues, RoPE and the
+    cache's write in q/k/v's epilogue, the paged attention in the engine's key splits (16, merged by each KV
+    head's last), SiLU in gate/up's epilogue, every K split added by its tile's last split, a kernel a phase and
+    within bfloat16's rounding of the layers in float64; and one kernel whose programs loop over the phases'
+    tiles through `_int4_tile` and `_attention_tile` with a grid barrier after each (one program here): the
+    same bits and the same cache, each barrier counted once, the matmuls' and the attention's counters back
+    at 0."""
     from bench import gpu_persistent
 
-    step = gpu_persistent.RealStep("tiny", 2, DEVICE, torch.Generator(device=DEVICE).manual_seed(8))
+    position = 600  # two key splits of keys, merged
+    step = gpu_persistent.RealStep("tiny", 2, DEVICE, torch.Generator(device=DEVICE).manual_seed(8), position)
     step.launched()
     launched, cache = step.x.clone(), (step.k_cache.clone(), step.v_cache.clone())
     # float64 gives 0.015; without RoPE's sines 0.34, the norm's weight 0.18, with other keys before the token 0.17
     assert gpu_persistent.relative(launched, step.reference()) < 0.05
     step.x.zero_()
-    before, through = slice(0, gpu_persistent.POSITION), slice(0, gpu_persistent.POSITION + 1)
+    before, through = slice(0, position), slice(0, position + 1)
     for now, then in zip((step.k_cache, step.v_cache), cache, strict=True):  # the token's slot and those after: NaN
         now.fill_(float("nan"))
         now.flatten(0, 1)[before] = then.flatten(0, 1)[before]
@@ -2227,7 +2229,8 @@ def test_the_persistent_probes_real_chain_runs_kvserves_decoder_layers_in_one_ke
     assert torch.equal(step.x, launched)
     for now, then in zip((step.k_cache, step.v_cache), cache, strict=True):  # the token's k and v written
         assert torch.equal(now.flatten(0, 1)[through], then.flatten(0, 1)[through])
-    assert step.count.item() == 10 and step.timed_out.item() == 0 and not step.counters.any()
+    assert step.count.item() == 10 and step.timed_out.item() == 0
+    assert not step.counters.any() and not step.attention_counters.any()
 
 
 def test_the_kernels_compile_for_hopper_on_the_tensor_cores():
