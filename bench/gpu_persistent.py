@@ -701,6 +701,7 @@ def main() -> None:
         (mode, p) for p in per_sm for mode in MODES[1:] if cuda or mode != "persistent-prefetch"
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    write(args.out, result)  # the device, the commit and the synthetic chain's check, whatever comes of the runs
     gave_up = {}  # per chain, the fewest programs its persistent kernel's barrier gave up at: not all resident
     for mode, programs in cases:
         is_real = "-real" in mode
