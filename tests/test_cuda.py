@@ -246,6 +246,31 @@ def test_the_norms_in_the_matmuls_give_the_tokens_and_logprobs_of_their_kernel(t
     assert runs[0] == runs[1]
 
 
+def test_the_persistent_step_gives_the_tokens_and_logprobs_of_a_kernel_a_phase(tmp_path, monkeypatch):
+    """The one-row decode graph's layers in one kernel (layers/persistent_step.PERSISTENT_STEP, its grid
+    barriers waiting on real programs here): one stream's tokens and logprobs, and 4 and 16 streams' (a kernel
+    a phase, as without it), are those of the same engine without it (R7: a request alone or batched)."""
+    from kvserve.layers import persistent_step
+    from tests.conftest import make_tiny_llama, write_byte_tokenizer
+
+    make_tiny_llama(tmp_path, seed=5, intermediate_size=128, max_position_embeddings=1024)
+    write_byte_tokenizer(tmp_path)
+    texts = [prompt(i, 30 + 11 * i) for i in range(16)]
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+    options = dict(device="cuda", weights="q4", dtype="bfloat16", max_num_seqs=16, progress=False)
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(persistent_step, "PERSISTENT_STEP", on)
+        with LLM(str(tmp_path), kv_cache_tokens=4096, session_db=False, **options) as llm:
+            step = llm.engine.runner.graphs.persistent
+            assert (step is not None) == on
+            runs.append([[(r.token_ids, r.logprobs) for r in llm.generate(texts[:n], params)] for n in (1, 4, 16)])
+            runs[-1].append([(r.token_ids, r.logprobs) for r in (llm.generate(t, params) for t in texts[:4])])
+            assert step is None or step.work.timed_out.item() == 0  # no barrier gave up
+            wait_idle_and_check(llm)
+    assert runs[0] == runs[1]
+
+
 def test_four_bit_model_serves_sixteen_concurrent_calls_like_solo(tiny_model_dir):
     """The fourth failure report: a 4-bit model on a GPU crashed under two concurrent calls. Here 16
     threads call at once; each gets the tokens it gets alone, and the weights stay packed."""

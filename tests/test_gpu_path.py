@@ -560,3 +560,46 @@ def test_every_family_gives_the_same_tokens_with_the_epilogues_as_without(tmp_pa
             results.append([(r.token_ids, r.logprobs) for r in llm.generate(PROMPTS[:3], params)])
             wait_idle_and_check(llm)
     assert results[0] == results[1]
+
+
+def test_the_persistent_step_gives_the_tokens_and_logprobs_of_a_kernel_a_phase(tmp_path, triton_kernels, monkeypatch):
+    """With the persistent step on (layers/persistent_step.PERSISTENT_STEP), the one-row decode graph runs a 4-bit
+    model's decoder layers as one kernel (kernels/gpu/persistent.py: the norms in the prologues, RoPE and the
+    cache's write, the attention in two key splits merged by counters, down's K in two splits): the tokens and
+    logprobs alone (at 80 and at 530 keys), batched and behind a prefix hit are those of a kernel a phase. Each kind of the layers'
+    weights is then one buffer, the layers' tensors views of it; a model it cannot take keeps its graphs."""
+    from kvserve.kernels.gpu import persistent
+    from kvserve.layers import persistent_step
+    from tests.conftest import make_tiny_llama, write_byte_tokenizer
+
+    shapes = dict(hidden_size=128, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2)
+    make_tiny_llama(tmp_path, seed=12, initializer_range=0.2, max_position_embeddings=1024, **shapes)
+    write_byte_tokenizer(tmp_path)
+    options = dict(weights="q4", dtype="bfloat16")
+    launched = _Launches(persistent._decode_layers_kernel)
+    monkeypatch.setattr(persistent, "_decode_layers_kernel", launched)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+
+    def runs() -> list:  # and a lone request past the first key split (512 keys)
+        with _llm(tmp_path, **options) as llm:
+            long = llm.generate("lorem ipsum " * 44, params)
+            wait_idle_and_check(llm)
+        return [(long.token_ids, long.logprobs), *_alone_then_a_prefix_hit(tmp_path, **options)]
+
+    phases = runs()
+    assert launched.launches == 0
+    monkeypatch.setattr(persistent_step, "PERSISTENT_STEP", True)
+    assert runs() == phases
+    assert launched.launches >= 6  # the lone requests' decode steps
+    with _llm(tmp_path, **options) as llm:
+        step = llm.engine.runner.graphs.persistent
+        layers = llm.model.layers
+        assert step is not None and llm.engine.runner.graphs.covers([1], [80], [6])
+        packed = [layer.mlp.down_proj.packed for layer in layers]
+        assert all(p.data_ptr() == step.weights["down"][0][i].data_ptr() for i, p in enumerate(packed))
+        assert step.norm_weights[1, 1].data_ptr() == layers[1].ffn_norm.weight.data_ptr()
+        wait_idle_and_check(llm)
+    with _llm(tmp_path, weights="q4") as llm:  # float32
+        assert llm.engine.runner.graphs.persistent is None
+        assert "bfloat16" in persistent_step.PersistentStep.unsupported(llm.model)
+        wait_idle_and_check(llm)

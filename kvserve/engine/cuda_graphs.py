@@ -20,6 +20,9 @@ from Python. A lone 60-token prompt's prefill was such an eager step.
 Everything the engine guarantees stays with the scheduler, which never sees a graph: an abort, a
 preemption or a finished request only changes what the next step's buffer holds.
 
+With `layers/persistent_step.PERSISTENT_STEP` on (KVSERVE_PERSISTENT_STEP=1), the one-row graph runs a 4-bit
+model's decoder layers as one kernel (kernels/gpu/persistent.py) instead of a kernel a phase: the same bits.
+
 Running ahead (async scheduling, model_runner.py), the graphs read a row's token from the runner's
 `token_slots` where the buffer names a slot (a step ahead: its token is being sampled on the device),
 and `store_tokens` writes each row's draw to the slot the buffer names for it, both on the device.
@@ -142,6 +145,7 @@ class DecodeGraphs:
         from kvserve.kernels.gpu.attention import attention_counters  # triton, imported on the GPU path only
 
         self._attention_counters = attention_counters(device)  # the graphs' own
+        self.persistent = _persistent_step(model)  # the one-row graph's layers in one kernel, where on
         self._batch = 0  # rows of the last run
         self._replays: dict[int, Callable[[], None]] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -179,6 +183,8 @@ class DecodeGraphs:
             num_splits=step_num_splits([1] * batch, self.max_position),
             split_counters=self._attention_counters,
         )
+        if batch == 1 and self.persistent is not None:
+            return self.model.compute_logits(self.persistent(ids, positions, metadata))
         return self.model.compute_logits(self.model(ids, positions, metadata))
 
     @torch.inference_mode()
@@ -258,3 +264,17 @@ class DecodeGraphs:
         else:
             index = on_device(self.token_slots.device, sinks)
         self.token_slots.index_copy_(0, index, tokens.int())
+
+
+def _persistent_step(model: nn.Module):
+    """The model's `PersistentStep` where `PERSISTENT_STEP` is on and the model takes it, else None (logged)."""
+    from kvserve.layers import persistent_step
+
+    if not persistent_step.PERSISTENT_STEP:
+        return None
+    reason = persistent_step.PersistentStep.unsupported(model)
+    if reason is not None:
+        logger.info("the one-row decode graph launches a kernel a phase (the persistent step is off: %s)", reason)
+        return None
+    logger.info("the one-row decode graph runs the decoder layers in one kernel (the persistent step)")
+    return persistent_step.PersistentStep(model)
