@@ -29,7 +29,8 @@ bits, `matmul.to_group_major`) as `q4-gm` and `q4-int8-gm`; 4-bit with int8 inpu
 program of its own (`matmul.SPLITS_IN_PROGRAM` 0, the kernel before, the same bits) as `q4-int8-partials`,
 and with a program's code words over its threads (`matmul.WORDS_IN_THREADS`, the same bits) as `q4-int8-words`;
 bf16 and 4-bit with each decoder layer's two norms in the prologues of the matmuls after them
-(`layers/gpu.FUSE_NORMS`, the same bits) as `bf16-norms` and `q4-norms`;
+(`layers/gpu.FUSE_NORMS`, the same bits) as `bf16-norms` and `q4-norms`; 4-bit with the one-row decode graph's
+layers in one persistent kernel (`layers/persistent_step.PERSISTENT_STEP`, the same bits) as `q4-persistent`;
 4-bit with a program of the int4 and int8 kernels a tile of 16 rows (`matmul.MAX_ROW_TILES` 1: each weight
 dequantized once a tile, as before, the same bits) as `q4-1tile`; 4-bit with each K step's scales and mins
 loaded in the step (`matmul.ALIGNED_GROUPS` False, the kernel before 2026-12-05, the same bits) as `q4-waited`;
@@ -549,6 +550,10 @@ def _child(results, name: str, kwargs: dict, timeout: float) -> None:
                 import kvserve.layers.gpu
 
                 kvserve.layers.gpu.FUSE_NORMS = True
+            if weights.endswith("-persistent"):  # the one-row graph's layers in one kernel (the same bits)
+                import kvserve.layers.persistent_step
+
+                kvserve.layers.persistent_step.PERSISTENT_STEP = True
             with int4_candidate(weights):
                 results.put(("ok", run_kvserve(**kwargs)))
         else:
@@ -615,7 +620,7 @@ def main() -> None:
         help="comma-separated: only these runs, by engine (kvserve, transformers-eager, transformers-compiled) or"
         " kvserve's weights (bf16: with and without batch invariance; bf16-sync, bf16-pdl, bf16-pdl-prefetch, q4, q4-pdl,"
         " q4-int8, q4-int8-pdl, q4-int8-pdl-prefetch, q4-tinygemm, q4-gm, q4-int8-gm, q4-int8-partials,"
-        " q4-int8-words, q4-norms, bf16-norms, q4-1tile, q4-waited, q4-fp16)",
+        " q4-int8-words, q4-norms, q4-persistent, bf16-norms, q4-1tile, q4-waited, q4-fp16)",
     )
     parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="a run not done by then is stopped")
     parser.add_argument("--skip-tests", action="store_true")
@@ -663,8 +668,8 @@ def main() -> None:
     plan = []
     for shape in models:  # the targets' figures first: bf16, 4-bit both ways, transformers' eager loop
         plan.append(("kvserve", shape, "bf16", True))
-        if "q4" in models[shape]:  # and with int8 inputs (dp4a), on the same file
-            plan += [("kvserve", shape, "q4", True), ("kvserve", shape, "q4-int8", True)]
+        if "q4" in models[shape]:  # and with int8 inputs (dp4a), on the same file; the one-row step in one kernel
+            plan += [("kvserve", shape, w, True) for w in ("q4", "q4-int8", "q4-persistent")]
         plan.append(("transformers-eager", shape, "bf16", False))
         if "q4" in models[shape]:  # the 4-bit kernel before its scales came steps ahead: what that gave
             plan.append(("kvserve", shape, "q4-waited", True))
@@ -803,6 +808,7 @@ def targets(runs: list[dict]) -> list[dict]:
             ("q4-int8-gm", "bf16"),
             ("q4-int8-words", "bf16"),
             ("q4-norms", "bf16-norms"),
+            ("q4-persistent", "bf16"),
             ("q4-pdl", "bf16-pdl"),
             ("q4-int8-pdl", "bf16-pdl"),
             ("q4-int8-pdl-prefetch", "bf16-pdl-prefetch"),
@@ -818,6 +824,7 @@ def targets(runs: list[dict]) -> list[dict]:
             ("q4-int8", "q4-int8-partials"),
             ("q4-int8-words", "q4-int8"),
             ("q4-norms", "q4"),
+            ("q4-persistent", "q4"),
             ("bf16-norms", "bf16"),
             ("q4", "q4-1tile"),
             ("q4", "q4-waited"),

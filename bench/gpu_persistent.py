@@ -1,10 +1,10 @@
-"""What one persistent kernel for a decode step would save at one row (issue 32), measured before building it.
+"""What one persistent kernel for a decode step saves at one row (issue 32): a synthetic chain, and kvserve's own.
 
 A one-stream 4-bit 1B step on the H200 took 1.02 ms of graph for about 0.6 GB of weights that memory reads
 in 0.15 ms: each of its kernels (about 115 today) pays a floor its bytes do not set (a grid's programs
 dispatched and ramping up, the last ones draining), and earlier sessions named "one persistent kernel for
-a decode step's layers" as the way past it (docs/performance.md). Building one is many sessions' work; this
-measures first whether it can pay. A chain of one-row 4-bit matrix-vector products in the 1B step's
+a decode step's layers" as the way past it (docs/performance.md). This measured first whether one could pay,
+before kvserve had one (`KVSERVE_PERSISTENT_STEP`, since the thirteenth session). A chain of one-row 4-bit matrix-vector products in the 1B step's
 sizes and order (per layer: q/k/v 3072 x 2048, a small attention-like step, o 2048 x 2048, gate and up
 16384 x 2048, down 2048 x 8192 taking act(gate) * up; 16 layers, 80 phases, each reading the one before's
 output) runs three ways, with the same tile code and so the same bits:
@@ -16,16 +16,16 @@ output) runs three ways, with the same tile code and so the same bits:
   (`prefetch.global.L2`) before it waits at the barrier, so that the loads after it find them there;
 - `launched-looped`: a kernel a phase of as many programs as the persistent kernel, each looping over
   tiles (and so with about its registers and bytes in flight): against it, the boundaries' cost alone;
-- `launched-real` and `persistent-real` (`RealStep`): a model's 4-bit decoder layers for one token at position
-  200, as kvserve's kernels run them with the norms in the matmuls' prologues (`layers/gpu.FUSE_NORMS`): the
-  residual adds and norms in q/k/v's and gate/up's prologues, RoPE and the cache's write in q/k/v's epilogue,
-  the paged attention, SiLU in gate/up's epilogue, K splits added by each tile's last split, bfloat16
-  activations; a kernel a phase in the graph (`matmul.int4_matmul`, `attention._attention_kernel`), and the
-  same tiles through `matmul._int4_tile` and `attention._attention_tile` in one kernel with the barriers:
-  what persistence saves with the code a persistent step would run (`real_saved_us_per_phase`), at the
-  registers it takes (for sm_90 about 165 a thread, its phases each a call: three programs a multiprocessor);
-  `persistent-real-capped` (on a GPU): the same kernel capped at 128 registers (spilling 8-32 bytes), four
-  programs a multiprocessor.
+- `launched-real` and `persistent-real` (`RealStep`, run first): a model's 4-bit decoder layers for one token
+  at position 200, as kvserve's kernels run them with the norms in the matmuls' prologues
+  (`layers/gpu.FUSE_NORMS`): the residual adds and norms in q/k/v's and gate/up's prologues, RoPE and the
+  cache's write in q/k/v's epilogue, the paged attention in the engine's one-row key splits, SiLU in gate/up's
+  epilogue, K splits added by each tile's last split, bfloat16 activations; a kernel a phase in the graph
+  (`matmul.int4_matmul`, `attention._attention_kernel`) against kvserve's persistent step
+  (`kernels/gpu/persistent.decode_layers`, `KVSERVE_PERSISTENT_STEP`): what persistence saves with the code
+  the engine would run (`real_saved_us_per_phase`), at its registers (for sm_90 about 165 a thread: three
+  programs a multiprocessor); `persistent-real-capped` (on a GPU): the same kernel capped at 128 registers
+  (spilling a little), four programs a multiprocessor.
 
 Each run's `step_us` (the graph's replay), `phase_us` (per phase) and `tb_s` (the weights' bytes per
 second); `agrees` (its output within float32 rounding of `launched`'s, `same_bits` if equal: a barrier that
@@ -58,10 +58,12 @@ import triton
 import triton.language as tl
 
 from bench import gpu_kernels
-from kvserve.kernels.gpu import INTERPRET, attention
+from kvserve.kernels.gpu import INTERPRET, attention, persistent
 from kvserve.kernels.gpu import matmul as mm
 from kvserve.kernels.gpu.common import cast, prefetch_rows
-from kvserve.kernels.gpu.norm import NormedRows, row_width
+from kvserve.kernels.gpu.norm import NormedRows
+from kvserve.kernels.gpu.persistent import grid_barrier
+from kvserve.layers.attention_triton import TritonAttentionMetadata
 
 # (q/k/v outputs, hidden, intermediate): the phases' shapes, as gpu_kernels.py's SHAPES (hidden and intermediate,
 # a K each, multiples of BLOCK_K; q/k/v at least 1.25 hidden, as the attention's stand-in reads v there)
@@ -204,23 +206,6 @@ def _prefetch_phase(
 
 
 @triton.jit
-def _grid_barrier(count_ptr, target, timed_out_ptr, SPINS: tl.constexpr):
-    """Wait until every program has arrived (the count reaches `target`); each program's stores before it are
-    seen by every program's loads after it. One thread a program counts and polls (Triton's scalar atomics;
-    for sm_90 the poll is a strong load and an L1 invalidation). Once a barrier has given up, no later one waits."""
-    tl.debug_barrier()  # this program's stores issued
-    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-    spins = tl.where(tl.load(timed_out_ptr, volatile=True) != 0, SPINS, 0)
-    while (seen < target) & (spins < SPINS):
-        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    if seen < target:
-        tl.store(timed_out_ptr, 1)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _persistent_kernel(
     codes_ptr, x_ptr, qkv_ptr, attn_ptr, gate_up_ptr, count_ptr, timed_out_ptr, layers, layer_bytes,
     QKV: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -237,126 +222,28 @@ def _persistent_kernel(
             _prefetch_phase(
                 ahead, codes_ptr + (ahead // 5) * layer_bytes, QKV, HIDDEN, INTER, BLOCK_N, HIDDEN // 256, INTER // 256
             )
-        _grid_barrier(count_ptr, (phase + 1) * tl.num_programs(0), timed_out_ptr, SPINS)
-
-
-# a call, not inlined (as the attention's): inlined, every phase's values were live at once, and the persistent kernel
-# took 243 registers a thread for sm_90 where it takes 164 so, without spills (docs/performance.md)
-@triton.jit(noinline=True)
-def _real_matmul_tiles(
-    x_ptr, out_ptr, partial_ptr, counters_ptr, N, K, k_per_split, layer, packed_ptr, scales_ptr, mins_ptr, rope, norm,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-    ROPE: tl.constexpr = 0, CACHE_BLOCK: tl.constexpr = 0, NORM: tl.constexpr = 0, NORM_ADD: tl.constexpr = False,
-):  # fmt: skip
-    """This program's tiles of a one-row 4-bit matmul as `matmul.int4_matmul` launches it (packed bfloat16 FMAs,
-    the K splits added by each tile's last split): kvserve's `_int4_tile`, given each tile's indices; the
-    weights of layer `layer` of the buffers [layers, N, ...] at packed_ptr, scales_ptr and mins_ptr; RoPE with
-    the cache's write in the epilogue (ROPE) and the norm in the prologue (NORM) as the engine's layers ask."""
-    packed_ptr += layer * (N * K // 2)
-    scales_ptr += layer * (N * K // 32)
-    mins_ptr += layer * (N * K // 32)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    splits = tl.cdiv(K, k_per_split)
-    for t in range(tl.program_id(0), tiles_n * splits, tl.num_programs(0)):
-        mm._int4_tile(
-            x_ptr, out_ptr, partial_ptr, counters_ptr, None, 1, N, K, K, N, N, k_per_split,
-            packed_ptr, scales_ptr, mins_ptr, K // 2, K // 32, K // 32,
-            False, True, True, True, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K,
-            PACKED_BF16=True, GATED=GATED, rope=rope, ROPE=ROPE, CACHE_BLOCK=CACHE_BLOCK, norm=norm, NORM=NORM,
-            NORM_ADD=NORM_ADD, tile_m=0, tile_n=t // splits, split=t % splits, tiles_n=tiles_n, splits=splits,
-        )  # fmt: skip
-
-
-@triton.jit(noinline=True)  # a call, as `_real_matmul_tiles`
-def _real_attention_tiles(
-    attend, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-    CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, KEYS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """This program's (KV head, key split)s of the one token's attention over the paged cache, through kvserve's
-    `attention._attention_tile`, each head's last split to finish merging them; `attend`: `RealStep.attend_args`,
-    `_attention_kernel`'s arguments."""
-    (q_ptr, k_cache, v_cache, out_ptr, part_m, part_denom, part_acc, counters_ptr, block_tables, positions, tile_seq,
-     tile_first, tile_len, scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-     stride_vb, stride_vs, stride_vh, stride_table, num_heads, part_stride, words_ptr, dq_ptr, sq_ptr) = attend  # fmt: skip
-    for t in range(tl.program_id(0), KV_HEADS * SPLITS, tl.num_programs(0)):
-        attention._attention_tile(
-            q_ptr, k_cache, v_cache, out_ptr, part_m, part_denom, part_acc, counters_ptr, block_tables, positions,
-            tile_seq, tile_first, tile_len, scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb,
-            stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table, num_heads, part_stride, words_ptr,
-            dq_ptr, sq_ptr, tl.bfloat16, GROUP, ROWS, CACHE_BLOCK, HEAD_DIM, HEAD_DIM, KEYS, SPLIT_KEYS,
-            SPLITS > 1, SPLITS > 1, False, INTERPRET, tile_at=0, kv_head_at=t // SPLITS, split_at=t % SPLITS,
-            kv_heads=KV_HEADS, splits=SPLITS,
-        )  # fmt: skip
-
-
-@triton.jit
-def _real_persistent_kernel(
-    resid_a, resid_b, q_ptr, attn_ptr, o_ptr, act_ptr, down_ptr, partial_ptr, counters_ptr, count_ptr, timed_out_ptr,
-    layers, qkv_w, qkv_s, qkv_m, o_w, o_s, o_m, gate_up_w, gate_up_s, gate_up_m, down_w, down_s, down_m,
-    split_qkv, split_o, split_gate_up, split_down, rope, attn_norm, ffn_norm, attend, empty,
-    QKV: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, SPINS: tl.constexpr, NORM: tl.constexpr, KV_HEADS: tl.constexpr,
-    SPLITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, KEYS: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr,
-):  # fmt: skip
-    """`persistent-real`: `launched-real`'s phases in one kernel, each program taking tiles pid, pid +
-    programs, ... of kvserve's tile code, a grid-wide barrier after each phase (the K splits' counters and
-    workspace shared by the phases: a tile's last split leaves its counter at 0 before the barrier). The
-    residual stream goes resid_b -> resid_a (the attention's norm adds the last layer's MLP output, down_ptr)
-    -> resid_b (the MLP's norm adds o_proj's output)."""
-    for phase in range(0, 5 * layers):
-        layer = phase // 5
-        step = phase % 5
-        if step == 0:  # the norm (x + delta into resid_a) in the prologue; RoPE and the cache's write in the epilogue
-            _real_matmul_tiles(
-                resid_b, q_ptr, partial_ptr, counters_ptr, QKV, HIDDEN, split_qkv, layer, qkv_w, qkv_s, qkv_m,
-                rope, attn_norm, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, HEAD_DIM, CACHE_BLOCK, NORM, True,
-            )  # fmt: skip
-        elif step == 1:
-            _real_attention_tiles(
-                attend, KV_HEADS, SPLITS, GROUP, ROWS, CACHE_BLOCK, HEAD_DIM, KEYS, SPLIT_KEYS, INTERPRET
-            )  # fmt: skip
-        elif step == 2:
-            _real_matmul_tiles(
-                attn_ptr, o_ptr, partial_ptr, counters_ptr, HIDDEN, HIDDEN, split_o, layer, o_w, o_s, o_m,
-                empty, empty, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
-            )  # fmt: skip
-        elif step == 3:  # the norm (x + delta into resid_b) in the prologue, SiLU in the epilogue
-            _real_matmul_tiles(
-                resid_a, act_ptr, partial_ptr, counters_ptr, 2 * INTER, HIDDEN, split_gate_up, layer, gate_up_w,
-                gate_up_s, gate_up_m, empty, ffn_norm, 1, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, 0, 0, NORM, True,
-            )  # fmt: skip
-        else:
-            _real_matmul_tiles(
-                act_ptr, down_ptr, partial_ptr, counters_ptr, HIDDEN, INTER, split_down, layer, down_w, down_s, down_m,
-                empty, empty, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
-            )  # fmt: skip
-        _grid_barrier(count_ptr, (phase + 1) * tl.num_programs(0), timed_out_ptr, SPINS)
+        grid_barrier(count_ptr, (phase + 1) * tl.num_programs(0), timed_out_ptr, SPINS)
 
 
 class RealStep:
-    """The chain again as a model's 4-bit decoder layers run it on kvserve's kernels, for one token at
-    `position` (POSITION): per layer, the attention's norm (adding the last layer's MLP output to the residual stream) in
-    q/k/v's prologue, RoPE and the KV cache's write in its epilogue, kvserve's paged attention over the cache
-    (its keys in the splits of the engine's one-row graph, MAX_POSITION's, each KV head's merged by its last
-    split), o, the MLP's norm (adding o's output) in gate/up's prologue, SiLU in its epilogue, down.
-    bfloat16 activations and scales, packed bfloat16 FMAs, the K splits added by each tile's last split, as
-    the engine's decode graph runs them with `layers/gpu.FUSE_NORMS` on. Each layer's weights of a kind are one
-    slice of a buffer; the layers share one cache and one norm weight (a step reads 0.4 MB of cache a layer
-    against 30 MB of weights). `launched-real`: a kernel a phase in a CUDA graph, as the engine launches them;
-    `persistent-real`: one kernel of `_int4_tile`s and `_attention_tile`s with grid barriers. The same tile
-    code, so the same bits, where the attention runs with the matmuls' warps in both (the engine's attention
-    kernel has more: a row's reductions may then split otherwise)."""
+    """The chain again as a model's 4-bit decoder layers run on kvserve's kernels, for one token at `position`
+    (POSITION): per layer, the attention's norm (adding the last layer's MLP output to the residual stream)
+    in q/k/v's prologue, RoPE and the KV cache's write in its epilogue, the paged attention (its keys in the
+    splits of the engine's one-row graph, MAX_POSITION's, each KV head's merged by its last split), o, the
+    MLP's norm (adding o's output) in gate/up's prologue, SiLU in its epilogue, down; bfloat16 activations
+    and scales, packed bfloat16 FMAs, the K splits added by each tile's last split. `launched-real`: a kernel
+    a phase in a CUDA graph, as the engine's decode graph launches them with `layers/gpu.FUSE_NORMS` on;
+    `persistent-real`: kvserve's persistent step (kernels/gpu/persistent.decode_layers), the same tile code in
+    one kernel with grid barriers, so the same bits where the attention takes the matmuls' warps in both (the
+    engine's attention kernel launches with more: a row's reductions may then split otherwise)."""
 
     def __init__(self, shapes: str, layers: int, device: str, gen: torch.Generator, position: int = POSITION) -> None:
         self.qkv, self.hidden, self.inter = REAL_SHAPES[shapes]
-        self.position = position
-        self.layers, self.device = layers, device
+        self.layers, self.device, self.position = layers, device, position
         self.heads, self.kv_heads = self.hidden // HEAD_DIM, (self.qkv - self.hidden) // (2 * HEAD_DIM)
+        self.shapes = persistent.Shapes(self.hidden, self.inter, self.heads, self.kv_heads, HEAD_DIM)
         bf16 = torch.bfloat16
         self.weights = {}
-        self.splits = {}
         for name, n, k in (
             ("qkv", self.qkv, self.hidden), ("o", self.hidden, self.hidden),
             ("gate_up", 2 * self.inter, self.hidden), ("down", self.hidden, self.inter),
@@ -365,60 +252,43 @@ class RealStep:
             # w = scale * (code - 8): mean 0, and about unit outputs for unit inputs
             scales = torch.full((layers, n, k // 32), 1 / (4.6 * k**0.5), device=device).to(bf16)
             self.weights[name] = (codes, scales, (-8 * scales.float()).to(bf16))
-            config = mm.config_for(mm.INT4_CONFIG, n, k)
-            assert k % config.k_per_split == 0 and k > config.k_per_split, (
-                name,
-                config,
-            )  # split, so summed in the tile
-            self.splits[name] = config.k_per_split
         self.config = mm.INT4_CONFIG
         randn = partial(torch.randn, device=device, generator=gen)
         self.input = randn(1, self.hidden).to(bf16)
-        self.norm_weight = (1 + 0.1 * randn(self.hidden)).to(bf16)
-        # the cache: `position` keys before the token's (a prompt's), a block table of consecutive blocks
-        cache_shape = (position // CACHE_BLOCK + 1, CACHE_BLOCK, self.kv_heads, HEAD_DIM)
+        self.norm_weights = (1 + 0.1 * randn(layers, 2, self.hidden)).to(bf16)  # each layer's two norms'
+        # each layer's cache: `position` keys before the token's (a prompt's), a block table of consecutive blocks
+        cache_shape = (layers, position // CACHE_BLOCK + 1, CACHE_BLOCK, self.kv_heads, HEAD_DIM)
         self.k_cache, self.v_cache = randn(*cache_shape).to(bf16), randn(*cache_shape).to(bf16)
         int32 = partial(torch.tensor, dtype=torch.int32, device=device)
-        self.table = int32([list(range(cache_shape[0]))])
-        self.positions, self.slots = int32([position]), int32([position])
-        self.tile_seq, self.tile_first, self.tile_len = int32([0]), int32([0]), int32([1])
+        self.attention_counters = attention.attention_counters(device)
+        self.metadata = TritonAttentionMetadata(
+            slot_mapping=int32([position]),
+            block_tables=int32([list(range(cache_shape[1]))]),
+            positions=int32([position]),
+            tile_seq=int32([0]),
+            tile_first=int32([0]),
+            tile_len=int32([1]),
+            num_splits=attention.num_splits_for(MAX_POSITION),
+            split_counters=self.attention_counters,
+        )
         angles = position * 10000.0 ** (-torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
         self.cos = angles.cos().repeat(2).to(bf16).view(1, 1, HEAD_DIM)
         self.sin_signed = torch.cat((-angles.sin(), angles.sin())).to(bf16).view(1, 1, HEAD_DIM)
-        empty = partial(torch.empty, dtype=bf16, device=device)
-        self.resid_a, self.resid_b, self.o, self.x = (
-            empty(1, self.hidden),
-            empty(1, self.hidden),
-            empty(1, self.hidden),
-            empty(1, self.hidden),
+        self.work = persistent.Workspace(self.shapes, device)
+        # the step's output (the last layer's MLP output) and the barrier's, as `Step`'s
+        self.x, self.count, self.timed_out, self.counters = (
+            self.work.down,
+            self.work.count,
+            self.work.timed_out,
+            self.work.counters,
         )
-        self.q, self.attn, self.act = empty(1, self.hidden), empty(1, self.heads, HEAD_DIM), empty(1, self.inter)
-        # the attention's key splits: each one's running max, sum and output a query head, and a KV head's count
-        self.attention_splits = attention.num_splits_for(MAX_POSITION)
-        part = partial(torch.empty, dtype=torch.float32, device=device)
-        self.part_m, self.part_denom = (
-            part(self.attention_splits, 1, self.heads),
-            part(self.attention_splits, 1, self.heads),
-        )
-        self.part_acc = part(self.attention_splits, 1, self.heads, HEAD_DIM)
-        self.attention_counters = attention.attention_counters(device)
-        widest = max(w[0].shape[1] * (w[0].shape[2] * 2 // self.splits[name]) for name, w in self.weights.items())
-        self.partial = torch.empty(widest, dtype=torch.float32, device=device)
-        self.counters = mm.split_counters(device)
-        self.count = torch.zeros(1, dtype=torch.int32, device=device)
-        self.timed_out = torch.zeros(1, dtype=torch.int32, device=device)
         self.weight_bytes = sum(t.numel() * t.element_size() for w in self.weights.values() for t in w)
-        group = self.heads // self.kv_heads
-        self.attend_meta = dict(
-            GROUP=group, ROWS=attention._rows(group), CACHE_BLOCK=CACHE_BLOCK, HEAD_DIM=HEAD_DIM,
-            KEYS=attention.BLOCK_N, SPLIT_KEYS=attention.SPLIT_KEYS,
-        )  # fmt: skip
 
     def reference(self) -> torch.Tensor:
-        """The same layers in PyTorch (float64, over the cache's keys before the token's), for the plumbing's check:
-        the weights' rows as the kernels' epilogues take them (q's and k's dimensions paired for RoPE, gate and
-        up interleaved)."""
-        f64, heads, kv_heads = torch.float64, self.heads, self.kv_heads
+        """The same layers in PyTorch (float64, over each cache's keys before the token's), for the plumbing's
+        check: the weights' rows as the kernels' epilogues take them (q's and k's dimensions paired for RoPE,
+        gate and up interleaved)."""
+        f64, heads, kv_heads, position = torch.float64, self.heads, self.kv_heads, self.position
 
         def weight(name: str, layer: int) -> torch.Tensor:
             codes, scales, mins = (t[layer].to(f64) if t.is_floating_point() else t[layer] for t in self.weights[name])
@@ -426,93 +296,71 @@ class RealStep:
             values = torch.cat((byte & 15, byte >> 4), dim=-1).flatten(1).to(f64)
             return values * scales.repeat_interleave(32, 1) + mins.repeat_interleave(32, 1)
 
-        def norm(x: torch.Tensor) -> torch.Tensor:
-            return x * torch.rsqrt(x.pow(2).mean() + EPS) * self.norm_weight.to(f64)
+        def norm(x: torch.Tensor, layer: int, which: int) -> torch.Tensor:
+            return x * torch.rsqrt(x.pow(2).mean() + EPS) * self.norm_weights[layer, which].to(f64)
 
         def rope(t: torch.Tensor) -> torch.Tensor:
             return t * self.cos.view(HEAD_DIM).to(f64) + t.roll(HEAD_DIM // 2, -1) * self.sin_signed.view(HEAD_DIM).to(
                 f64
             )
 
-        keys = self.k_cache.flatten(0, 1)[: self.position].to(f64)  # [position, Hkv, D]
-        values = self.v_cache.flatten(0, 1)[: self.position].to(f64)
         x, delta = self.input[0].to(f64), torch.zeros(self.hidden, dtype=f64, device=self.device)
         for layer in range(self.layers):
+            keys = self.k_cache[layer].flatten(0, 1)[:position].to(f64)  # [position, Hkv, D]
+            values = self.v_cache[layer].flatten(0, 1)[:position].to(f64)
             x = x + delta
-            qkv = mm.deinterleave_rope((weight("qkv", layer) @ norm(x))[None], heads, kv_heads, HEAD_DIM, dim=1)[0]
+            qkv = weight("qkv", layer) @ norm(x, layer, 0)
+            qkv = mm.deinterleave_rope(qkv[None], heads, kv_heads, HEAD_DIM, dim=1)[0]
             q, k, v = (t.view(-1, HEAD_DIM) for t in qkv.split([self.hidden, *2 * [kv_heads * HEAD_DIM]]))
             group = heads // kv_heads
             k_all = torch.cat((keys, rope(k)[None])).repeat_interleave(group, 1)  # [position + 1, H, D]
             v_all = torch.cat((values, v[None])).repeat_interleave(group, 1)
             scores = torch.einsum("hd,phd->hp", rope(q), k_all) * HEAD_DIM**-0.5
             x = x + weight("o", layer) @ torch.einsum("hp,phd->hd", scores.softmax(-1), v_all).flatten()
-            gate_up = weight("gate_up", layer) @ norm(x)
+            gate_up = weight("gate_up", layer) @ norm(x, layer, 1)
             gate, up = gate_up[0::2], gate_up[1::2]
             delta = weight("down", layer) @ (gate * torch.sigmoid(gate) * up)
         return delta[None]
 
-    def attend_args(self, q: torch.Tensor) -> tuple:
-        """`_attention_kernel`'s arguments for q [1, H * D] into self.attn (no int8 form)."""
-        q = q.view(1, self.heads, HEAD_DIM)
-        unused = self.part_m  # (the int8 form's, not written without it)
-        return (
-            q, self.k_cache, self.v_cache, self.attn, self.part_m, self.part_denom, self.part_acc,
-            self.attention_counters, self.table, self.positions, self.tile_seq, self.tile_first, self.tile_len,
-            HEAD_DIM**-0.5, 0, *q.stride()[:2], *self.attn.stride()[:2], *self.k_cache.stride()[:3],
-            *self.v_cache.stride()[:3], self.table.stride(0), self.heads, self.heads, unused, unused, unused,
-        )  # fmt: skip
-
-    def _rope(self) -> mm.RopeStore:
-        return mm.RopeStore(self.cos, self.sin_signed, self.k_cache, self.v_cache, self.slots, self.heads)
-
-    def _start(self) -> None:
-        """The step's residual stream the input, and no MLP output before the first layer's."""
-        self.resid_b.copy_(self.input)
-        self.x.zero_()
-
     def launched(self, programs: int | None = None) -> None:
         """`launched-real`: a kernel a phase, as the engine launches them (`programs` unused)."""
-        self._start()
-        delta = self.x
-        meta = self.attend_meta
+        stream, delta = self.input, None
+        metadata, splits = self.metadata, self.metadata.num_splits
         for layer in range(self.layers):
             w = {name: [t[layer] for t in weights] for name, weights in self.weights.items()}
-            normed = NormedRows(self.resid_b, delta, self.norm_weight, EPS, self.resid_a)
-            q = mm.int4_matmul(normed, *w["qkv"], packed_bf16=True, counters=self.counters, rope=self._rope())
-            splits = self.attention_splits
+            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+            total = None if delta is None else torch.empty_like(stream)
+            normed = NormedRows(stream, delta, self.norm_weights[layer, 0], EPS, total)
+            stream = stream if total is None else total
+            rope = mm.RopeStore(self.cos, self.sin_signed, k_cache, v_cache, metadata.slot_mapping, self.heads)
+            q = mm.int4_matmul(normed, *w["qkv"], packed_bf16=True, counters=self.counters, rope=rope)
+            attn = torch.empty(1, self.heads, HEAD_DIM, dtype=q.dtype, device=q.device)
+            part_m, part_denom, part_acc = self.work.parts(splits)
             attention._attention_kernel[(1, self.kv_heads, splits)](
-                *self.attend_args(q), DOT_DTYPE=tl.bfloat16, GROUP=meta["GROUP"], ROWS=meta["ROWS"],
-                BLOCK_SIZE=CACHE_BLOCK, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, BLOCK_N=meta["KEYS"],
-                SPLIT_KEYS=meta["SPLIT_KEYS"], IS_SPLIT=splits > 1, COMBINE_IN_TILE=splits > 1, QUANTIZE=False,
-                INTERPRET=INTERPRET, num_warps=self.config.num_warps, num_stages=attention.NUM_STAGES,
-                enable_fp_fusion=True,
+                q.view(1, self.heads, HEAD_DIM), k_cache, v_cache, attn, part_m, part_denom, part_acc,
+                self.attention_counters, metadata.block_tables, metadata.positions, metadata.tile_seq,
+                metadata.tile_first, metadata.tile_len, HEAD_DIM**-0.5, 0, self.hidden, HEAD_DIM, self.hidden,
+                HEAD_DIM, *k_cache.stride()[:3], *v_cache.stride()[:3], metadata.block_tables.stride(0), self.heads,
+                self.heads, part_m, part_m, part_m, DOT_DTYPE=tl.bfloat16, GROUP=self.heads // self.kv_heads,
+                ROWS=attention._rows(self.heads // self.kv_heads), BLOCK_SIZE=CACHE_BLOCK, HEAD_DIM=HEAD_DIM,
+                BLOCK_D=HEAD_DIM, BLOCK_N=attention.BLOCK_N, SPLIT_KEYS=attention.SPLIT_KEYS, IS_SPLIT=splits > 1,
+                COMBINE_IN_TILE=splits > 1, QUANTIZE=False, INTERPRET=INTERPRET, num_warps=self.config.num_warps,
+                num_stages=attention.NUM_STAGES, enable_fp_fusion=True,
             )  # fmt: skip
-            o = mm.int4_matmul(self.attn.view(1, self.hidden), *w["o"], packed_bf16=True, counters=self.counters)
-            normed = NormedRows(self.resid_a, o, self.norm_weight, EPS, self.resid_b)
+            o = mm.int4_matmul(attn.view(1, self.hidden), *w["o"], packed_bf16=True, counters=self.counters)
+            total = torch.empty_like(stream)
+            normed = NormedRows(stream, o, self.norm_weights[layer, 1], EPS, total)
+            stream = total
             act = mm.int4_matmul(normed, *w["gate_up"], packed_bf16=True, counters=self.counters, activation="silu")
             delta = mm.int4_matmul(act, *w["down"], packed_bf16=True, counters=self.counters)
         self.x.copy_(delta)  # (one copy a step: the persistent kernel writes the last layer's MLP output there)
 
     def persistent(self, programs: int, prefetch: bool = False, maxnreg: int | None = None) -> None:
-        """`persistent-real`: every phase in one kernel of `programs` programs (`prefetch` unused); with
+        """`persistent-real`: kvserve's persistent step on `programs` programs (`prefetch` unused); with
         `maxnreg`, its registers a thread capped there (`persistent-real-capped`: ptxas spills the rest)."""
-        self._start()
-        self.count.zero_()
-        weights = [t for name in ("qkv", "o", "gate_up", "down") for t in self.weights[name]]
-        splits = [self.splits[name] for name in ("qkv", "o", "gate_up", "down")]
-        config = self.config
-        rope = mm._rope_args(self._rope())
-        attn_norm = NormedRows(self.resid_b, self.x, self.norm_weight, EPS, self.resid_a).args()
-        ffn_norm = NormedRows(self.resid_a, self.o, self.norm_weight, EPS, self.resid_b).args()
-        _real_persistent_kernel[(programs,)](
-            self.resid_a, self.resid_b, self.q, self.attn, self.o, self.act, self.x, self.partial, self.counters,
-            self.count, self.timed_out, self.layers, *weights, *splits, rope, attn_norm, ffn_norm,
-            self.attend_args(self.q), (), QKV=self.qkv, HIDDEN=self.hidden, INTER=self.inter,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=INTERPRET,
-            SPINS=BARRIER_SPINS, NORM=row_width(self.hidden), KV_HEADS=self.kv_heads,
-            SPLITS=self.attention_splits, **self.attend_meta,
-            num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True,
-            **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        persistent.decode_layers(
+            self.input, list(self.weights.values()), self.norm_weights, EPS, 1, self.cos, self.sin_signed,
+            self.k_cache, self.v_cache, self.metadata, HEAD_DIM**-0.5, self.shapes, self.work, programs, maxnreg,
         )  # fmt: skip
 
 
