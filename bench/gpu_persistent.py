@@ -23,9 +23,10 @@ output) runs three ways, with the same tile code and so the same bits:
   epilogue, K splits added by each tile's last split, bfloat16 activations; a kernel a phase in the graph
   (`matmul.int4_matmul`, `attention._attention_kernel`) against kvserve's persistent step
   (`kernels/gpu/persistent.decode_layers`, `KVSERVE_PERSISTENT_STEP`): what persistence saves with the code
-  the engine would run (`real_saved_us_per_phase`), at its registers (for sm_90 about 165 a thread: three
-  programs a multiprocessor); `persistent-real-capped` (on a GPU): the same kernel capped at 128 registers
-  (spilling a little), four programs a multiprocessor.
+  the engine would run (`real_saved_us_per_phase`), at its 8 warps: uncapped (for sm_90 120 registers a thread
+  with Triton 3.9, 177 with 3.6, the GPU machine's: one program a multiprocessor), and (on a GPU)
+  `persistent-real-capped`, two programs a multiprocessor at 128 registers (as the engine runs it, no spills)
+  and three at 80 (88-104 bytes of spills).
 
 Each run's `step_us` (the graph's replay), `phase_us` (per phase) and `tb_s` (the weights' bytes per
 second); `agrees` (its output within float32 rounding of `launched`'s, `same_bits` if equal: a barrier that
@@ -77,7 +78,7 @@ POSITION = 200  # the real chain's token: 200 keys before it in the cache (the t
 MAX_POSITION = 8191
 CACHE_BLOCK = 16  # positions a cache block
 EPS = 1e-5
-CAPPED_PER_SM = 4  # `persistent-real-capped`'s programs a multiprocessor, its registers capped to let them in
+CAPPED_PER_SM = (2, 3)  # `persistent-real-capped`'s programs a multiprocessor, its registers capped to let them in
 REGISTERS_PER_SM = 65536  # sm_80 to sm_90
 MODES = ("launched", "launched-looped", "persistent", "persistent-prefetch")
 BLOCK_N = 16  # outputs a tile
@@ -234,8 +235,7 @@ class RealStep:
     and scales, packed bfloat16 FMAs, the K splits added by each tile's last split. `launched-real`: a kernel
     a phase in a CUDA graph, as the engine's decode graph launches them with `layers/gpu.FUSE_NORMS` on;
     `persistent-real`: kvserve's persistent step (kernels/gpu/persistent.decode_layers), the same tile code in
-    one kernel with grid barriers, so the same bits where the attention takes the matmuls' warps in both (the
-    engine's attention kernel launches with more: a row's reductions may then split otherwise)."""
+    one kernel with grid barriers at the attention kernel's warps, so the same bits."""
 
     def __init__(self, shapes: str, layers: int, device: str, gen: torch.Generator, position: int = POSITION) -> None:
         self.qkv, self.hidden, self.inter = REAL_SHAPES[shapes]
@@ -344,7 +344,7 @@ class RealStep:
                 self.heads, part_m, part_m, part_m, DOT_DTYPE=tl.bfloat16, GROUP=self.heads // self.kv_heads,
                 ROWS=attention._rows(self.heads // self.kv_heads), BLOCK_SIZE=CACHE_BLOCK, HEAD_DIM=HEAD_DIM,
                 BLOCK_D=HEAD_DIM, BLOCK_N=attention.BLOCK_N, SPLIT_KEYS=attention.SPLIT_KEYS, IS_SPLIT=splits > 1,
-                COMBINE_IN_TILE=splits > 1, QUANTIZE=False, INTERPRET=INTERPRET, num_warps=self.config.num_warps,
+                COMBINE_IN_TILE=splits > 1, QUANTIZE=False, INTERPRET=INTERPRET, num_warps=attention.NUM_WARPS,
                 num_stages=attention.NUM_STAGES, enable_fp_fusion=True,
             )  # fmt: skip
             o = mm.int4_matmul(attn.view(1, self.hidden), *w["o"], packed_bf16=True, counters=self.counters)
@@ -361,6 +361,7 @@ class RealStep:
         persistent.decode_layers(
             self.input, list(self.weights.values()), self.norm_weights, EPS, 1, self.cos, self.sin_signed,
             self.k_cache, self.v_cache, self.metadata, HEAD_DIM**-0.5, self.shapes, self.work, programs, maxnreg,
+            BARRIER_SPINS,
         )  # fmt: skip
 
 
@@ -540,11 +541,10 @@ def main() -> None:
     real = expected_real = None  # made at the first real run, inside its try: a failure there costs only those
     # the interpreter runs programs one after another, so there one program
     per_sm = dict.fromkeys(sms * int(p) if cuda else 1 for p in args.programs_per_sm.split(","))
-    # kvserve's own layers first (the code a persistent step would run: a probe cut short has them), then the
-    # synthetic chain
-    cases = [("launched-real", None)] + [("persistent-real", p) for p in per_sm]
-    if cuda:  # its ~165 registers a thread let three programs a multiprocessor in; capped, four (spilling)
-        cases.append(("persistent-real-capped", CAPPED_PER_SM * sms))
+    # kvserve's own layers first, as the engine runs them first (capped, two programs of 8 warps a multiprocessor:
+    # a probe cut short has them), then uncapped and three capped a multiprocessor; then the synthetic chain
+    capped = [("persistent-real-capped", per * sms) for per in CAPPED_PER_SM] if cuda else []
+    cases = [("launched-real", None), *capped[:1]] + [("persistent-real", p) for p in per_sm] + capped[1:]
     cases += [("launched", None)] + [
         (mode, p) for p in per_sm for mode in MODES[1:] if cuda or mode != "persistent-prefetch"
     ]
@@ -574,8 +574,9 @@ def main() -> None:
             else:
                 fn = partial(chain.persistent, programs, mode == "persistent-prefetch")
                 if mode.endswith("-capped"):
-                    maxnreg = REGISTERS_PER_SM // (CAPPED_PER_SM * 32 * real.config.num_warps)
-                    result["capped_registers"] = maxnreg
+                    # (a warp's registers are taken 256 at a time: a multiple of 8 a thread)
+                    maxnreg = REGISTERS_PER_SM // (programs // sms * 32 * attention.NUM_WARPS) // 8 * 8
+                    run["capped_registers"] = maxnreg
                     fn = partial(chain.persistent, programs, maxnreg=maxnreg)
             chain.timed_out.zero_()
             chain.x.zero_()

@@ -2251,8 +2251,11 @@ def compile_only(kernel, grid):
 JITFunction.__getitem__ = compile_only
 from bench import gpu_persistent
 
-step = gpu_persistent.RealStep("llama1b", 1, "cpu", torch.Generator().manual_seed(0))
-step.persistent(132)
+from kvserve.layers.persistent_step import registers_cap
+
+# two layers: a step of one would have its phase loop's count specialized as a constant
+step = gpu_persistent.RealStep("llama1b", 2, "cpu", torch.Generator().manual_seed(0))
+step.persistent(132, maxnreg=registers_cap())
 kernel = compiled["_decode_layers_kernel"]
 _, usage = gpu_sass.sass_of(kernel, pathlib.Path(tempfile.mkdtemp()))
 print(json.dumps({
@@ -2265,9 +2268,10 @@ print(json.dumps({
 
 
 def test_the_persistent_step_compiles_for_hopper_with_its_programs_resident():
-    """kernels/gpu/persistent.py's kernel at the 1B shapes lowers to sm_90 code without spills, and
-    PROGRAMS_PER_SM of its programs fit a multiprocessor at once (65,536 registers, 227 KB of shared memory):
-    its grid barriers wait for every program, so a program that could not start would stall the step."""
+    """kernels/gpu/persistent.py's kernel at the 1B shapes, its registers capped as the engine launches it, lowers
+    to sm_90 code without spills, and PROGRAMS_PER_SM of its programs fit a multiprocessor at once (65,536
+    registers, 227 KB of shared memory): its grid barriers wait for every program, so a program that could not
+    start would stall the step."""
     import json
     import pathlib
     import subprocess

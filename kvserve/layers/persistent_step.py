@@ -18,9 +18,19 @@ from torch import nn
 
 # Off until a GPU measures it (docs/performance.md, "What the next GPU run decides").
 PERSISTENT_STEP = os.environ.get("KVSERVE_PERSISTENT_STEP") == "1"
-# Programs a multiprocessor: for sm_90 the kernel takes about 165 registers a thread at 4 warps, so that 3 fit
-# (65,536 registers); 2 leave room. The interpreter runs one program.
+# Programs a multiprocessor, all resident: the kernel's registers are capped for them (`registers_cap`, 128 a
+# thread at its 8 warps; for sm_90 it takes 116 so with Triton 3.9 and 128 with 3.6, no spills, where uncapped
+# 3.6 took 177 and only one program would fit). The interpreter runs one program.
 PROGRAMS_PER_SM = 2
+REGISTERS_PER_SM = 65536  # compute capability 7.0 to 12.x
+
+
+def registers_cap() -> int:
+    """The registers a thread of the kernel may take for PROGRAMS_PER_SM programs of its warps to fit on a
+    multiprocessor at once (a warp's taken 256 at a time, so a multiple of 8)."""
+    from kvserve.kernels.gpu.attention import NUM_WARPS
+
+    return REGISTERS_PER_SM // (PROGRAMS_PER_SM * 32 * NUM_WARPS) // 8 * 8
 
 
 class PersistentStep:
@@ -127,6 +137,7 @@ class PersistentStep:
         stream, delta = decode_layers(
             x, list(self.weights.values()), self.norm_weights, self.eps, self.gated, cos, sin_signed, self.k_cache,
             self.v_cache, metadata, self.scale, self.shapes, self.work, self.programs(),
+            registers_cap() if self.device.type == "cuda" else None,
         )  # fmt: skip
         return model.norm.add_and_norm(stream, delta)[1]
 

@@ -14,7 +14,8 @@ over every layer's five phases and meet at a grid-wide barrier (`grid_barrier`) 
 Each phase's tiles go to the programs pid, pid + programs, ..., through the launched kernels' own tile
 functions (`matmul._int4_tile`, `attention._attention_tile`), so a row's bits are the launched step's (R7).
 Each phase is a call, not inlined: inlined, every phase's values were live at once and the kernel took 243
-registers a thread for sm_90, where it takes about 165 so (docs/performance.md).
+registers a thread for sm_90 (at 4 warps), where it takes about 165 so; at the attention's 8 warps, 110 with
+Triton 3.9 and 128 with 3.6 (docs/performance.md).
 
 What it takes: 4-bit weights in kvserve's kernel (packed bfloat16 FMAs, row major), each kind's layers one
 [layers, ...] buffer, the norms' weights one [layers, 2, hidden] buffer, the caches one [layers, ...] tensor
@@ -34,8 +35,10 @@ from kvserve.kernels.gpu import attention as att
 from kvserve.kernels.gpu import matmul as mm
 from kvserve.kernels.gpu.norm import row_width
 
-# Polls of the barrier's count before it gives up: a grid whose programs are not all resident (another
-# kernel holding multiprocessors for seconds) sets `timed_out` instead of hanging the GPU.
+# Polls of the barrier's count before it gives up (seconds): a grid whose programs cannot all be resident
+# sets `timed_out` and leaves that step wrong instead of hanging the GPU. The engine's grid is sized so that
+# they can (layers/persistent_step.PROGRAMS_PER_SM, checked for sm_90 by the compile test; tests/test_cuda.py
+# reads the flag); a program kept waiting by another kernel starts when that one ends.
 BARRIER_SPINS = 1 << 24
 
 
@@ -128,8 +131,8 @@ def _decode_layers_kernel(
         layer = phase // 5
         step = phase % 5
         attn_weight = norm_weights + layer * (2 * HIDDEN)
-        k_layer = k_cache + layer * cache_layer
-        v_layer = v_cache + layer * cache_layer
+        k_layer = k_cache + layer.to(tl.int64) * cache_layer  # (a pool's layers may span more than 2^31 elements)
+        v_layer = v_cache + layer.to(tl.int64) * cache_layer
         if step == 0:
             rope = (cos_ptr, sin_ptr, k_layer, v_layer, slots, stride_ct, stride_st, stride_kb, stride_ks, stride_kh,
                     stride_kb, stride_ks, stride_kh, HEADS, KV_HEADS)  # fmt: skip
@@ -247,6 +250,7 @@ def decode_layers(
     work: Workspace,
     programs: int,
     maxnreg: int | None = None,
+    spins: int = BARRIER_SPINS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers for the one row x [1, H] (the embedding): (the residual stream, the last layer's MLP
     output), for the final norm to add. `weights`: (codes, scales, mins) [layers, ...] of q/k/v (q's and k's
@@ -254,8 +258,10 @@ def decode_layers(
     down, bfloat16 scales and mins; `norm_weights` [layers, 2, H] (the attention's, the MLP's); cos, sin_signed
     [1, 1, D]; k_cache, v_cache [layers, blocks, block_size, Hkv, D] bfloat16; `metadata`: the step's slots,
     block table, tiles and key splits (layers/attention_triton.TritonAttentionMetadata); `programs` all
-    resident at once (a grid barrier waits for every one); `maxnreg`, a cap on the kernel's registers a thread
-    (bench/gpu_persistent.py's capped run)."""
+    resident at once (a grid barrier waits for every one); `maxnreg`, a cap on the kernel's registers a thread,
+    and `spins`, the polls before a barrier gives up (bench/gpu_persistent.py's runs). The kernel runs with the
+    attention kernel's warps (`attention.NUM_WARPS`): the attention's row sums follow the layout, so that is
+    what gives its bits; the matmuls' tiles sum along K in their MMAs' order, whatever the warps."""
     layers, _, block_size, _, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous(), k_cache.shape
     assert x.shape == (1, shapes.hidden) and norm_weights.shape == (layers, 2, shapes.hidden), norm_weights.shape
@@ -269,6 +275,7 @@ def decode_layers(
     (_, _, split_qkv), (_, _, split_o), (_, _, split_gate_up), (_, _, split_down) = shapes.matmuls()
     config, tables = mm.INT4_CONFIG, metadata.block_tables
     work.count.zero_()
+    work.timed_out.zero_()  # (a step's own: a give-up does not carry into the next)
     _decode_layers_kernel[(programs,)](
         x, work.resid_a, work.resid_b, work.q, work.attn, work.o, work.act, work.down, work.partial, work.counters,
         work.count, work.timed_out, layers, *(t for kind in weights for t in kind), norm_weights, eps, cos,
@@ -280,7 +287,7 @@ def decode_layers(
         SPLIT_GATE_UP=split_gate_up, SPLIT_DOWN=split_down, GATED=gated, NORM=row_width(shapes.hidden),
         DOT_DTYPE=att._TL_DTYPES[k_cache.dtype], ROWS=att._rows(shapes.heads // shapes.kv_heads), KEYS=att.BLOCK_N,
         SPLIT_KEYS=att.SPLIT_KEYS, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        INTERPRET=INTERPRET, SPINS=BARRIER_SPINS, num_warps=config.num_warps, num_stages=config.num_stages,
+        INTERPRET=INTERPRET, SPINS=spins, num_warps=att.NUM_WARPS, num_stages=config.num_stages,
         enable_fp_fusion=True,  # (no programmatic dependent launch: one kernel)
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
