@@ -566,8 +566,9 @@ def test_the_persistent_step_gives_the_tokens_and_logprobs_of_a_kernel_a_phase(t
     """With the persistent step on (layers/persistent_step.PERSISTENT_STEP), the one-row decode graph runs a 4-bit
     model's decoder layers as one kernel (kernels/gpu/persistent.py: the norms in the prologues, RoPE and the
     cache's write, the attention in two key splits merged by counters, down's K in two splits): the tokens and
-    logprobs alone (at 80 and at 530 keys), batched and behind a prefix hit are those of a kernel a phase. Each kind of the layers'
-    weights is then one buffer, the layers' tensors views of it; a model it cannot take keeps its graphs."""
+    logprobs alone (at 80 and at 530 keys), batched and behind a prefix hit are those of a kernel a phase.
+    Each kind of the layers' weights is then one buffer, the layers' tensors views of it; a model it cannot
+    take keeps a kernel a phase."""
     from kvserve.kernels.gpu import persistent
     from kvserve.layers import persistent_step
     from tests.conftest import make_tiny_llama, write_byte_tokenizer
