@@ -160,17 +160,14 @@ def _decode_layers_kernel(
                 0, 0, 0, 0, False, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
             )  # fmt: skip
         elif step == 3:
+            stream = resid_a
+            if layer == 0:  # (the embedding, normalized as it is by q/k/v)
+                stream = x_ptr
             ffn = (o_ptr, HIDDEN, attn_weight + HIDDEN, resid_b, HIDDEN, eps)
-            if layer == 0:
-                _matmul_phase(
-                    x_ptr, act_ptr, partial_ptr, counters_ptr, gate_up_w, gate_up_s, gate_up_m, layer, empty, ffn,
-                    2 * INTER, HIDDEN, SPLIT_GATE_UP, GATED, 0, 0, NORM, True, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
-                )  # fmt: skip
-            else:
-                _matmul_phase(
-                    resid_a, act_ptr, partial_ptr, counters_ptr, gate_up_w, gate_up_s, gate_up_m, layer, empty, ffn,
-                    2 * INTER, HIDDEN, SPLIT_GATE_UP, GATED, 0, 0, NORM, True, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
-                )  # fmt: skip
+            _matmul_phase(
+                stream, act_ptr, partial_ptr, counters_ptr, gate_up_w, gate_up_s, gate_up_m, layer, empty, ffn,
+                2 * INTER, HIDDEN, SPLIT_GATE_UP, GATED, 0, 0, NORM, True, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET,
+            )  # fmt: skip
         else:
             _matmul_phase(
                 act_ptr, down_ptr, partial_ptr, counters_ptr, down_w, down_s, down_m, layer, empty, empty, HIDDEN, INTER,
