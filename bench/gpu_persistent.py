@@ -65,6 +65,7 @@ from kvserve.kernels.gpu.common import cast, prefetch_rows
 from kvserve.kernels.gpu.norm import NormedRows
 from kvserve.kernels.gpu.persistent import grid_barrier
 from kvserve.layers.attention_triton import TritonAttentionMetadata
+from kvserve.layers.persistent_step import registers_cap
 
 # (q/k/v outputs, hidden, intermediate): the phases' shapes, as gpu_kernels.py's SHAPES (hidden and intermediate,
 # a K each, multiples of BLOCK_K; q/k/v at least 1.25 hidden, as the attention's stand-in reads v there)
@@ -79,7 +80,6 @@ MAX_POSITION = 8191
 CACHE_BLOCK = 16  # positions a cache block
 EPS = 1e-5
 CAPPED_PER_SM = (2, 3)  # `persistent-real-capped`'s programs a multiprocessor, its registers capped to let them in
-REGISTERS_PER_SM = 65536  # sm_80 to sm_90
 MODES = ("launched", "launched-looped", "persistent", "persistent-prefetch")
 BLOCK_N = 16  # outputs a tile
 BLOCK_K = 256  # inputs a step of a tile's loop: 128 bytes of each of its rows' codes
@@ -325,7 +325,7 @@ class RealStep:
     def launched(self, programs: int | None = None) -> None:
         """`launched-real`: a kernel a phase, as the engine launches them (`programs` unused)."""
         stream, delta = self.input, None
-        metadata, splits = self.metadata, self.metadata.num_splits
+        metadata = self.metadata
         for layer in range(self.layers):
             w = {name: [t[layer] for t in weights] for name, weights in self.weights.items()}
             k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
@@ -334,18 +334,10 @@ class RealStep:
             stream = stream if total is None else total
             rope = mm.RopeStore(self.cos, self.sin_signed, k_cache, v_cache, metadata.slot_mapping, self.heads)
             q = mm.int4_matmul(normed, *w["qkv"], packed_bf16=True, counters=self.counters, rope=rope)
-            attn = torch.empty(1, self.heads, HEAD_DIM, dtype=q.dtype, device=q.device)
-            part_m, part_denom, part_acc = self.work.parts(splits)
-            attention._attention_kernel[(1, self.kv_heads, splits)](
-                q.view(1, self.heads, HEAD_DIM), k_cache, v_cache, attn, part_m, part_denom, part_acc,
-                self.attention_counters, metadata.block_tables, metadata.positions, metadata.tile_seq,
-                metadata.tile_first, metadata.tile_len, HEAD_DIM**-0.5, 0, self.hidden, HEAD_DIM, self.hidden,
-                HEAD_DIM, *k_cache.stride()[:3], *v_cache.stride()[:3], metadata.block_tables.stride(0), self.heads,
-                self.heads, part_m, part_m, part_m, DOT_DTYPE=tl.bfloat16, GROUP=self.heads // self.kv_heads,
-                ROWS=attention._rows(self.heads // self.kv_heads), BLOCK_SIZE=CACHE_BLOCK, HEAD_DIM=HEAD_DIM,
-                BLOCK_D=HEAD_DIM, BLOCK_N=attention.BLOCK_N, SPLIT_KEYS=attention.SPLIT_KEYS, IS_SPLIT=splits > 1,
-                COMBINE_IN_TILE=splits > 1, QUANTIZE=False, INTERPRET=INTERPRET, num_warps=attention.NUM_WARPS,
-                num_stages=attention.NUM_STAGES, enable_fp_fusion=True,
+            attn = attention.paged_attention(
+                q.view(1, self.heads, HEAD_DIM), k_cache, v_cache, metadata.block_tables, metadata.positions,
+                metadata.tile_seq, metadata.tile_first, metadata.tile_len, HEAD_DIM**-0.5, 0, metadata.num_splits,
+                counters=self.attention_counters,
             )  # fmt: skip
             o = mm.int4_matmul(attn.view(1, self.hidden), *w["o"], packed_bf16=True, counters=self.counters)
             total = torch.empty_like(stream)
@@ -574,8 +566,7 @@ def main() -> None:
             else:
                 fn = partial(chain.persistent, programs, mode == "persistent-prefetch")
                 if mode.endswith("-capped"):
-                    # (a warp's registers are taken 256 at a time: a multiple of 8 a thread)
-                    maxnreg = REGISTERS_PER_SM // (programs // sms * 32 * attention.NUM_WARPS) // 8 * 8
+                    maxnreg = registers_cap(programs // sms)
                     run["capped_registers"] = maxnreg
                     fn = partial(chain.persistent, programs, maxnreg=maxnreg)
             chain.timed_out.zero_()

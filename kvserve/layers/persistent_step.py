@@ -25,12 +25,12 @@ PROGRAMS_PER_SM = 2
 REGISTERS_PER_SM = 65536  # compute capability 7.0 to 12.x
 
 
-def registers_cap() -> int:
-    """The registers a thread of the kernel may take for PROGRAMS_PER_SM programs of its warps to fit on a
+def registers_cap(programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """The registers a thread of the kernel may take for `programs_per_sm` programs of its warps to fit on a
     multiprocessor at once (a warp's taken 256 at a time, so a multiple of 8)."""
     from kvserve.kernels.gpu.attention import NUM_WARPS
 
-    return REGISTERS_PER_SM // (PROGRAMS_PER_SM * 32 * NUM_WARPS) // 8 * 8
+    return REGISTERS_PER_SM // (programs_per_sm * 32 * NUM_WARPS) // 8 * 8
 
 
 class PersistentStep:
